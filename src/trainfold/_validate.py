@@ -1,0 +1,83 @@
+"""Checks shared by the primitives: is this a TrainState, and is it ours?"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolz import curry
+
+from .context import Context
+from .state import TrainState
+
+
+def _name(fn: Any) -> str:
+    fn = getattr(fn, "func", fn)
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def expect_state(where: str, value: Any) -> TrainState:
+    """Return ``value`` if it is a TrainState; otherwise explain what went wrong.
+
+    The common mistake is a curried primitive missing an argument inside a
+    pipe: it returns a function, which the next primitive receives as its
+    state.
+    """
+    if isinstance(value, TrainState):
+        return value
+    if isinstance(value, curry):
+        raise TypeError(
+            f"{where} received a curried {_name(value)!r} instead of a TrainState: the function "
+            f"before it in the pipe is missing arguments (did you pass the loader, or the state?). "
+            f"Still expected by {_name(value)!r}: {_missing_args(value)}."
+        )
+    if callable(value):
+        raise TypeError(
+            f"{where} received the function {_name(value)!r} instead of a TrainState: an earlier "
+            "function returned a function; check that every function in the pipe takes and returns "
+            "the state."
+        )
+    raise TypeError(
+        f"{where} needs a TrainState (got {value!r} that is a {type(value).__name__}); build one "
+        "with TrainState.create(ctx, model=..., optimizer=...)."
+    )
+
+
+def _missing_args(c: curry) -> str:
+    import inspect
+
+    try:
+        params = inspect.signature(c).parameters
+    except (TypeError, ValueError):
+        return "unknown"
+    names = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
+    return ", ".join(names) or "none"
+
+
+def expect_owned(where: str, ctx: Context, state: TrainState) -> TrainState:
+    """Raise unless ``state`` was created with ``ctx``'s Accelerator."""
+    if state.accelerator is not ctx.accelerator:
+        raise ValueError(
+            f"{where}: this TrainState was created with another Accelerator than the Context's: its "
+            "model and optimizer are prepared for that one. Create the state with "
+            "TrainState.create(ctx, ...) using the same Context you pass here."
+        )
+    return state
+
+
+def returned_state(fn: Any, value: Any) -> TrainState:
+    """Check what an epoch function returned."""
+    if isinstance(value, TrainState):
+        return value
+    what = f"a curry, not a TrainState: it is missing arguments ({_missing_args(value)})" if isinstance(
+        value, curry
+    ) else f"{type(value).__name__}, not a TrainState"
+    raise TypeError(
+        f"epoch function {_name(fn)!r} returned {what}. Epoch functions take the state last and "
+        "return the new state (did you pass the state?)."
+    )
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach context to an exception without changing its type (PEP 678 where available)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

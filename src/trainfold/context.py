@@ -1,0 +1,105 @@
+"""Context: the Accelerator and the run-wide settings, as one frozen value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from accelerate import Accelerator
+
+
+def _require_accelerator(value: Any) -> Accelerator:
+    if not isinstance(value, Accelerator):
+        raise TypeError(
+            f"'accelerator' must be an accelerate.Accelerator (got {value!r} that is a "
+            f"{type(value).__name__}): build one with Accelerator(...) and pass it as "
+            "Context(accelerator=...)."
+        )
+    return value
+
+
+def _accumulation_steps(ctx: Context) -> int:
+    # attrs runs factories before validators, so the type is checked here.
+    return int(_require_accelerator(ctx.accelerator).gradient_accumulation_steps)
+
+
+def _mixed_precision(ctx: Context) -> str:
+    return str(ctx.accelerator.mixed_precision)
+
+
+@attrs.frozen(eq=False)
+class Context:
+    """The Accelerator and the run-wide settings trainfold reads.
+
+    trainfold keeps no global state of its own, but Accelerate does: its
+    ``AcceleratorState`` and ``GradientState`` are shared by every Accelerator in
+    a process. A second ``Accelerator(gradient_accumulation_steps=2)`` silently
+    changes the first one's accumulation. A Context records the precision and
+    accumulation it was made with, and every primitive that uses it checks them
+    (:meth:`check`), so such a conflict is an error, not a wrong result.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that does device placement,
+            mixed precision, accumulation and distribution.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> ctx = Context(accelerator=Accelerator(cpu=True))
+        >>> ctx.gradient_accumulation_steps, ctx.mixed_precision
+        (1, 'no')
+
+    .. versionadded:: 0.1.0
+    """
+
+    accelerator: Accelerator
+    gradient_accumulation_steps: int = attrs.field(
+        init=False, default=attrs.Factory(_accumulation_steps, takes_self=True)
+    )
+    mixed_precision: str = attrs.field(
+        init=False, default=attrs.Factory(_mixed_precision, takes_self=True)
+    )
+
+    def check(self) -> None:
+        """Raise if another Accelerator changed the process-wide settings this Context relies on.
+
+        Raises:
+            RuntimeError: the accumulation steps or mixed precision now in force differ from
+                those this Context was made with.
+        """
+        now = (_accumulation_steps(self), _mixed_precision(self))
+        if now != (self.gradient_accumulation_steps, self.mixed_precision):
+            raise RuntimeError(
+                "Accelerate's state is process-wide and another Accelerator has changed it: this "
+                f"Context was made with gradient_accumulation_steps={self.gradient_accumulation_steps}"
+                f" and mixed_precision={self.mixed_precision!r}, but now "
+                f"gradient_accumulation_steps={now[0]} and mixed_precision={now[1]!r} are in force. "
+                "Use one Accelerator per process (share one Context), or give both the same settings."
+            )
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on the process that should log, print and write shared files."""
+        return bool(self.accelerator.is_main_process)
+
+    def prepare_loaders(self, *loaders: Any) -> tuple[Any, ...]:
+        """Prepare data loaders for the Accelerator (device placement, sharding across processes).
+
+        Args:
+            *loaders: ``torch.utils.data.DataLoader`` objects.
+
+        Returns:
+            A tuple of prepared loaders, in the order given (a 1-tuple for one loader).
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> (train_dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(range(4), batch_size=2))
+            >>> [b.tolist() for b in train_dl]
+            [[0, 1], [2, 3]]
+        """
+        if not loaders:
+            raise TypeError("prepare_loaders() needs at least one DataLoader.")
+        self.check()
+        prepared = self.accelerator.prepare(*loaders)
+        return prepared if isinstance(prepared, tuple) else (prepared,)

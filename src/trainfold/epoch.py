@@ -1,0 +1,257 @@
+"""Folds over a loader: run_epoch, evaluate, predict (curried, state last)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Iterator, Mapping, overload
+
+import attrs
+import torch
+from toolz import curry
+
+from ._backend import real_samples_in_batch
+from ._types import Batch, EpochFn, LossFn, Step
+from ._validate import add_note, expect_owned, expect_state
+from .context import Context
+from .metrics import add_to_sums, batch_size, describe_batch, reduce_means, slice_batch
+from .state import TrainState
+from .step import compute_loss
+
+
+def _empty_loader(where: str, loader: Any) -> ValueError:
+    return ValueError(
+        f"{where}: the loader yielded no batches ({type(loader).__name__} over a dataset of "
+        f"{_len_or_unknown(getattr(loader, 'dataset', None))} samples). Check the dataset is not empty "
+        "and that batch_size is not larger than the dataset with drop_last=True."
+    )
+
+
+def _len_or_unknown(x: Any) -> str:
+    try:
+        return str(len(x))
+    except TypeError:
+        return "an unknown number of"
+
+
+@overload
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch]) -> EpochFn: ...
+@overload
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState) -> TrainState: ...
+@curry  # type: ignore[misc]
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState) -> TrainState:
+    """Train for one epoch: fold ``step`` over ``loader``.
+
+    Per epoch::
+
+        model.train()
+        for batch in loader:                   # to exhaustion, as a plain for loop
+            state = step(state, batch)
+            if state.should_stop: break        # set by max_steps, nan_guard...
+        record train_loss (and train_<aux>): running sums reduced over processes, once
+        epoch + 1, batch_in_epoch = 0, running sums reset
+
+    Curried with the state last: ``run_epoch(ctx, step, loader)`` is an epoch function.
+
+    Args:
+        ctx: the run's Context.
+        step: a Step, from :func:`make_step` and step transformers.
+        loader: a loader prepared with ``ctx.prepare_loaders``.
+        state: the state to continue from.
+
+    Returns:
+        The state after the epoch; ``state.history["train_loss"]`` has the epoch's
+        mean batch loss over all processes.
+
+    Raises:
+        ValueError: the loader yielded no batches.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+        >>> state.epoch, state.step, "train_loss" in state.history
+        (1, 4, True)
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("run_epoch", ctx, expect_state("run_epoch", state))
+    ctx.check()
+    state.model.train()
+    seen = 0
+    for batch in loader:
+        state = step(state, batch)
+        seen += 1
+        if state.should_stop:
+            break
+    if seen == 0 and state.batch_in_epoch == 0:
+        raise _empty_loader("run_epoch", loader)
+    return end_epoch(ctx, state)
+
+
+def end_epoch(ctx: Context, state: TrainState) -> TrainState:
+    """Close the current epoch: record its train metrics, count it, reset the running sums."""
+    sums = {"loss": state.loss_sum, **state.aux_sums} if state.loss_sum is not None else dict(state.aux_sums)
+    means = reduce_means(ctx.accelerator, sums, state.batch_in_epoch) if sums else {}
+    history = state.history.add(
+        epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}
+    )
+    return attrs.evolve(
+        state,
+        epoch=state.epoch + 1,
+        batch_in_epoch=0,
+        loss_sum=torch.zeros((), device=ctx.accelerator.device),
+        aux_sums=MappingProxyType({}),
+        history=history,
+    )
+
+
+@contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+@overload
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | None = ...) -> EpochFn: ...
+@overload
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | None = ...) -> TrainState: ...
+@curry  # type: ignore[misc]
+def evaluate(
+    ctx: Context,
+    loss_fn: LossFn,
+    loader: Iterable[Batch],
+    state: TrainState,
+    *,
+    prefix: str = "eval",
+    model: torch.nn.Module | None = None,
+) -> TrainState:
+    """Evaluate: the exact mean loss and aux metrics over every sample of ``loader``.
+
+    Per batch, in eval mode under ``torch.no_grad()`` (the model's training
+    mode is restored after)::
+
+        n = real samples in the batch (padding of the last round excluded)
+        loss, aux = loss_fn(model, batch[:n])
+        sums += n * (loss, aux)                # on the device
+        count += n
+    then one reduction over processes: ``{prefix}_loss = sum / count``.
+
+    Every sample is counted once, however the last batch falls: under
+    Accelerate's ``even_batches`` padding, each process drops its padded
+    samples before calling ``loss_fn`` (a process whose whole last batch is
+    padding still runs the model, so collective forwards stay matched, and
+    weights it 0). The loss and aux values must be batch means.
+
+    Args:
+        ctx: the run's Context.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)`` (batch means).
+        loader: a loader prepared with ``ctx.prepare_loaders`` (use ``shuffle=False``).
+        state: the state to record into.
+        prefix: the names' prefix: ``{prefix}_loss``, ``{prefix}_{aux name}``.
+        model: evaluate this model instead of ``state.model`` (an EMA copy, say).
+
+    Returns:
+        The state with the metrics appended to ``state.history`` (at the
+        current epoch and step); nothing else changes.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = evaluate(ctx, loss_fn, loader, state)
+        >>> round(state.metrics["eval_loss"], 4)
+        3.4648
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("evaluate", ctx, expect_state("evaluate", state))
+    ctx.check()
+    net = state.model if model is None else model
+    acc = ctx.accelerator
+    loss_sum = torch.zeros((), device=acc.device)
+    aux_sums: Mapping[str, torch.Tensor] = MappingProxyType({})
+    count = 0
+    batches = 0
+    with _eval_mode(net):
+        for batch in loader:
+            batches += 1
+            n = batch_size(batch)
+            real = real_samples_in_batch(acc, n)
+            loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
+            if real == 0:
+                continue  # the model ran to keep collectives matched; padding carries no weight
+            loss_sum = loss_sum + loss.detach().float() * real
+            aux_sums = add_to_sums(aux_sums, aux, float(real))
+            count += real
+    if batches == 0:
+        raise _empty_loader("evaluate", loader)
+    means = reduce_means(acc, {"loss": loss_sum, **aux_sums}, count)
+    values = {f"{prefix}_{k}": v for k, v in means.items()}
+    return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
+
+
+@overload
+def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch]) -> Callable[[TrainState], Any]: ...
+@overload
+def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any: ...
+@curry  # type: ignore[misc]
+def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any:
+    """Run ``fn(model, batch)`` over ``loader`` and return the outputs for every sample, in order.
+
+    In eval mode under ``torch.no_grad()``. Outputs are gathered from every
+    process with ``accelerator.gather_for_metrics`` (the padding of the last
+    round dropped) and concatenated along the first dimension, so on every
+    process the result has exactly one row per sample of the dataset, in the
+    loader's order (use ``shuffle=False``).
+
+    Args:
+        ctx: the run's Context.
+        fn: ``fn(model, batch)`` returning a tensor with a leading batch dimension,
+            or a tuple/list/dict of such tensors.
+        loader: a prepared loader.
+        state: the state whose model predicts.
+
+    Returns:
+        The concatenated outputs, of the structure ``fn`` returns (on the device).
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, _ = testing.tiny_setup(seed=0)
+        >>> predict(ctx, lambda m, b: m(b[0]), loader, state).shape
+        torch.Size([16, 1])
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("predict", ctx, expect_state("predict", state))
+    ctx.check()
+    acc = ctx.accelerator
+    outputs = []
+    with _eval_mode(state.model):
+        for batch in loader:
+            try:
+                out = fn(state.model, batch)
+            except Exception as exc:
+                add_note(exc, f"trainfold: raised by predict's fn on a batch of structure {describe_batch(batch)}")
+                raise
+            outputs.append(acc.gather_for_metrics(out))
+    if not outputs:
+        raise _empty_loader("predict", loader)
+    return _concat(outputs)
+
+
+def _concat(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
+    if isinstance(first, Mapping):
+        return type(first)({k: _concat([p[k] for p in parts]) for k in first})
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concat(list(items)) for items in zip(*parts))
+    raise TypeError(
+        f"predict's fn must return tensors (or a tuple/list/dict of them); it returned a {type(first).__name__}."
+    )

@@ -1,0 +1,82 @@
+"""History: the epoch-level records of a run, as an immutable value."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Iterator, Mapping
+
+import attrs
+
+
+@attrs.frozen
+class Record:
+    """One recorded value: ``name`` was ``value`` after ``epoch`` epochs and ``step`` updates."""
+
+    epoch: int
+    step: int
+    name: str
+    value: float
+
+
+@attrs.frozen
+class History:
+    """Every metric recorded in a run, oldest first.
+
+    A record is added once per epoch or evaluation, never per step, so the
+    tuple stays small; adding returns a new History.
+
+    Example:
+        >>> h = History().add(epoch=1, step=10, values={"train_loss": 0.5})
+        >>> h = h.add(epoch=2, step=20, values={"train_loss": 0.25, "eval_loss": 0.3})
+        >>> h["train_loss"], h.latest("eval_loss"), h.names
+        ((0.5, 0.25), 0.3, ('train_loss', 'eval_loss'))
+
+    .. versionadded:: 0.1.0
+    """
+
+    records: tuple[Record, ...] = ()
+
+    def add(self, *, epoch: int, step: int, values: Mapping[str, float]) -> History:
+        """Return a History with one record per item of ``values`` appended."""
+        new = tuple(Record(epoch, step, name, float(v)) for name, v in values.items())
+        return History(self.records + new)
+
+    def __getitem__(self, name: str) -> tuple[float, ...]:
+        """All values recorded under ``name``, oldest first.
+
+        Raises:
+            KeyError: nothing was recorded under ``name``; the message lists what was.
+        """
+        values = tuple(r.value for r in self.records if r.name == name)
+        if not values:
+            raise KeyError(f"no metric {name!r} has been recorded; recorded: {list(self.names)}")
+        return values
+
+    def __contains__(self, name: object) -> bool:
+        return any(r.name == name for r in self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The recorded metric names, in order of first appearance."""
+        return tuple(dict.fromkeys(r.name for r in self.records))
+
+    def latest(self, name: str) -> float:
+        """The most recent value recorded under ``name`` (KeyError if none)."""
+        return self[name][-1]
+
+    def latest_values(self) -> Mapping[str, float]:
+        """A read-only mapping of every name to its most recent value."""
+        return MappingProxyType({r.name: r.value for r in self.records})
+
+    def to_dict(self) -> dict[str, list[tuple[int, int, float]]]:
+        """``{name: [(epoch, step, value), ...]}``: plain values for JSON or plotting."""
+        out: dict[str, list[tuple[int, int, float]]] = {}
+        for r in self.records:
+            out.setdefault(r.name, []).append((r.epoch, r.step, r.value))
+        return out

@@ -1,0 +1,114 @@
+"""Loop combinators: they decide when to stop, and check what each epoch function returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._types import EpochFn, StatePredicate
+from ._validate import _name, expect_state, returned_state
+from .state import TrainState
+
+
+def _named(fn: EpochFn, name: str) -> EpochFn:
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def _positive(name: str, n: Any) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name} must be a positive int (got {n!r}).")
+    return n
+
+
+def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
+    """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
+
+    ::
+
+        while not state.should_stop and state.epoch < max_epochs:
+            state = epoch_fn(state)        # must advance state.epoch
+
+    ``max_epochs`` counts epochs of the whole run, so a state resumed at epoch
+    5 runs epochs 6..max_epochs. With ``max_epochs=None`` only ``should_stop``
+    ends the loop.
+
+    Raises:
+        TypeError: ``epoch_fn`` returned something other than a TrainState.
+        RuntimeError: ``epoch_fn`` did not advance ``state.epoch`` (it would loop
+            forever): it must contain a ``run_epoch``.
+
+    Example:
+        >>> from trainfold import testing, make_step, run_epoch
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = loop(run_epoch(ctx, make_step(ctx, loss_fn), loader), max_epochs=3)(state)
+        >>> state.epoch
+        3
+
+    .. versionadded:: 0.1.0
+    """
+    if max_epochs is not None:
+        _positive("max_epochs", max_epochs)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("loop", state)
+        while not state.should_stop and (max_epochs is None or state.epoch < max_epochs):
+            new = returned_state(epoch_fn, epoch_fn(state))
+            if new.epoch <= state.epoch and not new.should_stop:
+                raise RuntimeError(
+                    f"loop: epoch function {_name(epoch_fn)!r} did not advance state.epoch "
+                    f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
+                )
+            state = new
+        return state
+
+    return _named(run, f"loop({_name(epoch_fn)}, max_epochs={max_epochs})")
+
+
+def repeat(n: int, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` ``n`` times (fewer if the state says stop).
+
+    .. versionadded:: 0.1.0
+    """
+    _positive("n", n)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("repeat", state)
+        for _ in range(n):
+            if state.should_stop:
+                break
+            state = returned_state(fn, fn(state))
+        return state
+
+    return _named(run, f"repeat({n}, {_name(fn)})")
+
+
+def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` while ``predicate(state)`` is false (checked before each call) and not stopped.
+
+    .. versionadded:: 0.1.0
+    """
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("until", state)
+        while not state.should_stop and not predicate(state):
+            state = returned_state(fn, fn(state))
+        return state
+
+    return _named(run, f"until({_name(predicate)}, {_name(fn)})")
+
+
+def every(n: int, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` only when ``state.epoch`` is a multiple of ``n``; otherwise pass the state through.
+
+    In ``compose(every(5, save), run_epoch(...))`` the checkpoint is written
+    after epochs 5, 10, 15...
+
+    .. versionadded:: 0.1.0
+    """
+    _positive("n", n)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("every", state)
+        return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
+
+    return _named(run, f"every({n}, {_name(fn)})")

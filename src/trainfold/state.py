@@ -1,0 +1,147 @@
+"""TrainState: everything a run knows, as one frozen value."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import attrs
+import torch
+from accelerate import Accelerator
+
+from .context import Context
+from .history import History
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping or {}))
+
+
+def _handle() -> Any:
+    """A field that holds a live object: not part of repr or ==."""
+    return attrs.field(repr=False, eq=False)
+
+
+@attrs.frozen(eq=True)
+class TrainState:
+    """The state of a training run: handles to the live objects, and values.
+
+    A step or epoch function returns a new TrainState made with
+    ``attrs.evolve``; the old one is never changed. The model, optimizer and
+    scheduler are *handles*: their tensors are updated in place, as a JAX step
+    with donated buffers would. After ``new = step(old, batch)``, ``old.step``
+    is still the old count, but ``old.model is new.model``. Use
+    :func:`~trainfold.snapshot` for a detached copy.
+
+    Counters:
+        step: optimizer updates performed (not micro-batches; an update that a
+            mixed-precision gradient scaler skipped for overflow is not counted).
+        micro_step: batches consumed by the step function in the whole run.
+        epoch: completed epochs.
+        batch_in_epoch: batches consumed in the current epoch (the position to
+            resume from).
+
+    Records:
+        loss_sum, aux_sums: running sums of the batch losses and aux values of
+            the current epoch, kept on the device (never synchronised by a step);
+            divided by ``batch_in_epoch`` they are the epoch's running means.
+        history: epoch-level :class:`~trainfold.History` of train and eval metrics.
+        should_stop: set by epoch functions such as ``early_stop``; ``loop`` reads it.
+        extras: named states of step transformers and epoch functions
+            (``extras["nan_guard"]``...), a read-only mapping.
+
+    Subclass only to add fields (as flax's TrainState allows).
+
+    .. versionadded:: 0.1.0
+    """
+
+    model: torch.nn.Module = _handle()
+    optimizer: torch.optim.Optimizer = _handle()
+    scheduler: Any = _handle()
+    accelerator: Accelerator = _handle()
+    step: int = 0
+    micro_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    loss_sum: torch.Tensor = attrs.field(default=None, eq=False, repr=False)
+    aux_sums: Mapping[str, torch.Tensor] = attrs.field(default=_EMPTY, eq=False, repr=False)
+    history: History = History()
+    should_stop: bool = False
+    extras: Mapping[str, Any] = _EMPTY
+
+    @classmethod
+    def create(
+        cls,
+        ctx: Context,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        extras: Mapping[str, Any] | None = None,
+    ) -> TrainState:
+        """Prepare the model, optimizer and scheduler through the Accelerator and start counting.
+
+        Args:
+            ctx: the run's :class:`~trainfold.Context`.
+            model: an unprepared ``torch.nn.Module``.
+            optimizer: an optimizer over ``model``'s parameters.
+            scheduler: an optional ``torch.optim.lr_scheduler`` object; Accelerate
+                steps it on every optimizer update (``num_processes`` times per update
+                unless ``split_batches=True``: see the README's scheduler section), or
+                a trainfold schedule already built into the optimizer.
+            extras: initial values for ``state.extras``.
+
+        Returns:
+            A TrainState at step 0, epoch 0.
+
+        Raises:
+            TypeError: ``model`` or ``optimizer`` is not what it must be.
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> model = torch.nn.Linear(1, 1)
+            >>> state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            >>> state.step, state.epoch
+            (0, 0)
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"'model' must be a torch.nn.Module (got {model!r} that is a {type(model).__name__})."
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"'optimizer' must be a torch.optim.Optimizer (got {optimizer!r} that is a "
+                f"{type(optimizer).__name__}): build it over model.parameters()."
+            )
+        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+            raise TypeError(
+                f"'scheduler' must have a step() method, like torch.optim.lr_scheduler objects "
+                f"(got a {type(scheduler).__name__}); pass scheduler=None for none."
+            )
+        ctx.check()
+        acc = ctx.accelerator
+        if scheduler is None:
+            model, optimizer = acc.prepare(model, optimizer)
+        else:
+            model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            accelerator=acc,
+            loss_sum=torch.zeros((), device=acc.device),
+            extras=_freeze(extras),
+        )
+
+    @property
+    def metrics(self) -> Mapping[str, float]:
+        """The latest value of every recorded metric (``{"train_loss": ..., "eval_loss": ...}``)."""
+        return self.history.latest_values()
+
+    def with_extra(self, name: str, value: Any) -> TrainState:
+        """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""
+        return attrs.evolve(self, extras=MappingProxyType({**self.extras, name: value}))

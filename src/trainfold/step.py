@@ -1,0 +1,166 @@
+"""make_step: one training step, composed from small stages."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import attrs
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from ._backend import optimizer_ops
+from ._types import Batch, LossFn, Step
+from ._validate import add_note, expect_owned, expect_state
+from .context import Context
+from .metrics import add_to_sums, describe_batch, split_loss_output
+from .state import TrainState
+
+Clip = Callable[[torch.nn.Module], Any]
+
+
+def compute_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, need_grad: bool = True) -> tuple[torch.Tensor, Any]:
+    """Stage 1: call ``loss_fn(model, batch)`` and check what it returned.
+
+    An exception from ``loss_fn`` is re-raised unchanged, with a note that shows
+    the batch's structure (types, shapes, dtypes; never the data).
+    """
+    try:
+        out = loss_fn(model, batch)
+    except Exception as exc:
+        add_note(exc, f"trainfold: raised by loss_fn on a batch of structure {describe_batch(batch)}")
+        raise
+    return split_loss_output(out, need_grad=need_grad)
+
+
+def make_clip(accelerator: Accelerator, clip_grad_norm: float | None, clip_grad_value: float | None) -> Clip | None:
+    """Stage 3: the gradient clipping to run once per optimizer update, or None.
+
+    Raises:
+        ValueError: a non-positive or non-finite threshold, both given, or any
+            given under DeepSpeed (whose config owns clipping).
+    """
+    for name, v in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive finite number or None (got {v!r}).")
+    if clip_grad_norm is not None and clip_grad_value is not None:
+        raise ValueError("give clip_grad_norm or clip_grad_value, not both.")
+    if clip_grad_norm is None and clip_grad_value is None:
+        return None
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError(
+            "under DeepSpeed, clipping comes from the DeepSpeed config: set 'gradient_clipping' there "
+            "and leave clip_grad_norm/clip_grad_value unset in make_step."
+        )
+    if clip_grad_norm is not None:
+        norm = float(clip_grad_norm)
+        return lambda model: accelerator.clip_grad_norm_(model.parameters(), norm)
+    value = float(clip_grad_value)  # type: ignore[arg-type]
+    return lambda model: accelerator.clip_grad_value_(model.parameters(), value)
+
+
+def make_step(
+    ctx: Context,
+    loss_fn: LossFn,
+    *,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+) -> Step:
+    """Build a training step ``(state, batch) -> state``.
+
+    Per batch, exactly what Accelerate's canonical loop does::
+
+        with accelerator.accumulate(model):          # accumulation, no_sync under DDP
+            loss, aux = loss_fn(model, batch)        # model forward under autocast
+            accelerator.backward(loss)               # / accumulation steps, loss scaling
+            if accelerator.sync_gradients:           # last micro-batch of a group
+                clip (norm or value), once per update
+                optimizer.step()
+            scheduler.step()                         # Accelerate steps it on updates only
+            if accelerator.sync_gradients:
+                optimizer.zero_grad()
+
+    and then one ``attrs.evolve``: ``step`` +1 on an update the scaler did not
+    skip, ``micro_step`` and ``batch_in_epoch`` +1, the loss and aux added to
+    on-device running sums. No host-device synchronisation happens (no
+    ``.item()``); Accelerate's own fp16 ``GradScaler`` is the exception, as in
+    any fp16 loop.
+
+    Where Accelerate's optimizer wrapper has nothing to do (no loss scaler, no
+    XLA, no DeepSpeed), the step calls the torch optimizer directly on updates;
+    this is decided here, once, and computes the same parameters.
+
+    Args:
+        ctx: the run's Context.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; see :class:`~trainfold.LossFn`.
+        clip_grad_norm: clip the gradients' global norm to this value on every update.
+        clip_grad_value: clip each gradient element to ``[-v, v]`` on every update.
+
+    Returns:
+        A plain function ``step(state, batch) -> state``.
+
+    Raises:
+        ValueError: bad clipping options.
+        TypeError/ValueError (when called): the loss_fn returned something that is
+            not a 0-d floating loss with a gradient.
+
+    Example:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> ctx = Context(accelerator=Accelerator(cpu=True))
+        >>> model = torch.nn.Linear(1, 1, bias=False)
+        >>> _ = torch.nn.init.zeros_(model.weight)
+        >>> state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+        >>> step = make_step(ctx, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean())
+        >>> new = step(state, (torch.tensor([[1.0]]), torch.tensor([[1.0]])))
+        >>> (state.step, new.step), new.model.weight.item()
+        ((0, 1), 2.0)
+
+    .. versionadded:: 0.1.0
+    """
+    ctx.check()
+    accelerator = ctx.accelerator
+    clip = make_clip(accelerator, clip_grad_norm, clip_grad_value)
+    evolve = attrs.evolve
+
+    def step(state: TrainState, batch: Batch) -> TrainState:
+        if state.accelerator is not accelerator:
+            expect_owned("step", ctx, expect_state("step", state))
+        model = state.model
+        ops = _ops_for(state)
+        with accelerator.accumulate(model):
+            loss, aux = compute_loss(loss_fn, model, batch)
+            accelerator.backward(loss)
+            synced = accelerator.sync_gradients
+            if synced or not ops.fast:
+                if synced and clip is not None:
+                    clip(model)
+                ops.step()
+            if state.scheduler is not None:
+                state.scheduler.step()
+            if synced or not ops.fast:
+                ops.zero_grad()
+        updated = synced and not ops.was_skipped()
+        loss = loss.detach().float()
+        return evolve(
+            state,
+            step=state.step + updated,
+            micro_step=state.micro_step + 1,
+            batch_in_epoch=state.batch_in_epoch + 1,
+            loss_sum=loss if state.loss_sum is None else state.loss_sum + loss,
+            aux_sums=add_to_sums(state.aux_sums, aux) if aux or state.aux_sums else state.aux_sums,
+        )
+
+    cache: dict[int, Any] = {}
+
+    def _ops_for(state: TrainState) -> Any:
+        # Decided once per optimizer (a state restored from a checkpoint keeps the same one).
+        key = id(state.optimizer)
+        ops = cache.get(key)
+        if ops is None or ops[0] is not state.optimizer:
+            ops = cache[key] = (state.optimizer, optimizer_ops(accelerator, state.optimizer))
+        return ops[1]
+
+    step.__qualname__ = step.__name__ = f"step[{getattr(loss_fn, '__name__', 'loss_fn')}]"
+    return step

@@ -1,0 +1,168 @@
+"""Helpers for users who unit-test their steps: tiny seeded fixtures, isolation, sync counting.
+
+Example test file::
+
+    from trainfold import make_step, testing
+
+    def test_my_step_learns(isolated):           # isolated: see isolated_accelerate
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        step = make_step(ctx, loss_fn, clip_grad_norm=1.0)
+        new = testing.run_steps(step, state, loader, n=3)
+        assert new.step == 3 and state.step == 0
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState, PartialState
+
+from ._types import Batch, Step
+from .context import Context
+from .state import TrainState
+
+#: The Tensor methods that force a host-device synchronisation on an accelerator.
+SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
+
+
+def reset_accelerate_state() -> None:
+    """Forget Accelerate's process-wide state (what Accelerate's own tests do between tests)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+@contextlib.contextmanager
+def isolated_accelerate() -> Iterator[None]:
+    """Run a block with fresh Accelerate process state, and reset it again after.
+
+    Accelerate keeps ``AcceleratorState``/``GradientState`` per process, so tests
+    that build Accelerators with different settings must be isolated. As a
+    pytest fixture::
+
+        @pytest.fixture(autouse=True)
+        def isolated():
+            with testing.isolated_accelerate():
+                yield
+    """
+    reset_accelerate_state()
+    try:
+        yield
+    finally:
+        reset_accelerate_state()
+
+
+class SyncCounter(collections.Counter):  # type: ignore[type-arg]
+    """Counts of Tensor methods that would synchronise host and device, by method name."""
+
+    @property
+    def total(self) -> int:  # type: ignore[override]
+        return sum(self.values())
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[SyncCounter]:
+    """Count calls of ``Tensor.item``, ``tolist``, ``numpy``, ``bool()``, ``float()``, ``int()``.
+
+    Each of them makes the host wait for the device on a GPU; on CPU they are
+    counted all the same, so a CPU test can prove a step has none. Calls made
+    inside torch's C++ are not seen (torch's own fp16 scaler, for example).
+
+    Example:
+        >>> with count_host_syncs() as syncs:
+        ...     _ = torch.ones(2).sum().item()
+        >>> syncs.total
+        1
+    """
+    counts = SyncCounter()
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+
+    def counting(name: str, original: Any) -> Any:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def regression_data(n: int = 16, *, seed: int = 0) -> torch.utils.data.TensorDataset:
+    """``n`` seeded samples of ``y = 2x + 1 + noise`` with ``x`` of shape ``(1,)``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, generator=g)
+    y = 2 * x + 1 + 0.1 * torch.randn(n, 1, generator=g)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def mse_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """``mean((model(x) - y) ** 2)`` for a batch ``(x, y)``."""
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def tiny_setup(
+    *,
+    seed: int = 0,
+    n: int = 16,
+    batch_size: int = 4,
+    lr: float = 0.1,
+    shuffle: bool = False,
+    accelerator: Accelerator | None = None,
+) -> tuple[Context, TrainState, Any, Any]:
+    """A seeded ``Linear(1, 1)`` regression: ``(ctx, state, prepared loader, loss_fn)``.
+
+    CPU, SGD with learning rate ``lr``, ``n`` samples in batches of ``batch_size``.
+    Pass ``accelerator`` to use your own (for accumulation or precision).
+    """
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=accelerator or Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    loader = torch.utils.data.DataLoader(regression_data(n, seed=seed), batch_size=batch_size, shuffle=shuffle)
+    (loader,) = ctx.prepare_loaders(loader)
+    return ctx, state, loader, mse_loss
+
+
+def run_steps(step: Step, state: TrainState, batches: Iterable[Batch], n: int | None = None) -> TrainState:
+    """Apply ``step`` to the first ``n`` batches (all if ``None``) and return the final state."""
+    for i, batch in enumerate(batches):
+        if n is not None and i >= n:
+            break
+        state = step(state, batch)
+    return state
+
+
+def parameters(state_or_model: TrainState | torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of the parameters, by name (the model unwrapped from DDP if needed)."""
+    model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
+    model = getattr(model, "module", model)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor], b: TrainState | torch.nn.Module | dict[str, torch.Tensor], *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default)."""
+    pa = a if isinstance(a, dict) else parameters(a)
+    pb = b if isinstance(b, dict) else parameters(b)
+    if pa.keys() != pb.keys():
+        raise AssertionError(f"parameter names differ: {sorted(pa)} != {sorted(pb)}")
+    for name in pa:
+        torch.testing.assert_close(pa[name], pb[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"parameter {name!r}: {m}")
+
+
+def assert_params_changed(before: dict[str, torch.Tensor], after: TrainState | torch.nn.Module) -> None:
+    """Assert every parameter in ``before`` (from :func:`parameters`) differs from ``after``'s."""
+    now = parameters(after)
+    same = [k for k in before if torch.equal(before[k], now[k])]
+    if same:
+        raise AssertionError(f"parameters did not change: {same}")

@@ -1,0 +1,104 @@
+"""evaluate and predict: exact means over every sample, order kept, training mode restored."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from toolz import pipe
+
+from trainfold import Context, TrainState, evaluate, make_step, predict, run_epoch, testing
+
+from helpers import ce_loss_with_accuracy, classification_data, mlp
+
+
+def _setup(n=50, batch_size=8):
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5), mlp())
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = classification_data(n)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=batch_size))
+    return ctx, state, dl, data
+
+
+def _per_sample_reference(model, data):
+    x, y = data.tensors
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+    model.train()
+    losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    return losses.double().mean().item(), (logits.argmax(-1) == y).double().mean().item()
+
+
+@pytest.mark.parametrize("n,batch_size", [(50, 8), (48, 8), (7, 8), (1, 4)])
+def test_evaluate_gives_the_exact_per_sample_mean(n, batch_size):
+    """The recorded loss and accuracy equal the means over all samples, whatever the last batch."""
+    ctx, state, dl, data = _setup(n, batch_size)
+
+    new = evaluate(ctx, ce_loss_with_accuracy, dl, state)
+
+    loss, accuracy = _per_sample_reference(state.model, data)
+    assert new.metrics["eval_loss"] == pytest.approx(loss, rel=1e-6)
+    assert new.metrics["eval_accuracy"] == pytest.approx(accuracy, rel=1e-6)
+
+
+def test_evaluate_restores_training_mode_and_changes_nothing_else():
+    ctx, state, dl, _ = _setup()
+    before = testing.parameters(state)
+
+    new = evaluate(ctx, ce_loss_with_accuracy, dl, state)
+
+    assert state.model.training
+    testing.assert_params_equal(before, state)
+    assert (new.step, new.epoch, new.micro_step) == (state.step, state.epoch, state.micro_step)
+    assert 0 == len(state.history)
+
+
+def test_evaluate_restores_eval_mode_too():
+    ctx, state, dl, _ = _setup()
+    state.model.eval()
+
+    evaluate(ctx, ce_loss_with_accuracy, dl, state)
+
+    assert not state.model.training
+
+
+def test_evaluate_with_a_prefix_and_another_model():
+    """prefix names the records; model= evaluates another module (an EMA copy, say)."""
+    ctx, state, dl, data = _setup()
+    other = mlp()
+
+    new = evaluate(ctx, ce_loss_with_accuracy, dl, state, prefix="val", model=other)
+
+    assert new.metrics["val_loss"] == pytest.approx(_per_sample_reference(other, data)[0], rel=1e-6)
+
+
+def test_evaluate_records_at_the_current_epoch_and_step():
+    ctx, state, dl, _ = _setup()
+    step = make_step(ctx, ce_loss_with_accuracy)
+
+    new = pipe(state, run_epoch(ctx, step, dl), evaluate(ctx, ce_loss_with_accuracy, dl))
+
+    records = {r.name: (r.epoch, r.step) for r in new.history}
+    assert {"train_loss": (1, 7), "train_accuracy": (1, 7), "eval_loss": (1, 7), "eval_accuracy": (1, 7)} == records
+
+
+def test_predict_returns_every_sample_in_order():
+    ctx, state, dl, data = _setup()
+
+    out = predict(ctx, lambda model, batch: model(batch[0]), dl, state)
+    assert state.model.training
+
+    state.model.eval()
+    with torch.no_grad():
+        expected = state.model(data.tensors[0])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)  # batched matmuls round differently
+
+
+def test_predict_concatenates_structures():
+    ctx, state, dl, data = _setup()
+
+    out = predict(ctx, lambda model, batch: {"y": batch[1], "pair": (batch[1], batch[1] * 2)}, dl, state)
+
+    y = data.tensors[1]
+    assert torch.equal(out["y"], y) and torch.equal(out["pair"][1], y * 2)

@@ -1,0 +1,120 @@
+"""Loop combinators: when they stop, what they check, and composition in pipes."""
+
+import attrs
+import pytest
+from hypothesis import given, settings, strategies as st
+from toolz import compose, pipe
+
+from trainfold import TrainState, every, loop, make_step, repeat, run_epoch, testing, until
+
+
+def _fake_state(**kw):
+    return TrainState(model=None, optimizer=None, scheduler=None, accelerator=None, **kw)
+
+
+def _fake_epoch(state):
+    return attrs.evolve(state, epoch=state.epoch + 1)
+
+
+def test_loop_runs_to_max_epochs():
+    assert 5 == loop(_fake_epoch, max_epochs=5)(_fake_state()).epoch
+
+
+def test_loop_counts_epochs_of_the_whole_run():
+    """A state resumed at epoch 3 runs epochs 4 and 5 only."""
+    calls = []
+
+    def epoch(state):
+        calls.append(state.epoch)
+        return _fake_epoch(state)
+
+    loop(epoch, max_epochs=5)(_fake_state(epoch=3))
+
+    assert [3, 4] == calls
+
+
+def test_loop_stops_when_the_state_says_so():
+    def epoch(state):
+        new = _fake_epoch(state)
+        return attrs.evolve(new, should_stop=new.epoch == 2)
+
+    assert 2 == loop(epoch, max_epochs=10)(_fake_state()).epoch
+
+
+def test_loop_refuses_an_epoch_function_that_does_not_advance():
+    with pytest.raises(RuntimeError, match="did not advance state.epoch"):
+        loop(lambda s: s, max_epochs=3)(_fake_state())
+
+
+def test_loop_catches_a_curried_primitive_missing_its_loader():
+    """run_epoch(ctx, step) without the loader returns a curry: loop says so, naming it."""
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    epoch = run_epoch(ctx, make_step(ctx, loss_fn))
+
+    with pytest.raises(TypeError, match=r"epoch function 'run_epoch' returned a curry.*missing arguments"):
+        loop(epoch, max_epochs=2)(state)
+
+
+def test_repeat_until_every():
+    state = _fake_state()
+    assert 3 == repeat(3, _fake_epoch)(state).epoch
+    assert 4 == until(lambda s: s.epoch >= 4, _fake_epoch)(state).epoch
+    marks = []
+
+    def mark(s):
+        marks.append(s.epoch)
+        return s
+
+    loop(compose(every(2, mark), _fake_epoch), max_epochs=7)(state)
+    assert [2, 4, 6] == marks
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 6), epochs=st.integers(1, 25))
+def test_every_fires_floor_epochs_over_n_times(n, epochs):
+    """every(n, f) inside a loop of E epochs fires floor(E / n) times."""
+    fired = []
+
+    def f(s):
+        fired.append(s.epoch)
+        return s
+
+    loop(compose(every(n, f), _fake_epoch), max_epochs=epochs)(_fake_state())
+
+    assert epochs // n == len(fired)
+
+
+def test_compose_order_is_right_to_left():
+    """In compose(a, b), b runs first (toolz convention): the outermost is the leftmost."""
+    order = []
+
+    def a(s):
+        order.append("a")
+        return s
+
+    def b(s):
+        order.append("b")
+        return s
+
+    compose(a, b)(_fake_state())
+    assert ["b", "a"] == order
+
+
+def test_combinators_have_readable_names():
+    assert "loop(_fake_epoch, max_epochs=3)" == loop(_fake_epoch, max_epochs=3).__qualname__
+    assert "every(2, _fake_epoch)" == every(2, _fake_epoch).__name__
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_combinators_refuse_non_positive_counts(bad):
+    with pytest.raises(ValueError, match="positive int"):
+        repeat(bad, _fake_epoch)
+
+
+def test_pipe_of_primitives_catches_missing_state_argument():
+    """In a pipe, a primitive missing an argument is caught by the next one, which names it."""
+    from trainfold import evaluate
+
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    with pytest.raises(TypeError, match=r"evaluate received a curried 'run_epoch'"):
+        pipe(state, run_epoch(ctx, make_step(ctx, loss_fn)), evaluate(ctx, loss_fn, loader))

@@ -1,0 +1,113 @@
+"""A step in isolation: exact numbers on Linear(1, 1) with SGD."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import Context, TrainState, make_step, testing
+
+
+def _setup(gradient_accumulation_steps=1, lr=0.25):
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=gradient_accumulation_steps))
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr))
+    return ctx, state
+
+
+BATCH = (torch.tensor([[1.0]]), torch.tensor([[1.0]]))
+
+
+def _weight(state):
+    return state.model.weight.detach().item()
+
+
+def test_step_returns_new_state_and_leaves_old_counters():
+    """A step advances the counters on the new state only; the handles are shared."""
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss)
+
+    new = step(state, BATCH)
+
+    assert (0, 0, 0) == (state.step, state.micro_step, state.batch_in_epoch)
+    assert (1, 1, 1) == (new.step, new.micro_step, new.batch_in_epoch)
+    assert new.model is state.model
+    assert new.optimizer is state.optimizer
+
+
+def test_two_sgd_steps_give_exact_weights():
+    """w=0, lr=0.25, loss (w-1)^2: the gradient is -2 then -1, so w is 0.5 then 0.75."""
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss)
+
+    one = step(state, BATCH)
+    w1 = _weight(one)
+    two = step(one, BATCH)
+
+    assert (0.5, 0.75) == (w1, _weight(two))
+    assert 2 == two.step
+
+
+def test_running_loss_sum_is_kept_on_the_device():
+    """The losses 1.0 and 0.25 are summed into a 0-d tensor without being read back."""
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss)
+
+    two = step(step(state, BATCH), BATCH)
+
+    assert isinstance(two.loss_sum, torch.Tensor) and two.loss_sum.ndim == 0
+    assert 1.25 == two.loss_sum.item()
+    assert 0.0 == state.loss_sum.item()
+
+
+def test_accumulation_updates_once_per_group_with_the_mean_gradient():
+    """Accumulation 2: the first micro-batch only accumulates, the second updates with the mean gradient."""
+    ctx, state = _setup(gradient_accumulation_steps=2)
+    step = make_step(ctx, testing.mse_loss)
+
+    one = step(state, BATCH)
+    w_after_one = _weight(one)
+    two = step(one, BATCH)
+
+    assert (0.0, 0) == (w_after_one, one.step)
+    assert (0.5, 1, 2) == (_weight(two), two.step, two.micro_step)
+
+
+def test_clip_grad_norm_limits_the_update():
+    """The gradient -2 clipped to norm 1 moves w by lr * 1 = 0.25."""
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss, clip_grad_norm=1.0)
+
+    new = step(state, BATCH)
+
+    assert 0.25 == pytest.approx(_weight(new), abs=1e-6)
+
+
+def test_clip_grad_value_limits_each_element():
+    """The gradient -2 clipped to [-0.5, 0.5] moves w by 0.25 * 0.5."""
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss, clip_grad_value=0.5)
+
+    new = step(state, BATCH)
+
+    assert 0.125 == _weight(new)
+
+
+def test_aux_values_are_summed_alongside_the_loss():
+    """aux tensors returned by loss_fn become running sums under their names."""
+    ctx, state = _setup()
+
+    def loss_fn(model, batch):
+        loss = testing.mse_loss(model, batch)
+        return loss, {"twice": 2 * loss.detach()}
+
+    step = make_step(ctx, loss_fn)
+    two = step(step(state, BATCH), BATCH)
+
+    assert {"twice": 2.5} == {k: v.item() for k, v in two.aux_sums.items()}
+
+
+def test_step_has_a_readable_name():
+    ctx, _ = _setup()
+
+    assert "step[mse_loss]" == make_step(ctx, testing.mse_loss).__qualname__
