@@ -76,6 +76,22 @@ class Context:
                 "Use one Accelerator per process (share one Context), or give both the same settings."
             )
 
+    def close(self) -> None:
+        """End the run: finish Accelerate's trackers and destroy the process group.
+
+        A distributed run that skips this aborts at exit under torchrun. Prefer
+        ``with Context(accelerator=...) as ctx:``, which closes on the way out.
+        """
+        self.accelerator.end_training()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.accelerator.wait_for_everyone()  # no rank tears down while another still works
+        self.close()
+
     @property
     def is_main_process(self) -> bool:
         """True on the process that should log, print and write shared files."""

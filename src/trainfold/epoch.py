@@ -14,7 +14,7 @@ from ._backend import real_samples_in_batch
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
-from .metrics import add_to_sums, batch_size, describe_batch, reduce_means, slice_batch
+from .metrics import weighted, add_to_sums, batch_size, describe_batch, reduce_means, slice_batch
 from .state import TrainState
 from .step import compute_loss
 
@@ -183,9 +183,9 @@ def evaluate(
             n = batch_size(batch)
             real = real_samples_in_batch(acc, n)
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
-            if real == 0:
-                continue  # the model ran to keep collectives matched; padding carries no weight
-            loss_sum = loss_sum + loss.detach().float() * real
+            # A batch of padding only (real == 0) still ran the model, so collective forwards stay
+            # matched, and adds zeros under the same names, so every process reduces the same shape.
+            loss_sum = loss_sum + weighted(loss, real)
             aux_sums = add_to_sums(aux_sums, aux, float(real))
             count += real
     if batches == 0:

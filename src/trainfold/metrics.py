@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -144,14 +145,16 @@ def add_to_sums(
             raise ValueError(_aux_names_changed(sums, aux))
         return sums
     if not sums:
-        return MappingProxyType({k: _weighted(v, weight) for k, v in aux.items()})
+        return MappingProxyType({k: weighted(v, weight) for k, v in aux.items()})
     if aux.keys() != sums.keys():
         raise ValueError(_aux_names_changed(sums, aux))
-    return MappingProxyType({k: sums[k] + _weighted(v, weight) for k, v in aux.items()})
+    return MappingProxyType({k: sums[k] + weighted(v, weight) for k, v in aux.items()})
 
 
-def _weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
+def weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
     value = value.detach().float()
+    if weight == 0:
+        return torch.zeros_like(value)  # not value * 0, which is nan for an infinite value
     return value if weight == 1.0 else value * weight
 
 
@@ -173,7 +176,20 @@ def reduce_means(
     """
     names = list(sums)
     local = torch.stack([sums[n].float() for n in names] + [torch.as_tensor(count, dtype=torch.float32, device=accelerator.device)])
-    total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
-    values = total.tolist()  # sync: once per epoch / log interval
+    if accelerator.num_processes > 1:
+        _check_same_names(accelerator, names)
+        local = accelerator.reduce(local, reduction="sum")
+    values = local.tolist()  # sync: once per epoch / log interval
     n = values[-1]
     return {name: (v / n if n else float("nan")) for name, v in zip(names, values)}
+
+
+def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:
+    """Refuse to all-reduce sums that differ between processes: gloo and NCCL would hang or mix them."""
+    key = torch.tensor([len(names), zlib.crc32(",".join(names).encode())], dtype=torch.int64, device=accelerator.device)
+    keys = accelerator.gather(key).view(-1, 2).tolist()  # sync: once per epoch / log interval
+    if any(k != keys[0] for k in keys):
+        raise RuntimeError(
+            f"process {accelerator.process_index} has metrics {names}, but not every process has the "
+            "same names: the loss_fn must return the same aux names on every process and batch."
+        )

@@ -21,9 +21,27 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
+from ._launch import free_port, run_distributed
 from ._types import Batch, Step
 from .context import Context
 from .state import TrainState
+
+__all__ = [
+    "SYNC_METHODS",
+    "SyncCounter",
+    "assert_params_changed",
+    "assert_params_equal",
+    "count_host_syncs",
+    "free_port",
+    "isolated_accelerate",
+    "mse_loss",
+    "parameters",
+    "regression_data",
+    "reset_accelerate_state",
+    "run_distributed",
+    "run_steps",
+    "tiny_setup",
+]
 
 #: The Tensor methods that force a host-device synchronisation on an accelerator.
 SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")

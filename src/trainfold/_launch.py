@@ -1,0 +1,95 @@
+"""Run a function on N local processes with gloo: the engine of testing.run_distributed."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+    )
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as accelerate's debug_launcher does
+    result: dict[str, Any]
+    try:
+        result = {"ok": fn(*args, **kwargs)}
+    except BaseException as exc:  # reported to the parent, which re-raises
+        result = {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    if "error" in result:
+        sys.exit(1)
+
+
+def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes wired for ``torch.distributed``.
+
+    Each process gets the environment torchrun would give it (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free local port), so
+    ``Accelerator(cpu=True)`` inside ``fn`` joins a gloo group. ``fn`` must be
+    importable (a module-level function) and return picklable values. The
+    process group is destroyed when ``fn`` returns.
+
+    Returns:
+        Each rank's return value, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised (its error and traceback are in the message;
+            the other ranks are stopped rather than left hanging).
+        TimeoutError: the ranks did not finish within ``timeout`` seconds.
+    """
+    import multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="trainfold-dist-") as out:
+        procs = [context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs), daemon=True) for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now  # give the others a moment, then stop them rather than wait on a hang
+            if now > deadline or (failed_at is not None and now - failed_at > 5.0):
+                break
+            time.sleep(0.05)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        results = [_read(out, r) for r in range(nprocs)]
+    errors = [r for r in results if r is not None and "error" in r]
+    if errors:
+        raise RuntimeError("\n".join(f"{e['error']}\n{e['traceback']}" for e in errors))
+    if any(r is None for r in results):
+        missing = [i for i, r in enumerate(results) if r is None]
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (killed)")
+    return [r["ok"] for r in results]  # type: ignore[index]
+
+
+def _read(out: str, rank: int) -> dict[str, Any] | None:
+    path = Path(out, f"{rank}.pkl")
+    return pickle.loads(path.read_bytes()) if path.exists() else None

@@ -1,0 +1,19 @@
+"""Every example runs end to end in its reduced (smoke) size, so none of them rots."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script", ["digits.py"])
+def test_example_runs_in_smoke_mode(script):
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--smoke"], capture_output=True, text=True, timeout=300
+    )
+
+    assert 0 == result.returncode, result.stderr[-3000:]
+    assert "test accuracy" in result.stdout
