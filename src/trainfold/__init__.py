@@ -9,14 +9,31 @@ from .context import Context as Context
 from .epoch import evaluate as evaluate
 from .epoch import predict as predict
 from .epoch import run_epoch as run_epoch
+from .epoch_fns import early_stop as early_stop
+from .epoch_fns import log_epoch as log_epoch
+from .epoch_fns import reduce_lr_on_plateau as reduce_lr_on_plateau
+from .epoch_fns import restore_best as restore_best
+from .epoch_fns import save_best as save_best
 from .history import History as History
 from .history import Record as Record
 from .loop import every as every
 from .loop import loop as loop
 from .loop import repeat as repeat
 from .loop import until as until
+from .plot import plot_history as plot_history
+from .schedules import constant as constant
+from .schedules import warmup_cosine as warmup_cosine
+from .schedules import warmup_linear as warmup_linear
 from .state import TrainState as TrainState
 from .step import make_step as make_step
+from .tracking import progress_bar as progress_bar
+from .transforms import ema as ema
+from .transforms import ema_model as ema_model
+from .transforms import every_steps as every_steps
+from .transforms import log_every as log_every
+from .transforms import lr_schedule as lr_schedule
+from .transforms import max_steps as max_steps
+from .transforms import nan_guard as nan_guard
 
 __version__ = "0.1.0"
 
@@ -31,12 +48,29 @@ __all__ = [
     "StepTransformer",
     "TrainState",
     "__version__",
+    "constant",
+    "early_stop",
+    "ema",
+    "ema_model",
     "evaluate",
     "every",
+    "every_steps",
+    "log_epoch",
+    "log_every",
     "loop",
+    "lr_schedule",
     "make_step",
+    "max_steps",
+    "nan_guard",
+    "plot_history",
     "predict",
+    "progress_bar",
+    "reduce_lr_on_plateau",
     "repeat",
+    "restore_best",
     "run_epoch",
+    "save_best",
     "until",
+    "warmup_cosine",
+    "warmup_linear",
 ]

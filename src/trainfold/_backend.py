@@ -27,6 +27,10 @@ class OptimizerOps:
     zero_grad: Callable[[], Any]
     was_skipped: Callable[[], bool]
     fast: bool
+    #: the torch optimizer the fast path steps (None on Accelerate's path)
+    raw: Any = None
+    #: a loss scaler already skips non-finite updates (fp16)
+    scaled: bool = False
 
 
 def _never_skipped() -> bool:
@@ -63,10 +67,11 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     if _needs_accelerate_optimizer(accelerator, optimizer):
         skipped = getattr(optimizer, "step_was_skipped", None)
         was_skipped = (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped
-        return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False)
+        scaled = getattr(optimizer, "scaler", None) is not None
+        return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
     inner = optimizer.optimizer
     # AcceleratedOptimizer.zero_grad passes set_to_none=True; so does torch's default.
-    return OptimizerOps(inner.step, inner.zero_grad, _never_skipped, fast=True)
+    return OptimizerOps(inner.step, inner.zero_grad, _never_skipped, fast=True, raw=inner)
 
 
 def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:

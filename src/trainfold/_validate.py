@@ -10,9 +10,16 @@ from .context import Context
 from .state import TrainState
 
 
-def _name(fn: Any) -> str:
+def name_of(fn: Any) -> str:
+    """A readable name for a function, a curry (its function's name) or a callable object."""
     fn = getattr(fn, "func", fn)
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def named(fn: Any, name: str) -> Any:
+    """Give a composed function a readable ``__name__`` and ``__qualname__`` (like toolz's Compose)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
 def expect_state(where: str, value: Any) -> TrainState:
@@ -26,13 +33,13 @@ def expect_state(where: str, value: Any) -> TrainState:
         return value
     if isinstance(value, curry):
         raise TypeError(
-            f"{where} received a curried {_name(value)!r} instead of a TrainState: the function "
+            f"{where} received a curried {name_of(value)!r} instead of a TrainState: the function "
             f"before it in the pipe is missing arguments (did you pass the loader, or the state?). "
-            f"Still expected by {_name(value)!r}: {_missing_args(value)}."
+            f"Still expected by {name_of(value)!r}: {_missing_args(value)}."
         )
     if callable(value):
         raise TypeError(
-            f"{where} received the function {_name(value)!r} instead of a TrainState: an earlier "
+            f"{where} received the function {name_of(value)!r} instead of a TrainState: an earlier "
             "function returned a function; check that every function in the pipe takes and returns "
             "the state."
         )
@@ -72,7 +79,7 @@ def returned_state(fn: Any, value: Any) -> TrainState:
         value, curry
     ) else f"{type(value).__name__}, not a TrainState"
     raise TypeError(
-        f"epoch function {_name(fn)!r} returned {what}. Epoch functions take the state last and "
+        f"epoch function {name_of(fn)!r} returned {what}. Epoch functions take the state last and "
         "return the new state (did you pass the state?)."
     )
 
@@ -81,3 +88,10 @@ def add_note(exc: BaseException, note: str) -> None:
     """Attach context to an exception without changing its type (PEP 678 where available)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+def positive_int(name: str, n: Any) -> int:
+    """Return ``n`` if it is a positive int, else raise a ValueError naming ``name``."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name} must be a positive int (got {n!r}).")
+    return n

@@ -14,7 +14,7 @@ from ._backend import real_samples_in_batch
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
-from .metrics import weighted, add_to_sums, batch_size, describe_batch, reduce_means, slice_batch
+from .metrics import add_to_sums, finite_loss_mean, weighted, batch_size, describe_batch, reduce_means, slice_batch
 from .state import TrainState
 from .step import compute_loss
 
@@ -92,7 +92,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics, count it, reset the running sums."""
     sums = {"loss": state.loss_sum, **state.aux_sums} if state.loss_sum is not None else dict(state.aux_sums)
-    means = reduce_means(ctx.accelerator, sums, state.batch_in_epoch) if sums else {}
+    means = finite_loss_mean(reduce_means(ctx.accelerator, sums, state.batch_in_epoch)) if sums else {}
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}
     )
@@ -118,9 +118,9 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | None = ...) -> EpochFn: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...) -> EpochFn: ...
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | None = ...) -> TrainState: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...) -> TrainState: ...
 @curry  # type: ignore[misc]
 def evaluate(
     ctx: Context,
@@ -129,7 +129,7 @@ def evaluate(
     state: TrainState,
     *,
     prefix: str = "eval",
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = None,
 ) -> TrainState:
     """Evaluate: the exact mean loss and aux metrics over every sample of ``loader``.
 
@@ -154,7 +154,8 @@ def evaluate(
         loader: a loader prepared with ``ctx.prepare_loaders`` (use ``shuffle=False``).
         state: the state to record into.
         prefix: the names' prefix: ``{prefix}_loss``, ``{prefix}_{aux name}``.
-        model: evaluate this model instead of ``state.model`` (an EMA copy, say).
+        model: evaluate this model instead of ``state.model``, or a function of the
+            state that returns one (``model=ema_model`` for the :func:`ema` average).
 
     Returns:
         The state with the metrics appended to ``state.history`` (at the
@@ -171,7 +172,7 @@ def evaluate(
     """
     state = expect_owned("evaluate", ctx, expect_state("evaluate", state))
     ctx.check()
-    net = state.model if model is None else model
+    net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
     loss_sum = torch.zeros((), device=acc.device)
     aux_sums: Mapping[str, torch.Tensor] = MappingProxyType({})

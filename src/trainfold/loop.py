@@ -5,19 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from ._types import EpochFn, StatePredicate
-from ._validate import _name, expect_state, returned_state
+from ._validate import positive_int, expect_state, name_of, named, returned_state
 from .state import TrainState
 
 
-def _named(fn: EpochFn, name: str) -> EpochFn:
-    fn.__name__ = fn.__qualname__ = name
-    return fn
-
-
-def _positive(name: str, n: Any) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"{name} must be a positive int (got {n!r}).")
-    return n
 
 
 def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
@@ -47,7 +38,7 @@ def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
     .. versionadded:: 0.1.0
     """
     if max_epochs is not None:
-        _positive("max_epochs", max_epochs)
+        positive_int("max_epochs", max_epochs)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("loop", state)
@@ -55,13 +46,13 @@ def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
             new = returned_state(epoch_fn, epoch_fn(state))
             if new.epoch <= state.epoch and not new.should_stop:
                 raise RuntimeError(
-                    f"loop: epoch function {_name(epoch_fn)!r} did not advance state.epoch "
+                    f"loop: epoch function {name_of(epoch_fn)!r} did not advance state.epoch "
                     f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
                 )
             state = new
         return state
 
-    return _named(run, f"loop({_name(epoch_fn)}, max_epochs={max_epochs})")
+    return named(run, f"loop({name_of(epoch_fn)}, max_epochs={max_epochs})")
 
 
 def repeat(n: int, fn: EpochFn) -> EpochFn:
@@ -69,7 +60,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
 
     .. versionadded:: 0.1.0
     """
-    _positive("n", n)
+    positive_int("n", n)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("repeat", state)
@@ -79,7 +70,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
             state = returned_state(fn, fn(state))
         return state
 
-    return _named(run, f"repeat({n}, {_name(fn)})")
+    return named(run, f"repeat({n}, {name_of(fn)})")
 
 
 def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
@@ -94,7 +85,7 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
             state = returned_state(fn, fn(state))
         return state
 
-    return _named(run, f"until({_name(predicate)}, {_name(fn)})")
+    return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
 
 
 def every(n: int, fn: EpochFn) -> EpochFn:
@@ -105,10 +96,10 @@ def every(n: int, fn: EpochFn) -> EpochFn:
 
     .. versionadded:: 0.1.0
     """
-    _positive("n", n)
+    positive_int("n", n)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("every", state)
         return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
 
-    return _named(run, f"every({n}, {_name(fn)})")
+    return named(run, f"every({n}, {name_of(fn)})")

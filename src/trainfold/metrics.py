@@ -193,3 +193,11 @@ def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:
             f"process {accelerator.process_index} has metrics {names}, but not every process has the "
             "same names: the loss_fn must return the same aux names on every process and batch."
         )
+
+
+def finite_loss_mean(means: dict[str, float], nonfinite: str = "nonfinite") -> dict[str, float]:
+    """Under ``nan_guard`` a non-finite loss adds 0 to the sum: rescale the mean to the finite batches."""
+    if nonfinite in means and "loss" in means:
+        finite_share = 1.0 - means[nonfinite]
+        means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}
+    return means

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Any, Callable
 
 import attrs
@@ -11,6 +12,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from ._backend import optimizer_ops
+from ._guard import NAME as GUARD
+from ._guard import NONFINITE, NanGuardState, grads_finite, guarded_update
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
@@ -58,6 +61,36 @@ def make_clip(accelerator: Accelerator, clip_grad_norm: float | None, clip_grad_
         return lambda model: accelerator.clip_grad_norm_(model.parameters(), norm)
     value = float(clip_grad_value)  # type: ignore[arg-type]
     return lambda model: accelerator.clip_grad_value_(model.parameters(), value)
+
+
+def guarded_step(guard: NanGuardState, model: torch.nn.Module, ops: Any) -> NanGuardState:
+    """Stage 4 under ``nan_guard``: apply the update only if every gradient is finite."""
+    finite = grads_finite(model.parameters())
+    if ops.scaled:
+        ops.step()  # the fp16 loss scaler skips non-finite updates itself and must see every step
+    else:
+        guarded_update(ops.raw, finite, ops.step)
+    return guard.record(finite)
+
+
+def record(state: TrainState, loss: torch.Tensor, aux: Any, *, updated: bool, guard: NanGuardState | None = None) -> TrainState:
+    """Stage 5: one ``attrs.evolve`` with the counters and the on-device running sums."""
+    loss = loss.detach().float()
+    extras = state.extras
+    if guard is not None:
+        finite = torch.isfinite(loss)
+        aux = {**aux, NONFINITE: (~finite).float()}
+        loss = torch.where(finite, loss, torch.zeros_like(loss))
+        extras = MappingProxyType({**extras, GUARD: guard})
+    return attrs.evolve(
+        state,
+        step=state.step + updated,
+        micro_step=state.micro_step + 1,
+        batch_in_epoch=state.batch_in_epoch + 1,
+        loss_sum=loss if state.loss_sum is None else state.loss_sum + loss,
+        aux_sums=add_to_sums(state.aux_sums, aux) if aux or state.aux_sums else state.aux_sums,
+        extras=extras,
+    )
 
 
 def make_step(
@@ -122,13 +155,13 @@ def make_step(
     ctx.check()
     accelerator = ctx.accelerator
     clip = make_clip(accelerator, clip_grad_norm, clip_grad_value)
-    evolve = attrs.evolve
 
     def step(state: TrainState, batch: Batch) -> TrainState:
         if state.accelerator is not accelerator:
             expect_owned("step", ctx, expect_state("step", state))
         model = state.model
         ops = _ops_for(state)
+        guard = state.extras.get(GUARD) if state.extras else None
         with accelerator.accumulate(model):
             loss, aux = compute_loss(loss_fn, model, batch)
             accelerator.backward(loss)
@@ -136,21 +169,15 @@ def make_step(
             if synced or not ops.fast:
                 if synced and clip is not None:
                     clip(model)
-                ops.step()
+                if synced and guard is not None:
+                    guard = guarded_step(guard, model, ops)
+                else:
+                    ops.step()
             if state.scheduler is not None:
                 state.scheduler.step()
             if synced or not ops.fast:
                 ops.zero_grad()
-        updated = synced and not ops.was_skipped()
-        loss = loss.detach().float()
-        return evolve(
-            state,
-            step=state.step + updated,
-            micro_step=state.micro_step + 1,
-            batch_in_epoch=state.batch_in_epoch + 1,
-            loss_sum=loss if state.loss_sum is None else state.loss_sum + loss,
-            aux_sums=add_to_sums(state.aux_sums, aux) if aux or state.aux_sums else state.aux_sums,
-        )
+        return record(state, loss, aux, updated=synced and not ops.was_skipped(), guard=guard)
 
     cache: dict[int, Any] = {}
 

@@ -1,0 +1,202 @@
+"""Epoch functions (``state -> state``): early stopping, save-best, LR on plateau, epoch logging.
+
+Each is curried with the state last and keeps its state in
+``state.extras`` under its name, so it is checkpointed with the run. Every
+decision reads values from ``state.history``, which ``run_epoch`` and
+``evaluate`` reduce over all processes: every process decides the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, overload
+
+import attrs
+from safetensors.torch import load_file, save_file
+from toolz import curry
+
+from ._backend import inner_optimizer
+from ._io import atomic_write
+from ._types import EpochFn
+from ._validate import expect_owned, expect_state
+from .context import Context
+from .state import TrainState
+from .tracking import emit
+from .transforms import LR_SCALE
+
+_MODES = ("min", "max")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'min' or 'max' (got {mode!r}).")
+
+
+def _latest(state: TrainState, metric: str, where: str) -> float:
+    if metric not in state.history:
+        raise KeyError(
+            f"{where}: no {metric!r} has been recorded (recorded: {list(state.history.names)}). Compose "
+            f"it after the function that records it, e.g. compose({where}(...), evaluate(...), run_epoch(...))."
+        )
+    return state.history.latest(metric)
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` (a NaN never does)."""
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+@attrs.frozen
+class PatienceState:
+    """Best value so far and epochs since it (``extras["early_stop:<metric>"]``, ``extras["plateau:<metric>"]``)."""
+
+    best: float | None = None
+    bad_epochs: int = 0
+
+    def update(self, value: float, mode: str, min_delta: float) -> PatienceState:
+        if improved(value, self.best, mode, min_delta):
+            return PatienceState(value, 0)
+        return PatienceState(self.best, self.bad_epochs + 1)
+
+
+@overload
+def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> EpochFn: ...
+@overload
+def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
+@curry  # type: ignore[misc]
+def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> TrainState:
+    """Set ``should_stop`` when ``metric`` has not improved for ``patience`` epochs.
+
+    Reads the latest ``state.history[metric]`` (so compose it after the
+    ``evaluate`` that records it); keeps its best value and count in
+    ``state.extras["early_stop:<metric>"]``. No exception is raised: ``loop``
+    sees ``should_stop`` and ends.
+
+    Example:
+        >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
+        >>> for v in (1.0, 0.5, 0.6, 0.7):
+        ...     s = early_stop("eval_loss", attrs.evolve(s, history=s.history.add(epoch=0, step=0, values={"eval_loss": v})), patience=2)
+        >>> s.should_stop, s.extras["early_stop:eval_loss"]
+        (True, PatienceState(best=0.5, bad_epochs=2))
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_state("early_stop", state)
+    _check_mode(mode)
+    key = f"early_stop:{metric}"
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "early_stop"), mode, min_delta)
+    return attrs.evolve(state.with_extra(key, tracker), should_stop=state.should_stop or tracker.bad_epochs >= patience)
+
+
+@attrs.frozen
+class BestState:
+    """``extras["save_best:<metric>"]``: the best value, when it was reached, and where the weights are."""
+
+    value: float
+    epoch: int
+    step: int
+    path: str
+
+
+@overload
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ...) -> EpochFn: ...
+@overload
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...) -> TrainState: ...
+@curry  # type: ignore[misc]
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "min") -> TrainState:
+    """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
+
+    The write is atomic (a temporary file renamed over ``path``) and done by the
+    main process; every process waits for it. ``state.extras["save_best:<metric>"]``
+    records the best value, epoch and step. Put the weights back with
+    :func:`restore_best`.
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("save_best", ctx, expect_state("save_best", state))
+    _check_mode(mode)
+    key = f"save_best:{metric}"
+    value = _latest(state, metric, "save_best")
+    best: BestState | None = state.extras.get(key)
+    if not improved(value, None if best is None else best.value, mode):
+        return state
+    weights = ctx.accelerator.get_state_dict(state.model)  # gathers sharded weights on every process
+    if ctx.is_main_process:
+        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
+        atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata={"metric": metric, "value": repr(value)}))
+    ctx.accelerator.wait_for_everyone()
+    return state.with_extra(key, BestState(value, state.epoch, state.step, os.fspath(path)))
+
+
+@overload
+def restore_best(ctx: Context, path: str | os.PathLike[str]) -> EpochFn: ...
+@overload
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
+@curry  # type: ignore[misc]
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+    """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
+
+    Raises:
+        FileNotFoundError: nothing was saved at ``path``.
+        RuntimeError: the file's tensors do not match the model (names or shapes).
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.")
+    weights = load_file(os.fspath(path), device=str(ctx.accelerator.device))
+    ctx.accelerator.unwrap_model(state.model).load_state_dict(weights, strict=True)
+    return state
+
+
+@overload
+def reduce_lr_on_plateau(metric: str, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> EpochFn: ...
+@overload
+def reduce_lr_on_plateau(metric: str, state: TrainState, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> TrainState: ...
+@curry  # type: ignore[misc]
+def reduce_lr_on_plateau(
+    metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0
+) -> TrainState:
+    """Multiply the learning rate by ``factor`` when ``metric`` has not improved for ``patience`` epochs.
+
+    Changes the optimizer's parameter groups in place (as a torch scheduler
+    does) and records the accumulated factor in ``state.extras["lr_scale"]``,
+    which :func:`~trainfold.lr_schedule` applies on top of its schedule.
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_state("reduce_lr_on_plateau", state)
+    _check_mode(mode)
+    if not 0.0 < factor < 1.0:
+        raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
+    key = f"plateau:{metric}"
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta)
+    if tracker.bad_epochs < patience:
+        return state.with_extra(key, tracker)
+    for group in inner_optimizer(state.optimizer).param_groups:
+        group["lr"] = max(group["lr"] * factor, min_lr)
+    return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor)
+
+
+@overload
+def log_epoch(ctx: Context) -> EpochFn: ...
+@overload
+def log_epoch(ctx: Context, state: TrainState) -> TrainState: ...
+@curry  # type: ignore[misc]
+def log_epoch(ctx: Context, state: TrainState) -> TrainState:
+    """Send the metrics recorded for the current epoch to the trackers and the ``trainfold`` logger.
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_state("log_epoch", state)
+    values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
+    emit(ctx, {**values, "epoch": float(state.epoch)}, state.step)
+    return state
+
+

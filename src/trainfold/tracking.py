@@ -1,0 +1,87 @@
+"""Where numbers go: Accelerate's trackers, Python logging, and a tqdm progress bar."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Mapping
+
+import attrs
+
+from ._types import Step, StepTransformer
+from ._validate import name_of, named
+from .context import Context
+from .state import TrainState
+
+logger = logging.getLogger("trainfold")
+
+
+def emit(ctx: Context, values: Mapping[str, float], step: int) -> None:
+    """Send ``values`` to the Accelerator's trackers and to the ``trainfold`` logger, on the main process.
+
+    ``accelerator.log`` reaches every tracker configured with
+    ``Accelerator(log_with=...)`` and ``accelerator.init_trackers(...)``; it is a
+    no-op without one.
+    """
+    ctx.accelerator.log(dict(values), step=step)
+    if ctx.is_main_process and logger.isEnabledFor(logging.INFO):
+        logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
+
+
+@attrs.frozen
+class _BarState:
+    epoch: int
+
+
+def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch", force: bool = False, **tqdm_kwargs: Any) -> StepTransformer:
+    """A step transformer that shows a tqdm bar of the batches of each epoch.
+
+    Main process only; off when stderr is not a terminal unless ``force=True``
+    (then the transformer returns the step unchanged and costs nothing). The
+    bar shows the epoch, the rate, and the running loss last reduced by
+    :func:`~trainfold.log_every` (it never synchronises by itself). The bar is a
+    display, not run state: it is not checkpointed.
+
+    Args:
+        ctx: the run's Context.
+        total: batches per epoch (``len(train_loader)``), for a bar with an end.
+        desc: the bar's label; the epoch number is appended.
+        force: show the bar even when stderr is not a terminal.
+        **tqdm_kwargs: passed to ``tqdm.tqdm``.
+
+    .. versionadded:: 0.1.0
+    """
+    if not ctx.is_main_process or not (force or sys.stderr.isatty()):
+        return _identity("progress_bar(off)")
+    from tqdm.auto import tqdm
+
+    def transform(step: Step) -> Step:
+        bar = None
+        shown: dict[str, Any] = {"epoch": -1, "values": None}
+
+        def with_bar(state: TrainState, batch: Any) -> TrainState:
+            nonlocal bar
+            if bar is None or shown["epoch"] != state.epoch:
+                if bar is not None:
+                    bar.close()
+                bar = tqdm(total=total, desc=f"{desc} {state.epoch + 1}", initial=state.batch_in_epoch, dynamic_ncols=True, **tqdm_kwargs)
+                shown["epoch"] = state.epoch
+            new = step(state, batch)
+            bar.update(1)
+            logged = new.extras.get("log_every")
+            if logged is not None and logged.values is not shown["values"]:
+                shown["values"] = logged.values
+                bar.set_postfix({k: f"{v:.4g}" for k, v in logged.values.items() if k in ("loss", "lr")}, refresh=False)
+            return new
+
+        return named(with_bar, f"progress_bar({name_of(step)})")
+
+    return transform
+
+
+def _identity(name: str) -> StepTransformer:
+    def transform(step: Step) -> Step:
+        return step
+
+    return named(transform, name)
+

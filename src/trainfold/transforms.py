@@ -1,0 +1,293 @@
+"""Step transformers: ``Step -> Step`` functions that add behaviour around a step.
+
+Compose them with ``toolz.compose``: in ``compose(a, b)(step)``, ``a`` is the
+outermost (it sees the batch first and the new state last). Each keeps its
+state in ``state.extras[name]``, never in a closure, so it is checkpointed,
+snapshotted and branched with the rest of the state.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+from ._backend import inner_optimizer
+from ._guard import NAME as NAN_GUARD
+from ._guard import NanGuardState
+from ._types import Batch, EpochFn, Step, StepTransformer
+from ._validate import positive_int, name_of, named, returned_state
+from .context import Context
+from .metrics import finite_loss_mean, reduce_means
+from .state import TrainState
+from .tracking import emit
+
+
+
+
+
+def max_steps(n: int) -> StepTransformer:
+    """Stop the run after ``n`` optimizer updates: sets ``should_stop``, which ``run_epoch`` and ``loop`` obey.
+
+    A state already at ``n`` updates is returned unchanged (stopped) without
+    running the step.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
+        >>> state.step, state.should_stop
+        (6, True)
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("max_steps", n)
+
+    def transform(step: Step) -> Step:
+        def limited(state: TrainState, batch: Batch) -> TrainState:
+            if state.step >= n:
+                return attrs.evolve(state, should_stop=True)
+            new = step(state, batch)
+            return attrs.evolve(new, should_stop=True) if new.step >= n else new
+
+        return named(limited, f"max_steps({n})({name_of(step)})")
+
+    return transform
+
+
+def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransformer:
+    """Skip updates whose gradients are not finite, count them, and stop after ``max_consecutive`` in a row.
+
+    The check and the skip happen on the device, inside the step, between the
+    backward pass (and clipping) and the optimizer update:
+
+    - with a fused torch optimizer (``Adam(..., fused=True)``, ``AdamW``, ``SGD``,
+      ``Adagrad``) the update is skipped on the device with no host sync, by the
+      same ``found_inf`` protocol torch's GradScaler uses;
+    - with any other optimizer the step reads the finiteness flag once per
+      update (one host sync per update, not per micro-batch);
+    - under fp16, Accelerate's loss scaler already skips non-finite updates; the
+      guard only counts them.
+
+    A batch whose loss is not finite adds nothing to the running loss;
+    ``train_loss`` is the mean over finite batches and ``train_nonfinite`` the
+    share of non-finite ones. ``state.step`` still counts a skipped update
+    (knowing otherwise would need a sync), and a scheduler still advances; the
+    skipped count is ``state.extras["nan_guard"].skipped``.
+
+    Whether to stop is read from the device every ``check_every`` updates (one
+    sync each time); gradients are averaged over processes before the check, so
+    every process takes the same decision.
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("max_consecutive", max_consecutive)
+    positive_int("check_every", check_every)
+
+    def transform(step: Step) -> Step:
+        def guarded(state: TrainState, batch: Batch) -> TrainState:
+            if NAN_GUARD not in state.extras:
+                state = state.with_extra(NAN_GUARD, _new_guard(state, max_consecutive, check_every))
+            new = step(state, batch)
+            if new.step != state.step and new.step % check_every == 0:
+                tripped = bool(new.extras[NAN_GUARD].tripped)  # sync: once every check_every updates
+                if tripped:
+                    return attrs.evolve(new, should_stop=True)
+            return new
+
+        return named(guarded, f"nan_guard({max_consecutive})({name_of(step)})")
+
+    return transform
+
+
+def _new_guard(state: TrainState, max_consecutive: int, check_every: int) -> NanGuardState:
+    device = state.accelerator.device if state.accelerator is not None else torch.device("cpu")
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return NanGuardState(max_consecutive, check_every, zero, zero, torch.zeros((), dtype=torch.bool, device=device))
+
+
+@attrs.frozen
+class EmaState:
+    """``state.extras["ema"]``: the averaged copy of the model (a handle), its decay and update count."""
+
+    model: torch.nn.Module = attrs.field(repr=False, eq=False)
+    decay: float
+    updates: int = 0
+
+
+def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
+    """Keep an exponential moving average of the weights, updated on every optimizer update.
+
+    ``ema = decay * ema + (1 - decay) * weights`` on the device (``_foreach_lerp_``),
+    after each update the inner step performs (not per micro-batch, not per epoch).
+    The average starts as a copy of the weights when the transformer first runs.
+    Buffers (BatchNorm statistics) are copied, not averaged. Read it with
+    :func:`ema_model`, for example ``evaluate(ctx, loss_fn, loader, model=ema_model)``.
+
+    .. versionadded:: 0.1.0
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"decay must be in (0, 1) (got {decay!r}).")
+
+    def transform(step: Step) -> Step:
+        def averaged(state: TrainState, batch: Batch) -> TrainState:
+            if name not in state.extras:
+                state = state.with_extra(name, EmaState(_ema_copy(state), decay))
+            new = step(state, batch)
+            if new.step == state.step:
+                return new
+            current: EmaState = new.extras[name]
+            _ema_update(current.model, _unwrap(new), decay)
+            return new.with_extra(name, attrs.evolve(current, updates=current.updates + 1))
+
+        return named(averaged, f"ema({decay})({name_of(step)})")
+
+    return transform
+
+
+def _unwrap(state: TrainState) -> torch.nn.Module:
+    model = state.model
+    return state.accelerator.unwrap_model(model) if state.accelerator is not None else model
+
+
+def _ema_copy(state: TrainState) -> torch.nn.Module:
+    copied = copy.deepcopy(_unwrap(state))
+    copied.requires_grad_(False)
+    return copied
+
+
+@torch.no_grad()
+def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    ema_params = [p for p in ema_model.parameters()]
+    params = [p.detach() for p in model.parameters()]
+    torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+    for eb, b in zip(ema_model.buffers(), model.buffers()):
+        eb.copy_(b)
+
+
+def ema_model(state: TrainState, name: str = "ema") -> torch.nn.Module:
+    """The averaged model kept by :func:`ema` (pass ``model=ema_model`` to ``evaluate``).
+
+    Raises:
+        KeyError: no ``ema`` transformer has run on this state.
+    """
+    try:
+        return state.extras[name].model
+    except KeyError:
+        raise KeyError(
+            f"state.extras has no {name!r}: wrap the step with ema(decay) (and run at least one step) "
+            "before reading the averaged model."
+        ) from None
+
+
+@attrs.frozen
+class LogState:
+    """``state.extras["log_every"]``: the sums at the last report, and the values reported."""
+
+    step: int
+    epoch: int
+    batches: int
+    sums: Mapping[str, torch.Tensor] = attrs.field(eq=False, repr=False)
+    values: Mapping[str, float] = attrs.field(factory=dict)
+
+
+def log_every(ctx: Context, n: int) -> StepTransformer:
+    """Report running means every ``n`` optimizer updates to Accelerate's trackers and the ``trainfold`` logger.
+
+    Every ``n`` updates, the loss and aux sums accumulated since the last report
+    are reduced over processes (one all-reduce and one host transfer: the only
+    sync), divided by the batches seen, and sent with the learning rate and epoch
+    to ``accelerator.log`` (TensorBoard, W&B... as configured with
+    ``Accelerator(log_with=...)`` and ``init_trackers``) and to
+    ``logging.getLogger("trainfold")`` at INFO, on the main process. The values
+    stay in ``state.extras["log_every"].values`` (the progress bar shows them).
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("log_every", n)
+
+    def transform(step: Step) -> Step:
+        def logged(state: TrainState, batch: Batch) -> TrainState:
+            new = step(state, batch)
+            if new.step == state.step or new.step % n:
+                return new
+            return new.with_extra("log_every", _report(ctx, new))
+
+        return named(logged, f"log_every({n})({name_of(step)})")
+
+    return transform
+
+
+def _current_sums(state: TrainState) -> dict[str, torch.Tensor]:
+    return {"loss": state.loss_sum, **state.aux_sums}
+
+
+def _report(ctx: Context, state: TrainState) -> LogState:
+    last: LogState | None = state.extras.get("log_every")
+    sums = _current_sums(state)
+    same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
+    base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
+    interval = {k: v - last.sums[k] for k, v in sums.items()} if same_epoch else sums  # type: ignore[union-attr]
+    means = finite_loss_mean(reduce_means(ctx.accelerator, interval, state.batch_in_epoch - base_batches))
+    values = {**means, "lr": float(inner_optimizer(state.optimizer).param_groups[0]["lr"]), "epoch": float(state.epoch)}
+    emit(ctx, {f"train/{k}" if k not in ("lr", "epoch") else k: v for k, v in values.items()}, state.step)
+    return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), MappingProxyType(values))
+
+
+def every_steps(n: int, fn: EpochFn) -> StepTransformer:
+    """Run the epoch function ``fn`` (an ``evaluate``, a checkpoint) after every ``n``-th optimizer update.
+
+    For evaluation inside long epochs: ``every_steps(500, evaluate(ctx, loss_fn, eval_dl))``.
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("every_steps", n)
+
+    def transform(step: Step) -> Step:
+        def periodic(state: TrainState, batch: Batch) -> TrainState:
+            new = step(state, batch)
+            if new.step != state.step and new.step % n == 0:
+                return returned_state(fn, fn(new))
+            return new
+
+        return named(periodic, f"every_steps({n}, {name_of(fn)})({name_of(step)})")
+
+    return transform
+
+
+LR_SCALE = "lr_scale"
+
+
+def lr_schedule(schedule: Callable[[int], float]) -> StepTransformer:
+    """Set every parameter group's learning rate to ``schedule(state.step)`` before each step.
+
+    ``state.step`` counts optimizer updates, identical on every process, so the
+    schedule's meaning does not depend on the number of processes or the
+    accumulation steps. Use it instead of a torch scheduler, not with one. A
+    factor recorded by :func:`~trainfold.reduce_lr_on_plateau` in
+    ``state.extras["lr_scale"]`` multiplies the scheduled value.
+
+    Example:
+        >>> from trainfold import testing, warmup_linear
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> step = lr_schedule(warmup_linear(0.1, warmup_steps=2, total_steps=4))(make_step(ctx, loss_fn))
+        >>> state = run_epoch(ctx, step, loader, state)
+        >>> state.optimizer.param_groups[0]["lr"]  # set before the 4th update: schedule(3)
+        0.05
+
+    .. versionadded:: 0.1.0
+    """
+
+    def transform(step: Step) -> Step:
+        def scheduled(state: TrainState, batch: Batch) -> TrainState:
+            lr = schedule(state.step) * state.extras.get(LR_SCALE, 1.0)
+            for group in inner_optimizer(state.optimizer).param_groups:
+                group["lr"] = lr
+            return step(state, batch)
+
+        return named(scheduled, f"lr_schedule({schedule!r})({name_of(step)})")
+
+    return transform

@@ -1,0 +1,282 @@
+"""Step transformers, each against a fake inner step and in a real loop."""
+
+import logging
+
+import attrs
+import pytest
+import torch
+from accelerate import Accelerator
+from toolz import compose
+
+from trainfold import (
+    Context, TrainState, constant, ema, ema_model, evaluate, every_steps, log_every, loop, lr_schedule, make_step,
+    max_steps, nan_guard, progress_bar, run_epoch, testing, warmup_cosine, warmup_linear,
+)
+
+from helpers import ce_loss, classification_data, mlp
+
+
+def _fake_state(**kw):
+    return TrainState(model=None, optimizer=None, scheduler=None, accelerator=None, **kw)
+
+
+def _counting_step(calls):
+    def step(state, batch):
+        calls.append(batch)
+        return attrs.evolve(state, step=state.step + 1, micro_step=state.micro_step + 1)
+
+    return step
+
+
+def test_max_steps_stops_at_n_and_does_not_call_the_step_after():
+    calls = []
+    step = max_steps(2)(_counting_step(calls))
+
+    s = step(step(step(_fake_state(), "a"), "b"), "c")
+
+    assert ["a", "b"] == calls
+    assert (2, True) == (s.step, s.should_stop)
+
+
+def test_max_steps_ends_run_epoch_early_and_loop_stops():
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+
+    final = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
+
+    assert (6, 2, True) == (final.step, final.epoch, final.should_stop)
+
+
+def test_every_steps_runs_the_epoch_function_after_every_nth_update():
+    calls = []
+    seen = []
+
+    def mark(s):
+        seen.append(s.step)
+        return s
+
+    step = every_steps(3, mark)(_counting_step(calls))
+    s = _fake_state()
+    for i in range(7):
+        s = step(s, i)
+
+    assert [3, 6] == seen
+
+
+def test_every_steps_with_evaluate_inside_an_epoch():
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    step = every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn))
+
+    final = run_epoch(ctx, step, loader, state)
+
+    assert [(0, 2), (0, 4)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]
+
+
+def test_lr_schedule_sets_the_rate_from_the_update_count():
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    seen = []
+
+    def spy(s, b):
+        seen.append(s.optimizer.param_groups[0]["lr"])
+        return make_step(ctx, loss_fn)(s, b)
+
+    run_epoch(ctx, lr_schedule(warmup_linear(0.4, warmup_steps=2, total_steps=4))(spy), loader, state)
+
+    assert [0.0, 0.2, 0.4, 0.2] == seen
+
+
+def test_schedules_do_not_depend_on_anything_but_the_step():
+    s = warmup_cosine(1.0, warmup_steps=0, total_steps=4, end_lr=0.5)
+    assert [1.0, 0.75, 0.5, 0.5] == [round(s(k), 6) for k in (0, 2, 4, 9)]
+    assert 0.3 == constant(0.3)(10**9)
+    with pytest.raises(ValueError, match="warmup_steps <= total_steps"):
+        warmup_linear(1.0, warmup_steps=5, total_steps=4)
+
+
+def test_ema_tracks_the_weights_every_update():
+    """With decay d, after one update ema = d * w0 + (1 - d) * w1, exactly on the device."""
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    w0 = testing.parameters(state)
+    step = ema(0.75)(make_step(ctx, loss_fn))
+
+    one = step(state, next(iter(loader)))
+
+    w1 = testing.parameters(one)
+    averaged = testing.parameters(ema_model(one))
+    for k in w0:
+        torch.testing.assert_close(averaged[k], torch.lerp(w0[k], w1[k], 0.25), rtol=0, atol=0)
+    assert 1 == one.extras["ema"].updates
+    assert "ema" not in state.extras
+
+
+def test_ema_model_can_be_evaluated():
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    state = run_epoch(ctx, ema(0.5)(make_step(ctx, loss_fn)), loader, state)
+
+    new = evaluate(ctx, loss_fn, loader, state, prefix="ema", model=ema_model)
+
+    assert "ema_loss" in new.metrics
+    assert new.metrics["ema_loss"] != evaluate(ctx, loss_fn, loader, state).metrics["eval_loss"]
+
+
+def test_ema_model_without_ema_says_how_to_get_one():
+    with pytest.raises(KeyError, match=r"wrap the step with ema\(decay\)"):
+        ema_model(_fake_state())
+
+
+def _nan_setup(fused, **acc):
+    ctx = Context(accelerator=Accelerator(cpu=True, **acc))
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(classification_data(48), batch_size=8))
+    return ctx, state, dl
+
+
+def _poisoned(bad_micro_steps):
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = ce_loss(model, batch)
+        return loss * float("nan") if calls["n"] in bad_micro_steps else loss
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nan_guard_skips_the_update_and_counts_it(fused):
+    """A NaN batch leaves the weights (and Adam's state) as they were; the next finite one trains."""
+    ctx, state, dl = _nan_setup(fused)
+    step = nan_guard(3)(make_step(ctx, _poisoned({2})))
+    batches = list(dl)
+
+    one = step(state, batches[0])
+    before = testing.parameters(one)
+    two = step(one, batches[1])
+    testing.assert_params_equal(before, two)
+    three = step(two, batches[2])
+
+    testing.assert_params_changed(before, three)
+    guard = three.extras["nan_guard"]
+    assert (1, 0) == (guard.skipped.item(), guard.consecutive.item())
+    assert not any(torch.isnan(p).any() for p in three.model.parameters())
+
+
+def test_nan_guard_skips_on_the_device_without_a_host_sync_for_fused_optimizers():
+    ctx, state, dl = _nan_setup(True)
+    step = nan_guard(3, check_every=1000)(make_step(ctx, _poisoned({2})))
+    batches = list(dl)
+    state = step(state, batches[0])
+
+    with testing.count_host_syncs() as syncs:
+        step(step(state, batches[1]), batches[2])
+
+    assert 0 == syncs.total
+
+
+def test_nan_guard_stops_the_run_after_k_in_a_row():
+    ctx, state, dl = _nan_setup(True)
+    step = nan_guard(2, check_every=1)(make_step(ctx, _poisoned({3, 4})))
+
+    final = run_epoch(ctx, step, dl, state)
+
+    assert final.should_stop and 4 == final.step
+    assert 2 == final.extras["nan_guard"].skipped.item()
+
+
+def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
+    ctx, state, dl = _nan_setup(True)
+    losses = []
+
+    def loss_fn(model, batch):
+        loss = ce_loss(model, batch)
+        losses.append(loss.detach())
+        return loss * float("nan") if len(losses) == 2 else loss
+
+    final = run_epoch(ctx, nan_guard(5)(make_step(ctx, loss_fn)), dl, state)
+
+    finite = [l.item() for i, l in enumerate(losses) if i != 1]
+    assert final.metrics["train_loss"] == pytest.approx(sum(finite) / len(finite), rel=1e-6)
+    assert final.metrics["train_nonfinite"] == pytest.approx(1 / 6)
+
+
+def test_without_nan_guard_a_nan_batch_shows_in_the_epoch_record():
+    ctx, state, dl = _nan_setup(True)
+
+    final = run_epoch(ctx, make_step(ctx, _poisoned({2})), dl, state)
+
+    assert final.metrics["train_loss"] != final.metrics["train_loss"]  # nan
+
+
+def test_log_every_reports_interval_means_to_logging(caplog):
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=32)
+    losses = []
+
+    def spy(model, batch):
+        loss = loss_fn(model, batch)
+        losses.append(loss.item())
+        return loss
+
+    with caplog.at_level(logging.INFO, logger="trainfold"):
+        final = run_epoch(ctx, log_every(ctx, 4)(make_step(ctx, spy)), loader, state)
+
+    reports = [r.getMessage() for r in caplog.records]
+    assert 2 == len(reports) and reports[0].startswith("step 4:") and reports[1].startswith("step 8:")
+    assert final.extras["log_every"].values["loss"] == pytest.approx(sum(losses[4:]) / 4, rel=1e-6)
+    assert "lr" in final.extras["log_every"].values
+
+
+def test_log_every_writes_to_tensorboard(tmp_path):
+    acc = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    acc.init_trackers("run")
+    ctx, state, loader, loss_fn = testing.tiny_setup(accelerator=acc)
+
+    run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
+    ctx.close()
+
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_log_every_adds_no_sync_between_reports():
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=64)
+    step = log_every(ctx, 100)(make_step(ctx, loss_fn))
+    batches = list(loader)
+
+    with testing.count_host_syncs() as syncs:
+        for b in batches:
+            state = step(state, b)
+
+    assert 0 == syncs.total
+
+
+def test_progress_bar_is_off_when_not_a_terminal_and_can_be_forced(capsys):
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    plain = make_step(ctx, loss_fn)
+
+    assert plain is progress_bar(ctx, total=4)(plain)
+
+    run_epoch(ctx, progress_bar(ctx, total=4, force=True)(log_every(ctx, 2)(plain)), loader, state)
+    err = capsys.readouterr().err
+    assert "epoch 1" in err and "4/4" in err and "loss=" in err
+
+
+def test_all_transformers_together_keep_the_step_sync_free():
+    """With every sync-free transformer composed, a step has no host sync (fused optimizer)."""
+    ctx, state, dl = _nan_setup(True)
+    step = compose(max_steps(1000), log_every(ctx, 1000), nan_guard(3, check_every=1000), ema(0.9),
+                   lr_schedule(warmup_cosine(0.01, 2, 100)), progress_bar(ctx))(make_step(ctx, ce_loss, clip_grad_norm=1.0))
+    batches = list(dl)
+    state = step(state, batches[0])
+
+    with testing.count_host_syncs() as syncs:
+        for b in batches[1:]:
+            state = step(state, b)
+
+    assert 0 == syncs.total
+
+
+def test_composed_transformers_have_readable_names():
+    step = compose(max_steps(5), nan_guard(2))(lambda s, b: s)
+
+    assert "max_steps(5)(nan_guard(2)(<lambda>))" == step.__qualname__
