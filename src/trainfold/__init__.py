@@ -5,6 +5,13 @@ from ._types import EpochFn as EpochFn
 from ._types import LossFn as LossFn
 from ._types import Step as Step
 from ._types import StepTransformer as StepTransformer
+from .checkpoint import CheckpointError as CheckpointError
+from .checkpoint import checkpoint_every as checkpoint_every
+from .checkpoint import latest_checkpoint as latest_checkpoint
+from .checkpoint import list_checkpoints as list_checkpoints
+from .checkpoint import load_checkpoint as load_checkpoint
+from .checkpoint import save_checkpoint as save_checkpoint
+from .checkpoint import verify_checkpoint as verify_checkpoint
 from .context import Context as Context
 from .epoch import evaluate as evaluate
 from .epoch import predict as predict
@@ -39,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "CheckpointError",
     "Context",
     "EpochFn",
     "History",
@@ -48,6 +56,7 @@ __all__ = [
     "StepTransformer",
     "TrainState",
     "__version__",
+    "checkpoint_every",
     "constant",
     "early_stop",
     "ema",
@@ -55,6 +64,9 @@ __all__ = [
     "evaluate",
     "every",
     "every_steps",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
     "log_epoch",
     "log_every",
     "loop",
@@ -70,7 +82,9 @@ __all__ = [
     "restore_best",
     "run_epoch",
     "save_best",
+    "save_checkpoint",
     "until",
+    "verify_checkpoint",
     "warmup_cosine",
     "warmup_linear",
 ]

@@ -97,3 +97,97 @@ def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's wrapper (for reading lr and state)."""
     return getattr(optimizer, "optimizer", optimizer)
+
+
+# --- The data position: what a checkpoint needs to continue an epoch exactly -----------------
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The torch Generators that decide a loader's shuffle order (deduplicated, in a stable order)."""
+    from accelerate.data_loader import get_sampler
+
+    found: list[torch.Generator] = []
+    base = getattr(loader, "base_dataloader", loader)
+    try:
+        sampler = get_sampler(loader)
+    except Exception:
+        sampler = None
+    for g in (getattr(loader, "synchronized_generator", None), getattr(sampler, "generator", None), getattr(base, "generator", None)):
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def is_resumable_loader(loader: Any) -> bool:
+    from accelerate.data_loader import DataLoaderShard
+
+    return isinstance(loader, DataLoaderShard)
+
+
+def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
+    """The batch a prepared loader has already read but not yet yielded: ``(True, batch)`` or ``(False, None)``.
+
+    ``DataLoaderShard.__iter__`` (and :func:`resumed_epoch`) read one batch
+    ahead, so after the step on batch ``k`` the loader holds batch ``k + 1``,
+    drawn with the random state of that moment. A checkpoint stores it, because
+    re-reading it later would draw different random numbers (augmentation).
+    """
+    if loader.end_of_dataloader:
+        return False, None
+    frame = getattr(iterator, "gi_frame", None)
+    if frame is None or "next_batch" not in frame.f_locals:
+        raise RuntimeError(
+            "cannot find the batch the loader has read ahead: the epoch is not being iterated by run_epoch "
+            "over a loader prepared with ctx.prepare_loaders (or this Accelerate version iterates differently)."
+        )
+    return True, frame.f_locals["next_batch"]
+
+
+def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+    """Iterate the rest of an interrupted epoch exactly as ``DataLoaderShard.__iter__`` would have.
+
+    ``consumed`` batches were stepped on and, if ``read_ahead[0]``, one more was
+    read ahead. The sampler's permutation is drawn again under the epoch's
+    starting random state, the consumed and read-ahead index batches are skipped
+    without loading their data (with ``num_workers=0``), then the random state of
+    the checkpoint is restored and iteration continues with the same one-batch
+    look-ahead, so every later batch is read with the same random numbers.
+    """
+    from accelerate.utils import send_to_device, synchronize_rng_states
+
+    def to_device(batch: Any) -> Any:
+        return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
+
+    restore_epoch_start()
+    if loader.rng_types is not None:
+        synchronize_rng_states(loader.rng_types, loader.synchronized_generator)
+    loader.begin()
+    loader.set_epoch(loader.iteration)
+    base_iter = iter(loader.base_dataloader)
+    has_ahead, ahead = read_ahead
+    skip = consumed + (1 if has_ahead else 0)
+    sampler_iter = getattr(base_iter, "_sampler_iter", None)
+    if sampler_iter is not None and loader.base_dataloader.num_workers == 0:
+        for _ in range(skip):  # draws the permutation, loads nothing
+            next(sampler_iter)
+    else:
+        for _ in range(skip):  # workers or an iterable dataset: load and drop (order exact)
+            next(base_iter)
+    restore_now()
+    if not has_ahead:
+        loader.end_of_dataloader = True
+        loader.iteration += 1
+        loader.end()
+        return
+    current_batch = to_device(ahead)
+    while True:
+        try:
+            next_batch = next(base_iter)
+        except StopIteration:
+            loader.end_of_dataloader = True
+            yield current_batch
+            break
+        yield current_batch
+        current_batch = to_device(next_batch)
+    loader.iteration += 1
+    loader.end()

@@ -10,7 +10,10 @@ import attrs
 import torch
 from toolz import curry
 
-from ._backend import real_samples_in_batch
+from . import _rng as rng
+from ._backend import is_resumable_loader, loader_generators, real_samples_in_batch, resumed_epoch
+from ._cursor import EpochCursor, Resume
+from ._rng import RngStates
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
@@ -78,8 +81,10 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     state = expect_owned("run_epoch", ctx, expect_state("run_epoch", state))
     ctx.check()
     state.model.train()
+    iterator, epoch_start = _start_epoch(state, loader)
+    state = attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start))
     seen = 0
-    for batch in loader:
+    for batch in iterator:
         state = step(state, batch)
         seen += 1
         if state.should_stop:
@@ -87,6 +92,35 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     if seen == 0 and state.batch_in_epoch == 0:
         raise _empty_loader("run_epoch", loader)
     return end_epoch(ctx, state)
+
+
+def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[Batch], RngStates]:
+    """The epoch's iterator, and the random state it starts from (what a checkpoint needs to replay it).
+
+    A state from ``load_checkpoint`` continues its interrupted epoch: see
+    :func:`trainfold._backend.resumed_epoch`.
+    """
+    resume = state.cursor if isinstance(state.cursor, Resume) else None
+    generators = loader_generators(loader)
+    if resume is None:
+        return iter(loader), rng.capture(generators)  # ~60 us, once per epoch
+    if not is_resumable_loader(loader):
+        raise TypeError(
+            "run_epoch: to continue a run from a checkpoint, the loader must be prepared with "
+            f"ctx.prepare_loaders (got a {type(loader).__name__})."
+        )
+    loader.iteration = state.epoch  # a new loader starts at 0; the sampler's set_epoch needs the real one
+    if state.batch_in_epoch == 0 or resume.epoch_start is None:
+        rng.restore(resume.now, generators)
+        return iter(loader), rng.capture(generators)
+    iterator = resumed_epoch(
+        loader,
+        state.batch_in_epoch,
+        resume.read_ahead,
+        restore_epoch_start=lambda: rng.restore(resume.epoch_start, generators),
+        restore_now=lambda: rng.restore(resume.now, generators),
+    )
+    return iterator, resume.epoch_start
 
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
@@ -103,6 +137,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         loss_sum=torch.zeros((), device=ctx.accelerator.device),
         aux_sums=MappingProxyType({}),
         history=history,
+        cursor=None,
     )
 
 

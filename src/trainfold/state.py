@@ -52,6 +52,10 @@ class TrainState:
         extras: named states of step transformers and epoch functions
             (``extras["nan_guard"]``...), a read-only mapping.
 
+    Position:
+        cursor: a handle to the epoch being iterated (set by ``run_epoch``), or
+            what ``load_checkpoint`` found to resume it; None between epochs.
+
     Subclass only to add fields (as flax's TrainState allows).
 
     .. versionadded:: 0.1.0
@@ -70,6 +74,7 @@ class TrainState:
     history: History = History()
     should_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
+    cursor: Any = attrs.field(default=None, repr=False, eq=False)
 
     @classmethod
     def create(

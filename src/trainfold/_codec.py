@@ -1,0 +1,98 @@
+"""Plain-value encoding for checkpoints: JSON for structure, a flat dict of tensors for safetensors.
+
+Nothing here unpickles or imports by name: decoding only rebuilds JSON values,
+tuples, int-keyed dicts, tensors and the trainfold record types registered in
+``RECORDS``. That is what makes loading a checkpoint unable to run code.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Mapping
+
+import attrs
+import torch
+
+#: The attrs record types a checkpoint may contain, by name (filled by checkpoint.py).
+RECORDS: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    RECORDS[cls.__name__] = cls
+    return cls
+
+
+class Encoder:
+    """Collects tensors under unique keys while turning a value into JSON."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def tensor(self, key: str, t: torch.Tensor) -> dict[str, str]:
+        # clone: safetensors refuses tensors that share memory, and CPU .cpu() is the same tensor
+        self.tensors[key] = t.detach().to("cpu").contiguous().clone()
+        return {"__tensor__": key}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.tensor(path, value)
+        if isinstance(value, torch.nn.Module):
+            for k, t in value.state_dict().items():
+                self.tensor(f"{path}.{k}", t)
+            return {"__module__": path}
+        if attrs.has(type(value)) and type(value).__name__ in RECORDS:
+            fields = {f.name: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value))}
+            return {"__record__": type(value).__name__, "fields": fields}
+        if isinstance(value, tuple):
+            return {"__tuple__": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            return {"__dict__": [[self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{k}")] for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, torch.dtype):
+            return {"__dtype__": str(value).removeprefix("torch.")}
+        raise TypeError(
+            f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
+            "numbers, strings, tensors, tuples, lists, dicts and trainfold's own records; keep other "
+            "objects out of state.extras (or store their state as such values)."
+        )
+
+
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[], torch.nn.Module] | None = None, device: Any = None) -> Any:
+    """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given."""
+
+    def go(o: Any) -> Any:
+        if isinstance(o, list):
+            return [go(v) for v in o]
+        if not isinstance(o, dict):
+            return o
+        if "__tensor__" in o:
+            t = tensors[o["__tensor__"]]
+            return t.to(device) if device is not None else t
+        if "__tuple__" in o:
+            return tuple(go(v) for v in o["__tuple__"])
+        if "__dict__" in o:
+            return {go(k): go(v) for k, v in o["__dict__"]}
+        if "__dtype__" in o:
+            return getattr(torch, o["__dtype__"])
+        if "__record__" in o:
+            cls = RECORDS.get(o["__record__"])
+            if cls is None:
+                raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r}")
+            return cls(**{k: go(v) for k, v in o["fields"].items()})
+        if "__module__" in o:
+            if module_template is None:
+                raise ValueError("the checkpoint holds a model copy (an EMA?) but no model to copy its structure from")
+            prefix = o["__module__"] + "."
+            module = module_template()
+            module.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=True)
+            return module.to(device) if device is not None else module
+        raise ValueError(f"unreadable value in the checkpoint: {sorted(o)}")
+
+    return go(obj)
+
+
+def deep_template(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    return lambda: copy.deepcopy(model)

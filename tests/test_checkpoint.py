@@ -1,0 +1,220 @@
+"""Checkpoints: resume from any position ends bit-identical; damage is refused; nothing runs on load."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    CheckpointError, Context, TrainState, checkpoint_every, ema, latest_checkpoint, list_checkpoints, load_checkpoint,
+    log_every, loop, make_step, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
+)
+
+import helpers
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """Draws from the global torch RNG in __getitem__, like a random augmentation."""
+
+    def __init__(self, n=21):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def _setup(ga=3, seed=0):
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = helpers.mlp(dropout=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
+    return ctx, state, dl
+
+
+EPOCHS = 3
+
+
+def _train(ctx, state, dl, step_wrapper=lambda s: s):
+    step = step_wrapper(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)))
+    return loop(run_epoch(ctx, step, dl), max_epochs=EPOCHS)(state)
+
+
+def _save_every_batch(ctx, root):
+    def wrap(step):
+        def saving(state, batch):
+            return save_checkpoint(ctx, root, step(state, batch))
+
+        return saving
+
+    return wrap
+
+
+def test_resume_from_every_batch_position_is_bit_exact(tmp_path):
+    """6 batches an epoch (the last short), accumulation 3: resume after any of the 18 batches."""
+    expected = _train(*_setup())
+    ctx, state, dl = _setup()
+    with_saves = _train(ctx, state, dl, _save_every_batch(ctx, tmp_path))
+    testing.assert_params_equal(expected, with_saves)  # saving changes nothing
+    checkpoints = list_checkpoints(tmp_path)
+    assert 18 == len(checkpoints)
+
+    for ckpt in checkpoints:
+        ctx, state, dl = _setup(seed=123)  # other initial weights: everything must come from the checkpoint
+        resumed = _train(ctx, load_checkpoint(ctx, ckpt, state), dl)
+
+        testing.assert_params_equal(expected, resumed)
+        testing.assert_params_equal(testing.parameters(expected.extras["ema"].model), testing.parameters(resumed.extras["ema"].model))
+        assert expected.history == resumed.history, ckpt.name
+        assert (expected.step, expected.micro_step, expected.epoch) == (resumed.step, resumed.micro_step, resumed.epoch)
+
+
+def test_resume_keeps_transformer_states(tmp_path):
+    ctx, state, dl = _setup(ga=1)
+    step = checkpoint_every(ctx, tmp_path, 4)(nan_guard(3)(log_every(ctx, 2)(make_step(ctx, helpers.ce_loss))))
+    state = run_epoch(ctx, step, dl, state)
+
+    ctx, fresh, dl = _setup(ga=1)
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+
+    assert 4 == resumed.step
+    assert {"nan_guard", "log_every"} <= set(resumed.extras)
+    assert 0 == resumed.extras["nan_guard"].skipped.item()
+    assert resumed.extras["log_every"].step == 4
+
+
+def test_checkpoint_every_and_keep_last(tmp_path):
+    ctx, state, dl = _setup(ga=1)
+    step = checkpoint_every(ctx, tmp_path, 2, keep_last=2)(make_step(ctx, helpers.ce_loss))
+
+    loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert ["ckpt-0000000010", "ckpt-0000000012"] == names
+    assert latest_checkpoint(tmp_path).name == "ckpt-0000000012"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def _one_checkpoint(tmp_path):
+    ctx, state, dl = _setup(ga=1)
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, tmp_path, state)
+    return latest_checkpoint(tmp_path)
+
+
+def _files(ckpt):
+    return sorted(p.name for p in ckpt.iterdir() if p.name != "MANIFEST.json")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "altered"])
+def test_every_kind_of_damage_to_every_file_is_refused(tmp_path, damage):
+    ckpt = _one_checkpoint(tmp_path / "good")
+    for name in _files(ckpt):
+        broken = tmp_path / f"{damage}-{name}"
+        shutil.copytree(ckpt, broken)
+        f = broken / name
+        if damage == "missing":
+            f.unlink()
+        elif damage == "truncated":
+            f.write_bytes(f.read_bytes()[:-7])
+        else:
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            f.write_bytes(bytes(data))
+        ctx, state, _ = _setup(ga=1)
+        before = testing.parameters(state)
+
+        with pytest.raises(CheckpointError, match=rf"file {name} (is missing|has \d+ bytes|does not match)"):
+            load_checkpoint(ctx, broken, state)
+        testing.assert_params_equal(before, state)  # nothing was touched
+
+
+def test_a_damaged_manifest_and_a_folder_that_is_not_a_checkpoint(tmp_path):
+    ckpt = _one_checkpoint(tmp_path / "root")
+    (ckpt / "MANIFEST.json").write_text("{not json")
+    ctx, state, _ = _setup(ga=1)
+
+    with pytest.raises(CheckpointError, match="MANIFEST.json is damaged"):
+        load_checkpoint(ctx, ckpt, state)
+    with pytest.raises(CheckpointError, match="neither a trainfold checkpoint nor a folder of checkpoints"):
+        load_checkpoint(ctx, tmp_path / "empty", state)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointError, match="has no MANIFEST.json"):
+        verify_checkpoint(tmp_path / "other")
+
+
+def test_swapped_in_pickles_never_run(tmp_path):
+    """Even with the manifest rewritten to match, a pickle in place of a file is never unpickled."""
+    ckpt = _one_checkpoint(tmp_path / "root")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    for name in _files(ckpt):
+        (ckpt / name).write_bytes(pickle.dumps(Evil()))
+        import hashlib
+
+        data = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    ctx, state, _ = _setup(ga=1)
+
+    with pytest.raises(CheckpointError):
+        load_checkpoint(ctx, ckpt, state)
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_another_model_names_the_parameter(tmp_path):
+    ckpt = _one_checkpoint(tmp_path)
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              scheduler=torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 2))
+
+    with pytest.raises(CheckpointError, match=r"parameter '0.weight' has shape \(16, 8\) in the checkpoint and \(32, 8\)"):
+        load_checkpoint(ctx, ckpt, state)
+
+
+def test_a_checkpoint_with_another_optimizer_layout_is_refused(tmp_path):
+    ckpt = _one_checkpoint(tmp_path)
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = helpers.mlp(dropout=0.3)
+    params = list(model.parameters())
+    opt = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1, momentum=0.9)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
+
+    with pytest.raises(CheckpointError, match=r"optimizer layout differs.*\[4\], this optimizer \[2, 2\]"):
+        load_checkpoint(ctx, ckpt, state)
+
+
+def test_a_checkpoint_with_other_accumulation_is_refused(tmp_path):
+    ckpt = _one_checkpoint(tmp_path)
+    ctx, state, _ = _setup(ga=2)
+
+    with pytest.raises(CheckpointError, match="gradient_accumulation_steps=1, this run uses 2"):
+        load_checkpoint(ctx, ckpt, state)
+
+
+def test_a_root_with_only_an_unfinished_save(tmp_path):
+    (tmp_path / ".tmp-ckpt-0000000004").mkdir()
+    ctx, state, _ = _setup(ga=1)
+
+    with pytest.raises(CheckpointError, match="only unfinished checkpoints"):
+        load_checkpoint(ctx, tmp_path, state)
