@@ -117,3 +117,48 @@ def _env():
     import os
 
     return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def _checkpoint_on_this_rank(root):
+    from trainfold import checkpoint_every, list_checkpoints, load_checkpoint
+
+    def setup(seed):
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        torch.manual_seed(seed)
+        ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+        model = helpers.mlp(dropout=0.3)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(44), batch_size=4, shuffle=True))
+        return ctx, state, dl
+
+    def train(ctx, state, dl, wrap=lambda s: s):
+        return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
+
+    expected = testing.parameters(train(*setup(0)))
+    ctx, state, dl = setup(0)
+    train(ctx, state, dl, checkpoint_every(ctx, root, 1))
+    ckpts = list_checkpoints(root)
+    results = []
+    for ckpt in (ckpts[1], ckpts[len(ckpts) // 2], ckpts[-1]):
+        ctx, state, dl = setup(99)
+        resumed = train(ctx, load_checkpoint(ctx, ckpt, state), dl)
+        results.append((ckpt.name, testing.parameters(resumed)))
+    return expected, results, [c.name for c in ckpts]
+
+
+def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
+    """One writer for shared files, each rank its own random state and read-ahead batch; resume is bit-exact."""
+    from trainfold import CheckpointError, load_checkpoint
+
+    ranks = testing.run_distributed(_checkpoint_on_this_rank, str(tmp_path), nprocs=2)
+
+    for expected, results, names in ranks:
+        assert 6 == len(names)  # 44 samples, 2 ranks x batch 4: 6 batches each, 3 updates an epoch
+        for name, params in results:
+            testing.assert_params_equal(expected, params)
+    assert {f"rank-{r}.safetensors" for r in (0, 1)} <= {p.name for p in (tmp_path / names[0]).iterdir()}
+
+    ctx, state, _, _ = testing.tiny_setup()
+    with pytest.raises(CheckpointError, match="written by 2 processes but this run has 1"):
+        load_checkpoint(ctx, tmp_path, state)

@@ -9,11 +9,11 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("script", ["digits.py"])
-def test_example_runs_in_smoke_mode(script):
+@pytest.mark.parametrize("script,expect", [("digits.py", "test accuracy"), ("quickstart.py", "test accuracy")])
+def test_example_runs_in_smoke_mode(script, expect):
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--smoke"], capture_output=True, text=True, timeout=300
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]
-    assert "test accuracy" in result.stdout
+    assert expect in result.stdout

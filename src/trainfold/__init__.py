@@ -21,6 +21,7 @@ from .epoch_fns import log_epoch as log_epoch
 from .epoch_fns import reduce_lr_on_plateau as reduce_lr_on_plateau
 from .epoch_fns import restore_best as restore_best
 from .epoch_fns import save_best as save_best
+from .fit import fit as fit
 from .history import History as History
 from .history import Record as Record
 from .loop import every as every
@@ -64,6 +65,7 @@ __all__ = [
     "evaluate",
     "every",
     "every_steps",
+    "fit",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

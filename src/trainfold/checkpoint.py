@@ -224,7 +224,9 @@ def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
 
 def _prune(root: Path, keep_last: int) -> None:
     for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        doomed = old.with_name(f".del-{old.name}")
+        os.replace(old, doomed)  # never a half-deleted folder that still looks committed
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:

@@ -1,0 +1,94 @@
+"""fit: the common case in one call, composed from the public primitives (not a second implementation)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Sequence
+
+from toolz import compose
+
+from ._types import Batch, EpochFn, LossFn, StepTransformer
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .context import Context
+from .epoch import evaluate, run_epoch
+from .epoch_fns import early_stop, log_epoch
+from .loop import loop
+from .state import TrainState
+from .step import make_step
+from .tracking import progress_bar
+from .transforms import log_every
+
+
+def fit(
+    ctx: Context,
+    loss_fn: LossFn,
+    train_loader: Iterable[Batch],
+    state: TrainState,
+    *,
+    max_epochs: int,
+    eval_loader: Iterable[Batch] | None = None,
+    clip_grad_norm: float | None = None,
+    clip_grad_value: float | None = None,
+    patience: int | None = None,
+    monitor: str = "eval_loss",
+    mode: str = "min",
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    keep_last: int | None = 3,
+    resume: bool = True,
+    log_every_n: int | None = None,
+    progress: bool = True,
+    transforms: Sequence[StepTransformer] = (),
+    epoch_fns: Sequence[EpochFn] = (),
+) -> TrainState:
+    """Train for up to ``max_epochs``: evaluate, stop early and checkpoint each epoch, as asked.
+
+    It is exactly this composition (read bottom-up), and nothing more::
+
+        step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip...))))
+        epoch = compose(log_epoch(ctx), *reversed(epoch_fns),
+                        save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),
+                        early_stop(monitor, patience=patience, mode=mode),
+                        evaluate(ctx, loss_fn, eval_loader),
+                        run_epoch(ctx, step, train_loader))
+        state = load_checkpoint(ctx, checkpoint_dir, state)   # if resume and one exists
+        return loop(epoch, max_epochs)(state)
+
+    where each optional piece is left out when its option is not given.
+    ``transforms`` wrap the step (the first outermost); ``epoch_fns`` run after
+    the checkpoint, in order.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = fit(ctx, loss_fn, loader, state, max_epochs=3, eval_loader=loader, patience=2, progress=False)
+        >>> state.epoch, sorted(state.metrics)
+        (3, ['eval_loss', 'train_loss'])
+
+    .. versionadded:: 0.1.0
+    """
+    step = make_step(ctx, loss_fn, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+    if transforms:
+        step = compose(*transforms)(step)
+    if log_every_n is not None:
+        step = log_every(ctx, log_every_n)(step)
+    if progress:
+        step = progress_bar(ctx, total=_len_or_none(train_loader))(step)
+    stages: list[EpochFn] = [run_epoch(ctx, step, train_loader)]
+    if eval_loader is not None:
+        stages.append(evaluate(ctx, loss_fn, eval_loader))
+    if patience is not None:
+        stages.append(early_stop(monitor, patience=patience, mode=mode))
+    if checkpoint_dir is not None:
+        stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
+    stages.extend(epoch_fns)
+    stages.append(log_epoch(ctx))
+    if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir) is not None:
+        state = load_checkpoint(ctx, checkpoint_dir, state)
+    return loop(compose(*reversed(stages)), max_epochs=max_epochs)(state)
+
+
+def _len_or_none(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -1,0 +1,61 @@
+"""A training run that resumes from its latest checkpoint: killed and restarted by test_kill_resume.py.
+
+    python resumable_run.py ROOT OUT [--slow-saves]
+
+Prints "ready" once set up, saves a checkpoint after every update, and writes
+its final parameters to OUT (safetensors) when it finishes.
+"""
+
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from safetensors.torch import save_file
+
+from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
+
+
+class NoisyData(torch.utils.data.Dataset):
+    def __init__(self, n=30):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def main():
+    root, out = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
+    if latest_checkpoint(root) is not None:
+        state = load_checkpoint(ctx, root, state)
+    step = checkpoint_every(ctx, root, 1, keep_last=3)(make_step(ctx, loss_fn, clip_grad_norm=1.0))
+    if "--slow-saves" in sys.argv:  # widen the window in which a kill lands during a save
+        inner = step
+
+        def step(s, b):
+            time.sleep(0.01)
+            return inner(s, b)
+
+    print("ready", flush=True)
+    state = loop(run_epoch(ctx, step, dl), max_epochs=6)(state)
+    save_file(testing.parameters(state), out)
+    print("done", state.step, flush=True)
+
+
+if __name__ == "__main__":
+    main()

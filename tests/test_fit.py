@@ -1,0 +1,56 @@
+"""fit is the composition it documents: the same parameters and records as the loop composed by hand."""
+
+import torch
+from accelerate import Accelerator
+from toolz import compose
+
+from trainfold import (
+    Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, log_epoch, log_every, loop, make_step,
+    max_steps, run_epoch, save_checkpoint, testing,
+)
+
+import helpers
+
+
+def _setup():
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = helpers.mlp(dropout=0.2)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    train_dl, eval_dl = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4, shuffle=True),
+        torch.utils.data.DataLoader(helpers.classification_data(20, seed=9), batch_size=8),
+    )
+    return ctx, state, train_dl, eval_dl
+
+
+def test_fit_equals_the_loop_composed_by_hand(tmp_path):
+    ctx, state, train_dl, eval_dl = _setup()
+    by_fit = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=8, eval_loader=eval_dl, clip_grad_norm=0.5, patience=2,
+                 checkpoint_dir=tmp_path / "fit", keep_last=2, log_every_n=3, progress=False, transforms=[ema(0.9)])
+
+    ctx, state, train_dl, eval_dl = _setup()
+    step = log_every(ctx, 3)(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=0.5)))
+    epoch = compose(log_epoch(ctx), save_checkpoint(ctx, tmp_path / "hand", keep_last=2), early_stop("eval_loss", patience=2),
+                    evaluate(ctx, helpers.ce_loss, eval_dl), run_epoch(ctx, step, train_dl))
+    by_hand = loop(epoch, max_epochs=8)(state)
+
+    testing.assert_params_equal(by_hand, by_fit)
+    assert by_hand.history == by_fit.history
+    assert (by_hand.epoch, by_hand.should_stop) == (by_fit.epoch, by_fit.should_stop)
+    assert latest_checkpoint(tmp_path / "fit").name == latest_checkpoint(tmp_path / "hand").name
+
+
+def test_fit_resumes_from_its_checkpoints(tmp_path):
+    """A fit stopped after 2 epochs and called again continues to the same end as one uninterrupted fit."""
+    ctx, state, train_dl, eval_dl = _setup()
+    whole = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, eval_loader=eval_dl, checkpoint_dir=tmp_path / "a", progress=False)
+
+    ctx, state, train_dl, eval_dl = _setup()
+    fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=2, eval_loader=eval_dl, checkpoint_dir=tmp_path / "b", progress=False)
+    ctx, state, train_dl, eval_dl = _setup()
+    resumed = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, eval_loader=eval_dl, checkpoint_dir=tmp_path / "b", progress=False)
+
+    testing.assert_params_equal(whole, resumed)
+    assert whole.history == resumed.history
