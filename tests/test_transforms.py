@@ -280,3 +280,87 @@ def test_composed_transformers_have_readable_names():
     step = compose(max_steps(5), nan_guard(2))(lambda s, b: s)
 
     assert "max_steps(5)(nan_guard(2)(<lambda>))" == step.__qualname__
+
+
+def test_run_epoch_and_evaluate_can_limit_batches():
+    """max_batches ends an epoch (or an evaluation) early: pytorch-accelerated's limit-batches, for smoke runs."""
+    from trainfold import evaluate
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=32)
+    state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state, max_batches=3)
+    state = evaluate(ctx, loss_fn, loader, state, max_batches=2)
+
+    assert (3, 1, 0) == (state.step, state.epoch, state.batch_in_epoch)
+    x, y = loader.dataset.tensors
+    with torch.no_grad():
+        expected = torch.nn.functional.mse_loss(state.model(x[:8]), y[:8]).item()
+    assert state.metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes():
+    from trainfold.state import convert_sync_batchnorm
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sync_batchnorm=True)
+    assert isinstance(state.model[1], torch.nn.BatchNorm1d)
+
+    with pytest.raises(ValueError, match="does not run on CPU across processes"):
+        convert_sync_batchnorm(model, torch.device("cpu"))
+    converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert converted[1].weight is model[1].weight  # the optimizer's parameters stay the same objects
+
+
+def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_runs():
+    """The inner step sees extras['nan_guard'] (that is what arms the gate); a tripped flag stops the run."""
+    from trainfold._guard import NanGuardState
+
+    seen = []
+
+    def fake(state, batch):
+        guard = state.extras["nan_guard"]
+        seen.append(isinstance(guard, NanGuardState))
+        tripped = torch.tensor(batch == "bad")
+        return attrs.evolve(state.with_extra("nan_guard", attrs.evolve(guard, tripped=tripped)), step=state.step + 1)
+
+    step = nan_guard(3, check_every=2)(fake)
+    one = step(_fake_state(), "ok")
+    two = step(one, "bad")
+
+    assert [True, True] == seen
+    assert (False, True) == (one.should_stop, two.should_stop)
+
+
+def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):
+    ctx = Context(accelerator=Accelerator(cpu=True))
+
+    def fake(state, batch):
+        return attrs.evolve(state, step=state.step + batch, micro_step=state.micro_step + 1, batch_in_epoch=state.batch_in_epoch + 1,
+                            loss_sum=state.loss_sum + 1.0)
+
+    step = log_every(ctx, 2)(fake)
+    s = _fake_state(loss_sum=torch.zeros(()))
+    with caplog.at_level(logging.INFO, logger="trainfold"):
+        for batch in (0, 1, 0, 1, 1):  # updates only where batch == 1: steps 1, 2, 3
+            s = step(s, batch)
+
+    assert ["step 2"] == [r.getMessage()[:6] for r in caplog.records]
+    assert 1.0 == s.extras["log_every"].values["loss"]
+
+
+def test_ema_against_a_fake_step_updates_only_when_the_inner_step_updates():
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+
+    def fake(state, batch):
+        with torch.no_grad():
+            model.weight.fill_(batch)
+        return attrs.evolve(state, step=state.step + (batch != 0))
+
+    step = ema(0.5)(fake)
+    s = TrainState(model=model, optimizer=None, scheduler=None, accelerator=None)
+    s = step(s, 3.0)   # ema: 0.5 * 1 + 0.5 * 3 = 2
+    s = step(s, 0.0)   # no update: ema stays 2 although the weight is now 0
+
+    assert 2.0 == ema_model(s).weight.item()
+    assert 1 == s.extras["ema"].updates

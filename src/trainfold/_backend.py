@@ -191,3 +191,18 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         current_batch = to_device(next_batch)
     loader.iteration += 1
     loader.end()
+
+
+def abandon_epoch(iterator: Any, loader: Any) -> None:
+    """Close an epoch left before the loader's end (a stop flag, ``max_batches``).
+
+    A prepared loader registers itself as Accelerate's active dataloader when
+    iteration starts and unregisters at its end, which an abandoned iteration
+    never reaches; without this its stale entry would stay in ``GradientState``.
+    """
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+    references = getattr(getattr(loader, "gradient_state", None), "dataloader_references", ())
+    if any(ref is loader for ref in references):
+        loader.end()

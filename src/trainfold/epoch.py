@@ -11,7 +11,7 @@ import torch
 from toolz import curry
 
 from . import _rng as rng
-from ._backend import is_resumable_loader, loader_generators, real_samples_in_batch, resumed_epoch
+from ._backend import abandon_epoch, is_resumable_loader, loader_generators, real_samples_in_batch, resumed_epoch
 from ._cursor import EpochCursor, Resume
 from ._rng import RngStates
 from ._types import Batch, EpochFn, LossFn, Step
@@ -38,11 +38,11 @@ def _len_or_unknown(x: Any) -> str:
 
 
 @overload
-def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch]) -> EpochFn: ...
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], *, max_batches: int | None = ...) -> EpochFn: ...
 @overload
-def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState) -> TrainState: ...
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = ...) -> TrainState: ...
 @curry  # type: ignore[misc]
-def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState) -> TrainState:
+def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = None) -> TrainState:
     """Train for one epoch: fold ``step`` over ``loader``.
 
     Per epoch::
@@ -61,6 +61,9 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         step: a Step, from :func:`make_step` and step transformers.
         loader: a loader prepared with ``ctx.prepare_loaders``.
         state: the state to continue from.
+        max_batches: end the epoch after this many batches (smoke tests; what
+            pytorch-accelerated calls limiting batches). The loader is not
+            exhausted, so an unfinished accumulation group carries over.
 
     Returns:
         The state after the epoch; ``state.history["train_loss"]`` has the epoch's
@@ -84,10 +87,12 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     iterator, epoch_start = _start_epoch(state, loader)
     state = attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start))
     seen = 0
+    limit = max_batches if max_batches is not None else -1
     for batch in iterator:
         state = step(state, batch)
         seen += 1
-        if state.should_stop:
+        if state.should_stop or state.batch_in_epoch == limit:
+            abandon_epoch(iterator, loader)
             break
     if seen == 0 and state.batch_in_epoch == 0:
         raise _empty_loader("run_epoch", loader)
@@ -153,9 +158,9 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...) -> EpochFn: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> EpochFn: ...
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...) -> TrainState: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> TrainState: ...
 @curry  # type: ignore[misc]
 def evaluate(
     ctx: Context,
@@ -165,6 +170,7 @@ def evaluate(
     *,
     prefix: str = "eval",
     model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = None,
+    max_batches: int | None = None,
 ) -> TrainState:
     """Evaluate: the exact mean loss and aux metrics over every sample of ``loader``.
 
@@ -224,6 +230,8 @@ def evaluate(
             loss_sum = loss_sum + weighted(loss, real)
             aux_sums = add_to_sums(aux_sums, aux, float(real))
             count += real
+            if batches == max_batches:
+                break
     if batches == 0:
         raise _empty_loader("evaluate", loader)
     means = reduce_means(acc, {"loss": loss_sum, **aux_sums}, count)

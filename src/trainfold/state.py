@@ -85,6 +85,7 @@ class TrainState:
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
         extras: Mapping[str, Any] | None = None,
+        sync_batchnorm: bool = False,
     ) -> TrainState:
         """Prepare the model, optimizer and scheduler through the Accelerator and start counting.
 
@@ -97,6 +98,10 @@ class TrainState:
                 unless ``split_batches=True``: see the README's scheduler section), or
                 a trainfold schedule already built into the optimizer.
             extras: initial values for ``state.extras``.
+            sync_batchnorm: on several processes, convert BatchNorm layers to
+                ``torch.nn.SyncBatchNorm`` first (statistics over the global batch). The
+                optimizer keeps working: the converted layers share their parameters.
+                A no-op on one process; torch supports it on GPU and XPU only.
 
         Returns:
             A TrainState at step 0, epoch 0.
@@ -129,6 +134,8 @@ class TrainState:
             )
         ctx.check()
         acc = ctx.accelerator
+        if sync_batchnorm and acc.num_processes > 1:
+            model = convert_sync_batchnorm(model, acc.device)
         if scheduler is None:
             model, optimizer = acc.prepare(model, optimizer)
         else:
@@ -150,3 +157,17 @@ class TrainState:
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""
         return attrs.evolve(self, extras=MappingProxyType({**self.extras, name: value}))
+
+
+def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Replace BatchNorm layers by SyncBatchNorm layers that share their parameters.
+
+    Raises:
+        ValueError: on a CPU, where torch's SyncBatchNorm does not run on several processes.
+    """
+    if device.type == "cpu":
+        raise ValueError(
+            "sync_batchnorm=True needs GPUs (or XPUs): torch's SyncBatchNorm does not run on CPU "
+            "across processes. Leave it off for CPU runs."
+        )
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

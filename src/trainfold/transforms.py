@@ -232,7 +232,9 @@ def _report(ctx: Context, state: TrainState) -> LogState:
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
     interval = {k: v - last.sums[k] for k, v in sums.items()} if same_epoch else sums  # type: ignore[union-attr]
     means = finite_loss_mean(reduce_means(ctx.accelerator, interval, state.batch_in_epoch - base_batches))
-    values = {**means, "lr": float(inner_optimizer(state.optimizer).param_groups[0]["lr"]), "epoch": float(state.epoch)}
+    values = {**means, "epoch": float(state.epoch)}
+    if state.optimizer is not None:
+        values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
     emit(ctx, {f"train/{k}" if k not in ("lr", "epoch") else k: v for k, v in values.items()}, state.step)
     return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), MappingProxyType(values))
 
