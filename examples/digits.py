@@ -77,7 +77,7 @@ def main() -> None:
 
     logits = predict(ctx, lambda m, b: m(b[0]), test_dl, state)
     accuracy = (logits.argmax(-1).cpu() == test_ds.tensors[1]).float().mean().item()
-    ctx.accelerator.print(f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates")
+    ctx.accelerator.print(f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates on {ctx.accelerator.num_processes} process(es)")
     ctx.accelerator.end_training()
     if not args.smoke and accuracy < 0.95:
         raise SystemExit(f"test accuracy {accuracy:.4f} is below the 0.95 target")

@@ -110,7 +110,59 @@ def test_digits_example_under_torchrun_on_two_cpu_processes():
 
     assert 0 == result.returncode, result.stderr[-3000:]
     assert 1 == result.stdout.count("test accuracy")  # printed by the main process only
-    assert "on 360 samples" in result.stdout
+    assert "on 360 samples after 24 updates on 2 process(es)" in result.stdout
+
+
+def test_digits_example_under_accelerate_launch_with_the_readme_config():
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ROOT / "examples" / "launch" / "cpu_2proc.yaml"),
+           "--main_process_port", str(testing.free_port()), str(ROOT / "examples" / "digits.py"), "--smoke", "--cpu"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env())
+
+    assert 0 == result.returncode, result.stderr[-3000:]
+    assert "on 360 samples after 24 updates on 2 process(es)" in result.stdout
+
+
+@pytest.mark.parametrize("launcher", ["debug", "notebook"])
+def test_the_same_loop_under_accelerates_python_launchers(launcher):
+    cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "launchers.py"), launcher, str(testing.free_port())]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=_env())
+
+    assert 0 == result.returncode, result.stderr[-3000:]
+    assert "processes 2 steps 5 eval_loss" in result.stdout
+
+
+def _early_stop_on_rank_one_data():
+    from toolz import compose
+
+    from trainfold import early_stop
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    ctx_, state, loader, loss_fn = testing.tiny_setup(accelerator=ctx.accelerator)
+    rank = ctx.accelerator.process_index
+
+    def eval_fn(model, batch):
+        # Only rank 1's data gets worse, from epoch 2 on.
+        worse = torch.tensor(float(rank == 1 and state_box[0].epoch >= 2))
+        return loss_fn(model, batch), {"bad": worse}
+
+    state_box = [state]
+
+    def remember(s):
+        state_box[0] = s
+        return s
+
+    epoch = compose(early_stop("eval_bad", patience=1), evaluate(ctx, eval_fn, loader), remember, run_epoch(ctx, make_step(ctx, loss_fn), loader))
+    final = loop(epoch, max_epochs=10)(state)
+    ctx.close()
+    return final.epoch, final.should_stop, final.history["eval_bad"]
+
+
+def test_an_early_stop_decided_on_one_ranks_data_stops_both_ranks():
+    """Metrics are reduced over processes before any decision: both ranks stop after the same epoch."""
+    (epoch0, stop0, bad0), (epoch1, stop1, bad1) = testing.run_distributed(_early_stop_on_rank_one_data, nprocs=2, timeout=60)
+
+    assert (2, True) == (epoch0, stop0) == (epoch1, stop1)
+    assert bad0 == bad1 == (0.0, 0.5)
 
 
 def _env():
