@@ -9,7 +9,16 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("script,expect", [("digits.py", "test accuracy"), ("quickstart.py", "test accuracy")])
+@pytest.mark.parametrize(
+    "script,expect",
+    [
+        ("digits.py", "test accuracy"),
+        ("quickstart.py", "test accuracy"),
+        ("char_lm.py", "A sample:"),
+        ("hparam_search.py", "best lr"),
+        ("cross_validation.py", "cross-validated accuracy"),
+    ],
+)
 def test_example_runs_in_smoke_mode(script, expect):
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--smoke"], capture_output=True, text=True, timeout=300
@@ -17,3 +26,13 @@ def test_example_runs_in_smoke_mode(script, expect):
 
     assert 0 == result.returncode, result.stderr[-3000:]
     assert expect in result.stdout
+
+
+def test_the_copyable_test_file_passes():
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_my_training.py")],
+        capture_output=True, text=True, timeout=300, cwd=EXAMPLES,
+    )
+
+    assert 0 == result.returncode, result.stdout[-3000:]
+    assert "4 passed" in result.stdout

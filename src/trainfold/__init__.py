@@ -32,6 +32,9 @@ from .plot import plot_history as plot_history
 from .schedules import constant as constant
 from .schedules import warmup_cosine as warmup_cosine
 from .schedules import warmup_linear as warmup_linear
+from .snapshot import Snapshot as Snapshot
+from .snapshot import restore as restore
+from .snapshot import snapshot as snapshot
 from .state import TrainState as TrainState
 from .step import make_step as make_step
 from .tracking import progress_bar as progress_bar
@@ -53,6 +56,7 @@ __all__ = [
     "History",
     "LossFn",
     "Record",
+    "Snapshot",
     "Step",
     "StepTransformer",
     "TrainState",
@@ -81,10 +85,12 @@ __all__ = [
     "progress_bar",
     "reduce_lr_on_plateau",
     "repeat",
+    "restore",
     "restore_best",
     "run_epoch",
     "save_best",
     "save_checkpoint",
+    "snapshot",
     "until",
     "verify_checkpoint",
     "warmup_cosine",

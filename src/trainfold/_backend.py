@@ -206,3 +206,57 @@ def abandon_epoch(iterator: Any, loader: Any) -> None:
     references = getattr(getattr(loader, "gradient_state", None), "dataloader_references", ())
     if any(ref is loader for ref in references):
         loader.end()
+
+
+# --- The micro-step plumbing: accumulate() and backward(), decided once ----------------------
+
+
+class _SyncOnly:
+    """What ``accelerator.accumulate(model)`` does on one process: only ``_do_sync()``.
+
+    On one process ``accumulate`` enters no ``no_sync`` context (that is for
+    DDP), so this small object does the same work without building a
+    generator-based context manager and an ExitStack on every micro-batch.
+    """
+
+    __slots__ = ("_do_sync",)
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._do_sync = accelerator._do_sync
+
+    def __call__(self, model: Any) -> _SyncOnly:
+        return self
+
+    def __enter__(self) -> None:
+        self._do_sync()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def accumulate_context(accelerator: Accelerator) -> Callable[[Any], Any]:
+    """``accelerator.accumulate``, or its one-process equivalent when no process group exists."""
+    if accelerator.use_distributed:
+        return accelerator.accumulate
+    return _SyncOnly(accelerator)
+
+
+def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:
+    """``accelerator.backward``, or the same computation without its wrapper where it only divides.
+
+    Without DeepSpeed, Megatron, a loss scaler or a LOMO optimizer,
+    ``accelerator.backward(loss)`` is ``(loss / accumulation_steps).backward()``;
+    with one accumulation step the division is skipped (``x / 1`` is ``x``, bit
+    for bit).
+    """
+    plain = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) and accelerator.scaler is None
+    if not plain or getattr(accelerator, "has_lomo_optimizer", False):
+        return accelerator.backward
+    steps = accelerator.gradient_accumulation_steps
+    if steps == 1:
+        return torch.Tensor.backward
+
+    def divided(loss: torch.Tensor) -> None:
+        (loss / steps).backward()
+
+    return divided

@@ -38,13 +38,30 @@ class NanGuardState:
         )
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
 def grads_finite(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """A 0-d bool tensor: every gradient is finite (no host sync)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    """A 0-d bool tensor: every gradient is finite (one fused kernel per device, no host sync).
+
+    Uses the check torch's GradScaler uses, with a scale of exactly 1.0 (which
+    leaves every gradient bit-identical).
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_device.setdefault(p.grad.device, []).append(p.grad)
+    if not by_device:
         return torch.ones((), dtype=torch.bool)
-    norms = torch._foreach_norm(grads)
-    return torch.isfinite(torch.stack(norms).sum())
+    found = []
+    for device, grads in by_device.items():
+        one = _ONES.get(device)
+        if one is None:
+            one = _ONES[device] = torch.ones(1, device=device)
+        flag = torch.zeros(1, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
+        found.append(flag.to(next(iter(by_device))))
+    return (found[0] if len(found) == 1 else torch.stack(found).sum()).squeeze() == 0
 
 
 def supports_found_inf(optimizer: Any) -> bool:

@@ -6,19 +6,18 @@ import math
 from types import MappingProxyType
 from typing import Any, Callable
 
-import attrs
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ._backend import optimizer_ops
+from ._backend import accumulate_context, backward_fn, optimizer_ops
 from ._guard import NAME as GUARD
 from ._guard import NONFINITE, NanGuardState, grads_finite, guarded_update
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
 from .metrics import add_to_sums, describe_batch, split_loss_output
-from .state import TrainState
+from .state import TrainState, replace
 
 Clip = Callable[[torch.nn.Module], Any]
 
@@ -74,7 +73,7 @@ def guarded_step(guard: NanGuardState, model: torch.nn.Module, ops: Any) -> NanG
 
 
 def record(state: TrainState, loss: torch.Tensor, aux: Any, *, updated: bool, guard: NanGuardState | None = None) -> TrainState:
-    """Stage 5: one ``attrs.evolve`` with the counters and the on-device running sums."""
+    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the on-device running sums."""
     loss = loss.detach().float()
     extras = state.extras
     if guard is not None:
@@ -82,7 +81,7 @@ def record(state: TrainState, loss: torch.Tensor, aux: Any, *, updated: bool, gu
         aux = {**aux, NONFINITE: (~finite).float()}
         loss = torch.where(finite, loss, torch.zeros_like(loss))
         extras = MappingProxyType({**extras, GUARD: guard})
-    return attrs.evolve(
+    return replace(
         state,
         step=state.step + updated,
         micro_step=state.micro_step + 1,
@@ -93,12 +92,61 @@ def record(state: TrainState, loss: torch.Tensor, aux: Any, *, updated: bool, gu
     )
 
 
+TOKENS = "tokens"
+
+
+def _normalize_mode(normalize: str) -> str:
+    if normalize not in ("mean", "tokens"):
+        raise ValueError(f"normalize must be 'mean' or 'tokens' (got {normalize!r}).")
+    return normalize
+
+
+def token_normalizer(ctx: Context) -> Callable[..., tuple[TrainState, torch.Tensor]]:
+    """The stage of a ``normalize="tokens"`` step between backward and clipping.
+
+    Per micro-batch it adds ``aux["tokens"]`` to the group's count, kept on the
+    device in ``state.extras["tokens"]``. On the micro-batch that updates, it
+    sums the count over processes (one all-reduce) and scales the gradients by
+    ``accumulation_steps * num_processes / total_tokens``: Accelerate divided
+    each summed loss by the accumulation steps and DDP averaged over processes,
+    so the result is the gradient of (sum of all token losses) / (all tokens).
+    Returns the state and the micro-batch's per-token mean loss (for the logs).
+    """
+    accelerator = ctx.accelerator
+    factor = float(ctx.gradient_accumulation_steps * accelerator.num_processes)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("normalize='tokens' is not supported under DeepSpeed, which scales gradients itself.")
+
+    def stage(state: TrainState, model: torch.nn.Module, loss: torch.Tensor, aux: Any, synced: bool) -> tuple[TrainState, torch.Tensor]:
+        count = aux.get(TOKENS) if hasattr(aux, "get") else None
+        if count is None:
+            raise ValueError(
+                "make_step(normalize='tokens') needs loss_fn to return (summed_loss, {'tokens': n}) with n the "
+                "number of real (non-padding) tokens of the batch, e.g. (labels != -100).sum()."
+            )
+        group = state.extras.get(TOKENS)
+        group = count.detach().float() if group is None else group + count.detach().float()
+        if synced:
+            total = accelerator.reduce(group, reduction="sum") if accelerator.num_processes > 1 else group
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, factor / total)
+            group = None
+        extras = {k: v for k, v in state.extras.items() if k != TOKENS}
+        if group is not None:
+            extras[TOKENS] = group
+        return replace(state, extras=MappingProxyType(extras)), loss.detach() / count.clamp(min=1)
+
+    return stage
+
+
 def make_step(
     ctx: Context,
     loss_fn: LossFn,
     *,
     clip_grad_norm: float | None = None,
     clip_grad_value: float | None = None,
+    normalize: str = "mean",
 ) -> Step:
     """Build a training step ``(state, batch) -> state``.
 
@@ -120,15 +168,26 @@ def make_step(
     ``.item()``); Accelerate's own fp16 ``GradScaler`` is the exception, as in
     any fp16 loop.
 
-    Where Accelerate's optimizer wrapper has nothing to do (no loss scaler, no
-    XLA, no DeepSpeed), the step calls the torch optimizer directly on updates;
-    this is decided here, once, and computes the same parameters.
+    Where Accelerate's wrappers have nothing to do, the step skips them, decided
+    here, once: on one process ``accumulate`` is only its ``_do_sync()``; without
+    a loss scaler or DeepSpeed ``backward`` is ``(loss / steps).backward()``; and
+    the torch optimizer is called directly on updates. The parameters are the
+    same, bit for bit (the equivalence tests cover every configuration).
 
     Args:
         ctx: the run's Context.
         loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``; see :class:`~trainfold.LossFn`.
         clip_grad_norm: clip the gradients' global norm to this value on every update.
         clip_grad_value: clip each gradient element to ``[-v, v]`` on every update.
+        normalize: ``"mean"`` (the default): the loss is a batch mean, and
+            Accelerate divides it by the accumulation steps. ``"tokens"``: for
+            sequence models whose batches hold different numbers of real
+            (non-padding) tokens, ``loss_fn`` returns the **sum** of the token
+            losses and ``aux["tokens"]``, the number of real tokens; the update
+            then uses the gradient of the summed loss divided by the number of
+            real tokens of the whole accumulation group on all processes (one
+            all-reduce per update, on the device), which is what one big batch
+            would give. See :func:`token_normalizer`.
 
     Returns:
         A plain function ``step(state, batch) -> state``.
@@ -155,6 +214,9 @@ def make_step(
     ctx.check()
     accelerator = ctx.accelerator
     clip = make_clip(accelerator, clip_grad_norm, clip_grad_value)
+    accumulate = accumulate_context(accelerator)
+    backward = backward_fn(accelerator)
+    tokens = token_normalizer(ctx) if _normalize_mode(normalize) == "tokens" else None
 
     def step(state: TrainState, batch: Batch) -> TrainState:
         if state.accelerator is not accelerator:
@@ -162,10 +224,12 @@ def make_step(
         model = state.model
         ops = _ops_for(state)
         guard = state.extras.get(GUARD) if state.extras else None
-        with accelerator.accumulate(model):
+        with accumulate(model):
             loss, aux = compute_loss(loss_fn, model, batch)
-            accelerator.backward(loss)
+            backward(loss)
             synced = accelerator.sync_gradients
+            if tokens is not None:
+                state, loss = tokens(state, model, loss, aux, synced)
             if synced or not ops.fast:
                 if synced and clip is not None:
                     clip(model)

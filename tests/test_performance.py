@@ -1,0 +1,82 @@
+"""Performance guards that are correctness: no recompiles, flat memory. (Timing lives in benchmarks/.)"""
+
+import gc
+
+import pytest
+import torch
+from toolz import compose
+
+from trainfold import ema, log_every, make_step, nan_guard, run_epoch, testing, Context, TrainState
+
+import helpers
+
+
+def test_a_compiled_model_is_not_recompiled_after_the_first_steps():
+    """torch.compile keeps working inside make_step: the graph count stops growing after warm-up."""
+    from accelerate import Accelerator
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    torch.manual_seed(0)
+    model = torch.compile(helpers.mlp(), backend="eager", dynamic=False)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8, drop_last=True))
+    step = make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)
+
+    state = run_epoch(ctx, step, dl, state)
+    after_warmup = dict(counters["stats"])
+    for _ in range(3):
+        state = run_epoch(ctx, step, dl, state)
+
+    assert after_warmup.get("unique_graphs", 0) >= 1  # it really was compiled
+    assert after_warmup == dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+def _rss_kb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_memory_is_flat_over_20000_steps_with_transformers_on():
+    """The state accumulates nothing per step: resident memory grows by less than 1 MB over 20,000 steps."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=1000, batch_size=1)
+    step = compose(log_every(ctx, 50), nan_guard(3, check_every=100), ema(0.9))(make_step(ctx, loss_fn))
+    for _ in range(2):  # warm-up: allocator pools, first-epoch objects
+        state = run_epoch(ctx, step, loader, state)
+    gc.collect()
+    before = _rss_kb()
+
+    for _ in range(20):
+        state = run_epoch(ctx, step, loader, state)
+    gc.collect()
+
+    assert 22_000 == state.micro_step
+    assert _rss_kb() - before < 1024
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_no_host_sync_in_a_step_on_the_gpu(precision):
+    """On a GPU, a step with every sync-free transformer runs under set_sync_debug_mode('error')."""
+    from accelerate import Accelerator
+
+    ctx = Context(accelerator=Accelerator(mixed_precision=precision, gradient_accumulation_steps=2))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8))
+    step = compose(log_every(ctx, 1000), nan_guard(3, check_every=1000), ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0))
+    batches = list(dl)
+    state = step(state, batches[0])
+    torch.cuda.synchronize()
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches[1:]:
+            state = step(state, b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()

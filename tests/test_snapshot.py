@@ -1,0 +1,93 @@
+"""snapshot/restore: a state as a true value; branches from one snapshot equal fresh runs."""
+
+import pytest
+import torch
+from accelerate import Accelerator
+from hypothesis import given, settings, strategies as st
+
+from trainfold import Context, TrainState, loop, make_step, restore, run_epoch, snapshot, testing
+
+import helpers
+
+
+def _setup(seed=0, ga=2):
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = helpers.mlp(dropout=0.3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4, shuffle=True))
+    return ctx, state, dl
+
+
+def _set_lr(state, lr):
+    for g in state.optimizer.param_groups:
+        g["lr"] = lr
+    return state
+
+
+def test_a_snapshot_is_detached_from_the_live_state():
+    ctx, state, dl = _setup()
+    snap = snapshot(state)
+    before = {k: v.clone() for k, v in snap.weights.items()}
+
+    trained = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+
+    testing.assert_params_changed(before, trained)
+    for k in before:
+        assert torch.equal(before[k], snap.weights[k])  # the snapshot kept the old values
+    assert 0 == snap.step and 5 == trained.step
+
+
+def test_restore_round_trips():
+    """restore(snapshot(s)) has s's counters, history and weights."""
+    ctx, state, dl = _setup()
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    snap = snapshot(state)
+    params = testing.parameters(state)
+
+    run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    back = restore(ctx, snap, state)
+
+    assert back == state  # values equal: counters, history, extras
+    testing.assert_params_equal(params, back)
+
+
+def test_two_branches_from_one_snapshot_equal_two_fresh_runs():
+    """Epoch 1 shared; epoch 2 with lr 0.01 or 0.05: each branch equals a run that never branched."""
+    step_of = lambda ctx: make_step(ctx, helpers.ce_loss)
+
+    fresh = {}
+    for lr in (0.01, 0.05):
+        ctx, state, dl = _setup()
+        state = run_epoch(ctx, step_of(ctx), dl, state)
+        fresh[lr] = run_epoch(ctx, step_of(ctx), dl, _set_lr(state, lr))
+
+    ctx, state, dl = _setup()
+    state = run_epoch(ctx, step_of(ctx), dl, state)
+    snap = snapshot(state)
+    for lr in (0.05, 0.01):  # in the other order, to show nothing leaks between branches
+        branch = run_epoch(ctx, step_of(ctx), dl, _set_lr(restore(ctx, snap, state), lr))
+        testing.assert_params_equal(fresh[lr], branch)
+        assert fresh[lr].history == branch.history
+
+
+@settings(max_examples=10, deadline=None)
+@given(k=st.integers(0, 9))
+def test_a_snapshot_mid_accumulation_resumes_the_group(k):
+    """Snapshot after k micro-batches (accumulation 2), restore, continue: the same as never stopping."""
+    ctx, state, dl = _setup()
+    batches = list(dl)
+    step = make_step(ctx, helpers.ce_loss)
+    expected = testing.parameters(testing.run_steps(step, state, batches))
+
+    ctx, state, dl = _setup()
+    batches = list(dl)  # the same random draws as above before the first step
+    state = testing.run_steps(step := make_step(ctx, helpers.ce_loss), state, batches[:k])
+    snap = snapshot(state)
+    state = testing.run_steps(step, state, batches[k:])  # diverge first...
+    back = restore(ctx, snap, state)  # ...then go back
+    final = testing.run_steps(step, back, batches[k:])
+
+    testing.assert_params_equal(expected, final)
