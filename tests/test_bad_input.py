@@ -124,3 +124,150 @@ def test_create_checks_its_arguments(kw, words):
 def test_context_needs_an_accelerator():
     with pytest.raises(TypeError, match="'accelerator' must be an accelerate.Accelerator"):
         Context(accelerator="cpu")
+
+
+# --- loaders ---------------------------------------------------------------------------------
+
+
+def test_a_loader_shorter_than_the_accumulation_steps_is_refused():
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=8, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=4))
+
+    with pytest.raises(ValueError, match=r"2 batches per epoch but gradient_accumulation_steps=4.*silently smaller"):
+        run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+
+
+class GrowingData(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.data = testing.regression_data(64)
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+def test_a_loader_whose_length_changes_between_epochs_is_counted_right():
+    ctx, state, _, loss_fn = testing.tiny_setup()
+    data = GrowingData(8)
+    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=4))
+    step = make_step(ctx, loss_fn)
+
+    state = run_epoch(ctx, step, loader, state)
+    data.n = 20
+    state = run_epoch(ctx, step, loader, state)
+
+    assert (2, 7, 7) == (state.epoch, state.step, state.micro_step)
+    assert 2 == len(state.history["train_loss"])
+
+
+def test_resuming_with_a_loader_of_another_length_is_refused(tmp_path):
+    from trainfold import load_checkpoint, save_checkpoint
+
+    ctx, state, _, loss_fn = testing.tiny_setup()
+    data = GrowingData(16)
+    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=4))
+    step = make_step(ctx, loss_fn)
+
+    def save_at_two(s, b):
+        new = step(s, b)
+        return save_checkpoint(ctx, tmp_path, new) if new.micro_step == 2 else new
+
+    run_epoch(ctx, save_at_two, loader, state)
+    data.n = 24
+    resumed = load_checkpoint(ctx, tmp_path, state)
+
+    with pytest.raises(ValueError, match="interrupted epoch had 4 batches, this loader has 6"):
+        run_epoch(ctx, step, loader, resumed)
+
+
+# --- contexts --------------------------------------------------------------------------------
+
+
+def test_two_contexts_with_conflicting_precision_are_refused():
+    """Accelerate itself refuses the second Accelerator; the first Context keeps working."""
+    first = Context(accelerator=Accelerator(cpu=True))
+
+    with pytest.raises(ValueError, match="AcceleratorState has already been initialized"):
+        Context(accelerator=Accelerator(cpu=True, mixed_precision="bf16"))
+    first.check()
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+
+def test_a_checkpoint_from_another_trainfold_format_names_both(tmp_path):
+    import json
+
+    from trainfold import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+
+    ctx, state, *_ = testing.tiny_setup()
+    save_checkpoint(ctx, tmp_path, state)
+    manifest = latest_checkpoint(tmp_path) / "MANIFEST.json"
+    doc = json.loads(manifest.read_text())
+    doc.update(format=7, trainfold_version="9.0.0")
+    manifest.write_text(json.dumps(doc))
+
+    with pytest.raises(CheckpointError, match=r"written by trainfold 9.0.0 in checkpoint format 7; this trainfold .* reads format 1"):
+        load_checkpoint(ctx, tmp_path, state)
+
+
+def test_a_checkpoint_root_shared_by_two_runs_is_refused(tmp_path):
+    from trainfold import CheckpointError, load_checkpoint, save_checkpoint
+
+    ctx, first, *_ = testing.tiny_setup()
+    save_checkpoint(ctx, tmp_path, first)
+    second = TrainState.create(ctx, model=torch.nn.Linear(1, 1), optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+
+    with pytest.raises(CheckpointError, match=r"holds checkpoints of another run .* Use one folder per run"):
+        save_checkpoint(ctx, tmp_path, second)
+    resumed = load_checkpoint(ctx, tmp_path, first)  # the same run, resumed: allowed
+    save_checkpoint(ctx, tmp_path, resumed)
+
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "interruptible_run.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    from trainfold import latest_checkpoint, list_checkpoints, verify_checkpoint
+
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(tmp_path / "out"), "--disk-full-after-first-save"],
+                            capture_output=True, text=True, timeout=120, env=ENV)
+
+    assert 3 == result.returncode, result.stderr[-2000:]
+    assert "save failed: OSError" in result.stdout
+    assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(tmp_path)]
+    verify_checkpoint(latest_checkpoint(tmp_path))  # the previous checkpoint is whole
+
+
+def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_exact(tmp_path):
+    from safetensors.torch import load_file
+
+    from trainfold import list_checkpoints
+
+    clean = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(tmp_path / "clean.st")], capture_output=True, text=True, timeout=120, env=ENV)
+    assert 0 == clean.returncode, clean.stderr[-2000:]
+
+    root = tmp_path / "interrupted"
+    with subprocess.Popen([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) as proc:
+        assert "ready" == proc.stdout.readline().strip()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert 130 == proc.returncode, err[-2000:]
+    assert "interrupted at update" in out
+    assert 1 == len(list_checkpoints(root))
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written
+
+    resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=120, env=ENV)
+    assert 0 == resumed.returncode, resumed.stderr[-2000:]
+    testing.assert_params_equal(load_file(str(tmp_path / "clean.st")), load_file(str(tmp_path / "resumed.st")))

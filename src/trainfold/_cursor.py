@@ -25,3 +25,5 @@ class Resume:
     epoch_start: RngStates | None = attrs.field(repr=False)
     now: RngStates = attrs.field(repr=False)
     read_ahead: tuple[bool, Any] = attrs.field(repr=False)
+    #: batches per epoch of the interrupted epoch's loader (None if unknown)
+    epoch_length: int | None = None

@@ -75,7 +75,10 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    save_file(dict(tensors), str(path))
+    try:
+        save_file(dict(tensors), str(path))
+    except SafetensorError as exc:  # a full disk, a file-size limit: say it as the OS would
+        raise OSError(f"could not write {path}: {exc}") from exc
     fsync_file(path)
 
 
@@ -122,15 +125,23 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     name = f"{PREFIX}{state.micro_step:010d}"
     tmp = root / f".tmp-{name}"
     if ctx.is_main_process:
+        _check_same_run(root, state)
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
             shutil.rmtree(tmp)  # a save of this position that died half-way
         tmp.mkdir()
     acc.wait_for_everyone()
     weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
-    if ctx.is_main_process:
-        _write_shared(tmp, ctx, state, weights)
-    _write_rank(tmp, ctx, state, now)
+    try:
+        if ctx.is_main_process:
+            _write_shared(tmp, ctx, state, weights)
+        _write_rank(tmp, ctx, state, now)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            f"saving a checkpoint under {root} failed ({exc}); nothing was committed and the previous "
+            "checkpoints are intact. Free space (or lower keep_last) and save again."
+        ) from exc
     acc.wait_for_everyone()
     if ctx.is_main_process:
         _commit(tmp, root / name, ctx, state)
@@ -138,6 +149,22 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
             _prune(root, keep_last)
     acc.wait_for_everyone()
     return state
+
+
+def _check_same_run(root: Path, state: TrainState) -> None:
+    """Refuse to mix two runs' checkpoints in one folder (the newest would silently win on resume)."""
+    latest = latest_checkpoint(root)
+    if latest is None or not state.run_id:
+        return
+    try:
+        other = json.loads((latest / MANIFEST).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return  # a damaged manifest is reported when loading
+    if other and other != state.run_id:
+        raise CheckpointError(
+            f"{root} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
+            "Use one folder per run, or resume that run with load_checkpoint(ctx, root, state) before saving."
+        )
 
 
 def _generators(state: TrainState) -> list[torch.Generator]:
@@ -158,6 +185,7 @@ def _write_shared(tmp: Path, ctx: Context, state: TrainState, weights: Mapping[s
             "epoch": state.epoch,
             "batch_in_epoch": state.batch_in_epoch,
             "should_stop": state.should_stop,
+            "run_id": state.run_id,
             "history": [[r.epoch, r.step, r.name, r.value] for r in state.history],
             "loss_sum": enc.encode(state.loss_sum, "running.loss"),
             "aux_sums": enc.encode(dict(state.aux_sums), "running.aux"),
@@ -182,6 +210,7 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     if isinstance(cursor, EpochCursor) and state.batch_in_epoch > 0:
         start_t, meta["epoch_start"] = _rng.to_record(cursor.epoch_start)
         tensors.update({f"epoch_start.{k}": v for k, v in start_t.items()})
+        meta["epoch_length"] = _length(cursor.loader)
         has, batch = read_ahead_batch(cursor.iterator, cursor.loader)
         enc = _codec.Encoder()
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
@@ -196,6 +225,13 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     _write_json(tmp / f"rank-{rank}.json", meta)
 
 
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
 def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
     files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
     manifest = {
@@ -203,6 +239,7 @@ def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
         "trainfold_version": _version(),
         "torch_version": torch.__version__,
         "world_size": ctx.accelerator.num_processes,
+        "run_id": state.run_id,
         "step": state.step,
         "epoch": state.epoch,
         "micro_step": state.micro_step,
@@ -436,7 +473,7 @@ def _resume_record(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
     if "read_ahead" in meta:
         has, encoded = meta["read_ahead"]
         read_ahead = (bool(has), _codec.decode(encoded, tensors) if has else None)
-    return Resume(epoch_start=start, now=states("now"), read_ahead=read_ahead)
+    return Resume(epoch_start=start, now=states("now"), read_ahead=read_ahead, epoch_length=meta.get("epoch_length"))
 
 
 def _restored_state(ctx: Context, state: TrainState, saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, resume: Resume) -> TrainState:
@@ -451,6 +488,7 @@ def _restored_state(ctx: Context, state: TrainState, saved: Mapping[str, Any], t
         epoch=saved["epoch"],
         batch_in_epoch=saved["batch_in_epoch"],
         should_stop=saved["should_stop"],
+        run_id=saved.get("run_id", state.run_id),
         history=History(tuple(Record(*r) for r in saved["history"])),
         loss_sum=_codec.decode(saved["loss_sum"], tensors, device=device),
         aux_sums=MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
@@ -463,19 +501,25 @@ def _restored_state(ctx: Context, state: TrainState, saved: Mapping[str, Any], t
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None) -> StepTransformer:
-    """A step transformer that saves a checkpoint after every ``n``-th optimizer update.
+    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, and when the run stops.
 
+    A final checkpoint is written after the step at which the run stops for any
+    reason (``max_steps``, ``nan_guard``, or Ctrl-C, which ``run_epoch`` turns
+    into a stop at the next step boundary), so an interrupted run loses nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every(k, save_checkpoint(...))``).
 
     .. versionadded:: 0.1.0
     """
     positive_int("checkpoint_every", n)
+    interrupt = ctx.interrupt
 
     def transform(step: Step) -> Step:
         def saving(state: TrainState, batch: Batch) -> TrainState:
             new = step(state, batch)
-            if new.step != state.step and new.step % n == 0:
+            due = new.step != state.step and new.step % n == 0
+            stopping = (new.should_stop and not state.should_stop) or (interrupt.requested and interrupt.agreed(ctx.accelerator, new.step))
+            if due or stopping:
                 return save_checkpoint(ctx, root, new, keep_last=keep_last)
             return new
 

@@ -7,6 +7,8 @@ from typing import Any
 import attrs
 from accelerate import Accelerator
 
+from .interrupt import Interrupt
+
 
 def _require_accelerator(value: Any) -> Accelerator:
     if not isinstance(value, Accelerator):
@@ -58,6 +60,8 @@ class Context:
     mixed_precision: str = attrs.field(
         init=False, default=attrs.Factory(_mixed_precision, takes_self=True)
     )
+    #: the stop request Ctrl-C sets while ``run_epoch`` runs (see :mod:`trainfold.interrupt`)
+    interrupt: Interrupt = attrs.field(init=False, factory=Interrupt, repr=False)
 
     def check(self) -> None:
         """Raise if another Accelerator changed the process-wide settings this Context relies on.

@@ -14,6 +14,7 @@ from . import _rng as rng
 from ._backend import abandon_epoch, is_resumable_loader, loader_generators, real_samples_in_batch, resumed_epoch
 from ._cursor import EpochCursor, Resume
 from ._rng import RngStates
+from .interrupt import catching_interrupts
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
@@ -28,6 +29,13 @@ def _empty_loader(where: str, loader: Any) -> ValueError:
         f"{_len_or_unknown(getattr(loader, 'dataset', None))} samples). Check the dataset is not empty "
         "and that batch_size is not larger than the dataset with drop_last=True."
     )
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _len_or_unknown(x: Any) -> str:
@@ -83,20 +91,39 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     """
     state = expect_owned("run_epoch", ctx, expect_state("run_epoch", state))
     ctx.check()
+    _check_accumulation(ctx, loader)
     state.model.train()
     iterator, epoch_start = _start_epoch(state, loader)
     state = attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start))
     seen = 0
     limit = max_batches if max_batches is not None else -1
-    for batch in iterator:
-        state = step(state, batch)
-        seen += 1
-        if state.should_stop or state.batch_in_epoch == limit:
-            abandon_epoch(iterator, loader)
-            break
+    interrupt = ctx.interrupt
+    with catching_interrupts(interrupt):
+        for batch in iterator:
+            state = step(state, batch)
+            seen += 1
+            if interrupt.requested and interrupt.agreed(ctx.accelerator, state.step):
+                state = attrs.evolve(state.with_extra("interrupted", True), should_stop=True)
+            if state.should_stop or state.batch_in_epoch == limit:
+                abandon_epoch(iterator, loader)
+                break
     if seen == 0 and state.batch_in_epoch == 0:
         raise _empty_loader("run_epoch", loader)
     return end_epoch(ctx, state)
+
+
+def _check_accumulation(ctx: Context, loader: Any) -> None:
+    try:
+        batches = len(loader)
+    except TypeError:
+        return
+    steps = ctx.gradient_accumulation_steps
+    if 0 < batches < steps:
+        raise ValueError(
+            f"run_epoch: the loader has {batches} batches per epoch but gradient_accumulation_steps={steps}: "
+            f"each update would sum {batches} batches' gradients divided by {steps}, a silently smaller step. "
+            f"Use at most {batches} accumulation steps, or smaller batches."
+        )
 
 
 def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[Batch], RngStates]:
@@ -113,6 +140,13 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
         raise TypeError(
             "run_epoch: to continue a run from a checkpoint, the loader must be prepared with "
             f"ctx.prepare_loaders (got a {type(loader).__name__})."
+        )
+    if state.batch_in_epoch > 0 and resume.epoch_length is not None and _length(loader) not in (None, resume.epoch_length):
+        raise ValueError(
+            f"run_epoch: the interrupted epoch had {resume.epoch_length} batches, this loader has {_length(loader)}: "
+            "the data or the batch size changed, so the run cannot continue where it stopped. Resume with the "
+            "same dataset and loader settings, or finish the epoch boundary first (resume from a checkpoint "
+            "taken between epochs)."
         )
     loader.iteration = state.epoch  # a new loader starts at 0; the sampler's set_epoch needs the real one
     if state.batch_in_epoch == 0 or resume.epoch_start is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -72,6 +73,8 @@ class TrainState:
     Position:
         cursor: a handle to the epoch being iterated (set by ``run_epoch``), or
             what ``load_checkpoint`` found to resume it; None between epochs.
+        run_id: a random id given by ``create`` and kept by checkpoints, so that
+            two runs never write into one checkpoint folder.
 
     Subclass only to add fields (as flax's TrainState allows).
 
@@ -92,6 +95,7 @@ class TrainState:
     should_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
     cursor: Any = attrs.field(default=None, repr=False, eq=False)
+    run_id: str = attrs.field(default="", repr=False, eq=False)
 
     @classmethod
     def create(
@@ -164,6 +168,7 @@ class TrainState:
             accelerator=acc,
             loss_sum=torch.zeros((), device=acc.device),
             extras=_freeze(extras),
+            run_id=uuid.uuid4().hex[:12],  # os.urandom: draws nothing from the training RNGs
         )
 
     @property

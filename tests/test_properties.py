@@ -1,0 +1,69 @@
+"""Properties over batch sizes, accumulation steps, dataset sizes and schedules (hypothesis)."""
+
+import math
+
+import torch
+from accelerate import Accelerator
+from hypothesis import assume, given, settings, strategies as st
+
+from trainfold import Context, TrainState, evaluate, loop, make_step, run_epoch, testing, warmup_cosine, warmup_linear
+
+
+def _setup(n, batch_size, ga):
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(testing.regression_data(n), batch_size=batch_size))
+    return ctx, state, dl
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), batch_size=st.integers(1, 8), ga=st.integers(1, 4), epochs=st.integers(1, 3))
+def test_counters_and_epoch_records_are_always_right(n, batch_size, ga, epochs):
+    """micro_step counts batches; step counts updates: ceil(batches / ga) an epoch (the last group is flushed)."""
+    batches = math.ceil(n / batch_size)
+    assume(batches >= ga)
+    ctx, state, dl = _setup(n, batch_size, ga)
+
+    final = loop(run_epoch(ctx, make_step(ctx, testing.mse_loss), dl), max_epochs=epochs)(state)
+
+    assert epochs * batches == final.micro_step
+    assert epochs * math.ceil(batches / ga) == final.step
+    assert (epochs, 0) == (final.epoch, final.batch_in_epoch)
+    assert [(e + 1) for e in range(epochs)] == [r.epoch for r in final.history if r.name == "train_loss"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 50), batch_size=st.integers(1, 16))
+def test_evaluate_counts_every_sample_once(n, batch_size):
+    """The mean of y over the dataset, through batch means weighted by real samples, is exact."""
+    ctx, state, dl = _setup(n, batch_size, 1)
+
+    def y_mean(model, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y), {"y": y.mean()}
+
+    metrics = evaluate(ctx, y_mean, dl, state).metrics
+
+    y = dl.dataset.tensors[1]
+    assert math.isclose(metrics["eval_y"], y.double().mean().item(), rel_tol=1e-5, abs_tol=1e-6)
+
+
+schedule_args = st.tuples(st.floats(1e-4, 10.0), st.integers(0, 50), st.integers(1, 200), st.floats(0.0, 1e-4)).filter(lambda a: a[1] <= a[2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(args=schedule_args, kind=st.sampled_from([warmup_cosine, warmup_linear]))
+def test_schedules_rise_then_fall_within_their_bounds(args, kind):
+    peak, warmup, total, end = args
+    schedule = kind(peak, warmup_steps=warmup, total_steps=total, end_lr=end)
+    values = [schedule(k) for k in range(total + 5)]
+
+    assert all(-1e-12 <= v <= peak + 1e-12 for v in values)
+    assert all(a <= b + 1e-12 for a, b in zip(values[: warmup - 1], values[1:warmup]))  # rises during warmup
+    if warmup < total:
+        assert math.isclose(values[warmup], peak)  # the peak, where the decay starts
+    assert all(a + 1e-12 >= b for a, b in zip(values[warmup:], values[warmup + 1 :]))  # never rises after
+    assert math.isclose(values[total], end, abs_tol=1e-9) and values[-1] == values[total]
