@@ -14,7 +14,12 @@ from typing import Any, Callable
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    """A TCP port on 127.0.0.1 that nothing listens on now.
+
+    Example:
+        >>> 0 < free_port() < 65536
+        True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -58,6 +63,16 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         RuntimeError: a rank raised (its error and traceback are in the message;
             the other ranks are stopped rather than left hanging).
         TimeoutError: the ranks did not finish within ``timeout`` seconds.
+
+    Example (``fn`` must be importable, so it lives in a module)::
+
+        # my_tests.py
+        def per_rank():
+            from accelerate import Accelerator
+            return Accelerator(cpu=True).process_index
+
+        def test_two_ranks():
+            assert [0, 1] == testing.run_distributed(per_rank, nprocs=2)
     """
     import multiprocessing as mp
 

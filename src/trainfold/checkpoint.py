@@ -114,6 +114,15 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
 
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+        >>> latest_checkpoint(root).name
+        'ckpt-0000000004'
+
     .. versionadded:: 0.1.0
     """
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
@@ -281,6 +290,10 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
         >>> latest_checkpoint("/nonexistent") is None
         True
 
+    Example:
+        >>> list_checkpoints("/nonexistent")
+        []
+
     .. versionadded:: 0.1.0
     """
     found = list_checkpoints(root)
@@ -373,6 +386,25 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         CheckpointError: a damaged checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
             another world size, another accumulation setting.
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> trained = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+        >>> resumed = load_checkpoint(ctx, root, state)
+        >>> resumed.step, resumed.epoch
+        (4, 1)
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> sorted(verify_checkpoint(latest_checkpoint(root))["files"])[:2]
+        ['model.safetensors', 'rank-0.json']
 
     .. versionadded:: 0.1.0
     """
@@ -508,6 +540,15 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     into a stop at the next step boundary), so an interrupted run loses nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every(k, save_checkpoint(...))``).
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> state = run_epoch(ctx, checkpoint_every(ctx, root, 2, keep_last=1)(make_step(ctx, loss_fn)), loader, state)
+        >>> [p.name for p in list_checkpoints(root)]
+        ['ckpt-0000000004']
 
     .. versionadded:: 0.1.0
     """

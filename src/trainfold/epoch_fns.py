@@ -116,6 +116,15 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     records the best value, epoch and step. Put the weights back with
     :func:`restore_best`.
 
+    Example:
+        >>> import os, tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "best.safetensors")
+        >>> state = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, state))
+        >>> state.extras["save_best:eval_loss"].epoch, os.path.exists(path)
+        (0, True)
+
     .. versionadded:: 0.1.0
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
@@ -145,6 +154,17 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) 
         FileNotFoundError: nothing was saved at ``path``.
         RuntimeError: the file's tensors do not match the model (names or shapes).
 
+    Example:
+        >>> import os, tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "best.safetensors")
+        >>> best = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, state))
+        >>> weight = best.model.weight.detach().clone()
+        >>> later = run_epoch(ctx, make_step(ctx, loss_fn), loader, best)
+        >>> torch.equal(restore_best(ctx, path, later).model.weight, weight)
+        True
+
     .. versionadded:: 0.1.0
     """
     state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
@@ -169,6 +189,15 @@ def reduce_lr_on_plateau(
     does) and records the accumulated factor in ``state.extras["lr_scale"]``,
     which :func:`~trainfold.lr_schedule` applies on top of its schedule.
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(lr=0.1)
+        >>> for loss in (1.0, 1.0, 1.0):
+        ...     state = attrs.evolve(state, history=state.history.add(epoch=0, step=0, values={"eval_loss": loss}))
+        ...     state = reduce_lr_on_plateau("eval_loss", state, factor=0.5, patience=2)
+        >>> state.optimizer.param_groups[0]["lr"], state.extras["lr_scale"]
+        (0.05, 0.5)
+
     .. versionadded:: 0.1.0
     """
     state = expect_state("reduce_lr_on_plateau", state)
@@ -191,6 +220,14 @@ def log_epoch(ctx: Context, state: TrainState) -> TrainState: ...
 @curry  # type: ignore[misc]
 def log_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Send the metrics recorded for the current epoch to the trackers and the ``trainfold`` logger.
+
+    Example:
+        >>> import logging
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+        >>> log_epoch(ctx, state).epoch  # logged at INFO to "trainfold" and to the trackers
+        1
 
     .. versionadded:: 0.1.0
     """

@@ -58,6 +58,12 @@ def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
 def repeat(n: int, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` ``n`` times (fewer if the state says stop).
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> repeat(2, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).epoch
+        2
+
     .. versionadded:: 0.1.0
     """
     positive_int("n", n)
@@ -76,6 +82,12 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
 def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` while ``predicate(state)`` is false (checked before each call) and not stopped.
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> until(lambda s: s.step >= 6, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).step
+        8
+
     .. versionadded:: 0.1.0
     """
 
@@ -93,6 +105,14 @@ def every(n: int, fn: EpochFn) -> EpochFn:
 
     In ``compose(every(5, save), run_epoch(...))`` the checkpoint is written
     after epochs 5, 10, 15...
+
+    Example:
+        >>> from toolz import compose
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> epoch = compose(every(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, make_step(ctx, loss_fn), loader))
+        >>> [r.epoch for r in loop(epoch, max_epochs=4)(state).history if r.name == "eval_loss"]
+        [2, 4]
 
     .. versionadded:: 0.1.0
     """

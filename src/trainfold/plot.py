@@ -19,6 +19,14 @@ def plot_history(state: TrainState, path: str | os.PathLike[str]) -> Path:
     Returns:
         The path written.
 
+    Example:
+        >>> import os, tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+        >>> plot_history(state, os.path.join(tempfile.mkdtemp(), "curves.png")).suffix
+        '.png'
+
     .. versionadded:: 0.1.0
     """
     try:

@@ -120,6 +120,16 @@ def restore(ctx: Context, snap: Snapshot, state: TrainState) -> TrainState:
     The loader's own position is not part of a snapshot: restore at an epoch
     boundary and call ``run_epoch``, or feed the batches yourself.
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> snap = snapshot(state)
+        >>> a = run_epoch(ctx, make_step(ctx, loss_fn), loader, restore(ctx, snap, state))
+        >>> wa = a.model.weight.detach().clone()
+        >>> b = run_epoch(ctx, make_step(ctx, loss_fn), loader, restore(ctx, snap, a))
+        >>> torch.equal(wa, b.model.weight), (a.step, b.step)
+        (True, (4, 4))
+
     .. versionadded:: 0.1.0
     """
     state = expect_owned("restore", ctx, expect_state("restore", state))

@@ -48,7 +48,15 @@ SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 
 
 def reset_accelerate_state() -> None:
-    """Forget Accelerate's process-wide state (what Accelerate's own tests do between tests)."""
+    """Forget Accelerate's process-wide state (what Accelerate's own tests do between tests).
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> _ = Accelerator(cpu=True, gradient_accumulation_steps=3)
+        >>> reset_accelerate_state()
+        >>> Accelerator(cpu=True).gradient_accumulation_steps
+        1
+    """
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -66,6 +74,12 @@ def isolated_accelerate() -> Iterator[None]:
         def isolated():
             with testing.isolated_accelerate():
                 yield
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> with isolated_accelerate():
+        ...     Accelerator(cpu=True, gradient_accumulation_steps=2).gradient_accumulation_steps
+        2
     """
     reset_accelerate_state()
     try:
@@ -116,7 +130,12 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
 
 def regression_data(n: int = 16, *, seed: int = 0) -> torch.utils.data.TensorDataset:
-    """``n`` seeded samples of ``y = 2x + 1 + noise`` with ``x`` of shape ``(1,)``."""
+    """``n`` seeded samples of ``y = 2x + 1 + noise`` with ``x`` of shape ``(1,)``.
+
+    Example:
+        >>> len(regression_data(8)), regression_data(8)[0][0].shape
+        (8, torch.Size([1]))
+    """
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 1, generator=g)
     y = 2 * x + 1 + 0.1 * torch.randn(n, 1, generator=g)
@@ -124,7 +143,12 @@ def regression_data(n: int = 16, *, seed: int = 0) -> torch.utils.data.TensorDat
 
 
 def mse_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """``mean((model(x) - y) ** 2)`` for a batch ``(x, y)``."""
+    """``mean((model(x) - y) ** 2)`` for a batch ``(x, y)``.
+
+    Example:
+        >>> mse_loss(torch.nn.Identity(), (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))).item()
+        2.0
+    """
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)
 
@@ -142,6 +166,11 @@ def tiny_setup(
 
     CPU, SGD with learning rate ``lr``, ``n`` samples in batches of ``batch_size``.
     Pass ``accelerator`` to use your own (for accumulation or precision).
+
+    Example:
+        >>> ctx, state, loader, loss_fn = tiny_setup(seed=0)
+        >>> state.step, len(loader), loss_fn.__name__
+        (0, 4, 'mse_loss')
     """
     torch.manual_seed(seed)
     ctx = Context(accelerator=accelerator or Accelerator(cpu=True))
@@ -153,7 +182,14 @@ def tiny_setup(
 
 
 def run_steps(step: Step, state: TrainState, batches: Iterable[Batch], n: int | None = None) -> TrainState:
-    """Apply ``step`` to the first ``n`` batches (all if ``None``) and return the final state."""
+    """Apply ``step`` to the first ``n`` batches (all if ``None``) and return the final state.
+
+    Example:
+        >>> from trainfold import make_step
+        >>> ctx, state, loader, loss_fn = tiny_setup(seed=0)
+        >>> run_steps(make_step(ctx, loss_fn), state, loader, n=3).step
+        3
+    """
     for i, batch in enumerate(batches):
         if n is not None and i >= n:
             break
@@ -162,14 +198,24 @@ def run_steps(step: Step, state: TrainState, batches: Iterable[Batch], n: int | 
 
 
 def parameters(state_or_model: TrainState | torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Detached copies of the parameters, by name (the model unwrapped from DDP if needed)."""
+    """Detached copies of the parameters, by name (the model unwrapped from DDP if needed).
+
+    Example:
+        >>> sorted(parameters(torch.nn.Linear(1, 1)))
+        ['bias', 'weight']
+    """
     model = state_or_model.model if isinstance(state_or_model, TrainState) else state_or_model
     model = getattr(model, "module", model)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor], b: TrainState | torch.nn.Module | dict[str, torch.Tensor], *, rtol: float = 0.0, atol: float = 0.0) -> None:
-    """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default)."""
+    """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default).
+
+    Example:
+        >>> model = torch.nn.Linear(1, 1)
+        >>> assert_params_equal(model, parameters(model))
+    """
     pa = a if isinstance(a, dict) else parameters(a)
     pb = b if isinstance(b, dict) else parameters(b)
     if pa.keys() != pb.keys():
@@ -179,7 +225,15 @@ def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor
 
 
 def assert_params_changed(before: dict[str, torch.Tensor], after: TrainState | torch.nn.Module) -> None:
-    """Assert every parameter in ``before`` (from :func:`parameters`) differs from ``after``'s."""
+    """Assert every parameter in ``before`` (from :func:`parameters`) differs from ``after``'s.
+
+    Example:
+        >>> model = torch.nn.Linear(1, 1)
+        >>> before = parameters(model)
+        >>> with torch.no_grad():
+        ...     _ = [p.add_(1.0) for p in model.parameters()]
+        >>> assert_params_changed(before, model)
+    """
     now = parameters(after)
     same = [k for k in before if torch.equal(before[k], now[k])]
     if same:

@@ -49,6 +49,16 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
         force: show the bar even when stderr is not a terminal.
         **tqdm_kwargs: passed to ``tqdm.tqdm``.
 
+    Example:
+        >>> import io
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> out = io.StringIO()
+        >>> step = progress_bar(ctx, total=len(loader), force=True, file=out)(make_step(ctx, loss_fn))
+        >>> _ = run_epoch(ctx, step, loader, state)
+        >>> "4/4" in out.getvalue()
+        True
+
     .. versionadded:: 0.1.0
     """
     if not ctx.is_main_process or not (force or sys.stderr.isatty()):
@@ -72,6 +82,9 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
             if logged is not None and logged.values is not shown["values"]:
                 shown["values"] = logged.values
                 bar.set_postfix({k: f"{v:.4g}" for k, v in logged.values.items() if k in ("loss", "lr")}, refresh=False)
+            if total is not None and new.batch_in_epoch >= total:
+                bar.close()  # the epoch's last batch: show the bar complete
+                bar = None
             return new
 
         return named(with_bar, f"progress_bar({name_of(step)})")

@@ -82,6 +82,14 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
     sync each time); gradients are averaged over processes before the check, so
     every process takes the same decision.
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> nan_loss = lambda m, b: loss_fn(m, b) * float("nan")
+        >>> state = run_epoch(ctx, nan_guard(2, check_every=1)(make_step(ctx, nan_loss)), loader, state)
+        >>> state.should_stop, state.extras["nan_guard"].skipped.item(), state.model.weight.isfinite().all().item()
+        (True, 2, True)
+
     .. versionadded:: 0.1.0
     """
     positive_int("max_consecutive", max_consecutive)
@@ -126,6 +134,13 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
     The average starts as a copy of the weights when the transformer first runs.
     Buffers (BatchNorm statistics) are copied, not averaged. Read it with
     :func:`ema_model`, for example ``evaluate(ctx, loss_fn, loader, model=ema_model)``.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, ema(0.9)(make_step(ctx, loss_fn)), loader, state)
+        >>> state.extras["ema"].updates, type(ema_model(state)).__name__
+        (4, 'Linear')
 
     .. versionadded:: 0.1.0
     """
@@ -205,6 +220,20 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
     ``logging.getLogger("trainfold")`` at INFO, on the main process. The values
     stay in ``state.extras["log_every"].values`` (the progress bar shows them).
 
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, ema(0.5)(make_step(ctx, loss_fn)), loader, state)
+        >>> "ema_loss" in evaluate(ctx, loss_fn, loader, state, prefix="ema", model=ema_model).metrics
+        True
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
+        >>> state.extras["log_every"].step, sorted(state.extras["log_every"].values)
+        (4, ['epoch', 'loss', 'lr'])
+
     .. versionadded:: 0.1.0
     """
     positive_int("log_every", n)
@@ -243,6 +272,13 @@ def every_steps(n: int, fn: EpochFn) -> StepTransformer:
     """Run the epoch function ``fn`` (an ``evaluate``, a checkpoint) after every ``n``-th optimizer update.
 
     For evaluation inside long epochs: ``every_steps(500, evaluate(ctx, loss_fn, eval_dl))``.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> step = every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn))
+        >>> [r.step for r in run_epoch(ctx, step, loader, state).history if r.name == "eval_loss"]
+        [2, 4]
 
     .. versionadded:: 0.1.0
     """
