@@ -214,3 +214,28 @@ def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
     ctx, state, _, _ = testing.tiny_setup()
     with pytest.raises(CheckpointError, match="written by 2 processes but this run has 1"):
         load_checkpoint(ctx, tmp_path, state)
+
+
+def _token_step_on_this_rank():
+    import test_tokens as tt
+
+    seqs = tt._sequences()
+    mine = [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4)] if int(__import__("os").environ["RANK"]) == 0 else [tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)]
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = tt._lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    state = testing.run_steps(make_step(ctx, tt.summed_loss, normalize="tokens"), state, mine)
+    ctx.close()
+    return state.step, testing.parameters(state)
+
+
+def test_token_normalization_spans_every_process():
+    """Two ranks, two micro-batches each, all of different lengths: the update equals one big batch of everything."""
+    import test_tokens as tt
+
+    ranks = testing.run_distributed(_token_step_on_this_rank, nprocs=2)
+    big = tt._train(1, tt.mean_loss, [tt._pad(tt._sequences(), 6)])
+
+    for step, params in ranks:
+        assert 1 == step
+        testing.assert_params_equal(big, params, rtol=1e-5, atol=1e-6)
