@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing
+from trainfold import Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint
 
 
 def folder_mb(path: Path) -> float:

@@ -196,6 +196,15 @@ def _checkpoint_on_this_rank(root):
         ctx, state, dl = setup(99)
         resumed = train(ctx, load_checkpoint(ctx, ckpt, state), dl)
         results.append((ckpt.name, testing.parameters(resumed)))
+
+    # A checkpoint between epochs (as fit writes them): the loader's synchronized generator is kept too.
+    from trainfold import save_checkpoint
+
+    ctx, state, dl = setup(0)
+    state = save_checkpoint(ctx, f"{root}/boundary", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx, fresh, dl = setup(99)
+    resumed = train(ctx, load_checkpoint(ctx, f"{root}/boundary", fresh), dl)
+    results.append(("boundary", testing.parameters(resumed)))
     return expected, results, [c.name for c in ckpts]
 
 
@@ -207,7 +216,7 @@ def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
 
     for expected, results, names in ranks:
         assert 6 == len(names)  # 44 samples, 2 ranks x batch 4: 6 batches each, 3 updates an epoch
-        for name, params in results:
+        for _name, params in results:
             testing.assert_params_equal(expected, params)
     assert {f"rank-{r}.safetensors" for r in (0, 1)} <= {p.name for p in (tmp_path / names[0]).iterdir()}
 

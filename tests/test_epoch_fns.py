@@ -4,7 +4,6 @@ import logging
 
 import attrs
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 from toolz import compose
 
@@ -84,12 +83,6 @@ def test_save_best_writes_on_improvement_and_restore_best_puts_the_weights_back(
     ctx, state, loader, loss_fn = testing.tiny_setup()
     path = tmp_path / "best.safetensors"
     step = make_step(ctx, loss_fn)
-    saved = []
-
-    def spy(s):
-        saved.append(testing.parameters(s))
-        return s
-
     state = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, run_epoch(ctx, step, loader, state)))
     best_params = testing.parameters(state)
     for _ in range(3):  # a too-large lr from here makes every later epoch worse

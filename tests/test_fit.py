@@ -6,7 +6,7 @@ from toolz import compose
 
 from trainfold import (
     Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, log_epoch, log_every, loop, make_step,
-    max_steps, run_epoch, save_checkpoint, testing,
+    run_epoch, save_checkpoint, testing,
 )
 
 import helpers

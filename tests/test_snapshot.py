@@ -1,11 +1,10 @@
 """snapshot/restore: a state as a true value; branches from one snapshot equal fresh runs."""
 
-import pytest
 import torch
 from accelerate import Accelerator
 from hypothesis import given, settings, strategies as st
 
-from trainfold import Context, TrainState, loop, make_step, restore, run_epoch, snapshot, testing
+from trainfold import Context, TrainState, make_step, restore, run_epoch, snapshot, testing
 
 import helpers
 

@@ -11,11 +11,14 @@ from ._rng import RngStates
 
 @attrs.frozen
 class EpochCursor:
-    """The epoch being iterated by ``run_epoch``: its iterator, its loader and its starting random state."""
+    """The epoch being iterated by ``run_epoch``: its iterator, its loader and its starting random state.
+
+    Between epochs ``iterator`` and ``epoch_start`` are None and only the loader is kept.
+    """
 
     iterator: Any = attrs.field(repr=False)
     loader: Any = attrs.field(repr=False)
-    epoch_start: RngStates = attrs.field(repr=False)
+    epoch_start: RngStates | None = attrs.field(repr=False)
 
 
 @attrs.frozen

@@ -41,6 +41,8 @@ def restore(states: RngStates, generators: Iterable[torch.Generator] = ()) -> No
     random.setstate(states.python)
     np.random.set_state(states.numpy)
     gens = list(generators)
+    if not states.generators:
+        return  # recorded before any epoch: the loader's generators are as the script seeded them
     if len(gens) != len(states.generators):
         raise ValueError(
             f"the loader has {len(gens)} random generators but the checkpoint recorded {len(states.generators)}: "

@@ -216,7 +216,7 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     now_t, meta["now"] = _rng.to_record(now)
     tensors.update({f"now.{k}": v for k, v in now_t.items()})
     cursor = state.cursor
-    if isinstance(cursor, EpochCursor) and state.batch_in_epoch > 0:
+    if isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0:
         start_t, meta["epoch_start"] = _rng.to_record(cursor.epoch_start)
         tensors.update({f"epoch_start.{k}": v for k, v in start_t.items()})
         meta["epoch_length"] = _length(cursor.loader)

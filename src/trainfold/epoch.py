@@ -176,7 +176,9 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         loss_sum=torch.zeros((), device=ctx.accelerator.device),
         aux_sums=MappingProxyType({}),
         history=history,
-        cursor=None,
+        # Between epochs the cursor keeps the loader (no iteration): a checkpoint taken now
+        # records the state of the loader's own random generators.
+        cursor=EpochCursor(None, state.cursor.loader, None) if isinstance(state.cursor, EpochCursor) else None,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, overload
+from typing import overload
 
 import attrs
 from safetensors.torch import load_file, save_file

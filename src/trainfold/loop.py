@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 from ._types import EpochFn, StatePredicate
 from ._validate import positive_int, expect_state, name_of, named, returned_state

@@ -39,7 +39,31 @@ class constant:
 
 
 @attrs.frozen
-class warmup_linear:
+class _Warmup:
+    """Linear warmup from 0 to ``peak_lr`` over ``warmup_steps``, then ``_decay`` down to ``end_lr`` at ``total_steps``."""
+
+    peak_lr: float
+    warmup_steps: int
+    total_steps: int
+    end_lr: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        _check(self.peak_lr, self.warmup_steps, self.total_steps)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak_lr * step / self.warmup_steps
+        decay = self.total_steps - self.warmup_steps
+        frac = min(1.0, (step - self.warmup_steps) / decay) if decay else 1.0
+        return self.end_lr + (self.peak_lr - self.end_lr) * self._remaining(frac)
+
+    def _remaining(self, frac: float) -> float:
+        """The share of ``peak_lr - end_lr`` left after ``frac`` of the decay."""
+        raise NotImplementedError
+
+
+@attrs.frozen
+class warmup_linear(_Warmup):
     """Linear warmup from 0 to ``peak_lr`` over ``warmup_steps``, then linear decay to ``end_lr`` at ``total_steps``.
 
     Example:
@@ -48,24 +72,12 @@ class warmup_linear:
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
 
-    peak_lr: float
-    warmup_steps: int
-    total_steps: int
-    end_lr: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        _check(self.peak_lr, self.warmup_steps, self.total_steps)
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.peak_lr * step / self.warmup_steps
-        decay = self.total_steps - self.warmup_steps
-        frac = min(1.0, (step - self.warmup_steps) / decay) if decay else 1.0
-        return self.peak_lr + (self.end_lr - self.peak_lr) * frac
+    def _remaining(self, frac: float) -> float:
+        return 1.0 - frac
 
 
 @attrs.frozen
-class warmup_cosine:
+class warmup_cosine(_Warmup):
     """Linear warmup to ``peak_lr``, then half a cosine down to ``end_lr`` at ``total_steps`` (held after).
 
     Example:
@@ -74,17 +86,5 @@ class warmup_cosine:
         [0.0, 1.0, 0.5, 0.0, 0.0]
     """
 
-    peak_lr: float
-    warmup_steps: int
-    total_steps: int
-    end_lr: float = 0.0
-
-    def __attrs_post_init__(self) -> None:
-        _check(self.peak_lr, self.warmup_steps, self.total_steps)
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.peak_lr * step / self.warmup_steps
-        decay = self.total_steps - self.warmup_steps
-        frac = min(1.0, (step - self.warmup_steps) / decay) if decay else 1.0
-        return self.end_lr + (self.peak_lr - self.end_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    def _remaining(self, frac: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * frac))

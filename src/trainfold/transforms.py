@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import attrs
 import torch
