@@ -30,11 +30,13 @@ class NanGuardState:
     def record(self, finite: torch.Tensor) -> NanGuardState:
         bad = (~finite).to(self.skipped.dtype)
         consecutive = (self.consecutive + 1) * bad
-        return attrs.evolve(
-            self,
-            skipped=self.skipped + bad,
-            consecutive=consecutive,
-            tripped=self.tripped | (consecutive >= self.max_consecutive),
+        # the constructor, not attrs.evolve: this runs on every update
+        return NanGuardState(
+            self.max_consecutive,
+            self.check_every,
+            self.skipped + bad,
+            consecutive,
+            self.tripped | (consecutive >= self.max_consecutive),
         )
 
 
