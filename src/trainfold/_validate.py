@@ -95,3 +95,11 @@ def positive_int(name: str, n: Any) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"{name} must be a positive int (got {n!r}).")
     return n
+
+
+def length_or_none(x: Any) -> int | None:
+    """``len(x)``, or None for an object without a length (an iterable loader)."""
+    try:
+        return len(x)
+    except TypeError:
+        return None

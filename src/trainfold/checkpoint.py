@@ -36,7 +36,7 @@ from ._cursor import EpochCursor, Resume
 from ._guard import NanGuardState
 from ._io import fsync_dir, fsync_file
 from ._types import Batch, Step, StepTransformer
-from ._validate import expect_owned, expect_state, name_of, named, positive_int
+from ._validate import expect_owned, expect_state, length_or_none, name_of, named, positive_int
 from .context import Context
 from .epoch_fns import BestState, PatienceState
 from .history import History, Record
@@ -219,7 +219,7 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     if isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0:
         start_t, meta["epoch_start"] = _rng.to_record(cursor.epoch_start)
         tensors.update({f"epoch_start.{k}": v for k, v in start_t.items()})
-        meta["epoch_length"] = _length(cursor.loader)
+        meta["epoch_length"] = length_or_none(cursor.loader)
         has, batch = read_ahead_batch(cursor.iterator, cursor.loader)
         enc = _codec.Encoder()
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
@@ -233,12 +233,6 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     _write_tensors(tmp / f"rank-{rank}.safetensors", {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()})
     _write_json(tmp / f"rank-{rank}.json", meta)
 
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
 
 
 def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:

@@ -16,7 +16,7 @@ from ._cursor import EpochCursor, Resume
 from ._rng import RngStates
 from .interrupt import catching_interrupts
 from ._types import Batch, EpochFn, LossFn, Step
-from ._validate import add_note, expect_owned, expect_state
+from ._validate import add_note, expect_owned, expect_state, length_or_none
 from .context import Context
 from .metrics import add_to_sums, finite_loss_mean, weighted, batch_size, describe_batch, reduce_means, slice_batch
 from .state import TrainState
@@ -31,18 +31,10 @@ def _empty_loader(where: str, loader: Any) -> ValueError:
     )
 
 
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None
-
 
 def _len_or_unknown(x: Any) -> str:
-    try:
-        return str(len(x))
-    except TypeError:
-        return "an unknown number of"
+    n = length_or_none(x)
+    return "an unknown number of" if n is None else str(n)
 
 
 @overload
@@ -141,9 +133,9 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
             "run_epoch: to continue a run from a checkpoint, the loader must be prepared with "
             f"ctx.prepare_loaders (got a {type(loader).__name__})."
         )
-    if state.batch_in_epoch > 0 and resume.epoch_length is not None and _length(loader) not in (None, resume.epoch_length):
+    if state.batch_in_epoch > 0 and resume.epoch_length is not None and length_or_none(loader) not in (None, resume.epoch_length):
         raise ValueError(
-            f"run_epoch: the interrupted epoch had {resume.epoch_length} batches, this loader has {_length(loader)}: "
+            f"run_epoch: the interrupted epoch had {resume.epoch_length} batches, this loader has {length_or_none(loader)}: "
             "the data or the batch size changed, so the run cannot continue where it stopped. Resume with the "
             "same dataset and loader settings, or finish the epoch boundary first (resume from a checkpoint "
             "taken between epochs)."

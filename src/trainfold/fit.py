@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from toolz import compose
 
 from ._types import Batch, EpochFn, LossFn, StepTransformer
+from ._validate import length_or_none
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .context import Context
 from .epoch import evaluate, run_epoch
@@ -72,7 +73,7 @@ def fit(
     if log_every_n is not None:
         step = log_every(ctx, log_every_n)(step)
     if progress:
-        step = progress_bar(ctx, total=_len_or_none(train_loader))(step)
+        step = progress_bar(ctx, total=length_or_none(train_loader))(step)
     stages: list[EpochFn] = [run_epoch(ctx, step, train_loader)]
     if eval_loader is not None:
         stages.append(evaluate(ctx, loss_fn, eval_loader))
@@ -86,9 +87,3 @@ def fit(
         state = load_checkpoint(ctx, checkpoint_dir, state)
     return loop(compose(*reversed(stages)), max_epochs=max_epochs)(state)
 
-
-def _len_or_none(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:
-        return None

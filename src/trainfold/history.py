@@ -38,7 +38,7 @@ class History:
 
     def add(self, *, epoch: int, step: int, values: Mapping[str, float]) -> History:
         """Return a History with one record per item of ``values`` appended."""
-        new = tuple(Record(epoch, step, name, float(v)) for name, v in values.items())
+        new = tuple(Record(epoch, step, name, float(v)) for name, v in values.items())  # sync: none for floats; per record (never per step) for a tensor
         return History(self.records + new)
 
     def __getitem__(self, name: str) -> tuple[float, ...]:
