@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Mapping, overload
 
 import attrs
@@ -36,7 +37,14 @@ from ._cursor import EpochCursor, Resume
 from ._guard import NanGuardState
 from ._io import fsync_dir, fsync_file
 from ._types import Batch, Step, StepTransformer
-from ._validate import expect_owned, expect_state, length_or_none, name_of, named, positive_int
+from ._validate import (
+    expect_owned,
+    expect_state,
+    length_or_none,
+    name_of,
+    named,
+    positive_int,
+)
 from .context import Context
 from .epoch_fns import BestState, PatienceState
 from .history import History, Record
@@ -232,7 +240,6 @@ def _write_rank(tmp: Path, ctx: Context, state: TrainState, now: _rng.RngStates)
     rank = acc.process_index
     _write_tensors(tmp / f"rank-{rank}.safetensors", {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()})
     _write_json(tmp / f"rank-{rank}.json", meta)
-
 
 
 def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
@@ -504,8 +511,6 @@ def _resume_record(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
 
 def _restored_state(ctx: Context, state: TrainState, saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, resume: Resume) -> TrainState:
     device = ctx.accelerator.device
-    from types import MappingProxyType
-
     extras = _codec.decode(saved["extras"], tensors, module_template=_codec.deep_template(model), device=device)
     return attrs.evolve(
         state,

@@ -11,14 +11,28 @@ import torch
 from toolz import curry
 
 from . import _rng as rng
-from ._backend import abandon_epoch, is_resumable_loader, loader_generators, real_samples_in_batch, resumed_epoch
+from ._backend import (
+    abandon_epoch,
+    is_resumable_loader,
+    loader_generators,
+    real_samples_in_batch,
+    resumed_epoch,
+)
 from ._cursor import EpochCursor, Resume
 from ._rng import RngStates
-from .interrupt import catching_interrupts
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state, length_or_none
 from .context import Context
-from .metrics import add_to_sums, finite_loss_mean, weighted, batch_size, describe_batch, reduce_means, slice_batch
+from .interrupt import catching_interrupts
+from .metrics import (
+    add_to_sums,
+    batch_size,
+    describe_batch,
+    finite_loss_mean,
+    reduce_means,
+    slice_batch,
+    weighted,
+)
 from .state import TrainState
 from .step import compute_loss
 
@@ -29,7 +43,6 @@ def _empty_loader(where: str, loader: Any) -> ValueError:
         f"{_len_or_unknown(getattr(loader, 'dataset', None))} samples). Check the dataset is not empty "
         "and that batch_size is not larger than the dataset with drop_last=True."
     )
-
 
 
 def _len_or_unknown(x: Any) -> str:
@@ -105,12 +118,9 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
 
 def _check_accumulation(ctx: Context, loader: Any) -> None:
-    try:
-        batches = len(loader)
-    except TypeError:
-        return
+    batches = length_or_none(loader)
     steps = ctx.gradient_accumulation_steps
-    if 0 < batches < steps:
+    if batches is not None and 0 < batches < steps:
         raise ValueError(
             f"run_epoch: the loader has {batches} batches per epoch but gradient_accumulation_steps={steps}: "
             f"each update would sum {batches} batches' gradients divided by {steps}, a silently smaller step. "

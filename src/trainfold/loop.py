@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-
 from ._types import EpochFn, StatePredicate
-from ._validate import positive_int, expect_state, name_of, named, returned_state
+from ._validate import expect_state, name_of, named, positive_int, returned_state
 from .state import TrainState
-
-
 
 
 def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 from accelerate import Accelerator
 
+from ._guard import NONFINITE
 from ._types import Batch
 
 _NO_AUX: Mapping[str, torch.Tensor] = MappingProxyType({})
@@ -195,7 +196,7 @@ def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:
         )
 
 
-def finite_loss_mean(means: dict[str, float], nonfinite: str = "nonfinite") -> dict[str, float]:
+def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dict[str, float]:
     """Under ``nan_guard`` a non-finite loss adds 0 to the sum: rescale the mean to the finite batches."""
     if nonfinite in means and "loss" in means:
         finite_share = 1.0 - means[nonfinite]

@@ -71,8 +71,9 @@ class TrainState:
             (``extras["nan_guard"]``...), a read-only mapping.
 
     Position:
-        cursor: a handle to the epoch being iterated (set by ``run_epoch``), or
-            what ``load_checkpoint`` found to resume it; None between epochs.
+        cursor: a handle to the epoch being iterated (set by ``run_epoch``; between
+            epochs it keeps only the loader, whose generators a checkpoint records),
+            or what ``load_checkpoint`` found to resume it; None before the first epoch.
         run_id: a random id given by ``create`` and kept by checkpoints, so that
             two runs never write into one checkpoint folder.
 

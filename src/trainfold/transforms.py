@@ -19,14 +19,11 @@ from ._backend import inner_optimizer
 from ._guard import NAME as NAN_GUARD
 from ._guard import NanGuardState
 from ._types import Batch, EpochFn, Step, StepTransformer
-from ._validate import positive_int, name_of, named, returned_state
+from ._validate import name_of, named, positive_int, returned_state
 from .context import Context
 from .metrics import finite_loss_mean, reduce_means
 from .state import TrainState
 from .tracking import emit
-
-
-
 
 
 def max_steps(n: int) -> StepTransformer:
