@@ -93,6 +93,30 @@ def test_clip_grad_value_limits_each_element():
     assert 0.125 == _weight(new)
 
 
+def test_without_accumulation_a_step_updates_even_if_something_left_sync_gradients_false():
+    """With one accumulation step the step does not call Accelerate's _do_sync each time, unless it must."""
+    ctx, state = _setup()
+    ctx.accelerator.gradient_state._set_sync_gradients(False)  # as a foreign accumulate() or no_sync might
+
+    new = make_step(ctx, testing.mse_loss)(state, BATCH)
+
+    assert (0.5, 1) == (_weight(new), new.step)
+    assert ctx.accelerator.sync_gradients
+
+
+def test_aux_sums_add_bool_int_and_half_values_as_float32():
+    """Type promotion converts inside the addition: the sums are float32 and exact."""
+    ctx, state = _setup()
+    aux = {"flag": torch.tensor(True), "count": torch.tensor(3), "half": torch.tensor(0.5, dtype=torch.float16),
+           "double": torch.tensor(0.25, dtype=torch.float64)}
+    step = make_step(ctx, lambda m, b: (testing.mse_loss(m, b), aux))
+
+    three = step(step(step(state, BATCH), BATCH), BATCH)
+
+    assert {k: torch.float32 for k in aux} == {k: v.dtype for k, v in three.aux_sums.items()}
+    assert {"flag": 3.0, "count": 9.0, "half": 1.5, "double": 0.75} == {k: v.item() for k, v in three.aux_sums.items()}
+
+
 def test_aux_values_are_summed_alongside_the_loss():
     """aux tensors returned by loss_fn become running sums under their names."""
     ctx, state = _setup()

@@ -159,7 +159,7 @@ def test_nan_guard_skips_the_update_and_counts_it(fused):
 
     testing.assert_params_changed(before, three)
     guard = three.extras["nan_guard"]
-    assert (1, 0) == (guard.skipped.item(), guard.consecutive.item())
+    assert (1, 0) == (guard.skipped, guard.consecutive)
     assert not any(torch.isnan(p).any() for p in three.model.parameters())
 
 
@@ -182,7 +182,44 @@ def test_nan_guard_stops_the_run_after_k_in_a_row():
     final = run_epoch(ctx, step, dl, state)
 
     assert final.should_stop and 4 == final.step
-    assert 2 == final.extras["nan_guard"].skipped.item()
+    assert 2 == final.extras["nan_guard"].skipped
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_nan_guard_counts_exactly_what_it_skipped(fused):
+    """Six updates, bad at 2, 4 and 5 (1-based): three skipped, a longest run of two, not tripped at 3."""
+    ctx, state, dl = _nan_setup(fused)
+    final = run_epoch(ctx, nan_guard(3, check_every=1)(make_step(ctx, _poisoned({2, 4, 5}))), dl, state)
+
+    guard = final.extras["nan_guard"]
+    assert (3, 0, 2) == (guard.skipped, guard.consecutive, guard.longest)
+    assert not guard.tripped and not final.should_stop and 6 == final.step
+    assert final.metrics["train_nonfinite"] == pytest.approx(3 / 6)
+
+
+def test_nan_guard_checks_the_gradients_the_optimizer_would_apply():
+    """A non-finite gradient on a parameter the optimizer does not hold changes no weight: no skip."""
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD([model.weight], lr=0.1))
+    step = nan_guard(3)(make_step(ctx, lambda m, b: (m(b) ** 2).mean() + m.bias.sum() * float("inf")))
+
+    new = step(state, torch.ones(4, 2))
+
+    assert 0 == new.extras["nan_guard"].skipped
+    assert model.weight.isfinite().all() and not model.bias.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("backend", ["DEEPSPEED", "FSDP", "MEGATRON_LM"])
+def test_nan_guard_refuses_backends_where_gradients_are_sharded_or_held_by_the_engine(backend, monkeypatch):
+    from accelerate.utils import DistributedType
+
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    monkeypatch.setattr(ctx.accelerator.state, "distributed_type", DistributedType[backend])
+    step = nan_guard(3)(lambda state, batch: pytest.fail("the step ran"))
+
+    with pytest.raises(ValueError, match=f"nan_guard cannot guard a step under {DistributedType[backend].value}"):
+        step(state, next(iter(loader)))
 
 
 def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
@@ -312,7 +349,12 @@ def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes()
 
 
 def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_runs():
-    """The inner step sees extras['nan_guard'] (that is what arms the gate); a tripped flag stops the run."""
+    """The inner step sees extras['nan_guard'] (that is what arms the gate) and records one flag per update.
+
+    Every check_every recorded updates the guard reads the flags: a run of max_consecutive
+    between two checks stops the run, though it ended before the check. The check counts
+    recorded updates, not state.step, which an fp16 scaler's skipped update leaves as it was.
+    """
     from trainfold._guard import NanGuardState
 
     seen = []
@@ -320,15 +362,17 @@ def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_
     def fake(state, batch):
         guard = state.extras["nan_guard"]
         seen.append(isinstance(guard, NanGuardState))
-        tripped = torch.tensor(batch == "bad")
-        return attrs.evolve(state.with_extra("nan_guard", attrs.evolve(guard, tripped=tripped)), step=state.step + 1)
+        return state.with_extra("nan_guard", guard.record(torch.tensor(float(batch == "bad"))))
 
-    step = nan_guard(3, check_every=2)(fake)
-    one = step(_fake_state(), "ok")
-    two = step(one, "bad")
+    step = nan_guard(2, check_every=2)(fake)
+    states = [_fake_state()]
+    for batch in ["ok", "bad", "bad", "ok"]:
+        states.append(step(states[-1], batch))
 
-    assert [True, True] == seen
-    assert (False, True) == (one.should_stop, two.should_stop)
+    assert [True] * 4 == seen
+    assert [False, False, False, True] == [s.should_stop for s in states[1:]]
+    assert [1, 0, 1, 0] == [len(s.extras["nan_guard"].pending) for s in states[1:]]
+    assert (2, 0, 2) == (states[-1].extras["nan_guard"].skipped, states[-1].extras["nan_guard"].consecutive, states[-1].extras["nan_guard"].longest)
 
 
 def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):

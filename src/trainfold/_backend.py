@@ -74,6 +74,15 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     return OptimizerOps(inner.step, inner.zero_grad, _never_skipped, fast=True, raw=inner)
 
 
+def grads_whole_in_params(accelerator: Accelerator) -> bool:
+    """True when, at the update, every process holds each parameter's whole gradient in ``param.grad``.
+
+    Not under FSDP (each process holds a shard), DeepSpeed or Megatron-LM (the
+    engine holds the gradients).
+    """
+    return accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM)
+
+
 def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:
     """How many samples of the batch being processed are real, not padding.
 
@@ -211,34 +220,29 @@ def abandon_epoch(iterator: Any, loader: Any) -> None:
 # --- The micro-step plumbing: accumulate() and backward(), decided once ----------------------
 
 
-class _SyncOnly:
-    """What ``accelerator.accumulate(model)`` does on one process: only ``_do_sync()``.
+def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:
+    """What ``accelerator.accumulate(model)`` does for a micro-batch on one process, or None on several.
 
     On one process ``accumulate`` enters no ``no_sync`` context (that is for
-    DDP), so this small object does the same work without building a
-    generator-based context manager and an ExitStack on every micro-batch.
+    DDP): it only calls ``_do_sync()``, which sets ``sync_gradients`` and
+    advances Accelerate's micro-batch counter. The step calls this instead,
+    without a generator-based context manager and an ExitStack per micro-batch.
+    With one accumulation step ``sync_gradients`` is always True and the
+    counter's phase always 0, so the call is made only if something else left
+    ``sync_gradients`` False. Under several processes (None), the step enters
+    ``accelerator.accumulate`` itself.
     """
-
-    __slots__ = ("_do_sync",)
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self._do_sync = accelerator._do_sync
-
-    def __call__(self, model: Any) -> _SyncOnly:
-        return self
-
-    def __enter__(self) -> None:
-        self._do_sync()
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def accumulate_context(accelerator: Accelerator) -> Callable[[Any], Any]:
-    """``accelerator.accumulate``, or its one-process equivalent when no process group exists."""
     if accelerator.use_distributed:
-        return accelerator.accumulate
-    return _SyncOnly(accelerator)
+        return None
+    if accelerator.gradient_accumulation_steps > 1:
+        return accelerator._do_sync
+    gradient_state, do_sync = accelerator.gradient_state, accelerator._do_sync
+
+    def keep_synced() -> None:
+        if not gradient_state.sync_gradients:
+            do_sync()
+
+    return keep_synced
 
 
 def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:

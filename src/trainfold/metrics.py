@@ -149,14 +149,39 @@ def add_to_sums(
         return MappingProxyType({k: weighted(v, weight) for k, v in aux.items()})
     if aux.keys() != sums.keys():
         raise ValueError(_aux_names_changed(sums, aux))
+    if weight == 1.0:
+        return MappingProxyType({k: plus(sums[k], v) for k, v in aux.items()})
     return MappingProxyType({k: sums[k] + weighted(v, weight) for k, v in aux.items()})
 
 
+#: dtypes that a float32 sum adds as float32, converting them inside the addition kernel
+_PROMOTED_TO_FLOAT32 = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                  torch.float16, torch.bfloat16, torch.float32})
+
+
+def plus(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``total + value.detach().float()`` for a float32 ``total``, in one kernel where type promotion allows.
+
+    The addition converts ``value`` to float32 itself (the same numbers as
+    ``.float()`` first); only a float64 or complex value is converted apart.
+    """
+    if value.requires_grad:
+        value = value.detach()
+    return total + (value if value.dtype in _PROMOTED_TO_FLOAT32 else value.float())
+
+
 def weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
-    value = value.detach().float()
+    value = as_float32(value)
     if weight == 0:
         return torch.zeros_like(value)  # not value * 0, which is nan for an infinite value
     return value if weight == 1.0 else value * weight
+
+
+def as_float32(value: torch.Tensor) -> torch.Tensor:
+    """``value.detach().float()``, skipping each call that has nothing to do (this runs per micro-batch)."""
+    if value.requires_grad:
+        value = value.detach()
+    return value if value.dtype is torch.float32 else value.float()
 
 
 def _aux_names_changed(sums: Mapping[str, Any], aux: Mapping[str, Any]) -> str:

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import math
 from types import MappingProxyType
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ._backend import accumulate_context, backward_fn, optimizer_ops
+from ._backend import backward_fn, micro_batch_start, optimizer_ops
 from ._guard import NAME as GUARD
-from ._guard import NONFINITE, NanGuardState, grads_finite, guarded_update
+from ._guard import NONFINITE, NanGuardState, guarded_update, nonfinite_grads
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
-from .metrics import add_to_sums, describe_batch, split_loss_output
+from .metrics import add_to_sums, as_float32, describe_batch, split_loss_output
 from .state import TrainState, replace
 
 Clip = Callable[[torch.nn.Module], Any]
@@ -62,24 +62,36 @@ def make_clip(accelerator: Accelerator, clip_grad_norm: float | None, clip_grad_
     return lambda model: accelerator.clip_grad_value_(model.parameters(), value)
 
 
-def guarded_step(guard: NanGuardState, model: torch.nn.Module, ops: Any) -> NanGuardState:
-    """Stage 4 under ``nan_guard``: apply the update only if every gradient is finite."""
-    finite = grads_finite(model.parameters())
+def guarded_step(guard: NanGuardState, optimizer: Any, ops: Any) -> NanGuardState:
+    """Stage 4 under ``nan_guard``: apply the update only if every gradient of ``optimizer``'s parameters is finite."""
+    nonfinite = nonfinite_grads(optimizer)
     if ops.scaled:
         ops.step()  # the fp16 loss scaler skips non-finite updates itself and must see every step
     else:
-        guarded_update(ops.raw, finite, ops.step)
-    return guard.record(finite)
+        guarded_update(ops.raw, nonfinite, ops.step)
+    return guard.record(nonfinite)
 
 
-def record(state: TrainState, loss: torch.Tensor, aux: Any, *, updated: bool, guard: NanGuardState | None = None) -> TrainState:
-    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the on-device running sums."""
-    loss = loss.detach().float()
-    extras = state.extras
+def record(
+    state: TrainState,
+    loss: torch.Tensor,
+    aux: Any,
+    *,
+    updated: bool,
+    guard: NanGuardState | None = None,
+    extras: Mapping[str, Any] | None = None,
+) -> TrainState:
+    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the on-device running sums.
+
+    ``extras``, when given, replaces ``state.extras`` (the token stage's new count).
+    """
+    loss = as_float32(loss)
+    extras = state.extras if extras is None else extras
     if guard is not None:
-        finite = torch.isfinite(loss)
-        aux = {**aux, NONFINITE: (~finite).float()}
-        loss = torch.where(finite, loss, torch.zeros_like(loss))
+        # a non-finite loss adds 0 to the sum, and 1 to the count of non-finite batches
+        masked = loss.nan_to_num(0.0, 0.0, 0.0)  # nan, +inf, -inf
+        aux = {**aux, NONFINITE: loss.ne(masked)}  # a bool, made float32 when summed
+        loss = masked
         extras = MappingProxyType({**extras, GUARD: guard})
     return replace(
         state,
@@ -101,7 +113,7 @@ def _normalize_mode(normalize: str) -> str:
     return normalize
 
 
-def token_normalizer(ctx: Context) -> Callable[..., tuple[TrainState, torch.Tensor]]:
+def token_normalizer(ctx: Context) -> Callable[..., tuple[Mapping[str, Any], torch.Tensor]]:
     """The stage of a ``normalize="tokens"`` step between backward and clipping.
 
     Per micro-batch it adds ``aux["tokens"]`` to the group's count, kept on the
@@ -110,14 +122,17 @@ def token_normalizer(ctx: Context) -> Callable[..., tuple[TrainState, torch.Tens
     ``accumulation_steps * num_processes / total_tokens``: Accelerate divided
     each summed loss by the accumulation steps and DDP averaged over processes,
     so the result is the gradient of (sum of all token losses) / (all tokens).
-    Returns the state and the micro-batch's per-token mean loss (for the logs).
+    Returns the state's new extras (for :func:`record`) and the micro-batch's
+    per-token mean loss (for the logs).
     """
     accelerator = ctx.accelerator
     factor = float(ctx.gradient_accumulation_steps * accelerator.num_processes)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         raise ValueError("normalize='tokens' is not supported under DeepSpeed, which scales gradients itself.")
 
-    def stage(state: TrainState, model: torch.nn.Module, loss: torch.Tensor, aux: Any, synced: bool) -> tuple[TrainState, torch.Tensor]:
+    def stage(
+        state: TrainState, model: torch.nn.Module, loss: torch.Tensor, aux: Any, synced: bool
+    ) -> tuple[Mapping[str, Any], torch.Tensor]:
         count = aux.get(TOKENS) if hasattr(aux, "get") else None
         if count is None:
             raise ValueError(
@@ -135,7 +150,7 @@ def token_normalizer(ctx: Context) -> Callable[..., tuple[TrainState, torch.Tens
         extras = {k: v for k, v in state.extras.items() if k != TOKENS}
         if group is not None:
             extras[TOKENS] = group
-        return replace(state, extras=MappingProxyType(extras)), loss.detach() / count.clamp(min=1)
+        return MappingProxyType(extras), loss.detach() / count.clamp(min=1)
 
     return stage
 
@@ -169,8 +184,9 @@ def make_step(
     any fp16 loop.
 
     Where Accelerate's wrappers have nothing to do, the step skips them, decided
-    here, once: on one process ``accumulate`` is only its ``_do_sync()``; without
-    a loss scaler or DeepSpeed ``backward`` is ``(loss / steps).backward()``; and
+    here, once: on one process ``accumulate`` is only its ``_do_sync()`` (and
+    with no accumulation, not even that); without a loss scaler or DeepSpeed
+    ``backward`` is ``(loss / steps).backward()``; and
     the torch optimizer is called directly on updates. The parameters are the
     same, bit for bit (the equivalence tests cover every configuration).
 
@@ -214,34 +230,41 @@ def make_step(
     ctx.check()
     accelerator = ctx.accelerator
     clip = make_clip(accelerator, clip_grad_norm, clip_grad_value)
-    accumulate = accumulate_context(accelerator)
+    start = micro_batch_start(accelerator)
     backward = backward_fn(accelerator)
     tokens = token_normalizer(ctx) if _normalize_mode(normalize) == "tokens" else None
 
     def step(state: TrainState, batch: Batch) -> TrainState:
         if state.accelerator is not accelerator:
             expect_owned("step", ctx, expect_state("step", state))
+        if start is not None:
+            start()
+            return micro_batch(state, batch)
+        with accelerator.accumulate(state.model):  # DDP's no_sync off the last micro-batch of a group
+            return micro_batch(state, batch)
+
+    def micro_batch(state: TrainState, batch: Batch) -> TrainState:
         model = state.model
         ops = _ops_for(state)
         guard = state.extras.get(GUARD) if state.extras else None
-        with accumulate(model):
-            loss, aux = compute_loss(loss_fn, model, batch)
-            backward(loss)
-            synced = accelerator.sync_gradients
-            if tokens is not None:
-                state, loss = tokens(state, model, loss, aux, synced)
-            if synced or not ops.fast:
-                if synced and clip is not None:
-                    clip(model)
-                if synced and guard is not None:
-                    guard = guarded_step(guard, model, ops)
-                else:
-                    ops.step()
-            if state.scheduler is not None:
-                state.scheduler.step()
-            if synced or not ops.fast:
-                ops.zero_grad()
-        return record(state, loss, aux, updated=synced and not ops.was_skipped(), guard=guard)
+        extras = None
+        loss, aux = compute_loss(loss_fn, model, batch)
+        backward(loss)
+        synced = accelerator.sync_gradients
+        if tokens is not None:
+            extras, loss = tokens(state, model, loss, aux, synced)
+        if synced or not ops.fast:
+            if synced and clip is not None:
+                clip(model)
+            if synced and guard is not None:
+                guard = guarded_step(guard, state.optimizer, ops)
+            else:
+                ops.step()
+        if state.scheduler is not None:
+            state.scheduler.step()
+        if synced or not ops.fast:
+            ops.zero_grad()
+        return record(state, loss, aux, updated=synced and not ops.was_skipped(), guard=guard, extras=extras)
 
     cache: dict[int, Any] = {}
 

@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 import attrs
 import torch
 
-from ._backend import inner_optimizer
+from ._backend import grads_whole_in_params, inner_optimizer
 from ._guard import NAME as NAN_GUARD
 from ._guard import NanGuardState
 from ._types import Batch, EpochFn, Step, StepTransformer
@@ -73,18 +73,25 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
     ``train_loss`` is the mean over finite batches and ``train_nonfinite`` the
     share of non-finite ones. ``state.step`` still counts a skipped update
     (knowing otherwise would need a sync), and a scheduler still advances; the
-    skipped count is ``state.extras["nan_guard"].skipped``.
+    counts are ``state.extras["nan_guard"].skipped`` (in the run),
+    ``.consecutive`` (in a row now) and ``.longest`` (in a row, at most), ints.
 
-    Whether to stop is read from the device every ``check_every`` updates (one
-    sync each time); gradients are averaged over processes before the check, so
-    every process takes the same decision.
+    Each update's flag stays on the device; every ``check_every`` updates the
+    guard reads them all (one sync), counts them and decides whether to stop;
+    reading a count between two checks costs one sync. Gradients are averaged over processes before the check, so every process
+    takes the same decision. The gradients checked are those of
+    the optimizer's parameters: the ones the update would change.
+
+    Raises:
+        ValueError (on the first step): under FSDP, DeepSpeed or Megatron-LM,
+            where no process holds every whole gradient in ``param.grad``.
 
     Example:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> nan_loss = lambda m, b: loss_fn(m, b) * float("nan")
         >>> state = run_epoch(ctx, nan_guard(2, check_every=1)(make_step(ctx, nan_loss)), loader, state)
-        >>> state.should_stop, state.extras["nan_guard"].skipped.item(), state.model.weight.isfinite().all().item()
+        >>> state.should_stop, state.extras["nan_guard"].skipped, state.model.weight.isfinite().all().item()
         (True, 2, True)
 
     .. versionadded:: 0.1.0
@@ -97,9 +104,11 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
             if NAN_GUARD not in state.extras:
                 state = state.with_extra(NAN_GUARD, _new_guard(state, max_consecutive, check_every))
             new = step(state, batch)
-            if new.step != state.step and new.step % check_every == 0:
-                tripped = bool(new.extras[NAN_GUARD].tripped)  # sync: once every check_every updates
-                if tripped:
+            guard = new.extras[NAN_GUARD]
+            if len(guard.pending) >= check_every:
+                guard = guard.settle()  # sync: once every check_every updates
+                new = new.with_extra(NAN_GUARD, guard)
+                if guard.tripped:
                     return attrs.evolve(new, should_stop=True)
             return new
 
@@ -109,9 +118,15 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
 
 
 def _new_guard(state: TrainState, max_consecutive: int, check_every: int) -> NanGuardState:
-    device = state.accelerator.device if state.accelerator is not None else torch.device("cpu")
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    return NanGuardState(max_consecutive, check_every, zero, zero, torch.zeros((), dtype=torch.bool, device=device))
+    accelerator = state.accelerator
+    if accelerator is not None and not grads_whole_in_params(accelerator):
+        raise ValueError(
+            f"nan_guard cannot guard a step under {accelerator.distributed_type.value}: the gradients it checks "
+            "are sharded there (or held by the engine, not in param.grad), so processes could take different "
+            "decisions or none. Under DeepSpeed, use its fp16 loss scaling, which skips non-finite updates; "
+            "otherwise remove nan_guard."
+        )
+    return NanGuardState(max_consecutive, check_every)
 
 
 @attrs.frozen
