@@ -372,7 +372,8 @@ def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_
     assert [True] * 4 == seen
     assert [False, False, False, True] == [s.should_stop for s in states[1:]]
     assert [1, 0, 1, 0] == [len(s.extras["nan_guard"].pending) for s in states[1:]]
-    assert (2, 0, 2) == (states[-1].extras["nan_guard"].skipped, states[-1].extras["nan_guard"].consecutive, states[-1].extras["nan_guard"].longest)
+    guard = states[-1].extras["nan_guard"]
+    assert (2, 0, 2) == (guard.skipped, guard.consecutive, guard.longest)
 
 
 def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):

@@ -78,9 +78,10 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
 
     Each update's flag stays on the device; every ``check_every`` updates the
     guard reads them all (one sync), counts them and decides whether to stop;
-    reading a count between two checks costs one sync. Gradients are averaged over processes before the check, so every process
-    takes the same decision. The gradients checked are those of
-    the optimizer's parameters: the ones the update would change.
+    reading a count between two checks costs one sync. Gradients are averaged
+    over processes before the check, so every process takes the same decision.
+    The gradients checked are those of the optimizer's parameters: the ones the
+    update would change.
 
     Raises:
         ValueError (on the first step): under FSDP, DeepSpeed or Megatron-LM,
