@@ -4,7 +4,11 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from trainfold import Context, TrainState, make_step, testing
+from trainfold.metrics import FOLD_EVERY
+from trainfold.step import record
 
 
 def _setup(gradient_accumulation_steps=1, lr=0.25):
@@ -105,7 +109,7 @@ def test_without_accumulation_a_step_updates_even_if_something_left_sync_gradien
 
 
 def test_aux_sums_add_bool_int_and_half_values_as_float32():
-    """Type promotion converts inside the addition: the sums are float32 and exact."""
+    """Whatever the values' dtypes, the sums are float32 and exact."""
     ctx, state = _setup()
     aux = {"flag": torch.tensor(True), "count": torch.tensor(3), "half": torch.tensor(0.5, dtype=torch.float16),
            "double": torch.tensor(0.25, dtype=torch.float64)}
@@ -129,6 +133,58 @@ def test_aux_values_are_summed_alongside_the_loss():
     two = step(step(state, BATCH), BATCH)
 
     assert {"twice": 2.5} == {k: v.item() for k, v in two.aux_sums.items()}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_recording_a_micro_batch_runs_no_tensor_op_until_its_sums_are_due():
+    """Each micro-batch's (loss, aux) waits in state.unsummed; every FOLD_EVERY-th, one stack and sum per name."""
+    ctx, state = _setup()
+    ops_per_record = []
+    for i in range(FOLD_EVERY + 1):
+        loss, aux = torch.tensor(float(i)), {"one": torch.tensor(1.0)}
+        with _CountOps() as counted:
+            state = record(state, loss, aux, updated=True)
+        ops_per_record.append(len(counted.ops))
+
+    assert [0] * (FOLD_EVERY - 1) == ops_per_record[: FOLD_EVERY - 1]
+    assert 0 < ops_per_record[FOLD_EVERY - 1] <= 8
+    assert 0 == ops_per_record[FOLD_EVERY]
+    assert 1 == len(state.unsummed)
+    assert sum(range(FOLD_EVERY + 1)) == state.loss_sum.item()
+    assert {"one": FOLD_EVERY + 1.0} == {k: v.item() for k, v in state.aux_sums.items()}
+
+
+def test_unsummed_micro_batches_hold_no_autograd_graph():
+    """The waiting losses and aux values are detached: they do not keep the activations alive."""
+    ctx, state = _setup()
+    step = make_step(ctx, lambda m, b: (testing.mse_loss(m, b), {"again": testing.mse_loss(m, b)}))
+
+    two = step(step(state, BATCH), BATCH)
+
+    assert 2 == len(two.unsummed)
+    assert not any(loss.requires_grad or aux["again"].requires_grad for loss, aux in two.unsummed)
+    assert (1.25, 1.25) == (two.loss_sum.item(), two.aux_sums["again"].item())
+
+
+def test_summed_adds_the_waiting_micro_batches_and_leaves_the_state_unchanged():
+    ctx, state = _setup()
+    step = make_step(ctx, testing.mse_loss)
+    two = step(step(state, BATCH), BATCH)
+
+    summed = two.summed()
+
+    assert (0, 2) == (len(summed.unsummed), len(two.unsummed))
+    assert 1.25 == summed.loss_sum.item() == two.loss_sum.item()
+    assert summed.summed() is summed
 
 
 def test_step_has_a_readable_name():

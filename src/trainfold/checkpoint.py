@@ -204,8 +204,10 @@ def _write_shared(tmp: Path, ctx: Context, state: TrainState, weights: Mapping[s
             "should_stop": state.should_stop,
             "run_id": state.run_id,
             "history": [[r.epoch, r.step, r.name, r.value] for r in state.history],
-            "loss_sum": enc.encode(state.loss_sum, "running.loss"),
-            "aux_sums": enc.encode(dict(state.aux_sums), "running.aux"),
+            # as they are, not summed: a resumed run adds the same numbers in the same order
+            "loss_sum": enc.encode(state._loss_sum, "running.loss"),
+            "aux_sums": enc.encode(dict(state._aux_sums), "running.aux"),
+            "unsummed": enc.encode(tuple((loss, dict(aux)) for loss, aux in state.unsummed), "running.unsummed"),
             "extras": enc.encode(dict(state.extras), "extras"),
         },
         "optimizer": enc.encode(inner_optimizer(state.optimizer).state_dict(), "optimizer"),
@@ -523,6 +525,9 @@ def _restored_state(ctx: Context, state: TrainState, saved: Mapping[str, Any], t
         history=History(tuple(Record(*r) for r in saved["history"])),
         loss_sum=_codec.decode(saved["loss_sum"], tensors, device=device),
         aux_sums=MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
+        unsummed=tuple(
+            (loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)
+        ),
         extras=MappingProxyType(extras),
         cursor=resume,
     )

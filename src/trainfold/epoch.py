@@ -166,6 +166,7 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics, count it, reset the running sums."""
+    state = state.summed()
     sums = {"loss": state.loss_sum, **state.aux_sums} if state.loss_sum is not None else dict(state.aux_sums)
     means = finite_loss_mean(reduce_means(ctx.accelerator, sums, state.batch_in_epoch)) if sums else {}
     history = state.history.add(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 from accelerate import Accelerator
@@ -134,6 +134,66 @@ def _describe_value(value: Any) -> str:
     return type(value).__name__
 
 
+#: A micro-batch's ``(loss, aux)``, detached, waiting in ``TrainState.unsummed`` to be summed.
+Entry = tuple[torch.Tensor, Mapping[str, torch.Tensor]]
+
+#: How many micro-batches a state holds before a step adds them to its sums.
+FOLD_EVERY = 64
+
+
+def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
+    """``(loss, aux)`` without their autograd graphs, which an entry must not keep alive (activations)."""
+    if loss.requires_grad:
+        loss = loss.detach()
+    if any(v.requires_grad for v in aux.values()):
+        aux = MappingProxyType({k: v.detach() for k, v in aux.items()})
+    return loss, aux
+
+
+def check_same_names(sums: Mapping[str, torch.Tensor], unsummed: tuple[Entry, ...], aux: Mapping[str, Any]) -> None:
+    """Raise if a micro-batch's aux names differ from the epoch's earlier ones (a dict-keys comparison)."""
+    if unsummed:
+        earlier = unsummed[-1][1].keys()
+    elif sums:
+        earlier = sums.keys() - {NONFINITE} if NONFINITE in sums else sums.keys()
+    else:
+        return
+    if aux.keys() != earlier:
+        raise ValueError(_aux_names_changed(earlier, aux))
+
+
+def fold(
+    loss_sum: torch.Tensor | None,
+    aux_sums: Mapping[str, torch.Tensor],
+    unsummed: tuple[Entry, ...],
+    *,
+    mask_nonfinite: bool,
+) -> tuple[torch.Tensor | None, Mapping[str, torch.Tensor]]:
+    """Add the micro-batches waiting in ``unsummed`` to the running sums: one stack and one sum per name.
+
+    Sums are float32 whatever the values' dtypes (bool, int, half, double). With
+    ``mask_nonfinite`` (under ``nan_guard``), a non-finite loss adds 0 to the loss
+    sum and 1 to ``aux_sums["nonfinite"]``. No host sync.
+    """
+    if not unsummed:
+        return loss_sum, aux_sums
+    losses = torch.stack([loss for loss, _ in unsummed])
+    new: dict[str, torch.Tensor] = {}
+    if mask_nonfinite:
+        masked = losses.nan_to_num(0.0, 0.0, 0.0)  # nan, +inf, -inf
+        new[NONFINITE] = losses.ne(masked).sum(dtype=torch.float32)
+        losses = masked
+    total = losses.sum(dtype=torch.float32)
+    loss_sum = total if loss_sum is None else loss_sum + total
+    for name in unsummed[0][1]:
+        new[name] = torch.stack([aux[name] for _, aux in unsummed]).sum(dtype=torch.float32)
+    # the names were checked per micro-batch (check_same_names); "nonfinite" is there only under nan_guard
+    merged = dict(aux_sums)
+    for name, value in new.items():
+        merged[name] = merged[name] + value if name in merged else value
+    return loss_sum, MappingProxyType(merged)
+
+
 def add_to_sums(
     sums: Mapping[str, torch.Tensor], aux: Mapping[str, torch.Tensor], weight: float = 1.0
 ) -> Mapping[str, torch.Tensor]:
@@ -149,25 +209,7 @@ def add_to_sums(
         return MappingProxyType({k: weighted(v, weight) for k, v in aux.items()})
     if aux.keys() != sums.keys():
         raise ValueError(_aux_names_changed(sums, aux))
-    if weight == 1.0:
-        return MappingProxyType({k: plus(sums[k], v) for k, v in aux.items()})
     return MappingProxyType({k: sums[k] + weighted(v, weight) for k, v in aux.items()})
-
-
-#: dtypes that a float32 sum adds as float32, converting them inside the addition kernel
-_PROMOTED_TO_FLOAT32 = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                                  torch.float16, torch.bfloat16, torch.float32})
-
-
-def plus(total: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``total + value.detach().float()`` for a float32 ``total``, in one kernel where type promotion allows.
-
-    The addition converts ``value`` to float32 itself (the same numbers as
-    ``.float()`` first); only a float64 or complex value is converted apart.
-    """
-    if value.requires_grad:
-        value = value.detach()
-    return total + (value if value.dtype in _PROMOTED_TO_FLOAT32 else value.float())
 
 
 def weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
@@ -178,16 +220,16 @@ def weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
 
 
 def as_float32(value: torch.Tensor) -> torch.Tensor:
-    """``value.detach().float()``, skipping each call that has nothing to do (this runs per micro-batch)."""
+    """``value.detach().float()``, skipping each call that has nothing to do (this runs per batch)."""
     if value.requires_grad:
         value = value.detach()
     return value if value.dtype is torch.float32 else value.float()
 
 
-def _aux_names_changed(sums: Mapping[str, Any], aux: Mapping[str, Any]) -> str:
+def _aux_names_changed(earlier: Iterable[str], aux: Iterable[str]) -> str:
     return (
         f"loss_fn returned aux names {sorted(aux)} but earlier batches of this epoch returned "
-        f"{sorted(sums)}: return the same names for every batch (use a zero tensor for a "
+        f"{sorted(earlier)}: return the same names for every batch (use a zero tensor for a "
         "term that is absent)."
     )
 

@@ -10,8 +10,10 @@ import attrs
 import torch
 from accelerate import Accelerator
 
+from ._guard import NAME as GUARD
 from .context import Context
 from .history import History
+from .metrics import Entry, fold
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -65,6 +67,10 @@ class TrainState:
         loss_sum, aux_sums: running sums of the batch losses and aux values of
             the current epoch, kept on the device (never synchronised by a step);
             divided by ``batch_in_epoch`` they are the epoch's running means.
+            A step launches no kernel to add to them: it appends the micro-batch's
+            detached ``(loss, aux)`` to ``unsummed``, and every 64 micro-batches
+            adds those with one stack and one sum per name. The two properties
+            include the ``unsummed`` micro-batches.
         history: epoch-level :class:`~trainfold.History` of train and eval metrics.
         should_stop: set by epoch functions such as ``early_stop``; ``loop`` reads it.
         extras: named states of step transformers and epoch functions
@@ -90,8 +96,11 @@ class TrainState:
     micro_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    loss_sum: torch.Tensor = attrs.field(default=None, eq=False, repr=False)
-    aux_sums: Mapping[str, torch.Tensor] = attrs.field(default=_EMPTY, eq=False, repr=False)
+    # The sums up to the micro-batches in ``unsummed``: read them through the properties
+    # ``loss_sum`` and ``aux_sums``, which add those (``summed``).
+    _loss_sum: torch.Tensor | None = attrs.field(default=None, alias="loss_sum", eq=False, repr=False)
+    _aux_sums: Mapping[str, torch.Tensor] = attrs.field(default=_EMPTY, alias="aux_sums", eq=False, repr=False)
+    unsummed: tuple[Entry, ...] = attrs.field(default=(), eq=False, repr=False)
     history: History = History()
     should_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
@@ -171,6 +180,26 @@ class TrainState:
             extras=_freeze(extras),
             run_id=uuid.uuid4().hex[:12],  # os.urandom: draws nothing from the training RNGs
         )
+
+    @property
+    def loss_sum(self) -> torch.Tensor | None:
+        """The sum of the current epoch's batch losses, a 0-d float32 tensor on the device."""
+        return self.summed()._loss_sum
+
+    @property
+    def aux_sums(self) -> Mapping[str, torch.Tensor]:
+        """The sums of the current epoch's aux values, by name (0-d float32 tensors on the device)."""
+        return self.summed()._aux_sums
+
+    def summed(self) -> TrainState:
+        """This state with the micro-batches in ``unsummed`` added to its sums (a few kernels, no sync).
+
+        Read both sums from the result when you need both: each property sums on its own.
+        """
+        if not self.unsummed:
+            return self
+        loss_sum, aux_sums = fold(self._loss_sum, self._aux_sums, self.unsummed, mask_nonfinite=GUARD in self.extras)
+        return replace(self, loss_sum=loss_sum, aux_sums=aux_sums, unsummed=())
 
     @property
     def metrics(self) -> Mapping[str, float]:

@@ -12,11 +12,11 @@ from accelerate.utils import DistributedType
 
 from ._backend import backward_fn, micro_batch_start, optimizer_ops
 from ._guard import NAME as GUARD
-from ._guard import NONFINITE, NanGuardState, guarded_update, nonfinite_grads
+from ._guard import NanGuardState, guarded_update, nonfinite_grads
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
-from .metrics import add_to_sums, as_float32, describe_batch, split_loss_output
+from .metrics import FOLD_EVERY, check_same_names, describe_batch, detached, fold, split_loss_output
 from .state import TrainState, replace
 
 Clip = Callable[[torch.nn.Module], Any]
@@ -81,25 +81,31 @@ def record(
     guard: NanGuardState | None = None,
     extras: Mapping[str, Any] | None = None,
 ) -> TrainState:
-    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the on-device running sums.
+    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the micro-batch's values.
 
-    ``extras``, when given, replaces ``state.extras`` (the token stage's new count).
+    The detached ``(loss, aux)`` joins ``state.unsummed``, with no kernel; every
+    ``FOLD_EVERY`` micro-batches they are added to the on-device sums (see
+    :meth:`TrainState.summed`). ``extras``, when given, replaces ``state.extras``
+    (the token stage's new count).
     """
-    loss = as_float32(loss)
+    check_same_names(state._aux_sums, state.unsummed, aux)
     extras = state.extras if extras is None else extras
     if guard is not None:
-        # a non-finite loss adds 0 to the sum, and 1 to the count of non-finite batches
-        masked = loss.nan_to_num(0.0, 0.0, 0.0)  # nan, +inf, -inf
-        aux = {**aux, NONFINITE: loss.ne(masked)}  # a bool, made float32 when summed
-        loss = masked
         extras = MappingProxyType({**extras, GUARD: guard})
+    unsummed = (*state.unsummed, detached(loss, aux))
+    if len(unsummed) < FOLD_EVERY:
+        loss_sum, aux_sums = state._loss_sum, state._aux_sums
+    else:
+        loss_sum, aux_sums = fold(state._loss_sum, state._aux_sums, unsummed, mask_nonfinite=GUARD in extras)
+        unsummed = ()
     return replace(
         state,
         step=state.step + updated,
         micro_step=state.micro_step + 1,
         batch_in_epoch=state.batch_in_epoch + 1,
-        loss_sum=loss if state.loss_sum is None else state.loss_sum + loss,
-        aux_sums=add_to_sums(state.aux_sums, aux) if aux or state.aux_sums else state.aux_sums,
+        loss_sum=loss_sum,
+        aux_sums=aux_sums,
+        unsummed=unsummed,
         extras=extras,
     )
 

@@ -263,13 +263,10 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
     return transform
 
 
-def _current_sums(state: TrainState) -> dict[str, torch.Tensor]:
-    return {"loss": state.loss_sum, **state.aux_sums}
-
-
 def _report(ctx: Context, state: TrainState) -> LogState:
     last: LogState | None = state.extras.get("log_every")
-    sums = _current_sums(state)
+    summed = state.summed()
+    sums = {"loss": summed.loss_sum, **summed.aux_sums}
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
     interval = {k: v - last.sums[k] for k, v in sums.items()} if same_epoch else sums  # type: ignore[union-attr]
