@@ -67,3 +67,30 @@ def test_schedules_rise_then_fall_within_their_bounds(args, kind):
         assert math.isclose(values[warmup], peak)  # the peak, where the decay starts
     assert all(a + 1e-12 >= b for a, b in zip(values[warmup:], values[warmup + 1 :]))  # never rises after
     assert math.isclose(values[total], end, abs_tol=1e-9) and values[-1] == values[total]
+
+
+_CHANGES = {
+    "step": st.integers(0, 10**6),
+    "micro_step": st.integers(0, 10**6),
+    "batch_in_epoch": st.integers(0, 10**6),
+    "should_stop": st.booleans(),
+    "unsummed": st.just((torch.tensor(1.0), {})).map(lambda e: (e,)),
+    "run_id": st.text(max_size=4),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(changes=st.lists(st.sampled_from(sorted(_CHANGES)), unique=True).flatmap(
+    lambda names: st.fixed_dictionaries({n: _CHANGES[n] for n in names})))
+def test_the_hot_path_replace_is_attrs_evolve(changes):
+    """The step's generated replace gives the same state as attrs.evolve, for any set of changed fields."""
+    import attrs
+
+    from trainfold.state import replace
+
+    _, state, _ = _setup(4, 2, 1)
+
+    fast, slow = replace(state, **changes), attrs.evolve(state, **changes)
+
+    assert fast == slow
+    assert all(getattr(fast, f.name) is getattr(slow, f.name) for f in attrs.fields(type(state)))

@@ -42,7 +42,10 @@ class NanGuardState:
             return self
         skipped, consecutive, longest = self.counts
         device = self.pending[0].device
-        for bad in torch.stack([f.to(device) for f in self.pending]).tolist():  # sync
+        flags = torch.stack([f.to(device) for f in self.pending]).tolist()  # sync
+        if not any(flags):  # the usual case: every update applied
+            return NanGuardState(self.max_consecutive, self.check_every, (skipped, 0, longest))
+        for bad in flags:
             consecutive = consecutive + 1 if bad else 0
             skipped += bool(bad)
             longest = max(longest, consecutive)

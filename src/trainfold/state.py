@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import torch
@@ -22,21 +22,33 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping or {}))
 
 
-_INIT_NAMES: dict[type, tuple[tuple[str, str], ...]] = {}
+_COPIERS: dict[tuple[type, tuple[str, ...]], Callable[..., Any]] = {}
 
 
 def replace(state: TrainState, **changes: Any) -> TrainState:
-    """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), ~2.5 us cheaper.
+    """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), with less Python.
 
-    The field names are looked up once per class, not on every call.
+    For each class and set of changed fields, a function that passes every field
+    to the constructor in one call is generated once (as attrs generates
+    ``__init__``): no per-call loop over the fields, no dict of all of them.
     """
-    cls = type(state)
-    names = _INIT_NAMES.get(cls)
-    if names is None:
-        names = _INIT_NAMES[cls] = tuple((f.name, f.alias) for f in attrs.fields(cls) if f.init)
-    kwargs = {alias: getattr(state, name) for name, alias in names}
-    kwargs.update(changes)
-    return cls(**kwargs)
+    key = (type(state), tuple(changes))
+    copier = _COPIERS.get(key)
+    if copier is None:
+        copier = _COPIERS[key] = _copier(*key)
+    return copier(state, **changes)
+
+
+def _copier(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
+    fields = [f for f in attrs.fields(cls) if f.init]
+    if unknown := set(changed) - {f.alias for f in fields}:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    args = ", ".join(f"{f.alias}={f.alias}" if f.alias in changed else f"{f.alias}=state.{f.name}" for f in fields)
+    params = "".join(f", {name}" for name in changed)
+    source = f"def copy(state{', *' if changed else ''}{params}):\n    return cls({args})\n"
+    namespace: dict[str, Any] = {"cls": cls}
+    exec(compile(source, f"<trainfold replace of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)
+    return namespace["copy"]
 
 
 def _handle() -> Any:
