@@ -6,13 +6,15 @@
 For each loop it runs N1 and N2 steps of the tiny MLP in separate processes and reports
 (instructions(N2) - instructions(N1)) / (N2 - N1): the instructions of one step, with start-up
 and set-up cancelled out. Needs valgrind. Slow (minutes): callgrind runs Python ~50x slower.
-Counts repeat exactly between runs; do not edit the sources while it runs. Only the tiny MLP:
+Counts repeat exactly between runs. Do not edit the sources while it runs, or count a copy:
+`git worktree add /tmp/wt && PYTHONPATH=/tmp/wt/src python benchmarks/instructions.py`. Only the tiny MLP:
 under callgrind the compute-bound MLP's matrix kernels did not finish 20 steps in 20 minutes
 on 2 cores, and there the per-step overhead is the same absolute amount of Python anyway.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -72,7 +74,9 @@ else:
 
 # No .pyc writing: a module compiled by one run and read by the other would put the compilation
 # (tens of millions of instructions) into the difference. With it off, both runs do the same.
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
+# PYTHONPATH is passed on, so a copy of the sources (a git worktree) can be counted while these are edited.
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin",
+       **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
 
 
 def instructions(which: str, n: int, tmp: Path) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import attrs
 import torch
@@ -23,10 +23,13 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 
 
 _COPIERS: dict[tuple[type, tuple[str, ...]], Callable[..., Any]] = {}
+_A = TypeVar("_A")
 
 
-def replace(state: TrainState, **changes: Any) -> TrainState:
+def replace(state: _A, **changes: Any) -> _A:
     """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), with less Python.
+
+    Works on any attrs instance (the state, and the extras' records such as the EMA's).
 
     For each class and set of changed fields, a function that passes every field
     to the constructor in one call is generated once (as attrs generates
@@ -220,7 +223,7 @@ class TrainState:
 
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""
-        return attrs.evolve(self, extras=MappingProxyType({**self.extras, name: value}))
+        return replace(self, extras=MappingProxyType({**self.extras, name: value}))
 
 
 def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from ._types import Batch, EpochFn, Step, StepTransformer
 from ._validate import name_of, named, positive_int, returned_state
 from .context import Context
 from .metrics import finite_loss_mean, reduce_means
-from .state import TrainState
+from .state import TrainState, replace
 from .tracking import emit
 
 
@@ -169,7 +169,7 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
                 return new
             current: EmaState = new.extras[name]
             _ema_update(current.model, _unwrap(new), decay)
-            return new.with_extra(name, attrs.evolve(current, updates=current.updates + 1))
+            return new.with_extra(name, replace(current, updates=current.updates + 1))
 
         return named(averaged, f"ema({decay})({name_of(step)})")
 
