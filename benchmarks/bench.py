@@ -152,8 +152,16 @@ def pytorch_accelerated(sizes, ds, batch):
     return epoch
 
 
+def _quiet_lightning() -> None:
+    """Lightning's info lines off; after its import, which sets its loggers to INFO."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def lightning_fabric(sizes, ds, batch):
     from lightning.fabric import Fabric
+
+    _quiet_lightning()
 
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model(sizes)
@@ -172,6 +180,8 @@ def lightning_fabric(sizes, ds, batch):
 
 def lightning_trainer(sizes, ds, batch):
     import lightning as L
+
+    _quiet_lightning()
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -304,9 +314,6 @@ def main() -> None:
     global FUSED
     FUSED = not args.unfused
     warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # the harness measures framework overhead, not BLAS threading
     models = ["tiny"] if args.quick else args.models
     rounds = 3 if args.quick else args.rounds
