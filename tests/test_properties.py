@@ -94,3 +94,22 @@ def test_the_hot_path_replace_is_attrs_evolve(changes):
 
     assert fast == slow
     assert all(getattr(fast, f.name) is getattr(slow, f.name) for f in attrs.fields(type(state)))
+
+
+def test_replace_works_for_fields_named_like_its_own_variables():
+    """The generated copier's own names cannot clash with a field's."""
+    import attrs
+
+    from trainfold.state import replace
+
+    @attrs.frozen
+    class Record:
+        state: int
+        cls: str
+        other: int = 0
+
+    old = Record(1, "a")
+
+    assert Record(2, "b", 0) == replace(old, state=2, cls="b")
+    assert Record(1, "a", 5) == replace(old, other=5)
+    assert Record(1, "a", 0) == replace(old)

@@ -26,7 +26,7 @@ _COPIERS: dict[tuple[type, tuple[str, ...]], Callable[..., Any]] = {}
 _A = TypeVar("_A")
 
 
-def replace(state: _A, **changes: Any) -> _A:
+def replace(state: _A, /, **changes: Any) -> _A:
     """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), with less Python.
 
     Works on any attrs instance (the state, and the extras' records such as the EMA's).
@@ -46,10 +46,11 @@ def _copier(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
     fields = [f for f in attrs.fields(cls) if f.init]
     if unknown := set(changed) - {f.alias for f in fields}:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    args = ", ".join(f"{f.alias}={f.alias}" if f.alias in changed else f"{f.alias}=state.{f.name}" for f in fields)
+    # the generated names cannot clash with a field's (fields named "state" or "cls" are fine)
+    args = ", ".join(f"{f.alias}={f.alias}" if f.alias in changed else f"{f.alias}=__old.{f.name}" for f in fields)
     params = "".join(f", {name}" for name in changed)
-    source = f"def copy(state{', *' if changed else ''}{params}):\n    return cls({args})\n"
-    namespace: dict[str, Any] = {"cls": cls}
+    source = f"def copy(__old{', *' if changed else ''}{params}):\n    return __cls({args})\n"
+    namespace: dict[str, Any] = {"__cls": cls}
     exec(compile(source, f"<trainfold replace of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)
     return namespace["copy"]
 
