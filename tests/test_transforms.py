@@ -264,6 +264,16 @@ def test_log_every_reports_interval_means_to_logging(caplog):
     assert "lr" in final.extras["log_every"].values
 
 
+def test_log_every_does_not_change_the_epoch_loss_even_in_the_last_bit():
+    """Reports fold the waiting micro-batches for reading only; the run's sums add the same groups."""
+    results = []
+    for wrap in (lambda step: step, lambda step: log_every(ctx, 7)(step)):
+        ctx, state, loader, loss_fn = testing.tiny_setup(n=400)  # 100 batches: a fold at 64, reports between
+        results.append(run_epoch(ctx, wrap(make_step(ctx, loss_fn)), loader, state).metrics["train_loss"])
+
+    assert results[0] == results[1]
+
+
 def test_log_every_writes_to_tensorboard(tmp_path):
     acc = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
     acc.init_trackers("run")

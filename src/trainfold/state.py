@@ -199,7 +199,7 @@ class TrainState:
 
     @property
     def loss_sum(self) -> torch.Tensor | None:
-        """The sum of the current epoch's batch losses, a 0-d float32 tensor on the device."""
+        """The sum of the current epoch's batch losses, a 0-d float32 tensor on the device (None before any batch)."""
         return self.summed()._loss_sum
 
     @property

@@ -183,9 +183,10 @@ def make_step(
             if accelerator.sync_gradients:
                 optimizer.zero_grad()
 
-    and then one ``attrs.evolve``: ``step`` +1 on an update the scaler did not
-    skip, ``micro_step`` and ``batch_in_epoch`` +1, the loss and aux added to
-    on-device running sums. No host-device synchronisation happens (no
+    and then one update of the state (:func:`record`): ``step`` +1 on an update
+    the scaler did not skip, ``micro_step`` and ``batch_in_epoch`` +1, the
+    detached loss and aux kept for the on-device running sums (added every 64
+    micro-batches; see ``TrainState.unsummed``). No host-device synchronisation happens (no
     ``.item()``); Accelerate's own fp16 ``GradScaler`` is the exception, as in
     any fp16 loop.
 

@@ -265,6 +265,8 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
 
 def _report(ctx: Context, state: TrainState) -> LogState:
     last: LogState | None = state.extras.get("log_every")
+    # The summed state is read, not returned: the run's own sums are added in the same groups of
+    # 64 with or without logging, so logging never changes train_loss, even in the last bit.
     summed = state.summed()
     sums = {"loss": summed.loss_sum, **summed.aux_sums}
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
