@@ -4,6 +4,8 @@
     python benchmarks/bench.py --quick         # fewer rounds (a smoke run)
     python benchmarks/bench.py --scaling       # also: trainfold's per-step cost at 1k, 10k, 50k steps
     python benchmarks/bench.py --json out.json
+    python benchmarks/bench.py --device cuda   # on a GPU: tiny + a GPU-sized compute-bound model
+    python benchmarks/bench.py --device cuda --pin   # ... with pinned batches copied without blocking
 
 Every contender trains the same model on the same synthetic data, one epoch per round;
 rounds are interleaved (A B C A B C ...) so that drift of the machine hits all alike.
@@ -37,7 +39,28 @@ MODELS = {
     # name: (layer sizes, batch size, batches per round)
     "tiny": ((32, 64, 10), 32, 256),
     "compute": ((256, 1024, 1024, 10), 128, 32),
+    # compute-bound on a GPU (about 0.3 TFLOP a step), the default there instead of "compute".
+    # Its batches are 8 MB: with --pin the host keeps ahead of the GPU only while collating them
+    # stays cheap (see README: with 128 steps a round it did not, on the machine measured)
+    "compute_gpu": ((4096, 8192, 8192, 10), 512, 32),
 }
+DEFAULT_MODELS = {"cpu": ["tiny", "compute"], "cuda": ["tiny", "compute_gpu"]}
+
+#: where every contender trains ("cpu" or "cuda"); the data starts on the host, as from a DataLoader
+DEVICE = "cpu"
+#: pinned batches and non-blocking copies to the GPU, for every contender (--pin)
+PIN = False
+
+
+def loader(ds, batch: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(ds, batch_size=batch, pin_memory=PIN)
+
+
+def accelerator():
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    return Accelerator(cpu=DEVICE == "cpu", dataloader_config=DataLoaderConfiguration(non_blocking=PIN))
 
 
 def make_model(sizes: tuple[int, ...]) -> torch.nn.Module:
@@ -45,7 +68,7 @@ def make_model(sizes: tuple[int, ...]) -> torch.nn.Module:
     layers: list[torch.nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
+    return torch.nn.Sequential(*layers[:-1]).to(DEVICE)
 
 
 def make_data(sizes: tuple[int, ...], batch: int, batches: int) -> torch.utils.data.TensorDataset:
@@ -81,10 +104,13 @@ def reset_accelerate() -> None:
 def raw(sizes, ds, batch):
     model = make_model(sizes)
     opt = OPTIMIZER(model.parameters(), lr=0.01)
-    dl = torch.utils.data.DataLoader(ds, batch_size=batch)
+    dl = loader(ds, batch)
+    move, non_blocking = DEVICE != "cpu", PIN
 
     def epoch():
         for x, y in dl:
+            if move:
+                x, y = x.to(DEVICE, non_blocking=non_blocking), y.to(DEVICE, non_blocking=non_blocking)
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
@@ -94,11 +120,9 @@ def raw(sizes, ds, batch):
 
 
 def accelerate_loop(sizes, ds, batch):
-    from accelerate import Accelerator
-
-    acc = Accelerator(cpu=True)
+    acc = accelerator()
     model = make_model(sizes)
-    model, opt, dl = acc.prepare(model, OPTIMIZER(model.parameters(), lr=0.01), torch.utils.data.DataLoader(ds, batch_size=batch))
+    model, opt, dl = acc.prepare(model, OPTIMIZER(model.parameters(), lr=0.01), loader(ds, batch))
 
     def epoch():
         model.train()
@@ -113,15 +137,14 @@ def accelerate_loop(sizes, ds, batch):
 
 
 def _trainfold(sizes, ds, batch, full: bool):
-    from accelerate import Accelerator
     from toolz import compose
 
     from trainfold import Context, TrainState, log_every, make_step, nan_guard, progress_bar, run_epoch
 
-    ctx = Context(accelerator=Accelerator(cpu=True))
+    ctx = Context(accelerator=accelerator())
     model = make_model(sizes)
     box = [TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(ds, batch_size=batch))
+    (dl,) = ctx.prepare_loaders(loader(ds, batch))
     step = make_step(ctx, loss_fn)
     if full:
         step = compose(progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), log_every(ctx, 50), nan_guard(3))(step)
@@ -163,10 +186,10 @@ def lightning_fabric(sizes, ds, batch):
 
     _quiet_lightning()
 
-    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric = Fabric(accelerator=DEVICE, devices=1)
     model = make_model(sizes)
     model, opt = fabric.setup(model, OPTIMIZER(model.parameters(), lr=0.01))
-    dl = fabric.setup_dataloaders(torch.utils.data.DataLoader(ds, batch_size=batch))
+    dl = fabric.setup_dataloaders(loader(ds, batch))
 
     def epoch():
         for x, y in dl:
@@ -195,10 +218,10 @@ def lightning_trainer(sizes, ds, batch):
             return OPTIMIZER(self.parameters(), lr=0.01)
 
     module = Module()
-    dl = torch.utils.data.DataLoader(ds, batch_size=batch)
+    dl = loader(ds, batch)
 
     def epoch():
-        trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        trainer = L.Trainer(max_epochs=1, accelerator=DEVICE, devices=1, logger=False, enable_progress_bar=False,
                             enable_checkpointing=False, enable_model_summary=False)
         trainer.fit(module, dl)
 
@@ -242,6 +265,8 @@ def bench_model(name: str, rounds: int) -> dict:
         for contender, run in epochs.items():
             t0 = time.perf_counter()
             run()
+            if DEVICE != "cpu":
+                torch.cuda.synchronize()
             times[contender].append((time.perf_counter() - t0) / batches * 1e6)
     raw, acc = times["raw PyTorch"], times["Accelerate loop"]
 
@@ -258,8 +283,6 @@ def bench_model(name: str, rounds: int) -> dict:
 
 def scaling(steps_list=(1_000, 10_000, 50_000)) -> dict:
     """trainfold's per-step cost over runs of growing length (tiny model): constant if nothing accumulates."""
-    from accelerate import Accelerator
-
     from trainfold import Context, TrainState, make_step, run_epoch
 
     sizes, batch, _ = MODELS["tiny"]
@@ -267,10 +290,10 @@ def scaling(steps_list=(1_000, 10_000, 50_000)) -> dict:
     for steps in steps_list:
         reset_accelerate()
         ds = make_data(sizes, batch, 1000)
-        ctx = Context(accelerator=Accelerator(cpu=True))
+        ctx = Context(accelerator=accelerator())
         model = make_model(sizes)
         state = TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(ds, batch_size=batch))
+        (dl,) = ctx.prepare_loaders(loader(ds, batch))
         step = make_step(ctx, loss_fn)
         rss0 = rss_mb()
         t0 = time.perf_counter()
@@ -298,7 +321,8 @@ def import_time() -> dict:
 
 
 def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+    gpu = f", {torch.cuda.get_device_name()}{', pinned non-blocking batches' if PIN else ''}" if DEVICE != "cpu" else ""
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
             f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {'fused' if FUSED else 'foreach'} SGD")
 
 
@@ -307,15 +331,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="3 rounds, tiny model only, no import timing")
     parser.add_argument("--scaling", action="store_true")
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: tiny and the device's compute-bound model")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--pin", action="store_true", help="pinned batches, copied to the GPU without blocking (every contender)")
     parser.add_argument("--json")
     parser.add_argument("--unfused", action="store_true", help="plain (foreach) SGD: nan_guard then reads a flag per update")
     args = parser.parse_args()
-    global FUSED
+    global FUSED, DEVICE, PIN
     FUSED = not args.unfused
+    DEVICE, PIN = args.device, args.pin
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # the harness measures framework overhead, not BLAS threading
-    models = ["tiny"] if args.quick else args.models
+    models = ["tiny"] if args.quick else (args.models or DEFAULT_MODELS[DEVICE])
     rounds = 3 if args.quick else args.rounds
 
     results = {"machine": machine(), "rounds": rounds, "models": {}}
@@ -331,6 +358,9 @@ def main() -> None:
         print()
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak resident memory of the harness: {results['peak_rss_mb']:.0f} MB\n")
+    if DEVICE != "cpu":
+        results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        print(f"peak GPU memory allocated: {results['peak_gpu_mb']:.0f} MB\n")
     if not args.quick:
         results["import_s"] = import_time()
         print("import time (s): " + ", ".join(f"{k} {v:.3f}" for k, v in results["import_s"].items()) + "\n")

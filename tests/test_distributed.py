@@ -248,3 +248,20 @@ def test_token_normalization_spans_every_process():
     for step, params in ranks:
         assert 1 == step
         testing.assert_params_equal(big, params, rtol=1e-5, atol=1e-6)
+
+
+def _barrier_on_this_rank(root):
+    import time
+
+    with Context(accelerator=Accelerator(cpu=True)) as ctx:
+        if ctx.is_main_process:
+            time.sleep(1.0)  # rank 1 reaches the barrier long before rank 0 writes
+            (Path(root) / "written-before-the-barrier").touch()
+        ctx.wait_for_everyone()
+        return (Path(root) / "written-before-the-barrier").exists()
+
+
+def test_wait_for_everyone_holds_every_rank_until_all_arrive(tmp_path):
+    """Context.wait_for_everyone is a real barrier across CPU processes (it bypasses Accelerate's, which
+    asks for one GPU per process and fails on a machine with fewer GPUs than processes)."""
+    assert [True, True] == testing.run_distributed(_barrier_on_this_rank, str(tmp_path), nprocs=2, timeout=60)

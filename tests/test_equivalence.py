@@ -4,7 +4,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, loop, make_step, run_epoch, testing
+from trainfold import Context, TrainState, loop, make_step, nan_guard, run_epoch, testing
 
 from helpers import build, canonical_loop, ce_loss
 
@@ -18,10 +18,19 @@ CONFIGS = {
     "all_together": dict(gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="bf16", scheduler=True, dropout=0.3, shuffle=True),
 }
 
+#: The same comparison on a GPU (skipped without CUDA): autocast there, and fp16 with Accelerate's GradScaler.
+CUDA_CONFIGS = {
+    "fp32_cuda": dict(),
+    "bf16_cuda": dict(mixed_precision="bf16"),
+    "fp16_cuda": dict(mixed_precision="fp16"),
+    "fp16_all_together_cuda": dict(gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="fp16", scheduler=True, dropout=0.3, shuffle=True),
+}
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
 
 def _accelerator(cfg):
     return Accelerator(
-        cpu=True,
+        cpu=not cfg.get("cuda", False),
         gradient_accumulation_steps=cfg.get("gradient_accumulation_steps", 1),
         mixed_precision=cfg.get("mixed_precision", "no"),
     )
@@ -50,6 +59,56 @@ def test_composed_loop_equals_canonical_accelerate_loop(name):
     """Same seed, same data: identical parameters after three epochs."""
     expected, _, final = _run_both(CONFIGS[name])
 
+    testing.assert_params_equal(expected, final)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(CUDA_CONFIGS))
+def test_composed_loop_equals_canonical_accelerate_loop_on_a_gpu(name):
+    expected, _, final = _run_both({**CUDA_CONFIGS[name], "cuda": True})
+
+    assert next(final.model.parameters()).is_cuda
+    testing.assert_params_equal(expected, final)
+
+
+def _fp16_overflowing_accelerator():
+    """fp16 with a loss scale of 2**24: the first updates overflow and the GradScaler skips them, halving the scale."""
+    from accelerate.utils import GradScalerKwargs
+
+    return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=2.0**24)])
+
+
+@needs_cuda
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "nan_guard"])
+def test_fp16_updates_the_scaler_skips_are_not_counted_and_match_the_canonical_loop(guarded):
+    """Both loops skip the same updates; ``state.step`` counts only the applied ones, and nan_guard counts the skipped."""
+    acc = _fp16_overflowing_accelerator()
+    model, opt, _, dl = build(0)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    applied = 0
+    for _ in range(3):
+        for batch in dl:
+            with acc.accumulate(model):
+                acc.backward(ce_loss(model, batch))
+                opt.step()
+                opt.zero_grad()
+            applied += not opt.step_was_skipped
+    expected = testing.parameters(model)
+
+    testing.reset_accelerate_state()
+    model, opt, _, dl = build(0)
+    ctx = Context(accelerator=_fp16_overflowing_accelerator())
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(dl)
+    step = make_step(ctx, ce_loss)
+    if guarded:
+        step = nan_guard(100, check_every=5)(step)
+    final = loop(run_epoch(ctx, step, dl), max_epochs=3)(state)
+
+    assert 0 < applied < 21  # some updates skipped, some applied (7 batches, 3 epochs)
+    assert (applied, 21) == (final.step, final.micro_step)
+    if guarded:
+        assert 21 - applied == final.extras["nan_guard"].skipped
     testing.assert_params_equal(expected, final)
 
 

@@ -1,6 +1,7 @@
 """Performance guards that are correctness: no recompiles, flat memory. (Timing lives in benchmarks/.)"""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -11,16 +12,25 @@ from trainfold import ema, log_every, make_step, nan_guard, run_epoch, testing, 
 import helpers
 
 
-def test_a_compiled_model_is_not_recompiled_after_the_first_steps():
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+ON_GPU_WITH_INDUCTOR = pytest.param(
+    False, "inductor", marks=[needs_cuda, pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")], id="cuda-inductor"
+)
+
+
+@pytest.mark.parametrize("cpu, backend", [pytest.param(True, "eager", id="cpu-eager"), ON_GPU_WITH_INDUCTOR])
+def test_a_compiled_model_is_not_recompiled_after_the_first_steps(cpu, backend):
     """torch.compile keeps working inside make_step: the graph count stops growing after warm-up."""
     from accelerate import Accelerator
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    ctx = Context(accelerator=Accelerator(cpu=cpu, gradient_accumulation_steps=2))
     torch.manual_seed(0)
-    model = torch.compile(helpers.mlp(), backend="eager", dynamic=False)
+    model = torch.compile(helpers.mlp(), backend=backend, dynamic=False)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8, drop_last=True))
     step = make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)
@@ -57,7 +67,7 @@ def test_memory_is_flat_over_20000_steps_with_transformers_on():
     assert _rss_kb() - before < 1024
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_no_host_sync_in_a_step_on_the_gpu(precision):
     """On a GPU, a step with every sync-free transformer runs under set_sync_debug_mode('error')."""
@@ -73,8 +83,10 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     state = step(state, batches[0])
     torch.cuda.synchronize()
 
-    torch.cuda.set_sync_debug_mode("error")
     try:
+        with warnings.catch_warnings():  # "a prototype feature" (a UserWarning, which pytest makes an error)
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         for b in batches[1:]:
             state = step(state, b)
     finally:

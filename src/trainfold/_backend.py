@@ -74,6 +74,21 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     return OptimizerOps(inner.step, inner.zero_grad, _never_skipped, fast=True, raw=inner)
 
 
+def wait_for_everyone(accelerator: Accelerator) -> None:
+    """Block until every process gets here: ``accelerator.wait_for_everyone()``, except across CPU processes.
+
+    Accelerate's barrier passes ``device_ids=[local_process_index]`` for every
+    backend, and torch turns that into a device of the machine's accelerator
+    type: CPU processes (gloo) on a machine with fewer GPUs than processes
+    fail there with "CUDA error: invalid device ordinal". A gloo barrier needs
+    no device, so across CPU processes this calls torch's barrier without one.
+    """
+    if accelerator.distributed_type == DistributedType.MULTI_CPU:
+        torch.distributed.barrier()
+    else:
+        accelerator.wait_for_everyone()
+
+
 def grads_whole_in_params(accelerator: Accelerator) -> bool:
     """True when, at the update, every process holds each parameter's whole gradient in ``param.grad``.
 

@@ -147,7 +147,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
         if tmp.exists():
             shutil.rmtree(tmp)  # a save of this position that died half-way
         tmp.mkdir()
-    acc.wait_for_everyone()
+    ctx.wait_for_everyone()
     weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
     try:
         if ctx.is_main_process:
@@ -159,12 +159,12 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
             f"saving a checkpoint under {root} failed ({exc}); nothing was committed and the previous "
             "checkpoints are intact. Free space (or lower keep_last) and save again."
         ) from exc
-    acc.wait_for_everyone()
+    ctx.wait_for_everyone()
     if ctx.is_main_process:
         _commit(tmp, root / name, ctx, state)
         if keep_last is not None:
             _prune(root, keep_last)
-    acc.wait_for_everyone()
+    ctx.wait_for_everyone()
     return state
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 from accelerate import Accelerator
 
+from ._backend import wait_for_everyone
 from .interrupt import Interrupt
 
 
@@ -93,8 +94,21 @@ class Context:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is None:
-            self.accelerator.wait_for_everyone()  # no rank tears down while another still works
+            self.wait_for_everyone()  # no rank tears down while another still works
         self.close()
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point (a no-op on one process).
+
+        ``accelerator.wait_for_everyone()``, except across CPU processes, where
+        it calls torch's gloo barrier directly: Accelerate's asks for a GPU per
+        process, which fails on a machine with fewer GPUs than processes.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> Context(accelerator=Accelerator(cpu=True)).wait_for_everyone()  # one process: returns at once
+        """
+        wait_for_everyone(self.accelerator)
 
     @property
     def is_main_process(self) -> bool:

@@ -138,7 +138,7 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     if ctx.is_main_process:
         cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
         atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata={"metric": metric, "value": repr(value)}))
-    ctx.accelerator.wait_for_everyone()
+    ctx.wait_for_everyone()
     return state.with_extra(key, BestState(value, state.epoch, state.step, os.fspath(path)))
 
 
