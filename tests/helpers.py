@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from accelerate import Accelerator
 
 from trainfold import testing
+
+
+#: Marks a test that needs a GPU (it is skipped where CUDA is not available, as on CI).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def classification_data(n: int = 50, features: int = 8, classes: int = 3, seed: int = 1):

@@ -6,7 +6,7 @@ from accelerate import Accelerator
 
 from trainfold import Context, TrainState, loop, make_step, nan_guard, run_epoch, testing
 
-from helpers import build, canonical_loop, ce_loss
+from helpers import build, canonical_loop, ce_loss, needs_cuda
 
 CONFIGS = {
     "fp32": dict(),
@@ -25,7 +25,6 @@ CUDA_CONFIGS = {
     "fp16_cuda": dict(mixed_precision="fp16"),
     "fp16_all_together_cuda": dict(gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="fp16", scheduler=True, dropout=0.3, shuffle=True),
 }
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _accelerator(cfg):

@@ -10,9 +10,7 @@ from toolz import compose
 from trainfold import ema, log_every, make_step, nan_guard, run_epoch, testing, Context, TrainState
 
 import helpers
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from helpers import needs_cuda
 
 
 ON_GPU_WITH_INDUCTOR = pytest.param(
