@@ -43,6 +43,9 @@ MODELS = {
     # Its batches are 8 MB: with --pin the host keeps ahead of the GPU only while collating them
     # stays cheap (see README: with 128 steps a round it did not, on the machine measured)
     "compute_gpu": ((4096, 8192, 8192, 10), 512, 32),
+    # compute-bound on a GPU with cheap batches (0.5 MB; about 0.8 TFLOP a step): collating a batch
+    # costs ~1% of a step, so the loader's per-epoch work cannot mask a per-step cost of the loop
+    "compute_gpu_narrow": ((256, 16384, 16384, 10), 512, 64),
 }
 DEFAULT_MODELS = {"cpu": ["tiny", "compute"], "cuda": ["tiny", "compute_gpu"]}
 
