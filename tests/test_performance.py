@@ -90,3 +90,46 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+def _to_calls(loader) -> int:
+    """How many ``Tensor.to`` calls iterating ``loader`` makes."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += func is torch.Tensor.to
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        for _ in loader:
+            pass
+    return Count.calls
+
+
+def test_a_cpu_loader_yields_its_batches_without_moving_them():
+    """On a CPU device the batches are where the model is: no per-batch walk and `.to("cpu")` as in Accelerate's loader."""
+    from accelerate import Accelerator
+
+    def loader():
+        return torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=8)
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    (ours,) = ctx.prepare_loaders(loader())
+    accelerates = ctx.accelerator.prepare(loader())
+
+    assert _to_calls(accelerates) == 4 * 2  # x and y of each of the 4 batches
+    assert _to_calls(ours) == 0
+    assert all(torch.equal(a, b) for ba, bo in zip(accelerates, ours) for a, b in zip(ba, bo))
+
+
+@needs_cuda
+def test_a_gpu_loader_moves_its_batches_to_the_gpu():
+    from accelerate import Accelerator
+
+    ctx = Context(accelerator=Accelerator())
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=8))
+
+    assert {t.device.type for batch in dl for t in batch} == {"cuda"}

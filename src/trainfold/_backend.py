@@ -89,6 +89,20 @@ def wait_for_everyone(accelerator: Accelerator) -> None:
         accelerator.wait_for_everyone()
 
 
+def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
+    """``device_placement`` for ``accelerator.prepare(*loaders)``: off where batches have nowhere to go.
+
+    On a CPU device a batch from a ``DataLoader`` is already where the model is;
+    Accelerate's ``send_to_device`` would still walk it and call ``.to("cpu")``
+    on every tensor of every batch (~25,000 instructions a batch, 1.4% of a
+    tiny step). Everywhere else (and under DeepSpeed or Megatron-LM, which
+    refuse a custom placement) ``None``: Accelerate's own setting.
+    """
+    if accelerator.device.type != "cpu" or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return None
+    return [False] * count
+
+
 def grads_whole_in_params(accelerator: Accelerator) -> bool:
     """True when, at the update, every process holds each parameter's whole gradient in ``param.grad``.
 

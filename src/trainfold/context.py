@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 from accelerate import Accelerator
 
-from ._backend import wait_for_everyone
+from ._backend import loader_placement, wait_for_everyone
 from .interrupt import Interrupt
 
 
@@ -118,6 +118,10 @@ class Context:
     def prepare_loaders(self, *loaders: Any) -> tuple[Any, ...]:
         """Prepare data loaders for the Accelerator (device placement, sharding across processes).
 
+        ``accelerator.prepare(*loaders)``, except on a CPU device, where the
+        batches are left where the ``DataLoader`` put them (on the CPU already)
+        instead of being walked and moved to the CPU on every batch.
+
         Args:
             *loaders: ``torch.utils.data.DataLoader`` objects.
 
@@ -135,5 +139,5 @@ class Context:
         if not loaders:
             raise TypeError("prepare_loaders() needs at least one DataLoader.")
         self.check()
-        prepared = self.accelerator.prepare(*loaders)
+        prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
         return prepared if isinstance(prepared, tuple) else (prepared,)
