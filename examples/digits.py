@@ -60,25 +60,26 @@ def main() -> None:
     epochs = 2 if args.smoke else args.epochs
 
     torch.manual_seed(args.seed)
-    ctx = Context(accelerator=Accelerator(cpu=args.cpu))
-    train_ds, test_ds = datasets(args.seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * 23)  # 23 updates per epoch
-    state = TrainState.create(ctx, model=model, optimizer=optimizer, scheduler=scheduler)
-    train_dl, test_dl = ctx.prepare_loaders(
-        torch.utils.data.DataLoader(train_ds, batch_size=64, shuffle=True),
-        torch.utils.data.DataLoader(test_ds, batch_size=128),
-    )
+    # The with block ends the run cleanly: every process waits for the others, then the process
+    # group is destroyed (a distributed run that skips this can abort at exit).
+    with Context(accelerator=Accelerator(cpu=args.cpu)) as ctx:
+        train_ds, test_ds = datasets(args.seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * 23)  # 23 updates per epoch
+        state = TrainState.create(ctx, model=model, optimizer=optimizer, scheduler=scheduler)
+        train_dl, test_dl = ctx.prepare_loaders(
+            torch.utils.data.DataLoader(train_ds, batch_size=64, shuffle=True),
+            torch.utils.data.DataLoader(test_ds, batch_size=128),
+        )
 
-    step = make_step(ctx, loss_fn, clip_grad_norm=1.0)
-    epoch = compose(report(ctx, time.perf_counter()), evaluate(ctx, loss_fn, test_dl), run_epoch(ctx, step, train_dl))
-    state = loop(epoch, max_epochs=epochs)(state)
+        step = make_step(ctx, loss_fn, clip_grad_norm=1.0)
+        epoch = compose(report(ctx, time.perf_counter()), evaluate(ctx, loss_fn, test_dl), run_epoch(ctx, step, train_dl))
+        state = loop(epoch, max_epochs=epochs)(state)
 
-    logits = predict(ctx, lambda m, b: m(b[0]), test_dl, state)
-    accuracy = (logits.argmax(-1).cpu() == test_ds.tensors[1]).float().mean().item()
-    ctx.accelerator.print(f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates on {ctx.accelerator.num_processes} process(es)")
-    ctx.accelerator.end_training()
+        logits = predict(ctx, lambda m, b: m(b[0]), test_dl, state)
+        accuracy = (logits.argmax(-1).cpu() == test_ds.tensors[1]).float().mean().item()
+        ctx.accelerator.print(f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates on {ctx.accelerator.num_processes} process(es)")
     if not args.smoke and accuracy < 0.95:
         raise SystemExit(f"test accuracy {accuracy:.4f} is below the 0.95 target")
 

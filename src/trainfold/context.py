@@ -84,8 +84,11 @@ class Context:
     def close(self) -> None:
         """End the run: finish Accelerate's trackers and destroy the process group.
 
-        A distributed run that skips this aborts at exit under torchrun. Prefer
-        ``with Context(accelerator=...) as ctx:``, which closes on the way out.
+        A distributed run that skips this aborts at exit under torchrun. It does
+        not wait for the other processes: one that destroys the group while
+        another still uses it can abort too. Prefer
+        ``with Context(accelerator=...) as ctx:``, which waits for every process
+        (when the block ended without an exception) and closes on the way out.
         """
         self.accelerator.end_training()
 
