@@ -94,6 +94,39 @@ def test_resume_keeps_transformer_states(tmp_path):
     assert resumed.extras["log_every"].step == 4
 
 
+def test_resume_keeps_the_nan_guards_unread_flags(tmp_path):
+    """Flags written on the device and not yet read survive a checkpoint: the resumed run reads them
+    with the next ones and stops where the uninterrupted run stops (3 skipped in a row, read at the 6th update)."""
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = helpers.ce_loss(model, batch)
+        return loss * float("nan") if calls["n"] in (2, 4, 5, 6) else loss
+
+    def step(ctx):
+        return nan_guard(3, check_every=3)(make_step(ctx, loss_fn))
+
+    counts = lambda s: (s.step, s.should_stop, s.extras["nan_guard"].skipped, s.extras["nan_guard"].consecutive)
+    ctx, state, dl = _setup(ga=1)
+    uninterrupted = run_epoch(ctx, step(ctx), dl, state)
+    assert (6, True, 4, 3) == counts(uninterrupted)
+
+    calls["n"] = 0
+    ctx, state, dl = _setup(ga=1)
+    saved = run_epoch(ctx, step(ctx), dl, state, max_batches=4)
+    assert 1 == saved.extras["nan_guard"].unread  # read at the 3rd update; the 4th's flag is on the device
+    save_checkpoint(ctx, tmp_path, saved)
+    ctx, fresh, dl = _setup(ga=1)
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    assert 1 == resumed.extras["nan_guard"].unread
+    assert (4, False, 2, 1) == counts(resumed)
+    final = run_epoch(ctx, step(ctx), dl, resumed)
+
+    assert counts(uninterrupted) == counts(final)
+    testing.assert_params_equal(uninterrupted, final)
+
+
 def test_checkpoint_every_and_keep_last(tmp_path):
     ctx, state, dl = _setup(ga=1)
     step = checkpoint_every(ctx, tmp_path, 2, keep_last=2)(make_step(ctx, helpers.ce_loss))

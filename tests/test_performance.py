@@ -92,6 +92,36 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     torch.cuda.synchronize()
 
 
+def test_nan_guard_makes_one_flag_buffer_per_check_every_updates():
+    """The guard's per-update flag is a slot of a buffer made once per read, not a new tensor each update.
+
+    Live tensors made one per update and kept until the read scatter small objects over the
+    heap; in wall time that cost more than their instructions (see benchmarks/README.md).
+    """
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        made = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.made += func in (torch.zeros, torch.empty, torch.tensor, torch.zeros_like, torch.stack)
+            return func(*args, **(kwargs or {}))
+
+    def made_in(step, state, batches):
+        Count.made = 0
+        with Count():
+            for b in batches:
+                state = step(state, b)
+        return Count.made
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=80, batch_size=4)  # 20 updates
+    batches = list(loader)
+    plain = made_in(make_step(ctx, loss_fn), state, batches)
+    guarded = made_in(nan_guard(3, check_every=10)(make_step(ctx, loss_fn)), state, batches)
+
+    assert guarded - plain == 2  # one buffer for each 10 updates
+
+
 def _to_calls(loader) -> int:
     """How many ``Tensor.to`` calls iterating ``loader`` makes."""
     from torch.overrides import TorchFunctionMode

@@ -90,3 +90,26 @@ def test_a_snapshot_mid_accumulation_resumes_the_group(k):
     final = testing.run_steps(step, back, batches[k:])
 
     testing.assert_params_equal(expected, final)
+
+
+def test_a_snapshot_keeps_the_nan_guards_unread_flags_apart_from_the_live_run():
+    """The guard's flags still on the device are copied: the live run writing more changes nothing in the snapshot."""
+    from trainfold import nan_guard
+
+    ctx, state, dl = _setup(ga=1)
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        return helpers.ce_loss(model, batch) * (float("nan") if calls["n"] in (2, 3) else 1.0)
+
+    step = nan_guard(5, check_every=100)(make_step(ctx, loss_fn))
+    batches = list(dl)
+    state = testing.run_steps(step, state, batches[:2])  # the 2nd skipped
+    snap = snapshot(state)
+    live = testing.run_steps(step, state, batches[2:4])  # the 3rd skipped
+    back = restore(ctx, snap, live)
+
+    assert (2, 1, 1) == (back.extras["nan_guard"].unread, back.extras["nan_guard"].skipped, back.extras["nan_guard"].consecutive)
+    assert (4, 2, 0) == (live.extras["nan_guard"].unread, live.extras["nan_guard"].skipped, live.extras["nan_guard"].consecutive)
+    assert snap.values.extras["nan_guard"].flags.values.data_ptr() != live.extras["nan_guard"].flags.values.data_ptr()

@@ -222,6 +222,37 @@ def test_nan_guard_refuses_backends_where_gradients_are_sharded_or_held_by_the_e
         step(state, next(iter(loader)))
 
 
+def test_nan_guard_counts_each_continuation_of_a_state_apart():
+    """Stepping one state twice (a branch, a retry) gives two states whose flags never mix.
+
+    The flags of unread updates share one device buffer; a continuation that is not the
+    latest copies it before writing its own.
+    """
+    ctx, state, dl = _nan_setup(True)
+    step = nan_guard(3, check_every=1000)(make_step(ctx, _poisoned({1, 2, 5})))
+    b = list(dl)
+    first = step(state, b[0])  # call 1: NaN
+
+    bad = step(first, b[1])  # call 2: NaN
+    good = step(first, b[2])  # call 3: from the same state, applied
+    after_bad = step(bad, b[3])  # call 4: continues the first branch
+    after_good = step(good, b[4])  # call 5: NaN, on the second branch
+
+    counts = lambda s: (s.extras["nan_guard"].unread, s.extras["nan_guard"].skipped, s.extras["nan_guard"].consecutive)
+    assert [(2, 2, 2), (2, 1, 0), (3, 2, 0), (3, 2, 1)] == [counts(s) for s in (bad, good, after_bad, after_good)]
+
+
+def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
+    """An inner step run without the transformer's reads (a unit test of the step) keeps every flag."""
+    from trainfold._guard import NanGuardState
+
+    guard = NanGuardState(3, check_every=2)
+    for bad in [0.0, 1.0, 1.0, 0.0, 1.0]:
+        guard = guard.record(torch.tensor(bad))
+
+    assert (5, 3, 1, 2) == (guard.unread, guard.skipped, guard.consecutive, guard.longest)
+
+
 def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
     ctx, state, dl = _nan_setup(True)
     losses = []
@@ -381,7 +412,7 @@ def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_
 
     assert [True] * 4 == seen
     assert [False, False, False, True] == [s.should_stop for s in states[1:]]
-    assert [1, 0, 1, 0] == [len(s.extras["nan_guard"].pending) for s in states[1:]]
+    assert [1, 0, 1, 0] == [s.extras["nan_guard"].unread for s in states[1:]]
     guard = states[-1].extras["nan_guard"]
     assert (2, 0, 2) == (guard.skipped, guard.consecutive, guard.longest)
 

@@ -43,7 +43,7 @@ class Encoder:
                 self.tensor(f"{path}.{k}", t)
             return {"__module__": path}
         if attrs.has(type(value)) and type(value).__name__ in RECORDS:
-            fields = {f.name: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value))}
+            fields = {f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value)) if f.init}
             return {"__record__": type(value).__name__, "fields": fields}
         if isinstance(value, tuple):
             return {"__tuple__": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}

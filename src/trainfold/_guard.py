@@ -12,37 +12,83 @@ NAME = "nan_guard"
 NONFINITE = "nonfinite"
 
 
+@attrs.define(eq=False)
+class NanGuardFlags:
+    """A zeroed buffer of flags on the device, handed out one 0-d view (a slot) per update.
+
+    One allocation per ``check_every`` updates instead of a new tensor per
+    update, and one read (``values[:n].tolist()``) instead of a stack of them.
+    ``taken`` counts the slots handed out: a guard state whose count differs
+    (an older state stepped again, a branch) copies the buffer before writing,
+    so two continuations never write the same slot.
+    """
+
+    values: torch.Tensor
+    taken: int
+    views: tuple[torch.Tensor, ...] = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.views = self.values.unbind()
+
+    @classmethod
+    def continuing(cls, old: NanGuardFlags | None, recorded: int, capacity: int, device: torch.device) -> NanGuardFlags:
+        """A new buffer on ``device`` holding the first ``recorded`` flags of ``old``."""
+        values = torch.zeros(max(capacity, 2 * recorded), device=device)
+        if recorded:
+            values[:recorded] = old.values[:recorded]  # type: ignore[union-attr]
+        return cls(values, recorded)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NanGuardFlags:
+        return NanGuardFlags(self.values.clone(), self.taken)
+
+
 @attrs.frozen
 class NanGuardState:
     """What ``nan_guard`` keeps in ``state.extras["nan_guard"]``.
 
-    Each update's flag (a 0-d device tensor, 1.0 if the update was skipped)
-    waits in ``pending`` until the guard reads all of them at once, every
-    ``check_every`` updates: one host sync then, none per update, and no kernel
-    per update to count. ``counts`` holds ``(skipped, consecutive, longest)`` up
-    to that read. The properties ``skipped`` (updates skipped in the whole run),
-    ``consecutive`` (skipped in a row now), ``longest`` (the longest such run)
-    and ``tripped`` (``longest >= max_consecutive``) include the pending flags:
-    reading one between checks costs one sync.
+    Each update's flag (1.0 if the update was skipped) is written on the
+    device into the next slot of a buffer (``claim``) and waits there until the
+    guard reads all of them at once, every ``check_every`` updates
+    (``settle``): one host sync then, none per update. ``counts`` holds
+    ``(skipped, consecutive, longest)`` up to that read and ``unread`` the
+    number of flags written since. The properties ``skipped`` (updates skipped
+    in the whole run), ``consecutive`` (skipped in a row now), ``longest`` (the
+    longest such run) and ``tripped`` (``longest >= max_consecutive``) include
+    the unread flags: reading one between checks costs one sync.
     """
 
     max_consecutive: int
     check_every: int
     counts: tuple[int, int, int] = (0, 0, 0)
-    pending: tuple[torch.Tensor, ...] = attrs.field(default=(), eq=False, repr=False)
+    unread: int = 0
+    flags: NanGuardFlags | None = attrs.field(default=None, eq=False, repr=False)
+
+    def claim(self, device: torch.device | None = None) -> tuple[NanGuardState, torch.Tensor]:
+        """The state that counts one more update, and that update's flag: a zeroed 0-d float32 slot.
+
+        The slot is on ``device`` (default: where the flags already are, or the CPU).
+        """
+        flags, n = self.flags, self.unread
+        if device is None:
+            device = flags.values.device if flags is not None else torch.device("cpu")
+        if flags is None or flags.taken != n or n == len(flags.views) or flags.values.device != device:
+            flags = NanGuardFlags.continuing(flags, n, self.check_every, device)
+        flags.taken = n + 1
+        # the constructor, not attrs.evolve: this runs on every update
+        return NanGuardState(self.max_consecutive, self.check_every, self.counts, n + 1, flags), flags.views[n]
 
     def record(self, nonfinite: torch.Tensor) -> NanGuardState:
-        """Add one update's flag (:func:`nonfinite_grads`; 1.0: skipped, 0.0: applied) to ``pending``."""
-        # the constructor, not attrs.evolve: this runs on every update
-        return NanGuardState(self.max_consecutive, self.check_every, self.counts, (*self.pending, nonfinite))
+        """Count one update whose flag (1.0: skipped, 0.0: applied) was computed elsewhere."""
+        guard, slot = self.claim(nonfinite.device)
+        slot.copy_(nonfinite)
+        return guard
 
     def settle(self) -> NanGuardState:
-        """Read the pending flags (one host sync) into ``counts``."""
-        if not self.pending:
+        """Read the unread flags (one host sync) into ``counts``."""
+        if not self.unread:
             return self
         skipped, consecutive, longest = self.counts
-        device = self.pending[0].device
-        flags = torch.stack([f.to(device) for f in self.pending]).tolist()  # sync
+        flags = self.flags.values[: self.unread].tolist()  # type: ignore[union-attr]  # sync
         if not any(flags):  # the usual case: every update applied
             return NanGuardState(self.max_consecutive, self.check_every, (skipped, 0, longest))
         for bad in flags:
@@ -71,34 +117,39 @@ class NanGuardState:
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 
-def nonfinite_grads(optimizer: Any) -> torch.Tensor:
-    """A 0-d float32 flag: 1.0 if a gradient of ``optimizer``'s parameters has an inf or a NaN, else 0.0.
+def gradients(optimizer: Any) -> list[torch.Tensor]:
+    """The gradients of ``optimizer``'s parameters (those the update would change)."""
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def check_finite(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
+    """Set the 0-d float32 ``flag`` to 1.0 if a gradient has an inf or a NaN; leave it otherwise.
 
     No host sync. One fused kernel per device: the check torch's GradScaler
     uses, with a scale of exactly 1.0 (which leaves every gradient
-    bit-identical). The parameters are read from ``optimizer.param_groups``
-    (those the update would change; cheaper than walking the modules), and the
-    flag is in the form fused optimizers take as ``found_inf``.
+    bit-identical), writing the flag in the form fused optimizers take as
+    ``found_inf``.
     """
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
-        return torch.zeros(())
-    device = grads[0].device
+        return
+    device = flag.device
     if all(g.device == device for g in grads):
-        return _check(grads, device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _one(device))
+        return
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
-    return torch.stack([_check(same, d).to(device) for d, same in by_device.items()]).amax()
+    for d, same in by_device.items():
+        found = torch.zeros((), device=d)
+        torch._amp_foreach_non_finite_check_and_unscale_(same, found, _one(d))
+        flag.copy_(torch.maximum(flag, found.to(device)))
 
 
-def _check(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _one(device: torch.device) -> torch.Tensor:
     one = _ONES.get(device)
     if one is None:
         one = _ONES[device] = torch.ones(1, device=device)
-    flag = torch.zeros((), device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, one)
-    return flag
+    return one
 
 
 def supports_found_inf(optimizer: Any) -> bool:

@@ -34,7 +34,7 @@ from toolz import curry
 from . import _codec, _rng
 from ._backend import inner_optimizer, read_ahead_batch
 from ._cursor import EpochCursor, Resume
-from ._guard import NanGuardState
+from ._guard import NanGuardFlags, NanGuardState
 from ._io import fsync_dir, fsync_file
 from ._types import Batch, Step, StepTransformer
 from ._validate import (
@@ -55,7 +55,7 @@ FORMAT = 1
 MANIFEST = "MANIFEST.json"
 PREFIX = "ckpt-"
 
-for _cls in (PatienceState, BestState, LogState, NanGuardState, EmaState):
+for _cls in (PatienceState, BestState, LogState, NanGuardState, NanGuardFlags, EmaState):
     _codec.register(_cls)
 
 

@@ -12,7 +12,7 @@ from accelerate.utils import DistributedType
 
 from ._backend import backward_fn, micro_batch_start, optimizer_ops
 from ._guard import NAME as GUARD
-from ._guard import NanGuardState, guarded_update, nonfinite_grads
+from ._guard import NanGuardState, check_finite, gradients, guarded_update
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
@@ -64,12 +64,14 @@ def make_clip(accelerator: Accelerator, clip_grad_norm: float | None, clip_grad_
 
 def guarded_step(guard: NanGuardState, optimizer: Any, ops: Any) -> NanGuardState:
     """Stage 4 under ``nan_guard``: apply the update only if every gradient of ``optimizer``'s parameters is finite."""
-    nonfinite = nonfinite_grads(optimizer)
+    grads = gradients(optimizer)
+    guard, nonfinite = guard.claim(grads[0].device if grads else None)
+    check_finite(grads, nonfinite)
     if ops.scaled:
         ops.step()  # the fp16 loss scaler skips non-finite updates itself and must see every step
     else:
         guarded_update(ops.raw, nonfinite, ops.step)
-    return guard.record(nonfinite)
+    return guard
 
 
 def record(

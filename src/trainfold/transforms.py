@@ -106,7 +106,7 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransfo
                 state = state.with_extra(NAN_GUARD, _new_guard(state, max_consecutive, check_every))
             new = step(state, batch)
             guard = new.extras[NAN_GUARD]
-            if len(guard.pending) >= check_every:
+            if guard.unread >= check_every:
                 guard = guard.settle()  # sync: once every check_every updates
                 new = new.with_extra(NAN_GUARD, guard)
                 if guard.tripped:
