@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
 	rm -rf $(VENV)

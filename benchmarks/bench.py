@@ -1,6 +1,7 @@
 """Step-overhead harness: trainfold against a raw PyTorch loop, the canonical Accelerate loop and peers.
 
     python benchmarks/bench.py                 # tiny + compute-bound models, 15 interleaved rounds
+    python benchmarks/bench.py --processes 5 --rounds 6   # the same in 5 fresh processes, pooled
     python benchmarks/bench.py --quick         # fewer rounds (a smoke run)
     python benchmarks/bench.py --scaling       # also: trainfold's per-step cost at 1k, 10k, 50k steps
     python benchmarks/bench.py --json out.json
@@ -8,12 +9,17 @@
     python benchmarks/bench.py --device cuda --pin   # ... with pinned batches copied without blocking
 
 Every contender trains the same model on the same synthetic data, one epoch per round;
-rounds are interleaved (A B C A B C ...) so that drift of the machine hits all alike.
+rounds are interleaved (every contender once per round) so that drift of the machine hits
+all alike, and the order in which the contenders are built and run is shuffled (``--seed``):
+on the 2-core machine measured, two identical contenders in one process read up to 10% apart,
+so a fixed order would hand one loop a lasting advantage. ``--processes N`` repeats the run
+in N fresh interpreters with seeds 0..N-1 and pools the rounds.
 Reported: microseconds per step (median, min, max over rounds), the ratio to the raw
 PyTorch loop and to the canonical Accelerate loop (the median of the per-round ratios, which
-cancels the drift of a shared machine), and the peak resident memory of the
-process. pytorch-accelerated's Trainer, Lightning Fabric and Lightning's Trainer are timed
-when installed (pip install 'trainfold[bench]'), with their progress bars and printing off.
+cancels the drift of a shared machine), the lowest and highest per-process ratio, and the
+peak resident memory of the process. pytorch-accelerated's Trainer, Lightning Fabric and
+Lightning's Trainer are timed when installed (pip install 'trainfold[bench]'), with their
+progress bars and printing off.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import json
 import logging
 import os
 import platform
+import random
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from typing import Callable
@@ -254,34 +262,81 @@ def available(name: str) -> bool:
         return False
 
 
-def bench_model(name: str, rounds: int) -> dict:
+def bench_model(name: str, rounds: int, seed: int = 0) -> dict[str, list[float]]:
+    """Per-round microseconds per step of every contender, in rounds of interleaved epochs.
+
+    The contenders are built, and each round is run, in an order shuffled by ``seed``: where a
+    contender sits in the heap and in the round must not favour one of them.
+    """
     sizes, batch, batches = MODELS[name]
     ds = make_data(sizes, batch, batches)
+    order = random.Random(seed)
+    names = [c for c in CONTENDERS if available(c)]
+    build = names[:]
+    order.shuffle(build)
     epochs = {}
     reset_accelerate()  # once: every contender uses the same settings (Accelerate's state is process-wide)
-    for contender, build in CONTENDERS.items():
-        if available(contender):
-            epochs[contender] = build(sizes, ds, batch)
-            epochs[contender]()  # warm-up round, not timed
-    times: dict[str, list[float]] = {k: [] for k in epochs}
+    for contender in build:
+        epochs[contender] = CONTENDERS[contender](sizes, ds, batch)
+        epochs[contender]()  # warm-up round, not timed
+    times: dict[str, list[float]] = {k: [] for k in names}
     for _ in range(rounds):
-        for contender, run in epochs.items():
+        this_round = names[:]
+        order.shuffle(this_round)
+        for contender in this_round:
             t0 = time.perf_counter()
-            run()
+            epochs[contender]()
             if DEVICE != "cpu":
                 torch.cuda.synchronize()
             times[contender].append((time.perf_counter() - t0) / batches * 1e6)
-    raw, acc = times["raw PyTorch"], times["Accelerate loop"]
+    return times
 
-    def paired(v: list[float], base: list[float]) -> float:
-        # the median of per-round ratios: rounds are interleaved, so drift of the machine cancels
-        return statistics.median(a / b for a, b in zip(v, base))
 
-    return {
-        c: {"median_us": statistics.median(v), "min_us": min(v), "max_us": max(v),
-            "vs_raw": paired(v, raw), "vs_accelerate": paired(v, acc)}
-        for c, v in times.items()
-    }
+def summarise(runs: list[dict[str, list[float]]]) -> dict:
+    """Per contender: median, min, max microseconds per step over every round of every process, and ratios.
+
+    A ratio is the median of per-round ratios (rounds are interleaved, so drift of the machine
+    cancels), pooled over the processes; ``vs_raw_range`` is the lowest and highest per-process
+    median ratio, the spread that heap layout and the machine leave between fresh processes.
+    """
+
+    def paired(run: dict[str, list[float]], c: str, base: str) -> list[float]:
+        return [a / b for a, b in zip(run[c], run[base])]
+
+    out = {}
+    for c in runs[0]:
+        v = [t for run in runs for t in run[c]]
+        per_process = [statistics.median(paired(run, c, "raw PyTorch")) for run in runs]
+        out[c] = {
+            "median_us": statistics.median(v), "min_us": min(v), "max_us": max(v),
+            "vs_raw": statistics.median([r for run in runs for r in paired(run, c, "raw PyTorch")]),
+            "vs_accelerate": statistics.median([r for run in runs for r in paired(run, c, "Accelerate loop")]),
+            "vs_raw_range": [min(per_process), max(per_process)],
+        }
+    return out
+
+
+def in_processes(args: argparse.Namespace, models: list[str], rounds: int) -> tuple[dict[str, list[dict[str, list[float]]]], dict[str, float]]:
+    """Run ``bench.py --seed i`` in ``args.processes`` fresh interpreters, one after another.
+
+    Returns their per-round times by model, and the largest of their peaks (:func:`peaks`).
+    """
+    runs: dict[str, list[dict[str, list[float]]]] = {m: [] for m in models}
+    peak: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            out = os.path.join(tmp, f"{i}.json")
+            cmd = [sys.executable, __file__, "--seed", str(i), "--rounds", str(rounds), "--models", *models,
+                   "--device", args.device, "--times-json", out]
+            cmd += ["--pin"] * args.pin + ["--unfused"] * args.unfused
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                child = json.load(f)
+            for m, times in child["times"].items():
+                runs[m].append(times)
+            peak = {k: max(v, peak.get(k, 0.0)) for k, v in child["peaks"].items()}
+            print(f"process {i + 1}/{args.processes} done", file=sys.stderr, flush=True)
+    return runs, peak
 
 
 def scaling(steps_list=(1_000, 10_000, 50_000)) -> dict:
@@ -303,6 +358,14 @@ def scaling(steps_list=(1_000, 10_000, 50_000)) -> dict:
         while state.micro_step < steps:
             state = run_epoch(ctx, step, dl, state)
         out[steps] = {"us_per_step": (time.perf_counter() - t0) / state.micro_step * 1e6, "rss_growth_mb": rss_mb() - rss0}
+    return out
+
+
+def peaks() -> dict[str, float]:
+    """This process's peak resident memory and (on a GPU) peak GPU memory allocated, in MB."""
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if DEVICE != "cpu":
+        out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return out
 
 
@@ -339,6 +402,9 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true", help="pinned batches, copied to the GPU without blocking (every contender)")
     parser.add_argument("--json")
     parser.add_argument("--unfused", action="store_true", help="plain (foreach) SGD: nan_guard then reads a flag per update")
+    parser.add_argument("--processes", type=int, default=1, help="repeat in this many fresh processes and pool the rounds")
+    parser.add_argument("--seed", type=int, default=0, help="shuffles the order contenders are built and run in")
+    parser.add_argument("--times-json", help=argparse.SUPPRESS)  # a child of --processes: write per-round times, nothing else
     args = parser.parse_args()
     global FUSED, DEVICE, PIN
     FUSED = not args.unfused
@@ -347,22 +413,32 @@ def main() -> None:
     torch.set_num_threads(1)  # the harness measures framework overhead, not BLAS threading
     models = ["tiny"] if args.quick else (args.models or DEFAULT_MODELS[DEVICE])
     rounds = 3 if args.quick else args.rounds
+    if args.times_json:
+        with open(args.times_json, "w") as f:
+            times = {name: bench_model(name, rounds, args.seed) for name in models}
+            json.dump({"times": times, "peaks": peaks()}, f)
+        return
 
-    results = {"machine": machine(), "rounds": rounds, "models": {}}
-    print(f"# {results['machine']}; {rounds} interleaved rounds\n")
+    results = {"machine": machine(), "rounds": rounds, "processes": args.processes, "models": {}}
+    print(f"# {results['machine']}; {args.processes} process(es) x {rounds} interleaved rounds, order shuffled\n")
+    if args.processes > 1:
+        runs, peak = in_processes(args, models, rounds)
+    else:
+        runs = {m: [bench_model(m, rounds, args.seed)] for m in models}
     for name in models:
         sizes, batch, batches = MODELS[name]
-        res = bench_model(name, rounds)
+        res = summarise(runs[name])
         results["models"][name] = res
         print(f"## {name}: MLP {'-'.join(map(str, sizes))}, batch {batch}, {batches} steps a round\n")
-        print("| loop | median us/step | min | max | vs raw (paired median) | vs Accelerate loop |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+        print("| loop | median us/step | min | max | vs raw (paired median) | per-process range | vs Accelerate loop |\n"
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for c, r in res.items():
-            print(f"| {c} | {r['median_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} | {r['vs_raw']:.3f} | {r['vs_accelerate']:.3f} |")
+            lo, hi = r["vs_raw_range"]
+            print(f"| {c} | {r['median_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} | {r['vs_raw']:.3f} | {lo:.3f}-{hi:.3f} | {r['vs_accelerate']:.3f} |")
         print()
-    results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results.update(peak if args.processes > 1 else peaks())
     print(f"peak resident memory of the harness: {results['peak_rss_mb']:.0f} MB\n")
     if DEVICE != "cpu":
-        results["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
         print(f"peak GPU memory allocated: {results['peak_gpu_mb']:.0f} MB\n")
     if not args.quick:
         results["import_s"] = import_time()
