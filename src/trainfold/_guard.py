@@ -38,9 +38,6 @@ class NanGuardFlags:
             values[:recorded] = old.values[:recorded]  # type: ignore[union-attr]
         return cls(values, recorded)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> NanGuardFlags:
-        return NanGuardFlags(self.values.clone(), self.taken)
-
 
 @attrs.frozen
 class NanGuardState:
