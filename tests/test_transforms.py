@@ -253,6 +253,19 @@ def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
     assert (5, 3, 1, 2) == (guard.unread, guard.skipped, guard.consecutive, guard.longest)
 
 
+def test_nan_guard_with_a_huge_check_every_grows_its_buffer_as_flags_come():
+    """check_every=10**9 (in effect: never read) does not make a 10**9-slot buffer up front."""
+    from trainfold._guard import MAX_SLOTS, NanGuardState
+
+    guard = NanGuardState(3, check_every=10**9)
+    for i in range(MAX_SLOTS + 1):
+        guard, slot = guard.claim()
+        slot.fill_(float(i == MAX_SLOTS))
+
+    assert len(guard.flags.views) == 2 * MAX_SLOTS
+    assert (MAX_SLOTS + 1, 1, 1) == (guard.unread, guard.skipped, guard.consecutive)
+
+
 def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
     ctx, state, dl = _nan_setup(True)
     losses = []

@@ -8,6 +8,10 @@ import attrs
 import torch
 
 NAME = "nan_guard"
+#: The most flag slots a new buffer gets at once; a buffer that fills up is copied into one twice
+#: as large. With the default check_every (50) one buffer serves each read; a huge check_every
+#: does not make (and unbind) a huge buffer up front.
+MAX_SLOTS = 1024
 #: The aux name under which a guarded step counts its non-finite batches.
 NONFINITE = "nonfinite"
 
@@ -69,7 +73,7 @@ class NanGuardState:
         if device is None:
             device = flags.values.device if flags is not None else torch.device("cpu")
         if flags is None or flags.taken != n or n == len(flags.views) or flags.values.device != device:
-            flags = NanGuardFlags.continuing(flags, n, self.check_every, device)
+            flags = NanGuardFlags.continuing(flags, n, min(self.check_every, MAX_SLOTS), device)
         flags.taken = n + 1
         # the constructor, not attrs.evolve: this runs on every update
         return NanGuardState(self.max_consecutive, self.check_every, self.counts, n + 1, flags), flags.views[n]
