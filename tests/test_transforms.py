@@ -266,6 +266,27 @@ def test_nan_guard_with_a_huge_check_every_grows_its_buffer_as_flags_come():
     assert (MAX_SLOTS + 1, 1, 1) == (guard.unread, guard.skipped, guard.consecutive)
 
 
+def test_nan_guard_works_under_a_float64_default_dtype():
+    """Its flags are float32 (what the fused check and found_inf take) whatever torch's default dtype."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(2, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+        step = nan_guard(3)(make_step(ctx, lambda m, b: (m(b) ** 2).mean() * b.sum()))
+
+        ok = step(state, torch.ones(4, 2))
+        before = testing.parameters(ok)
+        skipped = step(ok, torch.full((4, 2), float("nan")))
+    finally:
+        torch.set_default_dtype(default)
+
+    testing.assert_params_equal(before, skipped)
+    assert (1, 2) == (skipped.extras["nan_guard"].skipped, skipped.step)
+    assert model.weight.dtype == torch.float64
+
+
 def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
     ctx, state, dl = _nan_setup(True)
     losses = []

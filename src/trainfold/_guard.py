@@ -37,7 +37,7 @@ class NanGuardFlags:
     @classmethod
     def continuing(cls, old: NanGuardFlags | None, recorded: int, capacity: int, device: torch.device) -> NanGuardFlags:
         """A new buffer on ``device`` holding the first ``recorded`` flags of ``old``."""
-        values = torch.zeros(max(capacity, 2 * recorded), device=device)
+        values = torch.zeros(max(capacity, 2 * recorded), dtype=torch.float32, device=device)
         if recorded:
             values[:recorded] = old.values[:recorded]  # type: ignore[union-attr]
         return cls(values, recorded)
@@ -141,7 +141,7 @@ def check_finite(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     for d, same in by_device.items():
-        found = torch.zeros((), device=d)
+        found = torch.zeros((), dtype=torch.float32, device=d)
         torch._amp_foreach_non_finite_check_and_unscale_(same, found, _one(d))
         flag.copy_(torch.maximum(flag, found.to(device)))
 
@@ -149,7 +149,7 @@ def check_finite(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
 def _one(device: torch.device) -> torch.Tensor:
     one = _ONES.get(device)
     if one is None:
-        one = _ONES[device] = torch.ones(1, device=device)
+        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)  # whatever the default dtype
     return one
 
 
