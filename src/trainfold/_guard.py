@@ -8,20 +8,20 @@ import attrs
 import torch
 
 NAME = "nan_guard"
+#: The aux name under which a guarded step counts its non-finite batches.
+NONFINITE = "nonfinite"
 #: The most flag slots a new buffer gets at once; a buffer that fills up is copied into one twice
 #: as large. With the default check_every (50) one buffer serves each read; a huge check_every
 #: does not make (and unbind) a huge buffer up front.
 MAX_SLOTS = 1024
-#: The aux name under which a guarded step counts its non-finite batches.
-NONFINITE = "nonfinite"
 
 
 @attrs.define(eq=False)
 class NanGuardFlags:
     """A zeroed buffer of flags on the device, handed out one 0-d view (a slot) per update.
 
-    One allocation per ``check_every`` updates instead of a new tensor per
-    update, and one read (``values[:n].tolist()``) instead of a stack of them.
+    One allocation per ``check_every`` updates (up to ``MAX_SLOTS``) instead of
+    a new tensor per update, and one read (``values[:n].tolist()``) instead of a stack of them.
     ``taken`` counts the slots handed out: a guard state whose count differs
     (an older state stepped again, a branch) copies the buffer before writing,
     so two continuations never write the same slot.
