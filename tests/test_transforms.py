@@ -210,6 +210,48 @@ def test_nan_guard_checks_the_gradients_the_optimizer_would_apply():
     assert model.weight.isfinite().all() and not model.bias.grad.isfinite().all()
 
 
+def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
+    """The guard's plan (skip on the device, or after a host read) is per optimizer, not per step function."""
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    models = [mlp(), mlp()]
+    states = [TrainState.create(ctx, model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.01, fused=fused))
+              for m, fused in zip(models, (True, False))]
+    poison = {"on": False}
+    step = nan_guard(3)(make_step(ctx, lambda m, b: ce_loss(m, b) * (float("nan") if poison["on"] else 1.0)))
+    batch = next(iter(torch.utils.data.DataLoader(classification_data(8), batch_size=8)))
+
+    for i, state in enumerate(states):
+        before = [testing.parameters(s) for s in states]
+        states[i] = step(state, batch)
+        testing.assert_params_changed(before[i], states[i])
+        testing.assert_params_equal(before[1 - i], states[1 - i])
+    poison["on"] = True
+    before = [testing.parameters(s) for s in states]
+    states = [step(s, batch) for s in states]
+
+    for b, s in zip(before, states):
+        testing.assert_params_equal(b, s)
+        assert 1 == s.extras["nan_guard"].skipped
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
+def test_check_finite_sets_the_flag_for_a_non_finite_gradient_and_changes_no_gradient(bad):
+    from trainfold._guard import check_finite
+
+    grads = [torch.randn(3, 2), torch.randn(5)]
+    if bad is not None:
+        grads[1][4] = bad
+    before = [g.clone() for g in grads]
+    flag = torch.zeros((), dtype=torch.float32)
+
+    check_finite(grads, flag)
+
+    assert flag.item() == (0.0 if bad is None else 1.0)
+    for b, g in zip(before, grads):
+        assert torch.equal(b.view(torch.int32), g.view(torch.int32))  # bit for bit, NaN included
+
+
 @pytest.mark.parametrize("backend", ["DEEPSPEED", "FSDP", "MEGATRON_LM"])
 def test_nan_guard_refuses_backends_where_gradients_are_sharded_or_held_by_the_engine(backend, monkeypatch):
     from accelerate.utils import DistributedType

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -30,9 +30,11 @@ class NanGuardFlags:
     values: torch.Tensor
     taken: int
     views: tuple[torch.Tensor, ...] = attrs.field(init=False, repr=False)
+    device: torch.device = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.views = self.values.unbind()
+        self.device = self.values.device
 
     @classmethod
     def continuing(cls, old: NanGuardFlags | None, recorded: int, capacity: int, device: torch.device) -> NanGuardFlags:
@@ -71,8 +73,8 @@ class NanGuardState:
         """
         flags, n = self.flags, self.unread
         if device is None:
-            device = flags.values.device if flags is not None else torch.device("cpu")
-        if flags is None or flags.taken != n or n == len(flags.views) or flags.values.device != device:
+            device = flags.device if flags is not None else torch.device("cpu")
+        if flags is None or flags.taken != n or n == len(flags.views) or flags.device != device:
             flags = NanGuardFlags.continuing(flags, n, min(self.check_every, MAX_SLOTS), device)
         flags.taken = n + 1
         # the constructor, not attrs.evolve: this runs on every update
@@ -115,42 +117,27 @@ class NanGuardState:
         return self.longest >= self.max_consecutive
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def gradients(optimizer: Any) -> list[torch.Tensor]:
-    """The gradients of ``optimizer``'s parameters (those the update would change)."""
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-
-
 def check_finite(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
     """Set the 0-d float32 ``flag`` to 1.0 if a gradient has an inf or a NaN; leave it otherwise.
 
     No host sync. One fused kernel per device: the check torch's GradScaler
     uses, with a scale of exactly 1.0 (which leaves every gradient
     bit-identical), writing the flag in the form fused optimizers take as
-    ``found_inf``.
+    ``found_inf``. The step's own path (:class:`GuardedUpdate`) calls the
+    kernel directly when every gradient is on the flag's device.
     """
-    if not grads:
-        return
-    device = flag.device
-    if all(g.device == device for g in grads):
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _one(device))
-        return
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(g.device, []).append(g)
     for d, same in by_device.items():
-        found = torch.zeros((), dtype=torch.float32, device=d)
+        found = flag if d == flag.device else torch.zeros((), dtype=torch.float32, device=d)
         torch._amp_foreach_non_finite_check_and_unscale_(same, found, _one(d))
-        flag.copy_(torch.maximum(flag, found.to(device)))
+        if found is not flag:
+            flag.copy_(torch.maximum(flag, found.to(flag.device)))
 
 
 def _one(device: torch.device) -> torch.Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)  # whatever the default dtype
-    return one
+    return torch.ones(1, dtype=torch.float32, device=device)  # float32 whatever the default dtype
 
 
 def supports_found_inf(optimizer: Any) -> bool:
@@ -158,16 +145,85 @@ def supports_found_inf(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def guarded_update(optimizer: Any, nonfinite: torch.Tensor, fallback_step: Any) -> None:
-    """Apply the update unless ``nonfinite``: on the device for fused optimizers, else after one host read."""
-    if supports_found_inf(optimizer):
+@attrs.frozen
+class GuardedUpdate:
+    """How a step under ``nan_guard`` checks and applies one optimizer's updates, decided once per optimizer.
+
+    ``apply(flag)`` applies the update unless the flag is set: on the device for
+    a fused optimizer (:func:`skip_on_device`), after one host read for any
+    other (:func:`skip_after_read`), or by the fp16 loss scaler
+    (:func:`left_to_scaler`). ``device`` is where every parameter was when this
+    was decided (None if on several devices), and ``one`` the check's scale
+    there: while the gradients are on that device the check is one kernel call;
+    gradients elsewhere (a model moved since) take :func:`check_finite`.
+    """
+
+    optimizer: torch.optim.Optimizer
+    apply: Callable[[torch.Tensor], Any]
+    device: torch.device | None
+    one: torch.Tensor | None = attrs.field(repr=False)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, step: Callable[[], Any], *, fast: bool, scaled: bool) -> GuardedUpdate:
+        """The plan for ``optimizer`` (the torch optimizer), whose update is ``step()``.
+
+        ``fast``: ``step`` is ``optimizer.step`` itself (no Accelerate wrapper), so a
+        fused optimizer can take ``found_inf``. ``scaled``: a loss scaler steps it.
+        """
+        if scaled:
+            apply = left_to_scaler(step)
+        elif fast and supports_found_inf(optimizer):
+            apply = skip_on_device(optimizer)
+        else:
+            apply = skip_after_read(step)
+        devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+        device = devices.pop() if len(devices) == 1 else None
+        return cls(optimizer, apply, device, None if device is None else _one(device))
+
+    def __call__(self, guard: NanGuardState) -> NanGuardState:
+        """Claim a flag from ``guard``, check the gradients into it, and apply (or skip) the update."""
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        device = grads[0].device if grads else self.device
+        guard, flag = guard.claim(device)
+        if grads:
+            if device == self.device:  # the usual case: one kernel, no grouping
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self.one)
+            else:
+                check_finite(grads, flag)
+        self.apply(flag)
+        return guard
+
+
+def skip_on_device(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+    """A fused optimizer's update, skipped on the device where ``flag`` is set: no host sync."""
+
+    def apply(flag: torch.Tensor) -> None:
         # The protocol torch's GradScaler uses: the fused kernel skips the update (and undoes
         # its step count) where found_inf is non-zero.
-        optimizer.grad_scale = None
-        optimizer.found_inf = nonfinite
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        optimizer.found_inf = flag  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
-    elif not nonfinite:  # sync: once per update, only for a non-fused optimizer under nan_guard
-        fallback_step()
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+
+    return apply
+
+
+def skip_after_read(step: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
+    """Any other optimizer's update, applied after reading ``flag`` on the host (one sync per update)."""
+
+    def apply(flag: torch.Tensor) -> None:
+        if not flag:  # sync: once per update, only for a non-fused optimizer under nan_guard
+            step()
+
+    return apply
+
+
+def left_to_scaler(step: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
+    """The update under the fp16 loss scaler, which skips non-finite updates itself and must see every step."""
+
+    def apply(flag: torch.Tensor) -> None:
+        step()
+
+    return apply

@@ -6,13 +6,14 @@ import math
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+import attrs
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ._backend import backward_fn, micro_batch_start, optimizer_ops
+from ._backend import OptimizerOps, backward_fn, inner_optimizer, micro_batch_start, optimizer_ops
 from ._guard import NAME as GUARD
-from ._guard import NanGuardState, check_finite, gradients, guarded_update
+from ._guard import GuardedUpdate, NanGuardState
 from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
@@ -62,18 +63,6 @@ def make_clip(accelerator: Accelerator, clip_grad_norm: float | None, clip_grad_
     return lambda model: accelerator.clip_grad_value_(model.parameters(), value)
 
 
-def guarded_step(guard: NanGuardState, optimizer: Any, ops: Any) -> NanGuardState:
-    """Stage 4 under ``nan_guard``: apply the update only if every gradient of ``optimizer``'s parameters is finite."""
-    grads = gradients(optimizer)
-    guard, nonfinite = guard.claim(grads[0].device if grads else None)
-    check_finite(grads, nonfinite)
-    if ops.scaled:
-        ops.step()  # the fp16 loss scaler skips non-finite updates itself and must see every step
-    else:
-        guarded_update(ops.raw, nonfinite, ops.step)
-    return guard
-
-
 def record(
     state: TrainState,
     loss: torch.Tensor,
@@ -110,6 +99,22 @@ def record(
         unsummed=unsummed,
         extras=extras,
     )
+
+
+@attrs.define
+class _UpdatePlan:
+    """How ``make_step``'s step updates one optimizer, decided the first time it meets it."""
+
+    optimizer: Any
+    ops: OptimizerOps
+    guarded: GuardedUpdate | None = None
+
+    def guarded_update(self) -> GuardedUpdate:
+        """Stage 4 under ``nan_guard`` (decided on its first guarded update: only a guarded step needs it)."""
+        if self.guarded is None:
+            ops = self.ops
+            self.guarded = GuardedUpdate.of(inner_optimizer(self.optimizer), ops.step, fast=ops.fast, scaled=ops.scaled)
+        return self.guarded
 
 
 TOKENS = "tokens"
@@ -254,7 +259,8 @@ def make_step(
 
     def micro_batch(state: TrainState, batch: Batch) -> TrainState:
         model = state.model
-        ops = _ops_for(state)
+        plan = _plan_for(state)
+        ops = plan.ops
         guard = state.extras.get(GUARD) if state.extras else None
         extras = None
         loss, aux = compute_loss(loss_fn, model, batch)
@@ -265,8 +271,8 @@ def make_step(
         if synced or not ops.fast:
             if synced and clip is not None:
                 clip(model)
-            if synced and guard is not None:
-                guard = guarded_step(guard, state.optimizer, ops)
+            if synced and guard is not None:  # stage 4 under nan_guard: update only if every gradient is finite
+                guard = plan.guarded_update()(guard)
             else:
                 ops.step()
         if state.scheduler is not None:
@@ -275,15 +281,14 @@ def make_step(
             ops.zero_grad()
         return record(state, loss, aux, updated=synced and not ops.was_skipped(), guard=guard, extras=extras)
 
-    cache: dict[int, Any] = {}
+    cache: dict[int, _UpdatePlan] = {}
 
-    def _ops_for(state: TrainState) -> Any:
+    def _plan_for(state: TrainState) -> _UpdatePlan:
         # Decided once per optimizer (a state restored from a checkpoint keeps the same one).
-        key = id(state.optimizer)
-        ops = cache.get(key)
-        if ops is None or ops[0] is not state.optimizer:
-            ops = cache[key] = (state.optimizer, optimizer_ops(accelerator, state.optimizer))
-        return ops[1]
+        plan = cache.get(id(state.optimizer))
+        if plan is None or plan.optimizer is not state.optimizer:
+            plan = cache[id(state.optimizer)] = _UpdatePlan(state.optimizer, optimizer_ops(accelerator, state.optimizer))
+        return plan
 
     step.__qualname__ = step.__name__ = f"step[{getattr(loss_fn, '__name__', 'loss_fn')}]"
     return step

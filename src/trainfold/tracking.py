@@ -20,10 +20,12 @@ def emit(ctx: Context, values: Mapping[str, float], step: int) -> None:
     """Send ``values`` to the Accelerator's trackers and to the ``trainfold`` logger, on the main process.
 
     ``accelerator.log`` reaches every tracker configured with
-    ``Accelerator(log_with=...)`` and ``accelerator.init_trackers(...)``; it is a
-    no-op without one.
+    ``Accelerator(log_with=...)`` and ``accelerator.init_trackers(...)``; without
+    one it is not called (it would do nothing, after ~40 us of Accelerate's
+    process checks).
     """
-    ctx.accelerator.log(dict(values), step=step)
+    if ctx.accelerator.trackers:
+        ctx.accelerator.log(dict(values), step=step)
     if ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
 
