@@ -21,8 +21,8 @@ def emit(ctx: Context, values: Mapping[str, float], step: int) -> None:
 
     ``accelerator.log`` reaches every tracker configured with
     ``Accelerator(log_with=...)`` and ``accelerator.init_trackers(...)``; without
-    one it is not called (it would do nothing, after ~40 us of Accelerate's
-    process checks).
+    one it is not called (it would do nothing, after Accelerate's process
+    checks: ~3 us, ~40 us in the cold cache of a training loop).
     """
     if ctx.accelerator.trackers:
         ctx.accelerator.log(dict(values), step=step)
