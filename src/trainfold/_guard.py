@@ -155,7 +155,9 @@ class GuardedUpdate:
     (:func:`left_to_scaler`). ``device`` is where every parameter was when this
     was decided (None if on several devices), and ``one`` the check's scale
     there: while the gradients are on that device the check is one kernel call;
-    gradients elsewhere (a model moved since) take :func:`check_finite`.
+    gradients elsewhere (a model moved since) take :func:`check_finite`. A model
+    split across devices after the first guarded update is refused by the
+    kernel ("scaled_grads must be on the same device"), not checked wrongly.
     """
 
     optimizer: torch.optim.Optimizer
