@@ -30,11 +30,9 @@ class NanGuardFlags:
     values: torch.Tensor
     taken: int
     views: tuple[torch.Tensor, ...] = attrs.field(init=False, repr=False)
-    device: torch.device = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.views = self.values.unbind()
-        self.device = self.values.device
 
     @classmethod
     def continuing(cls, old: NanGuardFlags | None, recorded: int, capacity: int, device: torch.device) -> NanGuardFlags:
@@ -73,8 +71,8 @@ class NanGuardState:
         """
         flags, n = self.flags, self.unread
         if device is None:
-            device = flags.device if flags is not None else torch.device("cpu")
-        if flags is None or flags.taken != n or n == len(flags.views) or flags.device != device:
+            device = flags.values.device if flags is not None else torch.device("cpu")
+        if flags is None or flags.taken != n or n == len(flags.views) or flags.values.device != device:
             flags = NanGuardFlags.continuing(flags, n, min(self.check_every, MAX_SLOTS), device)
         flags.taken = n + 1
         # the constructor, not attrs.evolve: this runs on every update
