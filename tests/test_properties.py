@@ -113,3 +113,22 @@ def test_replace_works_for_fields_named_like_its_own_variables():
     assert Record(2, "b", 0) == replace(old, state=2, cls="b")
     assert Record(1, "a", 5) == replace(old, other=5)
     assert Record(1, "a", 0) == replace(old)
+
+
+def test_replace_passes_keyword_only_fields_by_keyword():
+    """The copier calls the constructor by position where it can; attrs' kw_only fields go by keyword."""
+    import attrs
+
+    from trainfold.state import copier, replace
+
+    @attrs.frozen
+    class Record:
+        a: int
+        b: int = attrs.field(default=0, kw_only=True)
+        c: int = 0
+
+    old = Record(1, b=2, c=3)
+
+    assert Record(1, b=5, c=3) == replace(old, b=5)
+    assert Record(7, b=2, c=8) == replace(old, c=8, a=7)
+    assert Record(4, b=6, c=3) == copier(Record, "b", "a")(old, 6, 4)

@@ -187,6 +187,27 @@ def test_summed_adds_the_waiting_micro_batches_and_leaves_the_state_unchanged():
     assert summed.summed() is summed
 
 
+def test_a_subclass_of_trainstate_keeps_its_type_and_fields_through_steps_and_epochs():
+    """As flax's TrainState allows: a subclass adds fields, and every new state is of the subclass."""
+    import attrs
+
+    from trainfold import run_epoch
+
+    @attrs.frozen
+    class LabelledState(TrainState):
+        label: str = "none"
+        seen: int = attrs.field(default=0, kw_only=True)
+
+    ctx, base = _setup()
+    state = LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, loss_sum=base.loss_sum, label="run-a", seen=3)
+    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(testing.regression_data(8), batch_size=2))
+
+    new = run_epoch(ctx, make_step(ctx, testing.mse_loss), loader, state)
+
+    assert type(new) is LabelledState
+    assert ("run-a", 3, 4, 1) == (new.label, new.seen, new.step, new.epoch)
+
+
 def test_step_has_a_readable_name():
     ctx, _ = _setup()
 

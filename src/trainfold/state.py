@@ -30,16 +30,24 @@ def replace(state: _A, /, **changes: Any) -> _A:
     """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), with less Python.
 
     Works on any attrs instance (the state, and the extras' records such as the EMA's).
-
-    For each class and set of changed fields, a function that passes every field
-    to the constructor in one call is generated once (as attrs generates
-    ``__init__``): no per-call loop over the fields, no dict of all of them.
     """
-    key = (type(state), tuple(changes))
-    copier = _COPIERS.get(key)
-    if copier is None:
-        copier = _COPIERS[key] = _copier(*key)
-    return copier(state, **changes)
+    return copier(type(state), *changes)(state, **changes)
+
+
+def copier(cls: type[_A], *changed: str) -> Callable[..., _A]:
+    """``copy(old, *values) -> cls``: ``old`` with the fields ``changed`` set to ``values``, in that order.
+
+    Generated once per class and set of changed fields (as attrs generates
+    ``__init__``), and cached: one call of the constructor with every field
+    passed by position, no loop over the fields and no dict of them. A step
+    that replaces the same fields every time keeps the function and calls it
+    positionally; :func:`replace` is the keyword form.
+    """
+    key = (cls, changed)
+    made = _COPIERS.get(key)
+    if made is None:
+        made = _COPIERS[key] = _copier(cls, changed)
+    return made
 
 
 def _copier(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
@@ -47,9 +55,10 @@ def _copier(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
     if unknown := set(changed) - {f.alias for f in fields}:
         raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     # the generated names cannot clash with a field's (fields named "state" or "cls" are fine)
-    args = ", ".join(f"{f.alias}={f.alias}" if f.alias in changed else f"{f.alias}=__old.{f.name}" for f in fields)
-    params = "".join(f", {name}" for name in changed)
-    source = f"def copy(__old{', *' if changed else ''}{params}):\n    return __cls({args})\n"
+    values = {f.alias: f.alias if f.alias in changed else f"__old.{f.name}" for f in fields}
+    # by position where __init__ takes it (attrs keeps the fields' order), by keyword otherwise
+    args = [values[f.alias] for f in fields if not f.kw_only] + [f"{f.alias}={values[f.alias]}" for f in fields if f.kw_only]
+    source = f"def copy(__old{''.join(f', {name}' for name in changed)}):\n    return __cls({', '.join(args)})\n"
     namespace: dict[str, Any] = {"__cls": cls}
     exec(compile(source, f"<trainfold replace of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)
     return namespace["copy"]

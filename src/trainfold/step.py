@@ -18,7 +18,7 @@ from ._types import Batch, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state
 from .context import Context
 from .metrics import FOLD_EVERY, check_same_names, describe_batch, detached, fold, split_loss_output
-from .state import TrainState, replace
+from .state import TrainState, copier
 
 Clip = Callable[[torch.nn.Module], Any]
 
@@ -72,7 +72,7 @@ def record(
     guard: NanGuardState | None = None,
     extras: Mapping[str, Any] | None = None,
 ) -> TrainState:
-    """Stage 5: one ``replace`` (``attrs.evolve``, cheaper) with the counters and the micro-batch's values.
+    """Stage 5: one new state (``attrs.evolve``, cheaper) with the counters and the micro-batch's values.
 
     The detached ``(loss, aux)`` joins ``state.unsummed``, with no kernel; every
     ``FOLD_EVERY`` micro-batches they are added to the on-device sums (see
@@ -89,16 +89,11 @@ def record(
     else:
         loss_sum, aux_sums = fold(state._loss_sum, state._aux_sums, unsummed, mask_nonfinite=GUARD in extras)
         unsummed = ()
-    return replace(
-        state,
-        step=state.step + updated,
-        micro_step=state.micro_step + 1,
-        batch_in_epoch=state.batch_in_epoch + 1,
-        loss_sum=loss_sum,
-        aux_sums=aux_sums,
-        unsummed=unsummed,
-        extras=extras,
-    )
+    advance = copier(type(state), *_RECORDED)  # positional: a step's one new state costs one constructor call
+    return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, loss_sum, aux_sums, unsummed, extras)
+
+
+_RECORDED = ("step", "micro_step", "batch_in_epoch", "loss_sum", "aux_sums", "unsummed", "extras")
 
 
 @attrs.define
