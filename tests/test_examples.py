@@ -36,3 +36,18 @@ def test_the_copyable_test_file_passes():
 
     assert 0 == result.returncode, result.stdout[-3000:]
     assert "4 passed" in result.stdout
+
+
+def test_the_benchmark_ab_script_compares_two_versions_in_one_process():
+    """benchmarks/ab.py (a directory against a directory here; a git revision is read with git archive)."""
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "ab.py"), str(root / "src"), str(root),
+         "--configs", "plain", "--processes", "1", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+
+    assert 0 == result.returncode, result.stderr[-3000:]
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
+    assert float(rows["trainfold_a:plain"][0]) > 0 and float(rows["trainfold_b:plain"][0]) > 0
+    assert "rounds," in " ".join(rows["plain"])
