@@ -18,8 +18,6 @@ A version is a directory holding ``trainfold/`` or ``src/trainfold/``, or a git 
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import json
 import random
 import shutil
@@ -29,7 +27,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -53,31 +50,6 @@ def materialize(version: str, name: str, into: Path) -> None:
     shutil.move(str(extracted / "src" / "trainfold"), str(into / name))
 
 
-def contender(package: str, config: str) -> Callable[[], None]:
-    """One epoch of ``package``'s run_epoch on the tiny MLP, in ``config`` (see CONFIGS)."""
-    import bench
-    from toolz import compose
-
-    t = importlib.import_module(package)
-    ds = bench.make_data(SIZES, BATCH, BATCHES)
-    ctx = t.Context(accelerator=bench.accelerator())
-    model = bench.make_model(SIZES)
-    box = [t.TrainState.create(ctx, model=model, optimizer=bench.OPTIMIZER(model.parameters(), lr=0.01))]
-    (dl,) = ctx.prepare_loaders(bench.loader(ds, BATCH))
-    step = t.make_step(ctx, bench.loss_fn)
-    if config == "guard":
-        step = t.nan_guard(3)(step)
-    elif config == "full":
-        step = compose(t.progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), t.log_every(ctx, 50), t.nan_guard(3))(step)
-    elif config != "plain":
-        raise ValueError(f"unknown configuration {config!r}: choose from {', '.join(CONFIGS)}")
-
-    def epoch() -> None:
-        box[0] = t.run_epoch(ctx, step, dl, box[0])
-
-    return epoch
-
-
 def child(packages: Path, configs: list[str], rounds: int, seed: int) -> dict[str, list[float]]:
     """Microseconds per step of every contender, one value per round."""
     import torch
@@ -95,7 +67,8 @@ def child(packages: Path, configs: list[str], rounds: int, seed: int) -> dict[st
     epochs = {}
     for key in built:
         spec = specs[key]
-        epochs[key] = bench.raw(SIZES, bench.make_data(SIZES, BATCH, BATCHES), BATCH) if spec is None else contender(*spec)
+        data = bench.make_data(SIZES, BATCH, BATCHES)
+        epochs[key] = bench.raw(SIZES, data, BATCH) if spec is None else bench.trainfold_loop(SIZES, data, BATCH, spec[1], spec[0])
         epochs[key]()  # warm-up
     times: dict[str, list[float]] = {key: [] for key in specs}
     for _ in range(rounds):

@@ -147,31 +147,38 @@ def accelerate_loop(sizes, ds, batch):
     return epoch
 
 
-def _trainfold(sizes, ds, batch, full: bool):
+def trainfold_loop(sizes, ds, batch, config: str = "plain", package: str = "trainfold"):
+    """trainfold's run_epoch, ``config`` "plain", "guard" (nan_guard) or "full" (progress bar, log_every(50),
+    nan_guard); ``package`` is the module to import it from (benchmarks/ab.py loads two versions side by side)."""
+    import importlib
+
     from toolz import compose
 
-    from trainfold import Context, TrainState, log_every, make_step, nan_guard, progress_bar, run_epoch
-
-    ctx = Context(accelerator=accelerator())
+    t = importlib.import_module(package)
+    ctx = t.Context(accelerator=accelerator())
     model = make_model(sizes)
-    box = [TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
+    box = [t.TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
     (dl,) = ctx.prepare_loaders(loader(ds, batch))
-    step = make_step(ctx, loss_fn)
-    if full:
-        step = compose(progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), log_every(ctx, 50), nan_guard(3))(step)
+    step = t.make_step(ctx, loss_fn)
+    if config == "guard":
+        step = t.nan_guard(3)(step)
+    elif config == "full":
+        step = compose(t.progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), t.log_every(ctx, 50), t.nan_guard(3))(step)
+    elif config != "plain":
+        raise ValueError(f"unknown trainfold configuration {config!r}: plain, guard or full")
 
     def epoch():
-        box[0] = run_epoch(ctx, step, dl, box[0])
+        box[0] = t.run_epoch(ctx, step, dl, box[0])
 
     return epoch
 
 
 def trainfold_plain(sizes, ds, batch):
-    return _trainfold(sizes, ds, batch, full=False)
+    return trainfold_loop(sizes, ds, batch, "plain")
 
 
 def trainfold_full(sizes, ds, batch):
-    return _trainfold(sizes, ds, batch, full=True)
+    return trainfold_loop(sizes, ds, batch, "full")
 
 
 def pytorch_accelerated(sizes, ds, batch):
