@@ -159,13 +159,16 @@ def trainfold_loop(sizes, ds, batch, config: str = "plain", package: str = "trai
     model = make_model(sizes)
     box = [t.TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
     (dl,) = ctx.prepare_loaders(loader(ds, batch))
-    step = t.make_step(ctx, loss_fn)
-    if config == "guard":
-        step = t.nan_guard(3)(step)
-    elif config == "full":
-        step = compose(t.progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), t.log_every(ctx, 50), t.nan_guard(3))(step)
-    elif config != "plain":
+    if config not in ("plain", "guard", "full"):
         raise ValueError(f"unknown trainfold configuration {config!r}: plain, guard or full")
+    guarded = config in ("guard", "full")
+    if hasattr(t, "Stage"):  # since 0.2 nan_guard is a stage of make_step
+        step = t.make_step(ctx, loss_fn, stages=[t.nan_guard(3)] if guarded else [])
+    else:  # an older version (ab.py compares against git revisions): nan_guard wrapped the step
+        step = t.make_step(ctx, loss_fn)
+        step = t.nan_guard(3)(step) if guarded else step
+    if config == "full":
+        step = compose(t.progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), t.log_every(ctx, 50))(step)
 
     def epoch():
         box[0] = t.run_epoch(ctx, step, dl, box[0])

@@ -58,7 +58,8 @@ else:
     ctx = Context(accelerator=Accelerator(cpu=True))
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(dl)
-    step = make_step(ctx, loss_fn)
+    guarded = which in ("trainfold+nan_guard", "trainfold_full")
+    step = make_step(ctx, loss_fn, stages=[nan_guard(3)] if guarded else [])
     # tqdm redraws every 0.1 s of wall time; callgrind runs ~50x slower, so a timed redraw would
     # come every step or two instead of every ~1,500 (as natively). Redraw every 1,000 steps instead,
     # and without tqdm's monitor thread, which after 10 s of wall time without a redraw would make
@@ -66,8 +67,8 @@ else:
     from tqdm.auto import tqdm
     tqdm.monitor_interval = 0
     bar = progress_bar(ctx, total=len(dl), force=True, file=io.StringIO(), miniters=1000, mininterval=0)
-    wrap = {"trainfold": [], "trainfold+nan_guard": [nan_guard(3)], "trainfold+log_every": [log_every(ctx, 50)],
-            "trainfold+progress_bar": [bar], "trainfold_full": [bar, log_every(ctx, 50), nan_guard(3)]}[which]
+    wrap = {"trainfold": [], "trainfold+nan_guard": [], "trainfold+log_every": [log_every(ctx, 50)],
+            "trainfold+progress_bar": [bar], "trainfold_full": [bar, log_every(ctx, 50)]}[which]
     run_epoch(ctx, compose(*wrap)(step), dl, state)
 '''
 

@@ -77,14 +77,15 @@ def _loop(which: str, model: torch.nn.Module, opt: torch.optim.Optimizer, dl: An
     ctx = Context(accelerator=Accelerator(cpu=True))
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (prepared,) = ctx.prepare_loaders(dl)
-    step = make_step(ctx, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    guarded = which in ("trainfold+nan_guard", "trainfold_full")
+    step = make_step(ctx, lambda m, b: F.cross_entropy(m(b[0]), b[1]), stages=[nan_guard(3)] if guarded else [])
     # as in instructions.py: tqdm's redraws are timed, and tracing slows the loop ~10x, so redraw
     # every 1,000 steps (natively: every ~1,500) and without tqdm's monitor thread
     from tqdm.auto import tqdm
 
     tqdm.monitor_interval = 0
     bar = progress_bar(ctx, total=len(prepared), force=True, file=io.StringIO(), miniters=1000, mininterval=0)
-    wrap = {"trainfold": [], "trainfold+nan_guard": [nan_guard(3)], "trainfold_full": [bar, log_every(ctx, 50), nan_guard(3)]}[which]
+    wrap = {"trainfold": [], "trainfold+nan_guard": [], "trainfold_full": [bar, log_every(ctx, 50)]}[which]
     return lambda: run_epoch(ctx, compose(*wrap)(step), prepared, state)
 
 

@@ -82,7 +82,7 @@ def test_resume_from_every_batch_position_is_bit_exact(tmp_path):
 
 def test_resume_keeps_transformer_states(tmp_path):
     ctx, state, dl = _setup(ga=1)
-    step = checkpoint_every(ctx, tmp_path, 4)(nan_guard(3)(log_every(ctx, 2)(make_step(ctx, helpers.ce_loss))))
+    step = checkpoint_every(ctx, tmp_path, 4)(log_every(ctx, 2)(make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)])))
     state = run_epoch(ctx, step, dl, state)
 
     ctx, fresh, dl = _setup(ga=1)
@@ -105,7 +105,7 @@ def test_resume_keeps_the_nan_guards_unread_flags(tmp_path):
         return loss * float("nan") if calls["n"] in (2, 4, 5, 6) else loss
 
     def step(ctx):
-        return nan_guard(3, check_every=3)(make_step(ctx, loss_fn))
+        return make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=3)])
 
     counts = lambda s: (s.step, s.should_stop, s.extras["nan_guard"].skipped, s.extras["nan_guard"].consecutive)
     ctx, state, dl = _setup(ga=1)
@@ -251,3 +251,96 @@ def test_a_root_with_only_an_unfinished_save(tmp_path):
 
     with pytest.raises(CheckpointError, match="only unfinished checkpoints"):
         load_checkpoint(ctx, tmp_path, state)
+
+
+def test_a_subclass_of_trainstate_keeps_its_added_fields_through_a_checkpoint(tmp_path):
+    """Snapshots and checkpoints share one description of a run's state: a subclass's fields are part of it."""
+    import attrs
+
+    @attrs.frozen
+    class LabelledState(TrainState):
+        label: str = "none"
+        seen: int = 0
+
+    ctx, base, dl = _setup(ga=1)
+    state = attrs.evolve(LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums), label="run-a", seen=3)
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+
+    resumed = load_checkpoint(ctx, tmp_path, attrs.evolve(state, label="other", seen=0))
+
+    assert (LabelledState, "run-a", 3, 1) == (type(resumed), resumed.label, resumed.seen, resumed.epoch)
+
+
+def test_a_users_registered_record_in_extras_is_checkpointed(tmp_path):
+    """A step transformer's own attrs record in state.extras round-trips once registered (no pickle)."""
+    import attrs
+
+    from trainfold import register_record
+
+    @register_record(name="test_checkpoint.Seen")
+    @attrs.frozen
+    class Seen:
+        batches: int
+        last: torch.Tensor = attrs.field(eq=False)
+
+    ctx, state, dl = _setup(ga=1)
+
+    def counting(step):
+        def counted(s, batch):
+            new = step(s, batch)
+            seen = new.extras.get("seen", Seen(0, torch.zeros(())))
+            return new.with_extra("seen", Seen(seen.batches + 1, batch[1][:1].float()))
+        return counted
+
+    trained = run_epoch(ctx, counting(make_step(ctx, helpers.ce_loss)), dl, state)
+    save_checkpoint(ctx, tmp_path, trained)
+    resumed = load_checkpoint(ctx, tmp_path, state)
+
+    assert isinstance(resumed.extras["seen"], Seen)
+    assert 6 == resumed.extras["seen"].batches
+    assert torch.equal(trained.extras["seen"].last, resumed.extras["seen"].last)
+
+
+def test_an_unregistered_record_in_extras_is_refused_with_the_fix(tmp_path):
+    import attrs
+
+    @attrs.frozen
+    class Unknown:
+        n: int = 0
+
+    ctx, state, _ = _setup(ga=1)
+    with pytest.raises(TypeError, match=r"extras.*Unknown.*@trainfold.register_record"):
+        save_checkpoint(ctx, tmp_path, state.with_extra("mine", Unknown()))
+
+
+def test_register_record_refuses_what_it_cannot_keep_apart():
+    import attrs
+
+    from trainfold import register_record
+
+    class Plain:
+        pass
+
+    @attrs.frozen
+    class A:
+        n: int = 0
+
+    @attrs.frozen
+    class B:
+        n: int = 0
+
+    with pytest.raises(TypeError, match="takes an attrs class"):
+        register_record(Plain)
+    register_record(name="test_checkpoint.Same")(A)
+    with pytest.raises(ValueError, match="record name 'test_checkpoint.Same' is taken by .*A; register .*B under another name"):
+        register_record(name="test_checkpoint.Same")(B)
+
+
+def test_a_dtype_name_is_looked_up_in_a_fixed_list_not_on_the_torch_module(tmp_path):
+    """A crafted {"__dtype__": "seed"} once decoded to torch.seed; now only real dtypes decode."""
+    from trainfold._codec import decode
+
+    assert torch.bfloat16 is decode({"__dtype__": "bfloat16"}, {})
+    for name in ("seed", "load", "__builtins__", ["float32"]):
+        with pytest.raises(ValueError, match="unknown dtype"):
+            decode({"__dtype__": name}, {})

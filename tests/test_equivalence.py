@@ -99,9 +99,7 @@ def test_fp16_updates_the_scaler_skips_are_not_counted_and_match_the_canonical_l
     ctx = Context(accelerator=_fp16_overflowing_accelerator())
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(dl)
-    step = make_step(ctx, ce_loss)
-    if guarded:
-        step = nan_guard(100, check_every=5)(step)
+    step = make_step(ctx, ce_loss, stages=[nan_guard(100, check_every=5)] if guarded else [])
     final = loop(run_epoch(ctx, step, dl), max_epochs=3)(state)
 
     assert 0 < applied < 21  # some updates skipped, some applied (7 batches, 3 epochs)

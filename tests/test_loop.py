@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from toolz import compose, pipe
 
-from trainfold import TrainState, every, loop, make_step, repeat, run_epoch, testing, until
+from trainfold import TrainState, every, every_epochs, loop, make_step, repeat, run_epoch, testing, until
 
 
 def _fake_state(**kw):
@@ -65,21 +65,21 @@ def test_repeat_until_every():
         marks.append(s.epoch)
         return s
 
-    loop(compose(every(2, mark), _fake_epoch), max_epochs=7)(state)
+    loop(compose(every_epochs(2, mark), _fake_epoch), max_epochs=7)(state)
     assert [2, 4, 6] == marks
 
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 6), epochs=st.integers(1, 25))
 def test_every_fires_floor_epochs_over_n_times(n, epochs):
-    """every(n, f) inside a loop of E epochs fires floor(E / n) times."""
+    """every_epochs(n, f) inside a loop of E epochs fires floor(E / n) times."""
     fired = []
 
     def f(s):
         fired.append(s.epoch)
         return s
 
-    loop(compose(every(n, f), _fake_epoch), max_epochs=epochs)(_fake_state())
+    loop(compose(every_epochs(n, f), _fake_epoch), max_epochs=epochs)(_fake_state())
 
     assert epochs // n == len(fired)
 
@@ -102,7 +102,7 @@ def test_compose_order_is_right_to_left():
 
 def test_combinators_have_readable_names():
     assert "loop(_fake_epoch, max_epochs=3)" == loop(_fake_epoch, max_epochs=3).__qualname__
-    assert "every(2, _fake_epoch)" == every(2, _fake_epoch).__name__
+    assert "every_epochs(2, _fake_epoch)" == every_epochs(2, _fake_epoch).__name__
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -118,3 +118,16 @@ def test_pipe_of_primitives_catches_missing_state_argument():
     ctx, state, loader, loss_fn = testing.tiny_setup()
     with pytest.raises(TypeError, match=r"evaluate received a curried 'run_epoch'"):
         pipe(state, run_epoch(ctx, make_step(ctx, loss_fn)), evaluate(ctx, loss_fn, loader))
+
+
+def test_every_is_the_deprecated_name_of_every_epochs():
+    with pytest.warns(DeprecationWarning, match="renamed every_epochs"):
+        fn = every(2, _fake_epoch)
+
+    assert "every_epochs(2, _fake_epoch)" == fn.__name__
+
+
+def test_loop_takes_its_limit_by_keyword():
+    """One order for the combinators: the schedule first, the epoch function last; loop's limit is a keyword."""
+    with pytest.raises(TypeError):
+        loop(_fake_epoch, 3)

@@ -51,7 +51,7 @@ def _rss_kb():
 def test_memory_is_flat_over_20000_steps_with_transformers_on():
     """The state accumulates nothing per step: resident memory grows by less than 1 MB over 20,000 steps."""
     ctx, state, loader, loss_fn = testing.tiny_setup(n=1000, batch_size=1)
-    step = compose(log_every(ctx, 50), nan_guard(3, check_every=100), ema(0.9))(make_step(ctx, loss_fn))
+    step = compose(log_every(ctx, 50), ema(0.9))(make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=100)]))
     for _ in range(2):  # warm-up: allocator pools, first-epoch objects
         state = run_epoch(ctx, step, loader, state)
     gc.collect()
@@ -76,7 +76,7 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8))
-    step = compose(log_every(ctx, 1000), nan_guard(3, check_every=1000), ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0))
+    step = compose(log_every(ctx, 1000), ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)]))
     batches = list(dl)
     state = step(state, batches[0])
     torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def test_nan_guard_makes_one_flag_buffer_per_check_every_updates():
     ctx, state, loader, loss_fn = testing.tiny_setup(n=80, batch_size=4)  # 20 updates
     batches = list(loader)
     plain = _calls(factories, lambda: testing.run_steps(make_step(ctx, loss_fn), state, batches))
-    guarded = _calls(factories, lambda: testing.run_steps(nan_guard(3, check_every=10)(make_step(ctx, loss_fn)), state, batches))
+    guarded = _calls(factories, lambda: testing.run_steps(make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=10)]), state, batches))
 
     assert guarded - plain == 2  # one buffer for each 10 updates
 

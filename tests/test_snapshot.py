@@ -1,5 +1,7 @@
 """snapshot/restore: a state as a true value; branches from one snapshot equal fresh runs."""
 
+import attrs
+import pytest
 import torch
 from accelerate import Accelerator
 from hypothesis import given, settings, strategies as st
@@ -103,7 +105,7 @@ def test_a_snapshot_keeps_the_nan_guards_unread_flags_apart_from_the_live_run():
         calls["n"] += 1
         return helpers.ce_loss(model, batch) * (float("nan") if calls["n"] in (2, 3) else 1.0)
 
-    step = nan_guard(5, check_every=100)(make_step(ctx, loss_fn))
+    step = make_step(ctx, loss_fn, stages=[nan_guard(5, check_every=100)])
     batches = list(dl)
     state = testing.run_steps(step, state, batches[:2])  # the 2nd skipped
     snap = snapshot(state)
@@ -113,3 +115,21 @@ def test_a_snapshot_keeps_the_nan_guards_unread_flags_apart_from_the_live_run():
     assert (2, 1, 1) == (back.extras["nan_guard"].unread, back.extras["nan_guard"].skipped, back.extras["nan_guard"].consecutive)
     assert (4, 2, 0) == (live.extras["nan_guard"].unread, live.extras["nan_guard"].skipped, live.extras["nan_guard"].consecutive)
     assert snap.values.extras["nan_guard"].flags.values.data_ptr() != live.extras["nan_guard"].flags.values.data_ptr()
+
+
+def test_restore_is_curried_with_the_state_last_and_refuses_another_model_before_changing_anything():
+    from toolz import pipe
+
+    from trainfold import restore, snapshot
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    snap = snapshot(state)
+    trained = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+
+    assert 0 == pipe(trained, restore(ctx, snap)).step
+
+    other_snap = attrs.evolve(snap, weights={"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
+    before = testing.parameters(trained)
+    with pytest.raises(ValueError, match=r"restore: the snapshot is from another model: parameter 'weight' has shape \(2, 2\)"):
+        restore(ctx, other_snap, trained)
+    testing.assert_params_equal(before, trained)

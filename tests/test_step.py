@@ -146,7 +146,7 @@ class _CountOps(TorchDispatchMode):
 
 
 def test_recording_a_micro_batch_runs_no_tensor_op_until_its_sums_are_due():
-    """Each micro-batch's (loss, aux) waits in state.unsummed; every FOLD_EVERY-th, one stack and sum per name."""
+    """Each micro-batch's (loss, aux) waits in state.sums.pending; every FOLD_EVERY-th, one stack and sum per name."""
     ctx, state = _setup()
     ops_per_record = []
     for i in range(FOLD_EVERY + 1):
@@ -158,33 +158,33 @@ def test_recording_a_micro_batch_runs_no_tensor_op_until_its_sums_are_due():
     assert [0] * (FOLD_EVERY - 1) == ops_per_record[: FOLD_EVERY - 1]
     assert 0 < ops_per_record[FOLD_EVERY - 1] <= 8
     assert 0 == ops_per_record[FOLD_EVERY]
-    assert 1 == len(state.unsummed)
+    assert 1 == len(state.sums.pending)
     assert sum(range(FOLD_EVERY + 1)) == state.loss_sum.item()
     assert {"one": FOLD_EVERY + 1.0} == {k: v.item() for k, v in state.aux_sums.items()}
 
 
-def test_unsummed_micro_batches_hold_no_autograd_graph():
+def test_pending_micro_batches_hold_no_autograd_graph():
     """The waiting losses and aux values are detached: they do not keep the activations alive."""
     ctx, state = _setup()
     step = make_step(ctx, lambda m, b: (testing.mse_loss(m, b), {"again": testing.mse_loss(m, b)}))
 
     two = step(step(state, BATCH), BATCH)
 
-    assert 2 == len(two.unsummed)
-    assert not any(loss.requires_grad or aux["again"].requires_grad for loss, aux in two.unsummed)
+    assert 2 == len(two.sums.pending)
+    assert not any(loss.requires_grad or aux["again"].requires_grad for loss, aux in two.sums.pending)
     assert (1.25, 1.25) == (two.loss_sum.item(), two.aux_sums["again"].item())
 
 
-def test_summed_adds_the_waiting_micro_batches_and_leaves_the_state_unchanged():
+def test_folded_adds_the_waiting_micro_batches_and_leaves_the_sums_unchanged():
     ctx, state = _setup()
     step = make_step(ctx, testing.mse_loss)
     two = step(step(state, BATCH), BATCH)
 
-    summed = two.summed()
+    folded = two.sums.folded()
 
-    assert (0, 2) == (len(summed.unsummed), len(two.unsummed))
-    assert 1.25 == summed.loss_sum.item() == two.loss_sum.item()
-    assert summed.summed() is summed
+    assert (0, 2) == (len(folded.pending), len(two.sums.pending))
+    assert 1.25 == folded.loss.item() == two.loss_sum.item()
+    assert folded.folded() is folded
 
 
 def test_a_subclass_of_trainstate_keeps_its_type_and_fields_through_steps_and_epochs():
@@ -199,7 +199,7 @@ def test_a_subclass_of_trainstate_keeps_its_type_and_fields_through_steps_and_ep
         seen: int = attrs.field(default=0, kw_only=True)
 
     ctx, base = _setup()
-    state = LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, loss_sum=base.loss_sum, label="run-a", seen=3)
+    state = LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums, label="run-a", seen=3)
     (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(testing.regression_data(8), batch_size=2))
 
     new = run_epoch(ctx, make_step(ctx, testing.mse_loss), loader, state)

@@ -9,6 +9,7 @@ from accelerate import Accelerator
 from toolz import compose
 
 from trainfold import (
+    RunningSums,
     Context, TrainState, constant, ema, ema_model, evaluate, every_steps, log_every, loop, lr_schedule, make_step,
     max_steps, nan_guard, progress_bar, run_epoch, testing, warmup_cosine, warmup_linear,
 )
@@ -148,7 +149,7 @@ def _poisoned(bad_micro_steps):
 def test_nan_guard_skips_the_update_and_counts_it(fused):
     """A NaN batch leaves the weights (and Adam's state) as they were; the next finite one trains."""
     ctx, state, dl = _nan_setup(fused)
-    step = nan_guard(3)(make_step(ctx, _poisoned({2})))
+    step = make_step(ctx, _poisoned({2}), stages=[nan_guard(3)])
     batches = list(dl)
 
     one = step(state, batches[0])
@@ -165,7 +166,7 @@ def test_nan_guard_skips_the_update_and_counts_it(fused):
 
 def test_nan_guard_skips_on_the_device_without_a_host_sync_for_fused_optimizers():
     ctx, state, dl = _nan_setup(True)
-    step = nan_guard(3, check_every=1000)(make_step(ctx, _poisoned({2})))
+    step = make_step(ctx, _poisoned({2}), stages=[nan_guard(3, check_every=1000)])
     batches = list(dl)
     state = step(state, batches[0])
 
@@ -177,7 +178,7 @@ def test_nan_guard_skips_on_the_device_without_a_host_sync_for_fused_optimizers(
 
 def test_nan_guard_stops_the_run_after_k_in_a_row():
     ctx, state, dl = _nan_setup(True)
-    step = nan_guard(2, check_every=1)(make_step(ctx, _poisoned({3, 4})))
+    step = make_step(ctx, _poisoned({3, 4}), stages=[nan_guard(2, check_every=1)])
 
     final = run_epoch(ctx, step, dl, state)
 
@@ -189,7 +190,7 @@ def test_nan_guard_stops_the_run_after_k_in_a_row():
 def test_nan_guard_counts_exactly_what_it_skipped(fused):
     """Six updates, bad at 2, 4 and 5 (1-based): three skipped, a longest run of two, not tripped at 3."""
     ctx, state, dl = _nan_setup(fused)
-    final = run_epoch(ctx, nan_guard(3, check_every=1)(make_step(ctx, _poisoned({2, 4, 5}))), dl, state)
+    final = run_epoch(ctx, make_step(ctx, _poisoned({2, 4, 5}), stages=[nan_guard(3, check_every=1)]), dl, state)
 
     guard = final.extras["nan_guard"]
     assert (3, 0, 2) == (guard.skipped, guard.consecutive, guard.longest)
@@ -202,7 +203,7 @@ def test_nan_guard_checks_the_gradients_the_optimizer_would_apply():
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(2, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD([model.weight], lr=0.1))
-    step = nan_guard(3)(make_step(ctx, lambda m, b: (m(b) ** 2).mean() + m.bias.sum() * float("inf")))
+    step = make_step(ctx, lambda m, b: (m(b) ** 2).mean() + m.bias.sum() * float("inf"), stages=[nan_guard(3)])
 
     new = step(state, torch.ones(4, 2))
 
@@ -218,7 +219,7 @@ def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
     states = [TrainState.create(ctx, model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.01, fused=fused))
               for m, fused in zip(models, (True, False))]
     poison = {"on": False}
-    step = nan_guard(3)(make_step(ctx, lambda m, b: ce_loss(m, b) * (float("nan") if poison["on"] else 1.0)))
+    step = make_step(ctx, lambda m, b: ce_loss(m, b) * (float("nan") if poison["on"] else 1.0), stages=[nan_guard(3)])
     batch = next(iter(torch.utils.data.DataLoader(classification_data(8), batch_size=8)))
 
     for i, state in enumerate(states):
@@ -237,7 +238,7 @@ def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
 def test_check_finite_sets_the_flag_for_a_non_finite_gradient_and_changes_no_gradient(bad):
-    from trainfold._guard import check_finite
+    from trainfold.guard import check_finite
 
     grads = [torch.randn(3, 2), torch.randn(5)]
     if bad is not None:
@@ -258,10 +259,15 @@ def test_nan_guard_refuses_backends_where_gradients_are_sharded_or_held_by_the_e
 
     ctx, state, loader, loss_fn = testing.tiny_setup()
     monkeypatch.setattr(ctx.accelerator.state, "distributed_type", DistributedType[backend])
-    step = nan_guard(3)(lambda state, batch: pytest.fail("the step ran"))
 
     with pytest.raises(ValueError, match=f"nan_guard cannot guard a step under {DistributedType[backend].value}"):
-        step(state, next(iter(loader)))
+        nan_guard(3).bind(ctx)  # what make_step does with its stages, once
+
+
+def test_nan_guard_used_as_a_step_transformer_says_where_it_goes_now():
+    """nan_guard was a step transformer before 0.2; calling it on a step explains the new place."""
+    with pytest.raises(TypeError, match=r"make_step\(ctx, loss_fn, stages=\[nan_guard\(3, check_every=50\)\]\)"):
+        nan_guard(3)(lambda state, batch: state)
 
 
 def test_nan_guard_counts_each_continuation_of_a_state_apart():
@@ -271,7 +277,7 @@ def test_nan_guard_counts_each_continuation_of_a_state_apart():
     latest copies it before writing its own.
     """
     ctx, state, dl = _nan_setup(True)
-    step = nan_guard(3, check_every=1000)(make_step(ctx, _poisoned({1, 2, 5})))
+    step = make_step(ctx, _poisoned({1, 2, 5}), stages=[nan_guard(3, check_every=1000)])
     b = list(dl)
     first = step(state, b[0])  # call 1: NaN
 
@@ -286,7 +292,7 @@ def test_nan_guard_counts_each_continuation_of_a_state_apart():
 
 def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
     """An inner step run without the transformer's reads (a unit test of the step) keeps every flag."""
-    from trainfold._guard import NanGuardState
+    from trainfold.guard import NanGuardState
 
     guard = NanGuardState(3, check_every=2)
     for bad in [0.0, 1.0, 1.0, 0.0, 1.0]:
@@ -297,7 +303,7 @@ def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
 
 def test_nan_guard_with_a_huge_check_every_grows_its_buffer_as_flags_come():
     """check_every=10**9 (in effect: never read) does not make a 10**9-slot buffer up front."""
-    from trainfold._guard import MAX_SLOTS, NanGuardState
+    from trainfold.guard import MAX_SLOTS, NanGuardState
 
     guard = NanGuardState(3, check_every=10**9)
     for i in range(MAX_SLOTS + 1):
@@ -316,7 +322,7 @@ def test_nan_guard_works_under_a_float64_default_dtype():
         ctx = Context(accelerator=Accelerator(cpu=True))
         model = torch.nn.Linear(2, 1)
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
-        step = nan_guard(3)(make_step(ctx, lambda m, b: (m(b) ** 2).mean() * b.sum()))
+        step = make_step(ctx, lambda m, b: (m(b) ** 2).mean() * b.sum(), stages=[nan_guard(3)])
 
         ok = step(state, torch.ones(4, 2))
         before = testing.parameters(ok)
@@ -338,7 +344,7 @@ def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
         losses.append(loss.detach())
         return loss * float("nan") if len(losses) == 2 else loss
 
-    final = run_epoch(ctx, nan_guard(5)(make_step(ctx, loss_fn)), dl, state)
+    final = run_epoch(ctx, make_step(ctx, loss_fn, stages=[nan_guard(5)]), dl, state)
 
     finite = [l.item() for i, l in enumerate(losses) if i != 1]
     assert final.metrics["train_loss"] == pytest.approx(sum(finite) / len(finite), rel=1e-6)
@@ -418,8 +424,8 @@ def test_progress_bar_is_off_when_not_a_terminal_and_can_be_forced(capsys):
 def test_all_transformers_together_keep_the_step_sync_free():
     """With every sync-free transformer composed, a step has no host sync (fused optimizer)."""
     ctx, state, dl = _nan_setup(True)
-    step = compose(max_steps(1000), log_every(ctx, 1000), nan_guard(3, check_every=1000), ema(0.9),
-                   lr_schedule(warmup_cosine(0.01, 2, 100)), progress_bar(ctx))(make_step(ctx, ce_loss, clip_grad_norm=1.0))
+    step = compose(max_steps(1000), log_every(ctx, 1000), ema(0.9), lr_schedule(warmup_cosine(0.01, 2, 100)),
+                   progress_bar(ctx))(make_step(ctx, ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)]))
     batches = list(dl)
     state = step(state, batches[0])
 
@@ -431,9 +437,17 @@ def test_all_transformers_together_keep_the_step_sync_free():
 
 
 def test_composed_transformers_have_readable_names():
-    step = compose(max_steps(5), nan_guard(2))(lambda s, b: s)
+    step = compose(max_steps(5), ema(0.9))(lambda s, b: s)
 
-    assert "max_steps(5)(nan_guard(2)(<lambda>))" == step.__qualname__
+    assert "max_steps(5)(ema(0.9)(<lambda>))" == step.__qualname__
+
+
+def test_a_step_is_named_after_its_loss_function_and_stages():
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+
+    step = make_step(ctx, loss_fn, clip_grad_norm=1.0, stages=[nan_guard(2)])
+
+    assert "step[mse_loss, clip_by_norm(1.0), nan_guard(2)]" == step.__qualname__
 
 
 def test_run_epoch_and_evaluate_can_limit_batches():
@@ -452,7 +466,7 @@ def test_run_epoch_and_evaluate_can_limit_batches():
 
 
 def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes():
-    from trainfold.state import convert_sync_batchnorm
+    from trainfold._backend import convert_sync_batchnorm
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
@@ -465,32 +479,59 @@ def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes()
     assert converted[1].weight is model[1].weight  # the optimizer's parameters stay the same objects
 
 
-def test_nan_guard_against_a_fake_step_puts_its_state_in_extras_before_the_step_runs():
-    """The inner step sees extras['nan_guard'] (that is what arms the gate) and records one flag per update.
+def test_nan_guard_as_a_stage_in_isolation_flags_each_update_and_stops_at_its_check():
+    """The guard's hooks, driven by hand: one flag per update (set where a gradient is not finite).
 
     Every check_every recorded updates the guard reads the flags: a run of max_consecutive
-    between two checks stops the run, though it ended before the check. The check counts
-    recorded updates, not state.step, which an fp16 scaler's skipped update leaves as it was.
+    between two checks stops the run, though it ended before the check.
     """
-    from trainfold._guard import NanGuardState
+    from trainfold import MicroBatch
 
-    seen = []
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None, accelerator=ctx.accelerator)
+    stage = nan_guard(2, check_every=2).bind(ctx)
+    assert (True, True) == (stage.gates_update, stage.masks_nonfinite)
 
-    def fake(state, batch):
-        guard = state.extras["nan_guard"]
-        seen.append(isinstance(guard, NanGuardState))
-        return state.with_extra("nan_guard", guard.record(torch.tensor(float(batch == "bad"))))
+    flags, stops, unread = [], [], []
+    extras = state.extras
+    for grad in [1.0, float("nan"), float("inf"), 1.0]:
+        for p in model.parameters():
+            p.grad = torch.full_like(p, grad)
+        mb = MicroBatch(state, model, torch.tensor(0.0), {}, True, extras)
+        stage.on_update(mb)
+        flags.append(mb.skip.item())
+        stage.after_update(mb)
+        stops.append(mb.should_stop)
+        unread.append(mb.extras["nan_guard"].unread)
+        extras = mb.extras
 
-    step = nan_guard(2, check_every=2)(fake)
-    states = [_fake_state()]
-    for batch in ["ok", "bad", "bad", "ok"]:
-        states.append(step(states[-1], batch))
-
-    assert [True] * 4 == seen
-    assert [False, False, False, True] == [s.should_stop for s in states[1:]]
-    assert [1, 0, 1, 0] == [s.extras["nan_guard"].unread for s in states[1:]]
-    guard = states[-1].extras["nan_guard"]
+    assert [0.0, 1.0, 1.0, 0.0] == flags
+    assert [False, False, False, True] == stops
+    assert [1, 0, 1, 0] == unread
+    guard = extras["nan_guard"]
     assert (2, 0, 2) == (guard.skipped, guard.consecutive, guard.longest)
+
+
+def test_a_user_stage_sees_each_update_between_backward_and_the_optimizer():
+    """A Stage's on_update runs once per update (not per micro-batch), after clipping, before the update."""
+    from trainfold import Stage
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    seen = []
+    record = Stage("record", on_batch=lambda mb: seen.append(("batch", mb.synced)),
+                   on_update=lambda mb: seen.append(("update", mb.model.weight.grad.item(), mb.model.weight.item())))
+    step = make_step(ctx, lambda m, b: (m(b) - 3.0).pow(2).mean(), clip_grad_norm=1.0, stages=[record])
+
+    state = step(step(state, torch.ones(1, 1)), torch.ones(1, 1))
+
+    # two micro-batches of grad -6 / 2 each: the group's -6 clipped to norm 1, seen before the update
+    assert [("batch", False), ("batch", True), ("update", pytest.approx(-1.0), 0.0)] == seen
+    assert pytest.approx(1.0) == model.weight.item() and 1 == state.step
 
 
 def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):
@@ -498,10 +539,10 @@ def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):
 
     def fake(state, batch):
         return attrs.evolve(state, step=state.step + batch, micro_step=state.micro_step + 1, batch_in_epoch=state.batch_in_epoch + 1,
-                            loss_sum=state.loss_sum + 1.0)
+                            sums=state.sums.add(torch.tensor(1.0), {}))
 
     step = log_every(ctx, 2)(fake)
-    s = _fake_state(loss_sum=torch.zeros(()))
+    s = _fake_state(sums=RunningSums.zero("cpu"))
     with caplog.at_level(logging.INFO, logger="trainfold"):
         for batch in (0, 1, 0, 1, 1):  # updates only where batch == 1: steps 1, 2, 3
             s = step(s, batch)

@@ -22,21 +22,31 @@ from .epoch_fns import reduce_lr_on_plateau as reduce_lr_on_plateau
 from .epoch_fns import restore_best as restore_best
 from .epoch_fns import save_best as save_best
 from .fit import fit as fit
+from .guard import nan_guard as nan_guard
 from .history import History as History
 from .history import Record as Record
 from .loop import every as every
+from .loop import every_epochs as every_epochs
 from .loop import loop as loop
 from .loop import repeat as repeat
 from .loop import until as until
+from .metrics import RunningSums as RunningSums
 from .plot import plot_history as plot_history
+from .records import register_record as register_record
 from .schedules import constant as constant
 from .schedules import warmup_cosine as warmup_cosine
 from .schedules import warmup_linear as warmup_linear
 from .snapshot import Snapshot as Snapshot
 from .snapshot import restore as restore
 from .snapshot import snapshot as snapshot
+from .stages import MicroBatch as MicroBatch
+from .stages import Stage as Stage
+from .stages import StageSpec as StageSpec
+from .stages import clip_by_norm as clip_by_norm
+from .stages import clip_by_value as clip_by_value
 from .state import TrainState as TrainState
 from .step import make_step as make_step
+from .tokens import normalize_tokens as normalize_tokens
 from .tracking import progress_bar as progress_bar
 from .transforms import ema as ema
 from .transforms import ema_model as ema_model
@@ -44,7 +54,6 @@ from .transforms import every_steps as every_steps
 from .transforms import log_every as log_every
 from .transforms import lr_schedule as lr_schedule
 from .transforms import max_steps as max_steps
-from .transforms import nan_guard as nan_guard
 
 __version__ = "0.1.0"
 
@@ -55,19 +64,26 @@ __all__ = [
     "EpochFn",
     "History",
     "LossFn",
+    "MicroBatch",
     "Record",
+    "RunningSums",
     "Snapshot",
+    "Stage",
+    "StageSpec",
     "Step",
     "StepTransformer",
     "TrainState",
     "__version__",
     "checkpoint_every",
+    "clip_by_norm",
+    "clip_by_value",
     "constant",
     "early_stop",
     "ema",
     "ema_model",
     "evaluate",
     "every",
+    "every_epochs",
     "every_steps",
     "fit",
     "latest_checkpoint",
@@ -80,10 +96,12 @@ __all__ = [
     "make_step",
     "max_steps",
     "nan_guard",
+    "normalize_tokens",
     "plot_history",
     "predict",
     "progress_bar",
     "reduce_lr_on_plateau",
+    "register_record",
     "repeat",
     "restore",
     "restore_best",

@@ -26,11 +26,17 @@ class OptimizerOps:
     step: Callable[[], Any]
     zero_grad: Callable[[], Any]
     was_skipped: Callable[[], bool]
+    #: the step calls the torch optimizer itself (only on the micro-batches that update)
     fast: bool
     #: the torch optimizer the fast path steps (None on Accelerate's path)
     raw: Any = None
     #: a loss scaler already skips non-finite updates (fp16)
     scaled: bool = False
+
+    @property
+    def every_batch(self) -> bool:
+        """Accelerate's optimizer wrapper must see every micro-batch (it gates on ``sync_gradients`` itself)."""
+        return not self.fast
 
 
 def _never_skipped() -> bool:
@@ -293,3 +299,61 @@ def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:
         (loss / steps).backward()
 
     return divided
+
+
+def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Replace BatchNorm layers by SyncBatchNorm layers that share their parameters.
+
+    Raises:
+        ValueError: on a CPU, where torch's SyncBatchNorm does not run on several processes.
+    """
+    if device.type == "cpu":
+        raise ValueError(
+            "sync_batchnorm=True needs GPUs (or XPUs): torch's SyncBatchNorm does not run on CPU "
+            "across processes. Leave it off for CPU runs."
+        )
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def owns_clipping(accelerator: Accelerator) -> bool:
+    """True where the engine clips and scales gradients itself (DeepSpeed, from its config)."""
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def unwrap(accelerator: Accelerator | None, model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside Accelerate's wrappers (DDP, FSDP, compile), or ``model`` with no Accelerator."""
+    return accelerator.unwrap_model(model) if accelerator is not None else model
+
+
+def loss_scaler(accelerator: Accelerator | None) -> Any:
+    """Accelerate's fp16 ``GradScaler``, or None."""
+    return getattr(accelerator, "scaler", None)
+
+
+def accumulation_counter(accelerator: Accelerator | None) -> int:
+    """Accelerate's count of micro-batches (``accelerator.step``): its phase decides the next sync."""
+    return int(getattr(accelerator, "step", 0))
+
+
+def set_accumulation_counter(accelerator: Accelerator, value: int) -> None:
+    """Put Accelerate's micro-batch count back (a resumed run continues its accumulation group)."""
+    accelerator.step = value
+
+
+def set_loader_epoch(loader: Any, epoch: int) -> None:
+    """Tell a prepared loader which epoch it is in (a new loader counts from 0; its sampler's ``set_epoch`` needs the real one)."""
+    loader.iteration = epoch
+
+
+def gradient_sync(accelerator: Accelerator) -> Any:
+    """Accelerate's process-wide ``GradientState``; its ``sync_gradients`` says whether this micro-batch updates."""
+    return accelerator.gradient_state
+
+
+def reset_process_state() -> None:
+    """Forget Accelerate's process-wide state, as Accelerate's own tests do between tests."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()

@@ -1,8 +1,9 @@
 """Plain-value encoding for checkpoints: JSON for structure, a flat dict of tensors for safetensors.
 
 Nothing here unpickles or imports by name: decoding only rebuilds JSON values,
-tuples, int-keyed dicts, tensors and the trainfold record types registered in
-``RECORDS``. That is what makes loading a checkpoint unable to run code.
+tuples, dicts, tensors, torch dtypes (from a fixed list) and the record types
+registered with :func:`~trainfold.register_record`. That is what makes loading a
+checkpoint unable to run code.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from typing import Any, Callable, Mapping
 import attrs
 import torch
 
-#: The attrs record types a checkpoint may contain, by name (filled by checkpoint.py).
-RECORDS: dict[str, type] = {}
+from .records import RECORDS, record_name
 
-
-def register(cls: type) -> type:
-    RECORDS[cls.__name__] = cls
-    return cls
+#: The dtypes a checkpoint may name, by name: decoding never looks a name up on the torch module.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
 
 
 class Encoder:
@@ -42,9 +44,10 @@ class Encoder:
             for k, t in value.state_dict().items():
                 self.tensor(f"{path}.{k}", t)
             return {"__module__": path}
-        if attrs.has(type(value)) and type(value).__name__ in RECORDS:
+        name = record_name(type(value)) if attrs.has(type(value)) else None
+        if name is not None:
             fields = {f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value)) if f.init}
-            return {"__record__": type(value).__name__, "fields": fields}
+            return {"__record__": name, "fields": fields}
         if isinstance(value, tuple):
             return {"__tuple__": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):
@@ -55,8 +58,8 @@ class Encoder:
             return {"__dtype__": str(value).removeprefix("torch.")}
         raise TypeError(
             f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
-            "numbers, strings, tensors, tuples, lists, dicts and trainfold's own records; keep other "
-            "objects out of state.extras (or store their state as such values)."
+            "numbers, strings, tensors, tuples, lists, dicts and registered records: decorate your attrs "
+            "record with @trainfold.register_record, or keep other objects out of state.extras."
         )
 
 
@@ -76,7 +79,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
         if "__dict__" in o:
             return {go(k): go(v) for k, v in o["__dict__"]}
         if "__dtype__" in o:
-            return getattr(torch, o["__dtype__"])
+            dtype = DTYPES.get(o["__dtype__"]) if isinstance(o["__dtype__"], str) else None
+            if dtype is None:
+                raise ValueError(f"the checkpoint names an unknown dtype {o['__dtype__']!r}")
+            return dtype
         if "__record__" in o:
             cls = RECORDS.get(o["__record__"])
             if cls is None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from types import MappingProxyType
 from typing import Any, Callable, Iterable, Iterator, Mapping, overload
 
 import attrs
@@ -17,24 +16,18 @@ from ._backend import (
     loader_generators,
     real_samples_in_batch,
     resumed_epoch,
+    set_loader_epoch,
 )
+from ._batch import batch_size, describe_batch, slice_batch
 from ._cursor import EpochCursor, Resume
 from ._rng import RngStates
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state, length_or_none
 from .context import Context
+from ._loss import compute_loss
 from .interrupt import catching_interrupts
-from .metrics import (
-    add_to_sums,
-    batch_size,
-    describe_batch,
-    finite_loss_mean,
-    reduce_means,
-    slice_batch,
-    weighted,
-)
+from .metrics import RunningSums, weighted
 from .state import TrainState
-from .step import compute_loss
 
 
 def _empty_loader(where: str, loader: Any) -> ValueError:
@@ -150,7 +143,7 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
             "same dataset and loader settings, or finish the epoch boundary first (resume from a checkpoint "
             "taken between epochs)."
         )
-    loader.iteration = state.epoch  # a new loader starts at 0; the sampler's set_epoch needs the real one
+    set_loader_epoch(loader, state.epoch)
     if state.batch_in_epoch == 0 or resume.epoch_start is None:
         rng.restore(resume.now, generators)
         return iter(loader), rng.capture(generators)
@@ -166,9 +159,7 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics, count it, reset the running sums."""
-    state = state.summed()
-    sums = {"loss": state.loss_sum, **state.aux_sums} if state.loss_sum is not None else dict(state.aux_sums)
-    means = finite_loss_mean(reduce_means(ctx.accelerator, sums, state.batch_in_epoch)) if sums else {}
+    means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}
     )
@@ -176,8 +167,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         state,
         epoch=state.epoch + 1,
         batch_in_epoch=0,
-        loss_sum=torch.zeros((), device=ctx.accelerator.device),
-        aux_sums=MappingProxyType({}),
+        sums=state.sums.reset(ctx.accelerator.device),
         history=history,
         # Between epochs the cursor keeps the loader (no iteration): a checkpoint taken now
         # records the state of the loader's own random generators.
@@ -254,8 +244,7 @@ def evaluate(
     ctx.check()
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
-    loss_sum = torch.zeros((), device=acc.device)
-    aux_sums: Mapping[str, torch.Tensor] = MappingProxyType({})
+    sums = RunningSums.zero(acc.device)
     count = 0
     batches = 0
     with _eval_mode(net):
@@ -266,15 +255,13 @@ def evaluate(
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
             # matched, and adds zeros under the same names, so every process reduces the same shape.
-            loss_sum = loss_sum + weighted(loss, real)
-            aux_sums = add_to_sums(aux_sums, aux, float(real))
+            sums = sums.add(weighted(loss, real), {k: weighted(v, real) for k, v in aux.items()})
             count += real
             if batches == max_batches:
                 break
     if batches == 0:
         raise _empty_loader("evaluate", loader)
-    means = reduce_means(acc, {"loss": loss_sum, **aux_sums}, count)
-    values = {f"{prefix}_{k}": v for k, v in means.items()}
+    values = {f"{prefix}_{k}": v for k, v in sums.means(acc, count).items()}
     return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
 
 

@@ -21,6 +21,7 @@ from ._io import atomic_write
 from ._types import EpochFn
 from ._validate import expect_owned, expect_state
 from .context import Context
+from .records import register_record
 from .state import TrainState
 from .tracking import emit
 from .transforms import LR_SCALE
@@ -51,6 +52,7 @@ def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
+@register_record
 @attrs.frozen
 class PatienceState:
     """Best value so far and epochs since it (``extras["early_stop:<metric>"]``, ``extras["plateau:<metric>"]``)."""
@@ -93,6 +95,7 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     return attrs.evolve(state.with_extra(key, tracker), should_stop=state.should_stop or tracker.bad_epochs >= patience)
 
 
+@register_record
 @attrs.frozen
 class BestState:
     """``extras["save_best:<metric>"]``: the best value, when it was reached, and where the weights are."""

@@ -14,6 +14,7 @@ from .context import Context
 from .epoch import evaluate, run_epoch
 from .epoch_fns import early_stop, log_epoch
 from .loop import loop
+from .stages import StageSpec
 from .state import TrainState
 from .step import make_step
 from .tracking import progress_bar
@@ -38,6 +39,7 @@ def fit(
     resume: bool = True,
     log_every_n: int | None = None,
     progress: bool = True,
+    stages: Sequence[StageSpec] = (),
     transforms: Sequence[StepTransformer] = (),
     epoch_fns: Sequence[EpochFn] = (),
 ) -> TrainState:
@@ -45,7 +47,7 @@ def fit(
 
     It is exactly this composition (read bottom-up), and nothing more::
 
-        step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip...))))
+        step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip..., stages=stages))))
         epoch = compose(log_epoch(ctx), *reversed(epoch_fns),
                         save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),
                         early_stop(monitor, patience=patience, mode=mode),
@@ -55,6 +57,7 @@ def fit(
         return loop(epoch, max_epochs)(state)
 
     where each optional piece is left out when its option is not given.
+    ``stages`` act inside the step (``nan_guard(3)``; see :func:`make_step`);
     ``transforms`` wrap the step (the first outermost); ``epoch_fns`` run after
     the checkpoint, in order.
 
@@ -67,7 +70,7 @@ def fit(
 
     .. versionadded:: 0.1.0
     """
-    step = make_step(ctx, loss_fn, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value)
+    step = make_step(ctx, loss_fn, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, stages=stages)
     if transforms:
         step = compose(*transforms)(step)
     if log_every_n is not None:

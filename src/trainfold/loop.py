@@ -1,13 +1,20 @@
-"""Loop combinators: they decide when to stop, and check what each epoch function returns."""
+"""Loop combinators: they decide when to stop, and check what each epoch function returns.
+
+One argument order for all of them: what decides *when* comes first, the epoch
+function last (``repeat(n, fn)``, ``until(predicate, fn)``, ``every_epochs(n, fn)``,
+like ``every_steps(n, fn)``); ``loop(fn, max_epochs=...)`` takes its limit by keyword.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 from ._types import EpochFn, StatePredicate
 from ._validate import expect_state, name_of, named, positive_int, returned_state
 from .state import TrainState
 
 
-def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
+def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
     """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
 
     ::
@@ -32,6 +39,7 @@ def loop(epoch_fn: EpochFn, max_epochs: int | None = None) -> EpochFn:
         3
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0 ``max_epochs`` is keyword-only.
     """
     if max_epochs is not None:
         positive_int("max_epochs", max_epochs)
@@ -96,26 +104,36 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
     return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
 
 
-def every(n: int, fn: EpochFn) -> EpochFn:
+def every_epochs(n: int, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` only when ``state.epoch`` is a multiple of ``n``; otherwise pass the state through.
 
-    In ``compose(every(5, save), run_epoch(...))`` the checkpoint is written
-    after epochs 5, 10, 15...
+    In ``compose(every_epochs(5, save), run_epoch(...))`` the checkpoint is
+    written after epochs 5, 10, 15... (For every ``n`` optimizer updates inside
+    an epoch, see :func:`~trainfold.every_steps`.)
 
     Example:
         >>> from toolz import compose
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> epoch = compose(every(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, make_step(ctx, loss_fn), loader))
+        >>> epoch = compose(every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, make_step(ctx, loss_fn), loader))
         >>> [r.epoch for r in loop(epoch, max_epochs=4)(state).history if r.name == "eval_loss"]
         [2, 4]
 
-    .. versionadded:: 0.1.0
+    .. versionadded:: 0.2.0 (was ``every``)
     """
     positive_int("n", n)
 
     def run(state: TrainState) -> TrainState:
-        state = expect_state("every", state)
+        state = expect_state("every_epochs", state)
         return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
 
-    return named(run, f"every({n}, {name_of(fn)})")
+    return named(run, f"every_epochs({n}, {name_of(fn)})")
+
+
+def every(n: int, fn: EpochFn) -> EpochFn:
+    """Deprecated name of :func:`every_epochs` (easily confused with :func:`~trainfold.every_steps`).
+
+    .. deprecated:: 0.2.0 use ``every_epochs(n, fn)``.
+    """
+    warnings.warn("trainfold.every is renamed every_epochs (every_steps counts updates); use every_epochs(n, fn).", DeprecationWarning, stacklevel=2)
+    return every_epochs(n, fn)

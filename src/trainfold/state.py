@@ -4,64 +4,22 @@ from __future__ import annotations
 
 import uuid
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Mapping
 
 import attrs
 import torch
 from accelerate import Accelerator
 
-from ._guard import NAME as GUARD
+from ._backend import convert_sync_batchnorm
 from .context import Context
 from .history import History
-from .metrics import Entry, fold
+from .metrics import RunningSums
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping or {}))
-
-
-_COPIERS: dict[tuple[type, tuple[str, ...]], Callable[..., Any]] = {}
-_A = TypeVar("_A")
-
-
-def replace(state: _A, /, **changes: Any) -> _A:
-    """``attrs.evolve`` for the hot path: the same result (attrs' ``__init__`` runs), with less Python.
-
-    Works on any attrs instance (the state, and the extras' records such as the EMA's).
-    """
-    return copier(type(state), *changes)(state, **changes)
-
-
-def copier(cls: type[_A], *changed: str) -> Callable[..., _A]:
-    """``copy(old, *values) -> cls``: ``old`` with the fields ``changed`` set to ``values``, in that order.
-
-    Generated once per class and set of changed fields (as attrs generates
-    ``__init__``), and cached: one call of the constructor with every field
-    passed by position, no loop over the fields and no dict of them. A step
-    that replaces the same fields every time keeps the function and calls it
-    positionally; :func:`replace` is the keyword form.
-    """
-    key = (cls, changed)
-    made = _COPIERS.get(key)
-    if made is None:
-        made = _COPIERS[key] = _copier(cls, changed)
-    return made
-
-
-def _copier(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
-    fields = [f for f in attrs.fields(cls) if f.init]
-    if unknown := set(changed) - {f.alias for f in fields}:
-        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    # the generated names cannot clash with a field's (fields named "state" or "cls" are fine)
-    values = {f.alias: f.alias if f.alias in changed else f"__old.{f.name}" for f in fields}
-    # by position where __init__ takes it (attrs keeps the fields' order), by keyword otherwise
-    args = [values[f.alias] for f in fields if not f.kw_only] + [f"{f.alias}={values[f.alias]}" for f in fields if f.kw_only]
-    source = f"def copy(__old{''.join(f', {name}' for name in changed)}):\n    return __cls({', '.join(args)})\n"
-    namespace: dict[str, Any] = {"__cls": cls}
-    exec(compile(source, f"<trainfold replace of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)
-    return namespace["copy"]
 
 
 def _handle() -> Any:
@@ -89,13 +47,10 @@ class TrainState:
             resume from).
 
     Records:
-        loss_sum, aux_sums: running sums of the batch losses and aux values of
-            the current epoch, kept on the device (never synchronised by a step);
-            divided by ``batch_in_epoch`` they are the epoch's running means.
-            A step launches no kernel to add to them: it appends the micro-batch's
-            detached ``(loss, aux)`` to ``unsummed``, and every 64 micro-batches
-            adds those with one stack and one sum per name. The two properties
-            include the ``unsummed`` micro-batches.
+        sums: the :class:`~trainfold.metrics.RunningSums` of the current epoch's
+            batch losses and aux values, kept on the device (never synchronised by
+            a step); divided by ``batch_in_epoch`` they are the epoch's running
+            means. ``loss_sum`` and ``aux_sums`` read them.
         history: epoch-level :class:`~trainfold.History` of train and eval metrics.
         should_stop: set by epoch functions such as ``early_stop``; ``loop`` reads it.
         extras: named states of step transformers and epoch functions
@@ -121,11 +76,7 @@ class TrainState:
     micro_step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
-    # The sums up to the micro-batches in ``unsummed``: read them through the properties
-    # ``loss_sum`` and ``aux_sums``, which add those (``summed``).
-    _loss_sum: torch.Tensor | None = attrs.field(default=None, alias="loss_sum", eq=False, repr=False)
-    _aux_sums: Mapping[str, torch.Tensor] = attrs.field(default=_EMPTY, alias="aux_sums", eq=False, repr=False)
-    unsummed: tuple[Entry, ...] = attrs.field(default=(), eq=False, repr=False)
+    sums: RunningSums = attrs.field(factory=RunningSums, eq=False, repr=False)
     history: History = History()
     should_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
@@ -201,7 +152,7 @@ class TrainState:
             optimizer=optimizer,
             scheduler=scheduler,
             accelerator=acc,
-            loss_sum=torch.zeros((), device=acc.device),
+            sums=RunningSums.zero(acc.device),
             extras=_freeze(extras),
             run_id=uuid.uuid4().hex[:12],  # os.urandom: draws nothing from the training RNGs
         )
@@ -209,22 +160,12 @@ class TrainState:
     @property
     def loss_sum(self) -> torch.Tensor | None:
         """The sum of the current epoch's batch losses, a 0-d float32 tensor on the device (None before any batch)."""
-        return self.summed()._loss_sum
+        return self.sums.loss
 
     @property
     def aux_sums(self) -> Mapping[str, torch.Tensor]:
         """The sums of the current epoch's aux values, by name (0-d float32 tensors on the device)."""
-        return self.summed()._aux_sums
-
-    def summed(self) -> TrainState:
-        """This state with the micro-batches in ``unsummed`` added to its sums (a few kernels, no sync).
-
-        Read both sums from the result when you need both: each property sums on its own.
-        """
-        if not self.unsummed:
-            return self
-        loss_sum, aux_sums = fold(self._loss_sum, self._aux_sums, self.unsummed, mask_nonfinite=GUARD in self.extras)
-        return replace(self, loss_sum=loss_sum, aux_sums=aux_sums, unsummed=())
+        return self.sums.aux
 
     @property
     def metrics(self) -> Mapping[str, float]:
@@ -233,18 +174,4 @@ class TrainState:
 
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""
-        return replace(self, extras=MappingProxyType({**self.extras, name: value}))
-
-
-def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Replace BatchNorm layers by SyncBatchNorm layers that share their parameters.
-
-    Raises:
-        ValueError: on a CPU, where torch's SyncBatchNorm does not run on several processes.
-    """
-    if device.type == "cpu":
-        raise ValueError(
-            "sync_batchnorm=True needs GPUs (or XPUs): torch's SyncBatchNorm does not run on CPU "
-            "across processes. Leave it off for CPU runs."
-        )
-    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        return attrs.evolve(self, extras=MappingProxyType({**self.extras, name: value}))

@@ -19,8 +19,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState, PartialState
 
+from ._backend import reset_process_state
 from ._launch import free_port, run_distributed
 from ._types import Batch, Step
 from .context import Context
@@ -57,9 +57,7 @@ def reset_accelerate_state() -> None:
         >>> Accelerator(cpu=True).gradient_accumulation_steps
         1
     """
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+    reset_process_state()
 
 
 @contextlib.contextmanager

@@ -15,14 +15,12 @@ from typing import Callable, Mapping
 import attrs
 import torch
 
-from ._backend import grads_whole_in_params, inner_optimizer
-from ._guard import NAME as NAN_GUARD
-from ._guard import NanGuardState
+from ._backend import inner_optimizer, unwrap
 from ._types import Batch, EpochFn, Step, StepTransformer
 from ._validate import name_of, named, positive_int, returned_state
 from .context import Context
-from .metrics import finite_loss_mean, reduce_means
-from .state import TrainState, replace
+from .records import register_record
+from .state import TrainState
 from .tracking import emit
 
 
@@ -55,81 +53,7 @@ def max_steps(n: int) -> StepTransformer:
     return transform
 
 
-def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> StepTransformer:
-    """Skip updates whose gradients are not finite, count them, and stop after ``max_consecutive`` in a row.
-
-    The check and the skip happen on the device, inside the step, between the
-    backward pass (and clipping) and the optimizer update:
-
-    - with a fused torch optimizer (``Adam(..., fused=True)``, ``AdamW``, ``SGD``,
-      ``Adagrad``) the update is skipped on the device with no host sync, by the
-      same ``found_inf`` protocol torch's GradScaler uses;
-    - with any other optimizer the step reads the finiteness flag once per
-      update (one host sync per update, not per micro-batch);
-    - under fp16, Accelerate's loss scaler already skips non-finite updates; the
-      guard only counts them.
-
-    A batch whose loss is not finite adds nothing to the running loss;
-    ``train_loss`` is the mean over finite batches and ``train_nonfinite`` the
-    share of non-finite ones. ``state.step`` still counts a skipped update
-    (knowing otherwise would need a sync), and a scheduler still advances; the
-    counts are ``state.extras["nan_guard"].skipped`` (in the run),
-    ``.consecutive`` (in a row now) and ``.longest`` (in a row, at most), ints.
-
-    Each update's flag stays on the device; every ``check_every`` updates the
-    guard reads them all (one sync), counts them and decides whether to stop;
-    reading a count between two checks costs one sync. Gradients are averaged
-    over processes before the check, so every process takes the same decision.
-    The gradients checked are those of the optimizer's parameters: the ones the
-    update would change.
-
-    Raises:
-        ValueError (on the first step): under FSDP, DeepSpeed or Megatron-LM,
-            where no process holds every whole gradient in ``param.grad``.
-
-    Example:
-        >>> from trainfold import testing
-        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> nan_loss = lambda m, b: loss_fn(m, b) * float("nan")
-        >>> state = run_epoch(ctx, nan_guard(2, check_every=1)(make_step(ctx, nan_loss)), loader, state)
-        >>> state.should_stop, state.extras["nan_guard"].skipped, state.model.weight.isfinite().all().item()
-        (True, 2, True)
-
-    .. versionadded:: 0.1.0
-    """
-    positive_int("max_consecutive", max_consecutive)
-    positive_int("check_every", check_every)
-
-    def transform(step: Step) -> Step:
-        def guarded(state: TrainState, batch: Batch) -> TrainState:
-            if NAN_GUARD not in state.extras:
-                state = state.with_extra(NAN_GUARD, _new_guard(state, max_consecutive, check_every))
-            new = step(state, batch)
-            guard = new.extras[NAN_GUARD]
-            if guard.unread >= check_every:
-                guard = guard.settle()  # sync: once every check_every updates
-                new = new.with_extra(NAN_GUARD, guard)
-                if guard.tripped:
-                    return attrs.evolve(new, should_stop=True)
-            return new
-
-        return named(guarded, f"nan_guard({max_consecutive})({name_of(step)})")
-
-    return transform
-
-
-def _new_guard(state: TrainState, max_consecutive: int, check_every: int) -> NanGuardState:
-    accelerator = state.accelerator
-    if accelerator is not None and not grads_whole_in_params(accelerator):
-        raise ValueError(
-            f"nan_guard cannot guard a step under {accelerator.distributed_type.value}: the gradients it checks "
-            "are sharded there (or held by the engine, not in param.grad), so processes could take different "
-            "decisions or none. Under DeepSpeed, use its fp16 loss scaling, which skips non-finite updates; "
-            "otherwise remove nan_guard."
-        )
-    return NanGuardState(max_consecutive, check_every)
-
-
+@register_record
 @attrs.frozen
 class EmaState:
     """``state.extras["ema"]``: the averaged copy of the model (a handle), its decay and update count."""
@@ -169,7 +93,7 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
                 return new
             current: EmaState = new.extras[name]
             _ema_update(current.model, _unwrap(new), decay)
-            return new.with_extra(name, replace(current, updates=current.updates + 1))
+            return new.with_extra(name, attrs.evolve(current, updates=current.updates + 1))
 
         return named(averaged, f"ema({decay})({name_of(step)})")
 
@@ -177,8 +101,7 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
 
 
 def _unwrap(state: TrainState) -> torch.nn.Module:
-    model = state.model
-    return state.accelerator.unwrap_model(model) if state.accelerator is not None else model
+    return unwrap(state.accelerator, state.model)
 
 
 def _ema_copy(state: TrainState) -> torch.nn.Module:
@@ -211,6 +134,7 @@ def ema_model(state: TrainState, name: str = "ema") -> torch.nn.Module:
         ) from None
 
 
+@register_record
 @attrs.frozen
 class LogState:
     """``state.extras["log_every"]``: the sums at the last report, and the values reported."""
@@ -265,14 +189,14 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
 
 def _report(ctx: Context, state: TrainState) -> LogState:
     last: LogState | None = state.extras.get("log_every")
-    # The summed state is read, not returned: the run's own sums are added in the same groups of
-    # 64 with or without logging, so logging never changes train_loss, even in the last bit.
-    summed = state.summed()
-    sums = {"loss": summed.loss_sum, **summed.aux_sums}
+    # The folded sums are read, not kept: the run's own sums are added in the same groups
+    # with or without logging, so logging never changes train_loss, even in the last bit.
+    folded = state.sums.folded()
+    sums = folded.as_dict()
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
+    since = last.sums if same_epoch else None  # type: ignore[union-attr]
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
-    interval = {k: v - last.sums[k] for k, v in sums.items()} if same_epoch else sums  # type: ignore[union-attr]
-    means = finite_loss_mean(reduce_means(ctx.accelerator, interval, state.batch_in_epoch - base_batches))
+    means = folded.means(ctx.accelerator, state.batch_in_epoch - base_batches, since=since)
     values = {**means, "epoch": float(state.epoch)}
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])

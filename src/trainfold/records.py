@@ -1,0 +1,71 @@
+"""The record types a checkpoint may hold, by name: the registry behind checkpoints' no-pickle guarantee.
+
+A checkpoint stores a record (an attrs class kept in ``state.extras``, such as
+``nan_guard``'s or ``early_stop``'s) as its registered name and its
+``__init__`` arguments, and rebuilds it only if that name is registered here:
+loading never imports or calls anything by a name read from a file. trainfold's
+own records register themselves where they are defined; register yours with
+:func:`register_record`.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import attrs
+
+_T = TypeVar("_T", bound=type)
+
+#: Registered record types by name.
+RECORDS: dict[str, type] = {}
+
+
+def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
+    """Let checkpoints save and load instances of the attrs class ``cls`` (a decorator).
+
+    A record's fields must themselves be checkpointable: numbers, strings,
+    tensors, tuples, lists, dicts, modules (saved as their state dicts) and other
+    registered records. It is written as ``name`` (default: the class's
+    ``__qualname__``) and its ``__init__`` arguments.
+
+    Args:
+        cls: an attrs class.
+        name: the name to write; keep it stable, since checkpoints refer to it.
+
+    Raises:
+        TypeError: ``cls`` is not an attrs class.
+        ValueError: another class is already registered under that name.
+
+    Example:
+        >>> import attrs
+        >>> @register_record
+        ... @attrs.frozen
+        ... class Seen:
+        ...     batches: int = 0
+        >>> RECORDS["Seen"] is Seen
+        True
+
+    .. versionadded:: 0.2.0
+    """
+
+    def register(c: _T) -> _T:
+        if not (isinstance(c, type) and attrs.has(c)):
+            raise TypeError(f"register_record takes an attrs class (got {c!r}): decorate an @attrs.frozen class.")
+        key = name or c.__qualname__
+        known = RECORDS.get(key)
+        if known is not None and known is not c and (known.__module__, known.__qualname__) != (c.__module__, c.__qualname__):
+            raise ValueError(
+                f"record name {key!r} is taken by {known.__module__}.{known.__qualname__}; register "
+                f"{c.__module__}.{c.__qualname__} under another name: register_record(name='...')."
+            )
+        RECORDS[key] = c
+        c.__trainfold_record__ = key  # type: ignore[attr-defined]
+        return c
+
+    return register if cls is None else register(cls)  # type: ignore[return-value]
+
+
+def record_name(cls: type) -> str | None:
+    """The name ``cls`` is registered under, or None."""
+    key = getattr(cls, "__trainfold_record__", None)
+    return key if key is not None and RECORDS.get(key) is cls else None
