@@ -1,16 +1,22 @@
 # Two commands do all the set-up on a fresh clone:
 #   make example   creates .venv and runs the digits example end to end
-#   make test      creates .venv and runs the whole test suite
+#   make test      creates .venv and runs the whole test suite, then the core tests again
+#                  with the oldest Accelerate trainfold supports (in .venv-floor)
 # TORCH pins the CPU build that lies on this project's machines; elsewhere set TORCH=torch
 # (or a build of your choice) to let pip pick one: `make test TORCH=torch`.
 
 PYTHON ?= python3
 VENV ?= .venv
+FLOOR_VENV ?= .venv-floor
 TORCH ?= torch==2.13.0
+# The lowest versions pyproject.toml admits; make test-floor runs the core tests against them.
+FLOOR ?= accelerate==1.0.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainfold-installed
+FLOOR_STAMP := $(FLOOR_VENV)/.trainfold-installed
+FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py
 
-.PHONY: example test bench clean
+.PHONY: example test test-floor bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,14 +25,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,examples]"
 	touch $(STAMP)
 
+$(FLOOR_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet "$(TORCH)" "$(FLOOR)"
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e ".[dev]" "$(FLOOR)"
+	touch $(FLOOR_STAMP)
+
 example: $(STAMP)
 	$(PY) examples/digits.py
 
 test: $(STAMP)
 	$(PY) -m pytest
+	$(MAKE) test-floor
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(FLOOR_TESTS) -k "not digits_example"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(FLOOR_VENV)

@@ -96,11 +96,18 @@ def test_a_state_where_the_step_expects_one():
         run_epoch(ctx, make_step(ctx, loss_fn), loader, {"step": 0})
 
 
-@pytest.mark.parametrize("kw,words", [({"clip_grad_norm": 0}, "positive finite"), ({"clip_grad_value": float("nan")}, "positive finite"), ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, "not both")])
-def test_bad_clipping_options(kw, words):
+@pytest.mark.parametrize("kw,error,words", [
+    ({"clip_grad_norm": 0}, ValueError, "positive finite"),
+    ({"clip_grad_value": float("nan")}, ValueError, "positive finite"),
+    ({"clip_grad_norm": True}, ValueError, r"clip_grad_norm must be a positive finite number \(got True\)"),
+    ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, ValueError, "not both"),
+    ({"stages": [object()]}, TypeError, r"make_step\(stages=...\) takes Stage objects"),
+    ({"stages": [lambda mb: None]}, TypeError, "takes Stage objects"),
+])
+def test_bad_step_options(kw, error, words):
     ctx, *_ = testing.tiny_setup()
 
-    with pytest.raises(ValueError, match=words):
+    with pytest.raises(error, match=words):
         make_step(ctx, testing.mse_loss, **kw)
 
 

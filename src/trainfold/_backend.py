@@ -32,11 +32,11 @@ class OptimizerOps:
     raw: Any = None
     #: a loss scaler already skips non-finite updates (fp16)
     scaled: bool = False
+    #: Accelerate's optimizer wrapper must see every micro-batch (it gates on ``sync_gradients`` itself)
+    every_batch: bool = attrs.field(init=False)
 
-    @property
-    def every_batch(self) -> bool:
-        """Accelerate's optimizer wrapper must see every micro-batch (it gates on ``sync_gradients`` itself)."""
-        return not self.fast
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "every_batch", not self.fast)
 
 
 def _never_skipped() -> bool:

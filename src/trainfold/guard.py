@@ -192,7 +192,7 @@ class NanGuard:
                 "otherwise remove nan_guard."
             )
         max_consecutive, check_every = self.max_consecutive, self.check_every
-        targets: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Target] = weakref.WeakKeyDictionary()
+        targets: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
 
         def check(mb: MicroBatch) -> None:
             guard = mb.extras.get(NAME)
@@ -200,7 +200,7 @@ class NanGuard:
                 guard = NanGuardState(max_consecutive, check_every)
             optimizer = inner_optimizer(mb.state.optimizer)
             target = targets.get(optimizer)
-            if target is None:
+            if target is None:  # the first update of this optimizer (held weakly)
                 target = targets[optimizer] = _Target.of(optimizer)
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             device = grads[0].device if grads else target.device

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-import attrs
 import torch
 
 from ._backend import backward_fn, gradient_sync, micro_batch_start
+from ._copier import copier
 from ._loss import compute_loss
 from ._types import Batch, LossFn, Step
 from ._update import Updates
@@ -38,16 +38,11 @@ def record(
     """
     sums = (state.sums if sums is None else sums).add(loss, aux)
     if extras is None:
-        return attrs.evolve(state, step=state.step + updated, micro_step=state.micro_step + 1, batch_in_epoch=state.batch_in_epoch + 1, sums=sums)
-    return attrs.evolve(
-        state,
-        step=state.step + updated,
-        micro_step=state.micro_step + 1,
-        batch_in_epoch=state.batch_in_epoch + 1,
-        sums=sums,
-        extras=extras,
-        should_stop=state.should_stop if should_stop is None else should_stop,
-    )
+        advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums")
+        return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums)
+    advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums", "extras", "should_stop")
+    stop = state.should_stop if should_stop is None else should_stop
+    return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums, extras, stop)
 
 
 def _normalize_mode(normalize: str) -> str:
