@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from accelerate import Accelerator
 from hypothesis import assume, given, settings, strategies as st
@@ -82,3 +83,51 @@ def test_running_sums_equal_the_sum_of_what_was_added_however_often_they_fold(va
     assert len(values) % FOLD_EVERY == len(sums.pending)
     assert math.isclose(sum(values), sums.loss.item(), rel_tol=1e-4, abs_tol=1e-2)
     assert math.isclose(2 * sum(values), sums.aux["twice"].item(), rel_tol=1e-4, abs_tol=1e-2)
+
+
+_CHANGES = {
+    "step": st.integers(0, 10**6),
+    "micro_step": st.integers(0, 10**6),
+    "batch_in_epoch": st.integers(0, 10**6),
+    "should_stop": st.booleans(),
+    "sums": st.just(None).map(lambda _: __import__("trainfold").RunningSums.zero("cpu")),
+    "run_id": st.text(max_size=4),
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(changes=st.lists(st.sampled_from(sorted(_CHANGES)), unique=True).flatmap(
+    lambda names: st.fixed_dictionaries({n: _CHANGES[n] for n in names})))
+def test_the_steps_generated_copier_is_attrs_evolve(changes):
+    """The copier the step builds its new state with gives what attrs.evolve gives, for any set of changed fields."""
+    import attrs
+
+    from trainfold._copier import copier
+
+    _, state, _ = _setup(4, 2, 1)
+
+    fast, slow = copier(type(state), *changes)(state, *changes.values()), attrs.evolve(state, **changes)
+
+    assert fast == slow
+    assert all(getattr(fast, f.name) is getattr(slow, f.name) for f in attrs.fields(type(state)))
+
+
+def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_only_fields():
+    """The generated code's own names cannot clash with a field's; attrs' kw_only fields go by keyword."""
+    import attrs
+
+    from trainfold._copier import copier
+
+    @attrs.frozen
+    class Record:
+        state: int
+        cls: str
+        other: int = attrs.field(default=0, kw_only=True)
+
+    old = Record(1, "a", other=4)
+
+    assert Record(2, "b", other=4) == copier(Record, "state", "cls")(old, 2, "b")
+    assert Record(1, "a", other=5) == copier(Record, "other")(old, 5)
+    assert old == copier(Record)(old)
+    with pytest.raises(TypeError, match=r"Record has no field\(s\) \['missing'\]"):
+        copier(Record, "missing")

@@ -193,15 +193,21 @@ class NanGuard:
             )
         max_consecutive, check_every = self.max_consecutive, self.check_every
         targets: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
+        targets_last: list[tuple[weakref.ref[Any], _Target] | None] = [None]
 
         def check(mb: MicroBatch) -> None:
             guard = mb.extras.get(NAME)
             if guard is None:
                 guard = NanGuardState(max_consecutive, check_every)
             optimizer = inner_optimizer(mb.state.optimizer)
-            target = targets.get(optimizer)
-            if target is None:  # the first update of this optimizer (held weakly)
-                target = targets[optimizer] = _Target.of(optimizer)
+            last = targets_last[0]
+            if last is not None and last[0]() is optimizer:
+                target = last[1]
+            else:
+                target = targets.get(optimizer)
+                if target is None:  # the first update of this optimizer (held weakly)
+                    target = targets[optimizer] = _Target.of(optimizer)
+                targets_last[0] = (weakref.ref(optimizer), target)
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             device = grads[0].device if grads else target.device
             guard, flag = guard.claim(device)

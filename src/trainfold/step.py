@@ -209,7 +209,7 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
             update.apply(None)
         if state.scheduler is not None:
             state.scheduler.step()
-        sums = state.sums.masking() if masks else state.sums
+        sums = state.sums if state.sums.mask_nonfinite or not masks else state.sums.masking()
         updated = synced and not update.ops.was_skipped()
         return record(state, mb.loss, mb.aux, updated=updated, sums=sums, extras=mb.extras, should_stop=mb.should_stop)
 
