@@ -6,7 +6,7 @@ from toolz import compose
 
 from trainfold import (
     Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, log_epoch, log_every, loop, make_step,
-    run_epoch, save_checkpoint, testing,
+    nan_guard, run_epoch, save_checkpoint, testing,
 )
 
 import helpers
@@ -28,16 +28,18 @@ def _setup():
 def test_fit_equals_the_loop_composed_by_hand(tmp_path):
     ctx, state, train_dl, eval_dl = _setup()
     by_fit = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=8, eval_loader=eval_dl, clip_grad_norm=0.5, patience=2,
-                 checkpoint_dir=tmp_path / "fit", keep_last=2, log_every_n=3, progress=False, transforms=[ema(0.9)])
+                 checkpoint_dir=tmp_path / "fit", keep_last=2, log_every_n=3, progress=False, transforms=[ema(0.9)],
+                 stages=[nan_guard(3)])
 
     ctx, state, train_dl, eval_dl = _setup()
-    step = log_every(ctx, 3)(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=0.5)))
+    step = log_every(ctx, 3)(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=0.5, stages=[nan_guard(3)])))
     epoch = compose(log_epoch(ctx), save_checkpoint(ctx, tmp_path / "hand", keep_last=2), early_stop("eval_loss", patience=2),
                     evaluate(ctx, helpers.ce_loss, eval_dl), run_epoch(ctx, step, train_dl))
     by_hand = loop(epoch, max_epochs=8)(state)
 
     testing.assert_params_equal(by_hand, by_fit)
     assert by_hand.history == by_fit.history
+    assert "train_nonfinite" in by_fit.history  # the guard ran inside fit's step
     assert (by_hand.epoch, by_hand.should_stop) == (by_fit.epoch, by_fit.should_stop)
     assert latest_checkpoint(tmp_path / "fit").name == latest_checkpoint(tmp_path / "hand").name
 

@@ -77,16 +77,16 @@ def fit(
         step = log_every(ctx, log_every_n)(step)
     if progress:
         step = progress_bar(ctx, total=length_or_none(train_loader))(step)
-    stages: list[EpochFn] = [run_epoch(ctx, step, train_loader)]
+    epoch_stages: list[EpochFn] = [run_epoch(ctx, step, train_loader)]
     if eval_loader is not None:
-        stages.append(evaluate(ctx, loss_fn, eval_loader))
+        epoch_stages.append(evaluate(ctx, loss_fn, eval_loader))
     if patience is not None:
-        stages.append(early_stop(monitor, patience=patience, mode=mode))
+        epoch_stages.append(early_stop(monitor, patience=patience, mode=mode))
     if checkpoint_dir is not None:
-        stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
-    stages.extend(epoch_fns)
-    stages.append(log_epoch(ctx))
+        epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
+    epoch_stages.extend(epoch_fns)
+    epoch_stages.append(log_epoch(ctx))
     if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir) is not None:
         state = load_checkpoint(ctx, checkpoint_dir, state)
-    return loop(compose(*reversed(stages)), max_epochs=max_epochs)(state)
+    return loop(compose(*reversed(epoch_stages)), max_epochs=max_epochs)(state)
 
