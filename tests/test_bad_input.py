@@ -273,7 +273,7 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_e
     assert 130 == proc.returncode, err[-2000:]
     assert "interrupted at update" in out
     assert 1 == len(list_checkpoints(root))
-    assert not [p for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written
+    assert [".trainfold.lock"] == [p.name for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written
 
     resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=120, env=ENV)
     assert 0 == resumed.returncode, resumed.stderr[-2000:]

@@ -136,7 +136,7 @@ def test_checkpoint_every_and_keep_last(tmp_path):
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert ["ckpt-0000000010", "ckpt-0000000012"] == names
     assert latest_checkpoint(tmp_path).name == "ckpt-0000000012"
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert [".trainfold.lock"] == [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no debris, only the lock
 
 
 def _one_checkpoint(tmp_path):
@@ -344,3 +344,39 @@ def test_a_dtype_name_is_looked_up_in_a_fixed_list_not_on_the_torch_module(tmp_p
     for name in ("seed", "load", "__builtins__", ["float32"]):
         with pytest.raises(ValueError, match="unknown dtype"):
             decode({"__dtype__": name}, {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype):
+    """The streaming writer and the one-buffer reader speak the safetensors library's format."""
+    from safetensors.torch import load_file, save_file
+
+    from trainfold import _safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": (torch.randn(3, 5, generator=g) * 10).to(dtype), "b": torch.ones((), dtype=dtype), "empty": torch.zeros(0, 2, dtype=dtype),
+               "mixed": torch.arange(7, dtype=torch.int32), "wide": torch.randn(2, generator=g, dtype=torch.float64)}
+
+    entry = _safetensors.write(tmp_path / "ours.safetensors", tensors)
+    save_file(tensors, str(tmp_path / "theirs.safetensors"))
+    theirs = _safetensors.parse(_safetensors.read_into(tmp_path / "theirs.safetensors", (tmp_path / "theirs.safetensors").stat().st_size))
+    ours = load_file(str(tmp_path / "ours.safetensors"))
+
+    assert entry["size"] == (tmp_path / "ours.safetensors").stat().st_size
+    for loaded in (ours, theirs):
+        assert tensors.keys() == loaded.keys()
+        for k, t in tensors.items():
+            assert (t.dtype, t.shape) == (loaded[k].dtype, loaded[k].shape) and torch.equal(t, loaded[k])
+
+
+@pytest.mark.parametrize("header", [b"{", b"[1]", b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',
+                                    b'{"x": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 4]}}',
+                                    b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}'])
+def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
+    import struct
+
+    from trainfold import _safetensors
+
+    buf = bytearray(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(_safetensors.FormatError):
+        _safetensors.parse(buf)

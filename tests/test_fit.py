@@ -1,11 +1,12 @@
 """fit is the composition it documents: the same parameters and records as the loop composed by hand."""
 
+import attrs
 import torch
 from accelerate import Accelerator
 from toolz import compose
 
 from trainfold import (
-    Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, log_epoch, log_every, loop, make_step,
+    Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, load_checkpoint, log_epoch, log_every, loop, make_step,
     nan_guard, run_epoch, save_checkpoint, testing,
 )
 
@@ -33,7 +34,7 @@ def test_fit_equals_the_loop_composed_by_hand(tmp_path):
 
     ctx, state, train_dl, eval_dl = _setup()
     step = log_every(ctx, 3)(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=0.5, stages=[nan_guard(3)])))
-    epoch = compose(log_epoch(ctx), save_checkpoint(ctx, tmp_path / "hand", keep_last=2), early_stop("eval_loss", patience=2),
+    epoch = compose(save_checkpoint(ctx, tmp_path / "hand", keep_last=2), log_epoch(ctx), early_stop("eval_loss", patience=2),
                     evaluate(ctx, helpers.ce_loss, eval_dl), run_epoch(ctx, step, train_dl))
     by_hand = loop(epoch, max_epochs=8)(state)
 
@@ -56,3 +57,27 @@ def test_fit_resumes_from_its_checkpoints(tmp_path):
 
     testing.assert_params_equal(whole, resumed)
     assert whole.history == resumed.history
+
+
+def test_fit_checkpoints_after_its_epoch_functions_so_a_resumed_run_is_exact(tmp_path):
+    """An epoch function that draws random numbers (a metric over a shuffled loader) runs before the save.
+
+    Saved before it, the resumed run's generators would be behind and its history would miss the
+    epoch function's record; saved last, the resumed run ends where one uninterrupted run ends.
+    """
+    def shuffled_metric(state):
+        order = torch.randperm(8)  # draws from the global generator, as a shuffled loader would
+        return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values={"probe": float(order[0])}))
+
+    ctx, state, train_dl, eval_dl = _setup()
+    whole = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, checkpoint_dir=tmp_path / "a", progress=False, epoch_fns=[shuffled_metric])
+
+    ctx, state, train_dl, eval_dl = _setup()
+    fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=2, checkpoint_dir=tmp_path / "b", progress=False, epoch_fns=[shuffled_metric])
+    ctx, state, train_dl, eval_dl = _setup()
+    resumed = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, checkpoint_dir=tmp_path / "b", progress=False, epoch_fns=[shuffled_metric])
+
+    testing.assert_params_equal(whole, resumed)
+    assert whole.history == resumed.history
+    assert 4 == len(resumed.history["probe"])
+    assert 4 == load_checkpoint(ctx, tmp_path / "b", state).epoch  # the run's last checkpoint is its end

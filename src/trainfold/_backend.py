@@ -199,6 +199,8 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     """
     from accelerate.utils import send_to_device, synchronize_rng_states
 
+    from ._batch import like
+
     def to_device(batch: Any) -> Any:
         return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
 
@@ -211,6 +213,12 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     has_ahead, ahead = read_ahead
     skip = consumed + (1 if has_ahead else 0)
     sampler_iter = getattr(base_iter, "_sampler_iter", None)
+    template = None
+    if has_ahead and skip:
+        # One consumed batch loaded again (its random draws are undone by restore_now): the
+        # container types the checkpoint could not keep (namedtuple, BatchEncoding...).
+        template = next(base_iter)
+        skip -= 1
     if sampler_iter is not None and loader.base_dataloader.num_workers == 0:
         for _ in range(skip):  # draws the permutation, loads nothing
             next(sampler_iter)
@@ -218,6 +226,8 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         for _ in range(skip):  # workers or an iterable dataset: load and drop (order exact)
             next(base_iter)
     restore_now()
+    if template is not None:
+        ahead = like(template, ahead)
     if not has_ahead:
         loader.end_of_dataloader = True
         loader.iteration += 1

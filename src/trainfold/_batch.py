@@ -6,6 +6,7 @@ trainfold never looks inside a batch otherwise. Owned here: :func:`describe_batc
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping
 
 import torch
@@ -69,3 +70,34 @@ def slice_batch(batch: Batch, n: int) -> Batch:
     if isinstance(batch, (list, tuple)):
         return type(batch)(slice_batch(v, n) for v in batch)
     return batch
+
+
+def like(template: Batch, value: Batch) -> Batch:
+    """``value`` rebuilt with ``template``'s container types (namedtuples, dataclasses, ``Mapping`` subclasses).
+
+    A checkpoint keeps a batch's values and plain structure; a resumed run gives
+    the batch it read ahead its original types back from a batch of the same
+    loader (the same ``collate_fn``), so a ``BatchEncoding`` stays a
+    ``BatchEncoding`` and a namedtuple a namedtuple.
+
+    Example:
+        >>> from collections import namedtuple
+        >>> Pair = namedtuple("Pair", "x y")
+        >>> like(Pair(torch.zeros(1), torch.zeros(1)), (torch.ones(1), torch.ones(1))).x
+        tensor([1.])
+    """
+    if isinstance(template, tuple) and hasattr(template, "_fields") and isinstance(value, (tuple, list)):
+        return type(template)(*(like(t, v) for t, v in zip(template, value)))
+    if isinstance(template, (tuple, list)) and isinstance(value, (tuple, list)):
+        return type(template)(like(t, v) for t, v in zip(template, value))
+    if dataclasses.is_dataclass(template) and not isinstance(template, type) and isinstance(value, Mapping):
+        return dataclasses.replace(template, **{k: like(getattr(template, k), v) for k, v in value.items()})
+    if isinstance(template, Mapping) and isinstance(value, Mapping):
+        items = {k: like(template[k], v) if k in template else v for k, v in value.items()}
+        if type(template) is dict:
+            return items
+        try:
+            return type(template)(items)
+        except TypeError:
+            return items
+    return value

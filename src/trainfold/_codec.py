@@ -9,12 +9,17 @@ checkpoint unable to run code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import attrs
+import numpy as np
 import torch
 
 from .records import RECORDS, record_name
+
+#: How deep a decoded value may nest (trainfold's own values nest a few levels).
+MAX_DEPTH = 64
 
 #: The dtypes a checkpoint may name, by name: decoding never looks a name up on the torch module.
 DTYPES: dict[str, torch.dtype] = {
@@ -31,8 +36,8 @@ class Encoder:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def tensor(self, key: str, t: torch.Tensor) -> dict[str, str]:
-        # clone: safetensors refuses tensors that share memory, and CPU .cpu() is the same tensor
-        self.tensors[key] = t.detach().to("cpu").contiguous().clone()
+        # not copied: the file is written from the tensor's memory right away (_safetensors.write)
+        self.tensors[key] = t.detach()
         return {"__tensor__": key}
 
     def encode(self, value: Any, path: str) -> Any:
@@ -56,28 +61,44 @@ class Encoder:
             return {"__dict__": [[self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{k}")] for i, (k, v) in enumerate(value.items())]}
         if isinstance(value, torch.dtype):
             return {"__dtype__": str(value).removeprefix("torch.")}
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            self.tensor(path, torch.from_numpy(np.ascontiguousarray(value)))
+            return {"__ndarray__": path}
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            return value.item()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            # kept as its fields; a resumed loader's own batches give the type back (_batch.like)
+            return {"__fields__": [[f.name, self.encode(getattr(value, f.name), f"{path}.{f.name}")] for f in dataclasses.fields(value)]}
         raise TypeError(
             f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
-            "numbers, strings, tensors, tuples, lists, dicts and registered records: decorate your attrs "
-            "record with @trainfold.register_record, or keep other objects out of state.extras."
+            "numbers, strings, tensors, numpy arrays, tuples, lists, dicts, dataclasses and registered records: "
+            "decorate your attrs record with @trainfold.register_record, or keep other objects out of state.extras "
+            "(and out of batches)."
         )
 
 
 def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[], torch.nn.Module] | None = None, device: Any = None) -> Any:
     """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given."""
 
-    def go(o: Any) -> Any:
+    def go(o: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"a value nested more than {MAX_DEPTH} levels deep: not one trainfold writes")
+        depth += 1
         if isinstance(o, list):
-            return [go(v) for v in o]
+            return [go(v, depth) for v in o]
         if not isinstance(o, dict):
             return o
         if "__tensor__" in o:
             t = tensors[o["__tensor__"]]
             return t.to(device) if device is not None else t
         if "__tuple__" in o:
-            return tuple(go(v) for v in o["__tuple__"])
+            return tuple(go(v, depth) for v in o["__tuple__"])
+        if "__ndarray__" in o:
+            return tensors[o["__ndarray__"]].numpy()
+        if "__fields__" in o:
+            return {name: go(v, depth) for name, v in o["__fields__"]}
         if "__dict__" in o:
-            return {go(k): go(v) for k, v in o["__dict__"]}
+            return {go(k, depth): go(v, depth) for k, v in o["__dict__"]}
         if "__dtype__" in o:
             dtype = DTYPES.get(o["__dtype__"]) if isinstance(o["__dtype__"], str) else None
             if dtype is None:
@@ -87,7 +108,7 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
             cls = RECORDS.get(o["__record__"])
             if cls is None:
                 raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r}")
-            return cls(**{k: go(v) for k, v in o["fields"].items()})
+            return cls(**{k: go(v, depth) for k, v in o["fields"].items()})
         if "__module__" in o:
             if module_template is None:
                 raise ValueError("the checkpoint holds a model copy (an EMA?) but no model to copy its structure from")

@@ -139,35 +139,70 @@ def check_fits(run: RunState, state: TrainState) -> None:
             or a scheduler on one side only.
     """
     _check_model(unwrap(state.accelerator, state.model), run.weights)
-    _check_optimizer(inner_optimizer(state.optimizer), run.optimizer)
+    optimizer = inner_optimizer(state.optimizer)
+    _check_optimizer(optimizer, run.optimizer)
+    for saved, live in zip(run.optimizer["param_groups"], optimizer.state_dict()["param_groups"]):
+        _check_like(saved, live, "optimizer parameter group")
     if (run.scheduler is None) != (state.scheduler is None):
         has = "has no" if run.scheduler is None else "has a"
-        live = "has one" if state.scheduler is not None else "has none"
-        raise StateMismatch(f"{has} scheduler but the state {live}: build the state with the scheduler the run had.")
+        live_has = "has one" if state.scheduler is not None else "has none"
+        raise StateMismatch(f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had.")
+    if state.scheduler is not None:
+        _check_like(run.scheduler, state.scheduler.state_dict(), "scheduler state")
+    scaler = loss_scaler(state.accelerator)
+    if scaler is not None and run.scaler is not None:
+        _check_like(run.scaler, scaler.state_dict(), "loss scaler state")
 
 
-def put_back(run: RunState, state: TrainState) -> TrainState:
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, (list, tuple)):
+        return "sequence"
+    return type(value).__name__
+
+
+def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
+    """A saved state dict must have the live one's keys, each of the same kind (``load_state_dict`` would take anything).
+
+    Raises:
+        StateMismatch: another key set, or a value of another kind (a string for a number...).
+    """
+    if not isinstance(saved, Mapping) or set(saved) != set(live):
+        keys = sorted(map(str, saved)) if isinstance(saved, Mapping) else type(saved).__name__
+        raise StateMismatch(f"does not fit: its {what} has keys {keys}, this run's has {sorted(map(str, live))}.")
+    for key, value in live.items():
+        if value is not None and saved[key] is not None and _kind(saved[key]) != _kind(value):
+            raise StateMismatch(f"does not fit: its {what} {key!r} is a {_kind(saved[key])}, this run's a {_kind(value)}.")
+
+
+def put_back(run: RunState, state: TrainState, *, keep_run: bool = True) -> TrainState:
     """Put ``run`` into ``state``'s live objects (in place) and return its values with ``state``'s handles.
 
     The weights, gradients, optimizer, scheduler and scaler states, Accelerate's
-    counter and the global random states become ``run``'s (copies: ``run`` can be
-    put back again). Call :func:`check_fits` first: this changes things as it goes.
+    counter and the global random states become ``run``'s: copies with
+    ``keep_run`` (a snapshot can be put back again), ``run``'s own objects
+    without (a run state just read from a checkpoint, used once). Call
+    :func:`check_fits` first: this changes things as it goes.
     """
+    own = copy.deepcopy if keep_run else (lambda v: v)
     acc = state.accelerator
     model = unwrap(acc, state.model)
     model.load_state_dict(run.weights, strict=True)
     for name, p in model.named_parameters():
         grad = run.grads.get(name)
         p.grad = None if grad is None else grad.to(p.device, p.dtype, copy=True)
-    inner_optimizer(state.optimizer).load_state_dict(copy.deepcopy(run.optimizer))
+    inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
     if state.scheduler is not None and run.scheduler is not None:
-        state.scheduler.load_state_dict(copy.deepcopy(run.scheduler))
+        state.scheduler.load_state_dict(own(run.scheduler))
     scaler = loss_scaler(acc)
     if scaler is not None and run.scaler is not None:
-        scaler.load_state_dict(copy.deepcopy(run.scaler))
+        scaler.load_state_dict(own(run.scaler))
     set_accumulation_counter(acc, run.accelerate_step)
     _rng.restore(attrs.evolve(run.rng, generators=()))  # a loader's generators: run_epoch restores them
-    values = detach(run.values)
+    values = detach(run.values) if keep_run else run.values
     return attrs.evolve(values, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler, accelerator=acc, cursor=None)
 
 

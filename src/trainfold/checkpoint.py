@@ -1,29 +1,49 @@
 """Checkpoints that cannot lie: atomic save, verified load, exact resume (mid-epoch too).
 
-Owned here: the save and load protocol (a folder ``<root>/ckpt-<micro_step>``
-written into ``<root>/.tmp-ckpt-<micro_step>``, every file fsynced, the
-manifest written last, then renamed into place: a crash leaves no checkpoint
-that looks complete; loading verifies and decodes everything before it touches
-anything), finding checkpoints again, and ``checkpoint_every``. What goes into
-which file is ``_format.py``'s; what a run state is, ``_runstate.py``'s.
+Owned here: the save and load protocol, finding checkpoints again, and
+``checkpoint_every``. A save encodes everything first (a value that cannot be
+written fails before any file exists), writes into ``<root>/.tmp-<name>``
+(every file fsynced), writes the manifest last and renames the folder into
+place: a crash leaves no checkpoint that looks complete. The main process holds
+an exclusive lock on the root for the run's lifetime (``_lock.py``) and cleans
+the debris of crashed saves when it commits. A load reads each file once,
+verifies it while reading, decodes and checks everything, and only then changes
+the live objects. What goes into which file is ``_format.py``'s; what a run
+state is, ``_runstate.py``'s.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Callable, overload
 
 import attrs
 import torch
 from toolz import curry
 
-from . import _rng
-from ._backend import loader_generators, read_ahead_batch
+from . import _codec, _lock, _rng
+from ._backend import accumulation_counter, is_resumable_loader, loader_generators, read_ahead_batch
 from ._cursor import EpochCursor, Resume
-from ._format import MANIFEST, CheckpointError, read_json, read_rank, read_shared, verify, write_manifest, write_rank, write_shared
+from ._format import (
+    MANIFEST,
+    CheckpointError,
+    decode,
+    digest_files,
+    encode_rank,
+    encode_shared,
+    rank_files,
+    read_manifest,
+    read_manifest_json,
+    read_verified,
+    required_files,
+    verify,
+    write_files,
+    write_manifest,
+)
 from ._io import fsync_dir
 from ._runstate import StateMismatch, capture, check_fits, put_back
 from ._types import Batch, Step, StepTransformer
@@ -32,6 +52,12 @@ from .context import Context
 from .state import TrainState
 
 PREFIX = "ckpt-"
+#: The names trainfold gives checkpoints: ``ckpt-<update>``, and ``ckpt-<update>-<micro_step>`` mid-accumulation.
+_NAME = re.compile(r"ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
+#: What crashed saves leave behind: cleaned (under the lock) when a save commits.
+_DEBRIS = re.compile(r"\.(?:tmp|del|old)-ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
+
+logger = logging.getLogger("trainfold")
 
 __all__ = ["CheckpointError", "checkpoint_every", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
@@ -40,6 +66,16 @@ def _version() -> str:
     from . import __version__
 
     return __version__
+
+
+def checkpoint_name(ctx: Context, state: TrainState) -> str:
+    """``ckpt-<update>``: named by optimizer update, the unit ``checkpoint_every(n)`` counts in.
+
+    A save in the middle of an accumulation group adds the micro-batch count
+    (``ckpt-<update>-<micro_step>``), so it never replaces the save at the update.
+    """
+    mid_group = accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps
+    return f"{PREFIX}{state.step:010d}" + (f"-{state.micro_step}" if mid_group else "")
 
 
 # --- save -----------------------------------------------------------------------------------
@@ -61,9 +97,14 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     with (to replay its shuffle order) and the batch the loader has read ahead.
     Mid-accumulation, the partial gradients are kept too.
 
-    The new checkpoint becomes visible only when complete; with ``keep_last=N``
-    older ones are removed only after it is committed. On several processes,
-    the main process writes the shared files and each process its own.
+    The checkpoint is named by optimizer update (``ckpt-<update>``;
+    ``ckpt-<update>-<micro_step>`` in the middle of an accumulation group) and
+    becomes visible only when complete; with ``keep_last=N`` older ones are
+    removed only after it is committed. The first save takes an exclusive
+    lock on ``root`` for the rest of the run (until ``ctx.close()`` or the
+    process ends): a second run writing there gets a ``CheckpointError``. On
+    several processes, the main process writes the shared files and each
+    process its own.
 
     Args:
         ctx: the run's Context.
@@ -73,6 +114,14 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
 
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
+
+    Raises:
+        CheckpointError: ``root`` holds another run's checkpoints, or another
+            process is writing there.
+        TypeError: a value that cannot be written (an unregistered record in
+            ``extras``, a batch of a type a checkpoint cannot hold); nothing is written.
+        OSError: the disk is full (or another write failed); nothing is committed,
+            the unfinished save is removed and earlier checkpoints are intact.
 
     Example:
         >>> import tempfile
@@ -89,36 +138,82 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     if keep_last is not None:
         positive_int("keep_last", keep_last)
     acc = ctx.accelerator
+    main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
-    root = Path(root)
-    name = f"{PREFIX}{state.micro_step:010d}"
+    root = _root(root)
+    _hold_lock(ctx, root, state)
+    name = checkpoint_name(ctx, state)
     tmp = root / f".tmp-{name}"
-    if ctx.is_main_process:
-        _check_same_run(root, state)
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a save of this position that died half-way
-        tmp.mkdir()
-    ctx.wait_for_everyone()
     weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
     run = capture(state, copied=False, weights=weights, rng=now)
-    try:
-        if ctx.is_main_process:
-            write_shared(tmp, run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision)
-        write_rank(tmp, acc.process_index, run, _position(state))
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(
-            f"saving a checkpoint under {root} failed ({exc}); nothing was committed and the previous "
-            "checkpoints are intact. Free space (or lower keep_last) and save again."
-        ) from exc
-    ctx.wait_for_everyone()
-    if ctx.is_main_process:
-        _commit(tmp, root / name, ctx, state)
-        if keep_last is not None:
-            _prune(root, keep_last)
-    ctx.wait_for_everyone()
+    files = _agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
+    if main:
+        _check_same_run(root, state)
+    _agreed(ctx, lambda: _fresh(tmp) if main else None, f"creating {tmp}")
+    entries = _agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
+    _agreed(ctx, lambda: _commit(root, tmp, root / name, ctx, state, entries, keep_last) if main else None, f"committing {name}",
+            cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
     return state
+
+
+def _root(root: str | os.PathLike[str]) -> Path:
+    if os.fspath(root) == "":
+        raise ValueError("save_checkpoint needs a folder for its checkpoints (got ''): pass a path such as 'checkpoints'.")
+    return Path(root)
+
+
+def _fresh(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a save of this position that died half-way (ours: we hold the lock)
+    tmp.mkdir()
+
+
+def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, bytes]:
+    files = encode_rank(ctx.accelerator.process_index, run, _position(state))
+    if main:
+        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision))
+    return files
+
+
+def _agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None) -> Any:
+    """Run ``work`` on every process and agree on whether it failed anywhere (one all-reduce on several).
+
+    Every process then raises or goes on together: none waits forever in the next collective.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = work()
+    except (OSError, TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    acc = ctx.accelerator
+    failed = error is not None
+    if acc.num_processes > 1:
+        flag = torch.tensor(float(failed), device=acc.device)
+        failed = bool(acc.reduce(flag, reduction="sum") > 0)  # sync: once per step of a save
+    if not failed:
+        return result
+    cleanup()
+    if isinstance(error, OSError):
+        raise OSError(
+            f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. "
+            "Free space (or lower keep_last) and save again."
+        ) from error
+    if error is not None:
+        raise error
+    raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
+
+
+def _hold_lock(ctx: Context, root: Path, state: TrainState) -> None:
+    """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
+    key = os.path.abspath(root)
+    if key in ctx.checkpoint_locks:
+        fd = ctx.checkpoint_locks[key]
+        if fd is not None:
+            _lock.confirm(fd, root)  # one syscall: still ours (a Context closed in this process releases it)
+        return
+    fd = _agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
+    ctx.checkpoint_locks[key] = fd
 
 
 def _check_same_run(root: Path, state: TrainState) -> None:
@@ -126,10 +221,7 @@ def _check_same_run(root: Path, state: TrainState) -> None:
     latest = latest_checkpoint(root)
     if latest is None or not state.run_id:
         return
-    try:
-        other = json.loads((latest / MANIFEST).read_text()).get("run_id")
-    except (OSError, ValueError):
-        return  # a damaged manifest is reported when loading
+    other = read_manifest(latest).get("run_id")
     if other and other != state.run_id:
         raise CheckpointError(
             f"{root} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
@@ -147,16 +239,28 @@ def _position(state: TrainState) -> Resume | None:
     cursor = state.cursor
     if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
         return None
+    if not is_resumable_loader(cursor.loader):
+        raise TypeError(
+            "save_checkpoint: a checkpoint in the middle of an epoch needs a loader prepared with ctx.prepare_loaders "
+            f"(the epoch runs over a {type(cursor.loader).__name__}), so that it can continue where it stopped."
+        )
     read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
     return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader))
 
 
-def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
+def _commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None) -> None:
+    world = ctx.accelerator.num_processes
+    others = [n for n in required_files(world) if n not in entries]
+    entries = {**entries, **digest_files(tmp, others)}  # the other processes' files: read back
+    missing = [n for n in required_files(world) if n not in entries]
+    if missing:
+        raise CheckpointError(f"{tmp}: {missing[0]} was not written; a checkpoint missing a file is never committed.")
     write_manifest(
         tmp,
+        entries,
         trainfold_version=_version(),
         torch_version=torch.__version__,
-        world_size=ctx.accelerator.num_processes,
+        world_size=world,
         run_id=state.run_id,
         step=state.step,
         epoch=state.epoch,
@@ -172,7 +276,17 @@ def _commit(tmp: Path, final: Path, ctx: Context, state: TrainState) -> None:
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
-    fsync_dir(final.parent)
+    fsync_dir(root)
+    _clean_debris(root)
+    if keep_last is not None:
+        _prune(root, keep_last)
+
+
+def _clean_debris(root: Path) -> None:
+    """Remove what crashed saves left (``.tmp-``, ``.del-``, ``.old-`` folders): ours, since we hold the lock."""
+    for p in root.iterdir():
+        if _DEBRIS.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -183,15 +297,35 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """The committed checkpoints under ``root``, oldest first (folders with a manifest)."""
+    """The committed checkpoints under ``root``, oldest first.
+
+    Only folders named as trainfold names checkpoints (``ckpt-<update>``...)
+    with a readable manifest count, ordered by the position recorded in that
+    manifest (not by name: a copy named ``ckpt-best`` is not "newest"). A
+    checkpoint whose manifest is damaged is left out, with a warning on the
+    ``trainfold`` logger.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
+    found = []
+    for p in root.iterdir():
+        if not _NAME.fullmatch(p.name) or p.is_symlink() or not p.is_dir() or not (p / MANIFEST).exists():
+            continue
+        try:
+            manifest = read_manifest_json(p)  # any format: a newer one is ordered, and refused when loaded
+            position = (manifest["micro_step"], manifest["step"])
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
+                raise CheckpointError(f"{p / MANIFEST} is damaged: its position is not a pair of ints.")
+        except (CheckpointError, KeyError) as exc:
+            logger.warning("skipping %s: %s", p, exc)
+            continue
+        found.append((position, p.name, p))
+    return [p for *_, p in sorted(found)]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``root``, or None.
+    """The newest committed checkpoint under ``root`` (by the position it records), or None.
 
     Example:
         >>> latest_checkpoint("/nonexistent") is None
@@ -213,19 +347,21 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest and return the manifest.
 
-    Every file the manifest lists (or, with ``rank``, the shared files and that
-    process's) must exist with the recorded size and SHA-256.
+    The manifest must list every file the format needs, and only plain names
+    inside the folder; every file it lists (or, with ``rank``, the shared files
+    and that process's) must be a regular file (a symbolic link is refused,
+    never followed) with the recorded size and SHA-256.
 
     Raises:
-        CheckpointError: not a checkpoint, an unreadable manifest, a newer
-            format, or a missing, truncated or altered file (named).
+        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
+            manifest, a newer format, or a missing, truncated, altered or linked file (named).
     """
     return verify(Path(path), rank=rank, version=_version())
 
 
 def _resolve(path: str | os.PathLike[str]) -> Path:
     folder = Path(path)
-    if (folder / MANIFEST).is_file():
+    if (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink():
         return folder
     latest = latest_checkpoint(folder)
     if latest is None:
@@ -244,19 +380,21 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 
     ``path`` is a checkpoint folder, or a root of them (then the newest complete
-    one). Before anything is changed, the files are verified against the
-    manifest and the checkpoint is checked against the run: the same world size,
-    the same parameters (names and shapes) and the same optimizer layout. Then
-    the weights, optimizer, scheduler, scaler and Accelerate's accumulation
-    counter are restored in place, the random states are restored, and a state
-    is returned whose next ``run_epoch`` continues the interrupted epoch from
-    the next batch, in the same order. Call ``run_epoch`` next: anything that
-    draws random numbers in between changes what follows.
+    one, by the position it records). All or nothing: every file is read once
+    and verified against the manifest while it is read, every value is decoded
+    and the checkpoint is checked against the run (the same world size, the same
+    parameters, names and shapes, the same optimizer layout, a scheduler on both
+    sides or neither) before anything is changed. Then the weights, optimizer,
+    scheduler, scaler and Accelerate's accumulation counter are restored in
+    place, the random states are restored, and a state is returned whose next
+    ``run_epoch`` continues the interrupted epoch from the next batch, in the
+    same order. Call ``run_epoch`` next: anything that draws random numbers in
+    between changes what follows.
 
     Raises:
-        CheckpointError: a damaged checkpoint (naming the file), another model
+        CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
-            another world size, another accumulation setting.
+            another world size, another accumulation setting. Nothing is changed.
 
     Example:
         >>> import tempfile
@@ -282,32 +420,51 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     acc = ctx.accelerator
     folder = _resolve(path)
-    manifest = verify_checkpoint(folder, rank=acc.process_index)
+    manifest = read_manifest(folder, version=_version())
     if manifest["world_size"] != acc.num_processes:
         raise CheckpointError(
             f"{folder} was written by {manifest['world_size']} processes but this run has {acc.num_processes}: "
             "resume with the same number of processes (the random states and the data position are per process)."
         )
-    doc = read_json(folder / "state.json")
-    saved_acc = doc["accelerate"]
-    if saved_acc["gradient_accumulation_steps"] != ctx.gradient_accumulation_steps:
+    files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(acc.process_index)])
+    run, resume, saved_steps = decode(folder, files, state, acc.process_index)
+    del files
+    if saved_steps != ctx.gradient_accumulation_steps:
         raise CheckpointError(
-            f"{folder} was saved with gradient_accumulation_steps={saved_acc['gradient_accumulation_steps']}, this run "
+            f"{folder} was saved with gradient_accumulation_steps={saved_steps}, this run "
             f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
             "Resume with the same Accelerator settings."
         )
-    rank = read_rank(folder, acc.process_index, acc.device)
-    run = read_shared(folder, doc, state, rank)
     try:
         check_fits(run, state)
     except StateMismatch as exc:
         raise CheckpointError(f"{folder} {exc}") from None
 
     # Everything read and checked: now change things.
-    return attrs.evolve(put_back(run, state), cursor=rank["resume"])
+    return attrs.evolve(put_back(run, state, keep_run=False), cursor=resume)
 
 
 # --- periodic saving ------------------------------------------------------------------------
+
+
+def _check_resumable(state: TrainState, batch: Batch) -> None:
+    """Refuse, at the first step, an epoch that a mid-epoch checkpoint could not record.
+
+    Raises:
+        TypeError: the loader is not prepared (``ctx.prepare_loaders``), or the batch holds
+            a value a checkpoint cannot hold (a custom object), named.
+    """
+    cursor = state.cursor
+    if isinstance(cursor, EpochCursor) and not is_resumable_loader(cursor.loader):
+        raise TypeError(
+            "checkpoint_every: the epoch runs over a loader that was not prepared "
+            f"(a {type(cursor.loader).__name__}); a checkpoint inside the epoch could not continue it. "
+            "Prepare it with ctx.prepare_loaders(loader)."
+        )
+    try:
+        _codec.Encoder().encode(batch, "batch")
+    except TypeError as exc:
+        raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None) -> StepTransformer:
@@ -317,7 +474,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     reason (``max_steps``, ``nan_guard``, or Ctrl-C, which ``run_epoch`` turns
     into a stop at the next step boundary), so an interrupted run loses nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
-    after ``run_epoch`` instead (or ``every(k, save_checkpoint(...))``).
+    after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
 
     Example:
         >>> import tempfile
@@ -334,7 +491,12 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     interrupt = ctx.interrupt
 
     def transform(step: Step) -> Step:
+        checked = [False]
+
         def saving(state: TrainState, batch: Batch) -> TrainState:
+            if not checked[0]:  # once: what would fail at the first save, refused at the first step
+                _check_resumable(state, batch)
+                checked[0] = True
             new = step(state, batch)
             due = new.step != state.step and new.step % n == 0
             stopping = (new.should_stop and not state.should_stop) or (interrupt.requested and interrupt.agreed(ctx.accelerator, new.step))

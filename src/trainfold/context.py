@@ -70,6 +70,9 @@ class Context:
     is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
     #: the stop request Ctrl-C sets while ``run_epoch`` runs (see :mod:`trainfold.interrupt`)
     interrupt: Interrupt = attrs.field(init=False, factory=Interrupt, repr=False)
+    #: the checkpoint roots this run writes, by path: the lock's descriptor on the main process
+    #: (held until :meth:`close` or the process ends), None on the others
+    checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
 
     def check(self) -> None:
         """Raise if another Accelerator changed the process-wide settings this Context relies on.
@@ -89,7 +92,7 @@ class Context:
             )
 
     def close(self) -> None:
-        """End the run: finish Accelerate's trackers and destroy the process group.
+        """End the run: release its checkpoint locks, finish Accelerate's trackers and destroy the process group.
 
         A distributed run that skips this aborts at exit under torchrun. It does
         not wait for the other processes: one that destroys the group while
@@ -97,6 +100,12 @@ class Context:
         ``with Context(accelerator=...) as ctx:``, which waits for every process
         (when the block ended without an exception) and closes on the way out.
         """
+        from ._lock import release
+
+        for fd in self.checkpoint_locks.values():
+            if fd is not None:
+                release(fd)
+        self.checkpoint_locks.clear()
         self.accelerator.end_training()
 
     def __enter__(self) -> Context:

@@ -173,7 +173,9 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) 
     state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
     if not os.path.exists(path):
         raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.")
-    weights = load_file(os.fspath(path), device=str(ctx.accelerator.device))
+    # Read to the CPU (a device string such as "cpu:0", which Accelerate gives CPU processes,
+    # is not one safetensors takes); load_state_dict copies into the parameters where they are.
+    weights = load_file(os.fspath(path), device="cpu")
     ctx.accelerator.unwrap_model(state.model).load_state_dict(weights, strict=True)
     return state
 

@@ -48,8 +48,8 @@ def fit(
     It is exactly this composition (read bottom-up), and nothing more::
 
         step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip..., stages=stages))))
-        epoch = compose(log_epoch(ctx), *reversed(epoch_fns),
-                        save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),
+        epoch = compose(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),
+                        log_epoch(ctx), *reversed(epoch_fns),
                         early_stop(monitor, patience=patience, mode=mode),
                         evaluate(ctx, loss_fn, eval_loader),
                         run_epoch(ctx, step, train_loader))
@@ -59,7 +59,9 @@ def fit(
     where each optional piece is left out when its option is not given.
     ``stages`` act inside the step (``nan_guard(3)``; see :func:`make_step`);
     ``transforms`` wrap the step (the first outermost); ``epoch_fns`` run after
-    the checkpoint, in order.
+    early stopping, in order. The checkpoint is written last in each epoch, so it
+    holds the epoch's metrics and the states of the epoch functions, and the
+    run's last checkpoint is its end (at ``max_epochs`` or an early stop).
 
     Example:
         >>> from trainfold import testing
@@ -82,10 +84,12 @@ def fit(
         epoch_stages.append(evaluate(ctx, loss_fn, eval_loader))
     if patience is not None:
         epoch_stages.append(early_stop(monitor, patience=patience, mode=mode))
-    if checkpoint_dir is not None:
-        epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
     epoch_stages.extend(epoch_fns)
     epoch_stages.append(log_epoch(ctx))
+    if checkpoint_dir is not None:
+        # last: the checkpoint holds everything the epoch did, and what the epoch functions
+        # drew from the random generators is behind it, so a resumed run continues exactly
+        epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
     if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir) is not None:
         state = load_checkpoint(ctx, checkpoint_dir, state)
     return loop(compose(*reversed(epoch_stages)), max_epochs=max_epochs)(state)

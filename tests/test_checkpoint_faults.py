@@ -1,0 +1,273 @@
+"""What an unlucky operator does to checkpoints: odd names, two copies of a job, a full disk,
+debris of crashes, batches of every container type, save-best on several processes."""
+
+import collections
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    CheckpointError, Context, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step,
+    run_epoch, save_checkpoint, testing, verify_checkpoint,
+)
+
+import helpers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup(ga=1, n=24, batch_size=4, dataset=None, collate_fn=None):
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    data = dataset if dataset is not None else helpers.classification_data(n)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn))
+    return ctx, state, dl
+
+
+# --- names and order -------------------------------------------------------------------------
+
+
+def test_checkpoints_are_named_by_update_and_a_mid_group_save_keeps_its_own_name(tmp_path):
+    """Under accumulation 2, update 3 is ckpt-0000000003 (not the micro-batch count 6); mid-group saves stay apart."""
+    ctx, state, dl = _setup(ga=2)
+    step = make_step(ctx, helpers.ce_loss)
+    for i, batch in enumerate(dl):
+        state = step(state, batch)
+        if i in (4, 5):  # after the 5th micro-batch (mid-group) and the 6th (update 3)
+            save_checkpoint(ctx, tmp_path, state)
+
+    assert ["ckpt-0000000002-5", "ckpt-0000000003"] == [p.name for p in list_checkpoints(tmp_path)]
+
+
+def test_order_comes_from_the_position_inside_not_the_name(tmp_path):
+    """A copy kept as ckpt-best, or an old checkpoint copied under a high number, is not the newest."""
+    ctx, state, dl = _setup()
+    step = checkpoint_every(ctx, tmp_path, 2)(make_step(ctx, helpers.ce_loss))
+    early = None
+    for batch in dl:
+        state = step(state, batch)
+        if state.step == 2:
+            early = latest_checkpoint(tmp_path)
+            shutil.copytree(early, tmp_path / "ckpt-best")
+            shutil.copytree(early, tmp_path / "ckpt-9999999999")
+
+    assert "ckpt-0000000006" == latest_checkpoint(tmp_path).name
+    assert 6 == load_checkpoint(ctx, tmp_path, state).step  # resume does not rewind to update 2
+
+    save_checkpoint(ctx, tmp_path, state, keep_last=1)  # keeps the newest, not the high-numbered copy
+    assert ["ckpt-0000000006"] == [p.name for p in list_checkpoints(tmp_path)]
+    assert (tmp_path / "ckpt-best").is_dir()  # not a name trainfold writes: never counted, never pruned
+
+
+# --- two writers ------------------------------------------------------------------------------
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time, torch
+    from accelerate import Accelerator
+    from trainfold import Context, TrainState, save_checkpoint
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(2, 1)
+    save_checkpoint(ctx, sys.argv[1], TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    print("saved", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
+    root = tmp_path / "ckpts"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert "saved" == holder.stdout.readline().strip()
+        testing.reset_accelerate_state()
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(2, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+        with pytest.raises(CheckpointError, match=rf"being written by another process \(host .*, pid {holder.pid}, run"):
+            save_checkpoint(ctx, root, state)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        holder.stdout.close()
+
+    save_checkpoint(ctx, root, load_checkpoint(ctx, root, state))  # the dead writer's lock is taken over
+    assert 1 == len(list_checkpoints(root))
+
+
+# --- a full disk, and debris ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CI and the project's machines run as root)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_disk_full_at_the_manifest_gives_a_clear_error_and_leaves_nothing_behind(small_disk):
+    """ENOSPC while writing MANIFEST.json: the same message and clean-up as for the data files."""
+    ctx, state, dl = _setup()
+    root = small_disk / "ckpts"
+    save_checkpoint(ctx, root, state)
+    first = latest_checkpoint(root)
+    pages = sum(-(-p.stat().st_size // 4096) for p in first.iterdir() if p.name != "MANIFEST.json")
+    vfs = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"\0" * (vfs.f_bavail * vfs.f_frsize - pages * 4096))  # room for the data files only
+
+    with pytest.raises(OSError, match=r"committing ckpt-0000000000 failed \(.*No space left on device.*\); nothing was committed"):
+        save_checkpoint(ctx, root, state)
+
+    assert [] == [p.name for p in root.iterdir() if p.name.startswith(".tmp")]
+    assert [first] == list_checkpoints(root)
+    verify_checkpoint(first)
+
+
+def test_a_commit_cleans_the_debris_of_crashed_saves(tmp_path):
+    ctx, state, dl = _setup()
+    for debris in (".tmp-ckpt-0000000003", ".del-ckpt-0000000001", ".old-ckpt-0000000002-7"):
+        (tmp_path / debris).mkdir(parents=True)
+        (tmp_path / debris / "model.safetensors").write_bytes(b"half")
+    (tmp_path / ".tmp-other").mkdir()  # not a name trainfold writes: left alone
+
+    save_checkpoint(ctx, tmp_path, state)
+
+    assert [".tmp-other", ".trainfold.lock"] == sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("."))
+
+
+# --- batches of every container type, across a mid-epoch resume ---------------------------------
+
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+@dataclasses.dataclass
+class Example:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class Encoding(collections.UserDict):
+    """Like transformers' BatchEncoding: a Mapping subclass with attribute access."""
+
+    def __getattr__(self, name):
+        try:
+            return self.data[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _collate(kind):
+    def collate(samples):
+        x = torch.stack([s[0] for s in samples])
+        y = torch.stack([s[1] for s in samples])
+        if kind == "namedtuple":
+            return Pair(x, y)
+        if kind == "dataclass":
+            return Example(x, y)
+        if kind == "mapping":
+            return Encoding({"x": x, "y": y})
+        return (x, y.numpy())  # a numpy leaf
+
+    return collate
+
+
+def _loss(kind):
+    def loss_fn(model, batch):
+        if kind == "namedtuple":
+            assert isinstance(batch, Pair)
+            x, y = batch.x, batch.y
+        elif kind == "dataclass":
+            assert isinstance(batch, Example)
+            x, y = batch.x, batch.y
+        elif kind == "mapping":
+            assert isinstance(batch, Encoding)
+            x, y = batch.x, batch.y
+        else:
+            assert isinstance(batch[1], np.ndarray)
+            x, y = batch[0], torch.from_numpy(batch[1])
+        return helpers.ce_loss(model, (x, y))
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("kind", ["namedtuple", "dataclass", "mapping", "numpy"])
+def test_a_resumed_epoch_gives_the_read_ahead_batch_its_container_type_back(tmp_path, kind):
+    """Saved after every batch and resumed from each save: every resumed run sees its own batch types and ends exact."""
+    ctx, state, dl = _setup(collate_fn=_collate(kind))
+    step = checkpoint_every(ctx, tmp_path, 1)(make_step(ctx, _loss(kind)))
+    whole = run_epoch(ctx, step, dl, state)
+    resumes = [p for p in list_checkpoints(tmp_path) if 0 < load_checkpoint(ctx, p, state).batch_in_epoch][:2]
+
+    for ckpt in resumes:
+        ctx, state, dl = _setup(collate_fn=_collate(kind))
+        resumed = run_epoch(ctx, make_step(ctx, _loss(kind)), dl, load_checkpoint(ctx, ckpt, state))
+        testing.assert_params_equal(whole, resumed)
+
+
+def test_a_batch_a_checkpoint_cannot_hold_is_refused_at_the_first_step(tmp_path):
+    class Opaque:
+        pass
+
+    ctx, state, dl = _setup(collate_fn=lambda samples: (torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]), Opaque()))
+    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, lambda m, b: helpers.ce_loss(m, b[:2])))
+
+    with pytest.raises(TypeError, match=r"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: .*it is a Opaque"):
+        run_epoch(ctx, step, dl, state)
+    assert not tmp_path.exists() or [] == list(tmp_path.iterdir())
+
+
+def test_an_unprepared_loader_with_checkpoint_every_is_refused_at_the_first_step(tmp_path):
+    ctx, state, _ = _setup()
+    raw = torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4)
+    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+
+    with pytest.raises(TypeError, match="checkpoint_every: the epoch runs over a loader that was not prepared"):
+        run_epoch(ctx, step, raw, state)
+    assert not (tmp_path / ".tmp-ckpt-0000000000").exists()
+
+
+# --- save-best on several processes ----------------------------------------------------------------
+
+
+def _best_on_this_rank(folder):
+    from trainfold import evaluate, restore_best, save_best
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4))
+    path = os.path.join(folder, "best.safetensors")
+    best = save_best(ctx, path, "eval_loss", evaluate(ctx, helpers.ce_loss, dl, state))
+    weights = [p.detach().clone() for p in best.model.parameters()]
+    later = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, best)
+    back = restore_best(ctx, path, later)
+    same = all(torch.equal(a, b) for a, b in zip(weights, back.model.parameters()))
+    ctx.close()
+    return same, str(ctx.accelerator.device)
+
+
+def test_save_best_and_restore_best_on_two_processes(tmp_path):
+    ranks = testing.run_distributed(_best_on_this_rank, str(tmp_path), nprocs=2, timeout=120)
+
+    assert [True, True] == [same for same, _ in ranks]

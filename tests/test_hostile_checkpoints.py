@@ -1,0 +1,271 @@
+"""Hostile checkpoints, built file by file: each is refused with a CheckpointError, opens nothing
+outside its folder, and leaves the live model and optimizer as they were.
+
+An attacker here can write the checkpoint folder, manifest included (so digests match what
+they wrote): what stops them is the format, not the hashes.
+"""
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing
+
+import helpers
+
+_OPENED: list[str] | None = None
+
+
+def _audit(event, args):
+    if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)  # an audit hook cannot be removed: it records only inside _opened()
+
+
+@contextlib.contextmanager
+def _opened():
+    global _OPENED
+    _OPENED = []
+    try:
+        yield _OPENED
+    finally:
+        _OPENED = None
+
+
+def _setup():
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                              scheduler=None)
+    return ctx, state
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A real checkpoint of a trained state, and an outside file holding a secret."""
+    ctx, state = _setup()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4))
+    step = make_step(ctx, helpers.ce_loss)
+    for batch in dl:
+        state = step(state, batch)
+    save_checkpoint(ctx, tmp_path / "root", state)
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(os.urandom(631))
+    return latest_checkpoint(tmp_path / "root"), secret
+
+
+def _manifest(folder):
+    return json.loads((folder / "MANIFEST.json").read_text())
+
+
+def _rewrite(folder, name, data):
+    """Replace a file and re-sign it in the manifest, as an attacker who can write the folder would."""
+    (folder / name).write_bytes(data)
+    doc = _manifest(folder)
+    doc["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+
+def _edit_json(folder, name, change):
+    doc = json.loads((folder / name).read_text())
+    change(doc)
+    _rewrite(folder, name, json.dumps(doc).encode())
+
+
+def _load_refused(folder, secret, match):
+    """Load into a fresh state: a CheckpointError, no file outside the folder opened, nothing changed."""
+    ctx, state = _setup()
+    before = testing.parameters(state)
+    optimizer_before = json.dumps(repr(state.optimizer.state_dict()))
+    with _opened() as opened, pytest.raises(CheckpointError, match=match) as raised:
+        load_checkpoint(ctx, folder, state)
+    outside = [p for p in opened if not Path(p).resolve().is_relative_to(folder.resolve())]
+    assert [] == [p for p in outside if Path(p).resolve() == secret.resolve() or "secret" in p]
+    assert "631" not in str(raised.value)  # nothing about the outside file is told
+    testing.assert_params_equal(before, state)
+    assert optimizer_before == json.dumps(repr(state.optimizer.state_dict()))
+    return raised.value
+
+
+# --- paths ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../../secret.bin", "/etc/hostname", "sub/state.json", "state.json/..", "MANIFEST.json", "evil.py"])
+def test_a_manifest_entry_that_is_not_a_plain_file_of_the_format_is_refused(ckpt, name):
+    folder, secret = ckpt
+    doc = _manifest(folder)
+    doc["files"][name] = {"size": 631, "sha256": "0" * 64}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"is not a file of the checkpoint format")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.json", "rank-0.safetensors"])
+def test_a_file_that_is_a_symlink_to_an_outside_file_is_refused_not_followed(ckpt, name):
+    folder, secret = ckpt
+    (folder / name).unlink()
+    os.symlink(secret, folder / name)
+    doc = _manifest(folder)
+    doc["files"][name] = {"size": 631, "sha256": hashlib.sha256(secret.read_bytes()).hexdigest()}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, rf"file {name} is a symbolic link")
+
+
+def test_a_manifest_that_is_a_symlink_or_a_checkpoint_folder_that_is_one_is_refused(ckpt, tmp_path):
+    folder, secret = ckpt
+    linked = tmp_path / "root" / "ckpt-9999999999"
+    os.symlink(folder, linked)
+    assert latest_checkpoint(tmp_path / "root") == folder  # a linked folder is not a checkpoint
+    _load_refused(linked, secret, "not a checkpoint folder")
+
+    (folder / "MANIFEST.json").rename(tmp_path / "manifest.json")
+    os.symlink(tmp_path / "manifest.json", folder / "MANIFEST.json")
+    _load_refused(folder, secret, "MANIFEST.json is not a regular file")
+
+
+# --- what the files say ----------------------------------------------------------------------
+
+
+def test_a_crafted_dtype_name_is_refused(ckpt):
+    folder, secret = ckpt
+
+    def plant(doc):
+        doc["optimizer"]["__dict__"].append([{"__dtype__": "seed"}, 1])
+
+    _edit_json(folder, "state.json", plant)
+    _load_refused(folder, secret, "unknown dtype 'seed'")
+
+
+@pytest.mark.parametrize("field,value", [("step", float("nan")), ("epoch", float("inf")), ("micro_step", -1), ("batch_in_epoch", "3"),
+                                         ("should_stop", "no"), ("step", True)])
+def test_counters_must_be_what_they_are(ckpt, field, value):
+    folder, secret = ckpt
+
+    def plant(doc):
+        doc["state"][field] = value
+
+    _edit_json(folder, "state.json", plant)
+    _load_refused(folder, secret, rf"({field}|counter)")
+
+
+@pytest.mark.parametrize("plant,match", [
+    (lambda doc: doc["state"]["extras"]["__dict__"].append(["x", {"__record__": "Unknown", "fields": {}}]), "unknown record type"),
+    (lambda doc: doc["state"].__setitem__("loss_sum", {"__tensor__": "no.such.key"}), "no.such.key"),
+    (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss"]]), "cannot read"),
+    (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss", "high"]]), "history record"),
+    (lambda doc: doc.__setitem__("accelerate", {"step": -5, "gradient_accumulation_steps": 1}), "accelerate.step"),
+    (lambda doc: doc["state"].__setitem__("extras", [1, 2]), "extras"),
+])
+def test_a_bad_value_anywhere_is_refused_before_anything_changes(ckpt, plant, match):
+    folder, secret = ckpt
+    _edit_json(folder, "state.json", plant)
+    _load_refused(folder, secret, match)
+
+
+def test_a_manifest_that_lists_no_files_verifies_nothing_and_is_refused(ckpt):
+    folder, secret = ckpt
+    doc = _manifest(folder)
+    doc["files"] = {}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"does not list model.safetensors.*incomplete")
+
+
+def test_a_manifest_that_omits_a_rank_file_is_refused(ckpt):
+    folder, secret = ckpt
+    doc = _manifest(folder)
+    del doc["files"]["rank-0.json"]
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"does not list rank-0.json")
+
+
+def test_an_oversized_manifest_and_json_file_are_refused_unread(ckpt):
+    folder, secret = ckpt
+    big = _manifest(folder)
+    big["padding"] = "x" * (1 << 20)
+    (folder / "MANIFEST.json").write_text(json.dumps(big))
+    _load_refused(folder, secret, r"MANIFEST.json is damaged: \d+ bytes, more than a manifest can be")
+
+    big.pop("padding")
+    (folder / "MANIFEST.json").write_text(json.dumps(big))
+    _rewrite(folder, "rank-0.json", b'"' + b"x" * (64 << 20) + b'"')
+    _load_refused(folder, secret, r"rank-0.json has \d+ bytes, more than the \d+ a trainfold checkpoint writes")
+
+
+@pytest.mark.parametrize("where", ["MANIFEST.json", "state.json"])
+def test_deep_nesting_is_a_checkpoint_error_not_a_recursion_error(ckpt, where):
+    folder, secret = ckpt
+    deep = b"[" * 100_000 + b"]" * 100_000
+    if where == "MANIFEST.json":
+        (folder / where).write_bytes(deep)
+        _load_refused(folder, secret, "MANIFEST.json is damaged")
+    else:
+        _rewrite(folder, where, deep)
+        _load_refused(folder, secret, "nested too deeply")
+
+
+def test_a_record_nested_deeply_inside_a_valid_file_is_a_checkpoint_error(ckpt):
+    folder, secret = ckpt
+    value = {"__tuple__": []}
+    for _ in range(100):  # shallow enough for JSON, deeper than any value trainfold writes
+        value = {"__tuple__": [value]}
+
+    def plant(doc):
+        doc["state"]["extras"]["__dict__"].append(["deep", value])
+
+    _edit_json(folder, "state.json", plant)
+    _load_refused(folder, secret, "nested more than 64 levels deep")
+
+
+# --- the good checkpoint still loads ------------------------------------------------------------
+
+
+def test_the_untouched_checkpoint_loads_and_opens_only_its_own_files(ckpt):
+    folder, _ = ckpt
+    ctx, state = _setup()
+
+    with _opened() as opened:
+        resumed = load_checkpoint(ctx, folder, state)
+
+    assert 4 == resumed.step
+    files = {Path(p).name for p in opened if Path(p).resolve().is_relative_to(folder.resolve())}
+    assert {"MANIFEST.json", "state.json", "state.safetensors", "model.safetensors", "rank-0.json", "rank-0.safetensors"} == files
+
+
+def _setup_with_scheduler():
+    ctx, state = _setup()
+    model = helpers.mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return ctx, TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
+
+
+@pytest.mark.parametrize("plant,match", [
+    (lambda doc: doc["scheduler"]["__dict__"].append(["step", 5]), r"scheduler state has keys .*'step'"),
+    (lambda doc: [kv.__setitem__(1, "soon") for kv in doc["scheduler"]["__dict__"] if kv[0] == "last_epoch"], "'last_epoch' is a str"),
+    (lambda doc: [kv.__setitem__(1, "fast") for g in doc["optimizer"]["__dict__"] if g[0] == "param_groups"
+                  for group in g[1] for kv in group["__dict__"] if kv[0] == "lr"], "parameter group 'lr' is a str"),
+])
+def test_a_scheduler_or_optimizer_state_of_another_shape_is_refused(tmp_path, plant, match):
+    """load_state_dict takes any keys (a scheduler's update their __dict__: 'step' would replace the method)."""
+    ctx, state = _setup_with_scheduler()
+    save_checkpoint(ctx, tmp_path, state)
+    folder = latest_checkpoint(tmp_path)
+    _edit_json(folder, "state.json", plant)
+
+    ctx, state = _setup_with_scheduler()
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ctx, folder, state)
+    assert callable(state.scheduler.scheduler.step) and 0 == state.scheduler.scheduler.last_epoch
