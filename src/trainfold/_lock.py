@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-from ._format import CheckpointError
+from ._files import CheckpointError
 
 LOCK_NAME = ".trainfold.lock"
 

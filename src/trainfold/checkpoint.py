@@ -14,50 +14,51 @@ state is, ``_runstate.py``'s.
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, overload
+from typing import Any, overload
 
 import attrs
 import torch
 from toolz import curry
 
-from . import _codec, _lock, _rng
-from ._backend import accumulation_counter, is_resumable_loader, loader_generators, read_ahead_batch
+from . import _codec, _rng
+from ._backend import is_resumable_loader, loader_generators, read_ahead_batch
 from ._cursor import EpochCursor, Resume
-from ._format import (
-    MANIFEST,
+from ._files import (
     CheckpointError,
-    decode,
-    digest_files,
-    encode_rank,
-    encode_shared,
     rank_files,
     read_manifest,
-    read_manifest_json,
     read_verified,
-    required_files,
     verify,
     write_files,
-    write_manifest,
 )
-from ._io import fsync_dir
+from ._format import decode, encode_rank, encode_shared
+from ._root import (
+    agreed,
+    check_same_run,
+    checkpoint_name,
+    commit,
+    fresh,
+    hold_lock,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve,
+    root_path,
+)
 from ._runstate import StateMismatch, capture, check_fits, put_back
 from ._types import Batch, Step, StepTransformer
-from ._validate import expect_owned, expect_state, length_or_none, name_of, named, positive_int
+from ._validate import (
+    expect_owned,
+    expect_state,
+    length_or_none,
+    name_of,
+    named,
+    positive_int,
+)
 from .context import Context
 from .state import TrainState
-
-PREFIX = "ckpt-"
-#: The names trainfold gives checkpoints: ``ckpt-<update>``, and ``ckpt-<update>-<micro_step>`` mid-accumulation.
-_NAME = re.compile(r"ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
-#: What crashed saves leave behind: cleaned (under the lock) when a save commits.
-_DEBRIS = re.compile(r"\.(?:tmp|del|old)-ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
-
-logger = logging.getLogger("trainfold")
 
 __all__ = ["CheckpointError", "checkpoint_every", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
@@ -66,16 +67,6 @@ def _version() -> str:
     from . import __version__
 
     return __version__
-
-
-def checkpoint_name(ctx: Context, state: TrainState) -> str:
-    """``ckpt-<update>``: named by optimizer update, the unit ``checkpoint_every(n)`` counts in.
-
-    A save in the middle of an accumulation group adds the micro-batch count
-    (``ckpt-<update>-<micro_step>``), so it never replaces the save at the update.
-    """
-    mid_group = accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps
-    return f"{PREFIX}{state.step:010d}" + (f"-{state.micro_step}" if mid_group else "")
 
 
 # --- save -----------------------------------------------------------------------------------
@@ -140,32 +131,20 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
-    root = _root(root)
-    _hold_lock(ctx, root, state)
+    root = root_path(root)
+    hold_lock(ctx, root, state)
     name = checkpoint_name(ctx, state)
     tmp = root / f".tmp-{name}"
     weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
     run = capture(state, copied=False, weights=weights, rng=now)
-    files = _agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
+    files = agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
     if main:
-        _check_same_run(root, state)
-    _agreed(ctx, lambda: _fresh(tmp) if main else None, f"creating {tmp}")
-    entries = _agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
-    _agreed(ctx, lambda: _commit(root, tmp, root / name, ctx, state, entries, keep_last) if main else None, f"committing {name}",
+        check_same_run(root, state)
+    agreed(ctx, lambda: fresh(tmp) if main else None, f"creating {tmp}")
+    entries = agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
+    agreed(ctx, lambda: commit(root, tmp, root / name, ctx, state, entries, keep_last) if main else None, f"committing {name}",
             cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
     return state
-
-
-def _root(root: str | os.PathLike[str]) -> Path:
-    if os.fspath(root) == "":
-        raise ValueError("save_checkpoint needs a folder for its checkpoints (got ''): pass a path such as 'checkpoints'.")
-    return Path(root)
-
-
-def _fresh(tmp: Path) -> None:
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a save of this position that died half-way (ours: we hold the lock)
-    tmp.mkdir()
 
 
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, bytes]:
@@ -173,60 +152,6 @@ def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, 
     if main:
         files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision))
     return files
-
-
-def _agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None) -> Any:
-    """Run ``work`` on every process and agree on whether it failed anywhere (one all-reduce on several).
-
-    Every process then raises or goes on together: none waits forever in the next collective.
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = work()
-    except (OSError, TypeError, ValueError, RuntimeError) as exc:
-        error = exc
-    acc = ctx.accelerator
-    failed = error is not None
-    if acc.num_processes > 1:
-        flag = torch.tensor(float(failed), device=acc.device)
-        failed = bool(acc.reduce(flag, reduction="sum") > 0)  # sync: once per step of a save
-    if not failed:
-        return result
-    cleanup()
-    if isinstance(error, OSError):
-        raise OSError(
-            f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. "
-            "Free space (or lower keep_last) and save again."
-        ) from error
-    if error is not None:
-        raise error
-    raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
-
-
-def _hold_lock(ctx: Context, root: Path, state: TrainState) -> None:
-    """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
-    key = os.path.abspath(root)
-    if key in ctx.checkpoint_locks:
-        fd = ctx.checkpoint_locks[key]
-        if fd is not None:
-            _lock.confirm(fd, root)  # one syscall: still ours (a Context closed in this process releases it)
-        return
-    fd = _agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
-    ctx.checkpoint_locks[key] = fd
-
-
-def _check_same_run(root: Path, state: TrainState) -> None:
-    """Refuse to mix two runs' checkpoints in one folder (the newest would silently win on resume)."""
-    latest = latest_checkpoint(root)
-    if latest is None or not state.run_id:
-        return
-    other = read_manifest(latest).get("run_id")
-    if other and other != state.run_id:
-        raise CheckpointError(
-            f"{root} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
-            "Use one folder per run, or resume that run with load_checkpoint(ctx, root, state) before saving."
-        )
 
 
 def _generators(state: TrainState) -> list[torch.Generator]:
@@ -248,99 +173,6 @@ def _position(state: TrainState) -> Resume | None:
     return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader))
 
 
-def _commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None) -> None:
-    world = ctx.accelerator.num_processes
-    others = [n for n in required_files(world) if n not in entries]
-    entries = {**entries, **digest_files(tmp, others)}  # the other processes' files: read back
-    missing = [n for n in required_files(world) if n not in entries]
-    if missing:
-        raise CheckpointError(f"{tmp}: {missing[0]} was not written; a checkpoint missing a file is never committed.")
-    write_manifest(
-        tmp,
-        entries,
-        trainfold_version=_version(),
-        torch_version=torch.__version__,
-        world_size=world,
-        run_id=state.run_id,
-        step=state.step,
-        epoch=state.epoch,
-        micro_step=state.micro_step,
-    )
-    fsync_dir(tmp)
-    if final.exists():  # the same position saved again: swap, then drop the old one
-        old = final.with_name(f".old-{final.name}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
-    _clean_debris(root)
-    if keep_last is not None:
-        _prune(root, keep_last)
-
-
-def _clean_debris(root: Path) -> None:
-    """Remove what crashed saves left (``.tmp-``, ``.del-``, ``.old-`` folders): ours, since we hold the lock."""
-    for p in root.iterdir():
-        if _DEBRIS.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
-        doomed = old.with_name(f".del-{old.name}")
-        os.replace(old, doomed)  # never a half-deleted folder that still looks committed
-        shutil.rmtree(doomed, ignore_errors=True)
-
-
-def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """The committed checkpoints under ``root``, oldest first.
-
-    Only folders named as trainfold names checkpoints (``ckpt-<update>``...)
-    with a readable manifest count, ordered by the position recorded in that
-    manifest (not by name: a copy named ``ckpt-best`` is not "newest"). A
-    checkpoint whose manifest is damaged is left out, with a warning on the
-    ``trainfold`` logger.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if not _NAME.fullmatch(p.name) or p.is_symlink() or not p.is_dir() or not (p / MANIFEST).exists():
-            continue
-        try:
-            manifest = read_manifest_json(p)  # any format: a newer one is ordered, and refused when loaded
-            position = (manifest["micro_step"], manifest["step"])
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
-                raise CheckpointError(f"{p / MANIFEST} is damaged: its position is not a pair of ints.")
-        except (CheckpointError, KeyError) as exc:
-            logger.warning("skipping %s: %s", p, exc)
-            continue
-        found.append((position, p.name, p))
-    return [p for *_, p in sorted(found)]
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``root`` (by the position it records), or None.
-
-    Example:
-        >>> latest_checkpoint("/nonexistent") is None
-        True
-
-    Example:
-        >>> list_checkpoints("/nonexistent")
-        []
-
-    .. versionadded:: 0.1.0
-    """
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
 # --- load -----------------------------------------------------------------------------------
 
 
@@ -357,18 +189,6 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
             manifest, a newer format, or a missing, truncated, altered or linked file (named).
     """
     return verify(Path(path), rank=rank, version=_version())
-
-
-def _resolve(path: str | os.PathLike[str]) -> Path:
-    folder = Path(path)
-    if (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink():
-        return folder
-    latest = latest_checkpoint(folder)
-    if latest is None:
-        if folder.is_dir() and any(p.name.startswith(f".tmp-{PREFIX}") for p in folder.iterdir()):
-            raise CheckpointError(f"{folder} holds only unfinished checkpoints (.tmp-*): no save completed.")
-        raise CheckpointError(f"{folder} is neither a trainfold checkpoint nor a folder of checkpoints.")
-    return latest
 
 
 @overload
@@ -419,7 +239,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     """
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     acc = ctx.accelerator
-    folder = _resolve(path)
+    folder = resolve(path)
     manifest = read_manifest(folder, version=_version())
     if manifest["world_size"] != acc.num_processes:
         raise CheckpointError(

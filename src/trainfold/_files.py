@@ -1,0 +1,242 @@
+"""The checkpoint folder on disk: its file names, the manifest, fsynced writes and verified reads.
+
+Owned here: which names a checkpoint may hold (:func:`required_files`, the
+manifest's checks in :func:`read_manifest`), writing files durably with their
+digests (:func:`write_files`, :func:`write_manifest`), and reading them back
+once each, verified as they are read, inside the folder only (:func:`read_verified`,
+:func:`verify`). What the files contain is ``_format.py``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import torch
+
+from . import _safetensors
+
+FORMAT = 1
+MANIFEST = "MANIFEST.json"
+SHARED = ("model.safetensors", "state.safetensors", "state.json")
+#: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
+_NAME = re.compile(r"(?:model|state)\.safetensors|state\.json|rank-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+#: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_JSON_BYTES = 64 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged, incomplete, or does not fit the run it is loaded into."""
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    return f"rank-{rank}.json", f"rank-{rank}.safetensors"
+
+
+def required_files(world_size: int) -> list[str]:
+    """Every file a checkpoint of ``world_size`` processes must have, besides its manifest."""
+    return [*SHARED, *(name for r in range(world_size) for name in rank_files(r))]
+
+
+def sha256_bytes(data: bytes | bytearray | memoryview) -> str:  # hashlib releases the GIL for large buffers
+    return hashlib.sha256(data).hexdigest()
+
+
+#: A file's content before it is written: JSON bytes, or the tensors of a safetensors file.
+Content = Union[bytes, Mapping[str, torch.Tensor]]
+
+
+def json_bytes(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path``, fsynced (a full disk raises OSError, ENOSPC); return its manifest entry."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "sha256": sha256_bytes(data)}
+
+
+def _write(path: Path, content: Content) -> dict[str, Any]:
+    return write_file(path, content) if isinstance(content, bytes) else _safetensors.write(path, content)
+
+
+def write_files(folder: Path, files: Mapping[str, Content]) -> dict[str, dict[str, Any]]:
+    """Write every file (fsynced, two at a time) and return their manifest entries, hashed as written."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_write, folder / name, content) for name, content in files.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def parse_tensors(folder: Path, name: str, data: Any) -> dict[str, torch.Tensor]:
+    try:
+        return _safetensors.parse(data)
+    except _safetensors.FormatError as exc:
+        raise CheckpointError(f"{folder}: file {name} is not a readable safetensors file ({exc}).") from None
+
+
+def parse_json(folder: Path, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:
+    if len(data) > limit:
+        raise CheckpointError(f"{folder}: file {name} has {len(data)} bytes, more than the {limit} a trainfold checkpoint writes: refused unread.")
+    try:
+        return json.loads(bytes(data))
+    except RecursionError:
+        raise CheckpointError(f"{folder}: file {name} is nested too deeply to be a trainfold checkpoint: refused.") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: file {name} is not valid JSON ({exc}).") from None
+
+
+# --- reading files: inside the folder, regular, verified while read ---------------------------
+
+
+def _regular(folder: Path, name: str) -> os.stat_result:
+    """``lstat`` of a file the manifest lists: it must be a regular file in the folder, not a link."""
+    try:
+        st = os.lstat(folder / name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: file {name} is missing; the checkpoint is damaged.") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{folder}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed.")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{folder}: file {name} is not a regular file: refused.")
+    return st
+
+
+def _read_checked(folder: Path, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
+    """Read ``name`` once, checking its size and SHA-256 against the manifest as it is read."""
+    st = _regular(folder, name)
+    if st.st_size != expected["size"]:
+        raise CheckpointError(f"{folder}: file {name} has {st.st_size} bytes, the manifest says {expected['size']}: truncated or altered.")
+    data = None
+    if keep:
+        try:
+            data = _safetensors.read_into(folder / name, expected["size"])
+        except _safetensors.FormatError:
+            raise CheckpointError(f"{folder}: file {name} changed size while it was read: altered.") from None
+        digest = sha256_bytes(data)
+    else:
+        h = hashlib.sha256()
+        with os.fdopen(os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{folder}: file {name} does not match its SHA-256 in the manifest: altered or corrupted.")
+    return data
+
+
+def read_verified(folder: Path, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True) -> dict[str, Any]:
+    """The files ``names`` of a checkpoint, each read once and verified against the manifest (in parallel).
+
+    Raises:
+        CheckpointError: a file missing, not a regular file (a symbolic link is
+            refused, never followed), or of another size or digest.
+    """
+    files = manifest["files"]
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
+        futures = {name: pool.submit(_read_checked, folder, name, files[name], keep) for name in names}
+        return {name: future.result() for name, future in futures.items()}  # type: ignore[misc]
+
+
+def read_manifest_json(folder: Path) -> dict[str, Any]:
+    """The manifest as parsed JSON: a regular file in a real folder, at most ``MAX_MANIFEST_BYTES``, not nested too deeply.
+
+    Raises:
+        CheckpointError: no manifest, or one that is a link, too large or not a JSON object.
+    """
+    if folder.is_symlink() or not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a checkpoint folder (a checkpoint is a directory, not a link).")
+    path = folder / MANIFEST
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{folder} is not a trainfold checkpoint: it has no {MANIFEST} (an interrupted save leaves only "
+            "a .tmp-* folder). Pass a checkpoint folder or the root that holds them."
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{folder}: {MANIFEST} is not a regular file (a link or a special file): refused, not followed.")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path} is damaged: {st.st_size} bytes, more than a manifest can be; refused unread.")
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted.") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is damaged: not a JSON object; the checkpoint cannot be trusted.")
+    return manifest
+
+
+def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
+    """The checkpoint's manifest, checked: its format, its world size, and that it lists every file the format needs and no other.
+
+    Raises:
+        CheckpointError: no manifest; a manifest that is damaged, too large,
+            nested too deeply, of a newer format, or lists a name that is not a
+            plain file of the format (``../x``, ``/etc/...``) or misses one.
+    """
+    manifest = read_manifest_json(folder)
+    path = folder / MANIFEST
+    try:
+        files, fmt = manifest["files"], manifest["format"]
+    except KeyError as exc:
+        raise CheckpointError(f"{path} is damaged (no {exc}); the checkpoint cannot be trusted.") from None
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"{folder} was written by trainfold {manifest.get('trainfold_version')} in checkpoint format {fmt}; "
+            f"this trainfold ({version}) reads format {FORMAT}. Use the trainfold version that wrote it."
+        )
+    world = manifest.get("world_size")
+    if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
+    for name, entry in files.items():
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")
+        size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and a SHA-256.")
+    missing = [name for name in required_files(world) if name not in files]
+    if missing:
+        raise CheckpointError(f"{path} does not list {missing[0]}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
+    return manifest
+
+
+# --- the manifest ---------------------------------------------------------------------------
+
+
+def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], **fields: Any) -> None:
+    """Write the manifest last: every file's size and SHA-256 (``files``), and ``fields`` (format, position...)."""
+    write_file(tmp / MANIFEST, json_bytes({"format": FORMAT, **fields, "files": dict(sorted(files.items()))}))
+
+
+def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries of files another process wrote (read back and hashed)."""
+    entries = {}
+    for name in names:
+        st = _regular(folder, name)
+        h = hashlib.sha256()
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        entries[name] = {"size": st.st_size, "sha256": h.hexdigest()}
+    return entries
+
+
+def verify(folder: Path, *, rank: int | None = None, version: str = "") -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest and return the manifest (see ``verify_checkpoint``)."""
+    manifest = read_manifest(folder, version=version)
+    names = [n for n in manifest["files"] if rank is None or not n.startswith("rank-") or n.startswith(f"rank-{rank}.")]
+    read_verified(folder, manifest, names, keep=False)
+    return manifest
