@@ -265,3 +265,32 @@ def test_wait_for_everyone_holds_every_rank_until_all_arrive(tmp_path):
     """Context.wait_for_everyone is a real barrier across CPU processes (it bypasses Accelerate's, which
     asks for one GPU per process and fails on a machine with fewer GPUs than processes)."""
     assert [True, True] == testing.run_distributed(_barrier_on_this_rank, str(tmp_path), nprocs=2, timeout=60)
+
+
+def _save_into_another_runs_root(folder):
+    from trainfold import CheckpointError, save_checkpoint
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(2, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        save_checkpoint(ctx, folder, state)
+        return "saved"
+    except CheckpointError as exc:
+        return "refused: " + str(exc)[:60]
+    finally:
+        ctx.close()
+
+
+def test_a_refused_save_is_refused_on_every_rank_and_none_waits(tmp_path):
+    """The main process finds another run's checkpoints; the other rank learns it instead of waiting forever."""
+    from trainfold import save_checkpoint
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(2, 1)
+    save_checkpoint(ctx, tmp_path, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    ctx.close()  # this process's lock goes: only the other run's checkpoint stays
+
+    ranks = testing.run_distributed(_save_into_another_runs_root, str(tmp_path), nprocs=2, timeout=60)
+
+    assert all(r.startswith("refused") for r in ranks), ranks

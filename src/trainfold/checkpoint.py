@@ -28,6 +28,7 @@ from ._backend import is_resumable_loader, loader_generators, read_ahead_batch
 from ._cursor import EpochCursor, Resume
 from ._files import (
     CheckpointError,
+    Content,
     rank_files,
     read_manifest,
     read_verified,
@@ -138,16 +139,19 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
     run = capture(state, copied=False, weights=weights, rng=now)
     files = agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
-    if main:
-        check_same_run(root, state)
-    agreed(ctx, lambda: fresh(tmp) if main else None, f"creating {tmp}")
+    agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
     entries = agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
     agreed(ctx, lambda: commit(root, tmp, root / name, ctx, state, entries, keep_last) if main else None, f"committing {name}",
             cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
     return state
 
 
-def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, bytes]:
+def _start(root: Path, tmp: Path, state: TrainState) -> None:
+    check_same_run(root, state)
+    fresh(tmp)
+
+
+def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
     files = encode_rank(ctx.accelerator.process_index, run, _position(state))
     if main:
         files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision))
@@ -170,6 +174,7 @@ def _position(state: TrainState) -> Resume | None:
             f"(the epoch runs over a {type(cursor.loader).__name__}), so that it can continue where it stopped."
         )
     read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
+    # ``now`` is not written from here: the run state's random states are the moment of the save
     return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader))
 
 
