@@ -24,7 +24,6 @@ from ._files import (
     MANIFEST,
     CheckpointError,
     digest_files,
-    read_manifest,
     read_manifest_json,
     required_files,
     write_manifest,
@@ -103,9 +102,9 @@ def hold_lock(ctx: Context, root: Path, state: TrainState) -> None:
     """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
     key = os.path.abspath(root)
     if key in ctx.checkpoint_locks:
-        fd = ctx.checkpoint_locks[key]
-        if fd is not None:
-            _lock.confirm(fd, root)  # one syscall: still ours (a Context closed in this process releases it)
+        held = ctx.checkpoint_locks[key]
+        # one syscall on the main process: still ours (closing a Context in this process releases it)
+        agreed(ctx, lambda: None if held is None else _lock.confirm(held, root), f"locking {root}")
         return
     fd = agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
     ctx.checkpoint_locks[key] = fd
@@ -116,7 +115,7 @@ def check_same_run(root: Path, state: TrainState) -> None:
     latest = latest_checkpoint(root)
     if latest is None or not state.run_id:
         return
-    other = read_manifest(latest).get("run_id")
+    other = read_manifest_json(latest).get("run_id")  # any format: the run id is what matters here
     if other and other != state.run_id:
         raise CheckpointError(
             f"{root} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
