@@ -16,7 +16,6 @@ from .context import Context
 from .metrics import RunningSums
 from .stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value
 from .state import TrainState
-from .tokens import normalize_tokens
 
 
 def record(
@@ -59,6 +58,8 @@ def stages_of(
         raise ValueError("give clip_grad_norm or clip_grad_value, not both.")
     chosen: list[StageSpec] = []
     if _normalize_mode(normalize) == "tokens":
+        from .tokens import normalize_tokens  # the option's stage, from its own module: the pipeline knows no feature
+
         chosen.append(normalize_tokens())
     if clip_grad_norm is not None:
         chosen.append(clip_by_norm(clip_grad_norm))
