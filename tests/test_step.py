@@ -212,3 +212,27 @@ def test_step_has_a_readable_name():
     ctx, _ = _setup()
 
     assert "step[mse_loss]" == make_step(ctx, testing.mse_loss).__qualname__
+
+
+def test_a_step_function_keeps_no_model_alive_once_its_state_is_gone():
+    """A host runs many trials with one step function: the step's per-optimizer caches must not hold them."""
+    import gc
+    import weakref
+
+    from trainfold import nan_guard
+
+    ctx, _ = _setup()
+    steps = [make_step(ctx, testing.mse_loss), make_step(ctx, testing.mse_loss, stages=[nan_guard(3)])]
+
+    def trial():
+        model = torch.nn.Linear(1, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        for step in steps:
+            state = step(state, BATCH)
+        return weakref.ref(model.weight)
+
+    weight = trial()
+    ctx.accelerator.free_memory()  # Accelerate's own references to what it prepared
+    gc.collect()
+
+    assert weight() is None

@@ -2,14 +2,14 @@
 
 Owned here: :class:`Update` (one optimizer's update, decided the first time a
 step meets that optimizer), the gated strategies (:func:`skip_on_device`,
-:func:`skip_after_read`, :func:`left_to_scaler`) and :class:`Updates`, the
-step's cache of them, which holds its optimizers weakly (a host that runs many
-trials with one step function does not keep their models alive).
+:func:`skip_after_read`, :func:`left_to_scaler`) and :class:`Updates`, which
+finds them. The decisions are kept on the optimizer itself, so they live exactly
+as long as it does: a step function used for many trials holds none of their
+optimizers or models.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable
 
 import attrs
@@ -71,25 +71,31 @@ def gated(ops: OptimizerOps) -> Apply:
     return apply
 
 
+#: The attribute of an optimizer that holds its decided updates, by kind (plain, gated).
+_ATTRIBUTE = "_trainfold_updates"
+
+
 class Updates:
-    """A step's :class:`Update` per optimizer, decided on first use; the optimizers are held weakly."""
+    """A step's :class:`Update` per optimizer, decided on first use and kept on the optimizer.
+
+    A cache in the step (even a weak-keyed one) would outlive the optimizer or
+    keep it alive: an ``Update`` holds the optimizer's bound methods. Kept in the
+    optimizer's own ``__dict__``, it goes when the optimizer goes.
+    """
 
     def __init__(self, accelerator: Accelerator, *, gate: bool) -> None:
         self._accelerator = accelerator
+        self._gate = gate
         self._make = gated if gate else plain
-        self._known: weakref.WeakKeyDictionary[Any, Update] = weakref.WeakKeyDictionary()
-        self._last: tuple[weakref.ref[Any], Update] | None = None
 
     def of(self, optimizer: Any) -> Update:
         """The update for ``optimizer`` (the prepared one a TrainState holds)."""
-        last = self._last
-        if last is not None and last[0]() is optimizer:
-            return last[1]
-        update = self._known.get(optimizer)
+        known = optimizer.__dict__.get(_ATTRIBUTE)
+        update = None if known is None else known.get(self._gate)
         if update is None:
             ops = optimizer_ops(self._accelerator, optimizer)
-            update = self._known[optimizer] = Update(ops, self._make(ops))
-        self._last = (weakref.ref(optimizer), update)
+            update = Update(ops, self._make(ops))
+            optimizer.__dict__.setdefault(_ATTRIBUTE, {})[self._gate] = update
         return update
 
 
