@@ -9,7 +9,6 @@ gated update (``trainfold._update``).
 
 from __future__ import annotations
 
-import weakref
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +154,10 @@ def _one(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)  # float32 whatever the default dtype
 
 
+#: The attribute of a torch optimizer that holds the guard's :class:`_Target` for it.
+_TARGET = "_trainfold_guard_target"
+
+
 @attrs.frozen
 class _Target:
     """Where one optimizer's parameters were when the guard first checked them, and the check's scale there.
@@ -192,22 +195,15 @@ class NanGuard:
                 "otherwise remove nan_guard."
             )
         max_consecutive, check_every = self.max_consecutive, self.check_every
-        targets: weakref.WeakKeyDictionary[Any, _Target] = weakref.WeakKeyDictionary()
-        targets_last: list[tuple[weakref.ref[Any], _Target] | None] = [None]
 
         def check(mb: MicroBatch) -> None:
             guard = mb.extras.get(NAME)
             if guard is None:
                 guard = NanGuardState(max_consecutive, check_every)
             optimizer = inner_optimizer(mb.state.optimizer)
-            last = targets_last[0]
-            if last is not None and last[0]() is optimizer:
-                target = last[1]
-            else:
-                target = targets.get(optimizer)
-                if target is None:  # the first update of this optimizer (held weakly)
-                    target = targets[optimizer] = _Target.of(optimizer)
-                targets_last[0] = (weakref.ref(optimizer), target)
+            target = optimizer.__dict__.get(_TARGET)
+            if target is None:  # the first update of this optimizer: kept on it, so it goes with it
+                target = optimizer.__dict__[_TARGET] = _Target.of(optimizer)
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             device = grads[0].device if grads else target.device
             guard, flag = guard.claim(device)
