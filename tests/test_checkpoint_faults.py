@@ -271,3 +271,26 @@ def test_save_best_and_restore_best_on_two_processes(tmp_path):
     ranks = testing.run_distributed(_best_on_this_rank, str(tmp_path), nprocs=2, timeout=120)
 
     assert [True, True] == [same for same, _ in ranks]
+
+
+def test_an_empty_root_is_refused_instead_of_writing_into_the_working_directory(tmp_path, monkeypatch):
+    ctx, state, _ = _setup()
+    monkeypatch.chdir(tmp_path)
+
+    with pytest.raises(ValueError, match=r"save_checkpoint needs a folder for its checkpoints \(got ''\)"):
+        save_checkpoint(ctx, "", state)
+    assert [] == list(tmp_path.iterdir())
+
+
+def test_verify_checkpoint_streams_every_file_and_names_the_altered_one(tmp_path):
+    ctx, state, _ = _setup()
+    save_checkpoint(ctx, tmp_path, state)
+    ckpt = latest_checkpoint(tmp_path)
+    assert "ckpt-0000000000" == ckpt.name and verify_checkpoint(ckpt)["world_size"] == 1
+
+    data = bytearray((ckpt / "state.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (ckpt / "state.safetensors").write_bytes(bytes(data))
+
+    with pytest.raises(CheckpointError, match="file state.safetensors does not match its SHA-256"):
+        verify_checkpoint(ckpt)
