@@ -14,7 +14,7 @@ FLOOR ?= accelerate==1.0.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainfold-installed
 FLOOR_STAMP := $(FLOOR_VENV)/.trainfold-installed
-FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py
+FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
 .PHONY: example test test-floor bench clean
 
@@ -41,7 +41,7 @@ test: $(STAMP)
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"
-	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(FLOOR_TESTS) -k "not digits_example"
+	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(FLOOR_TESTS) -k "not digits_example and not torchrun_job"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6

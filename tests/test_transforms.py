@@ -44,7 +44,10 @@ def test_max_steps_ends_run_epoch_early_and_loop_stops():
 
     final = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
 
-    assert (6, 2, True) == (final.step, final.epoch, final.should_stop)
+    # 4 batches an epoch: stopped in the second epoch, which stays open at batch 2 (not counted, not recorded)
+    assert (6, 1, 2, True, False, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.should_stop, final.finished, final.stop_reason)
+    assert [1] == [r.epoch for r in final.history if r.name == "train_loss"]
+    assert not final.interrupted  # loop has returned: code after it runs as written
 
 
 def test_every_steps_runs_the_epoch_function_after_every_nth_update():
@@ -182,7 +185,7 @@ def test_nan_guard_stops_the_run_after_k_in_a_row():
 
     final = run_epoch(ctx, step, dl, state)
 
-    assert final.should_stop and 4 == final.step
+    assert final.should_stop and 4 == final.step and "nan_guard" == final.stop_reason and not final.finished
     assert 2 == final.extras["nan_guard"].skipped
 
 

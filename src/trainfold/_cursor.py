@@ -14,11 +14,14 @@ class EpochCursor:
     """The epoch being iterated by ``run_epoch``: its iterator, its loader and its starting random state.
 
     Between epochs ``iterator`` and ``epoch_start`` are None and only the loader is kept.
+    ``interrupted``: ``run_epoch`` stopped before the loader's end and returned; the
+    iterator is left open, so a later ``run_epoch`` continues it.
     """
 
     iterator: Any = attrs.field(repr=False)
     loader: Any = attrs.field(repr=False)
     epoch_start: RngStates | None = attrs.field(repr=False)
+    interrupted: bool = False
 
 
 @attrs.frozen

@@ -101,6 +101,8 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
         values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template.model), device=device)
                   for f in _value_fields(type(template)) if f.name in saved}
         _check_counters(values)
+        if "finished" not in saved:  # written before trainfold told a finished run from a stopped one: keep its stop
+            values["finished"] = values.get("should_stop", False)
         extras = values.get("extras", {})
         if not isinstance(extras, dict):
             raise TypeError(f"extras is a {type(extras).__name__}, not a mapping")
@@ -138,8 +140,11 @@ def _count(name: str, v: Any) -> int:
 def _check_counters(values: Mapping[str, Any]) -> None:
     for name in ("step", "micro_step", "epoch", "batch_in_epoch"):
         _count(name, values.get(name, 0))
-    if not isinstance(values.get("should_stop", False), bool):
-        raise ValueError(f"should_stop is {values['should_stop']!r}, not a bool")
+    for flag in ("should_stop", "finished"):
+        if not isinstance(values.get(flag, False), bool):
+            raise ValueError(f"{flag} is {values[flag]!r}, not a bool")
+    if not isinstance(values.get("stop_reason", ""), str):
+        raise ValueError(f"stop_reason is {values['stop_reason']!r}, not a str")
 
 
 def _record(r: Any) -> Record:

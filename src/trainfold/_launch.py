@@ -37,14 +37,16 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, 
         result = {"ok": fn(*args, **kwargs)}
     except BaseException as exc:  # reported to the parent, which re-raises
         result = {"error": f"rank {rank}: {type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
     if "error" in result:
-        sys.exit(1)
+        # as a failed torchrun worker: exit now, without waiting on peers that may be stuck in a collective
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 120.0, **kwargs: Any) -> list[Any]:

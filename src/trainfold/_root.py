@@ -123,7 +123,8 @@ def check_same_run(root: Path, state: TrainState) -> None:
         )
 
 
-def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None) -> None:
+def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
+           *, finite: bool = True) -> None:
     world = ctx.accelerator.num_processes
     others = [n for n in required_files(world) if n not in entries]
     entries = {**entries, **digest_files(tmp, others)}  # the other processes' files: read back
@@ -140,6 +141,7 @@ def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, 
         step=state.step,
         epoch=state.epoch,
         micro_step=state.micro_step,
+        finite=finite,
     )
     fsync_dir(tmp)
     if final.exists():  # the same position saved again: swap, then drop the old one
@@ -165,10 +167,29 @@ def _clean_debris(root: Path) -> None:
 
 
 def _prune(root: Path, keep_last: int) -> None:
-    for old in list_checkpoints(root)[:-keep_last]:
+    """Remove all but the newest ``keep_last`` checkpoints, and never the newest one of finite weights.
+
+    A run that went non-finite (a NaN on one process, no ``nan_guard``) goes on
+    writing checkpoints of NaN weights: ``keep_last`` alone would push out the
+    last one worth resuming from.
+    """
+    found = list_checkpoints(root)
+    finite = [p for p in found if _is_finite(p)]
+    keep = set(found[-keep_last:]) | set(finite[-1:])
+    for old in found:
+        if old in keep:
+            continue
         doomed = old.with_name(f".del-{old.name}")
         os.replace(old, doomed)  # never a half-deleted folder that still looks committed
         shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _is_finite(folder: Path) -> bool:
+    """What the manifest says of the weights (a checkpoint written before trainfold recorded it: finite)."""
+    try:
+        return read_manifest_json(folder).get("finite", True) is not False
+    except CheckpointError:
+        return False
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:

@@ -14,10 +14,11 @@ state is, ``_runstate.py``'s.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Mapping, overload
 
 import attrs
 import torch
@@ -59,7 +60,10 @@ from ._validate import (
     positive_int,
 )
 from .context import Context
+from .interrupt import catching_signals
 from .state import TrainState
+
+logger = logging.getLogger("trainfold")
 
 __all__ = ["CheckpointError", "checkpoint_every", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
@@ -129,6 +133,11 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
     if keep_last is not None:
         positive_int("keep_last", keep_last)
+    with catching_signals(ctx.interrupt, ctx.signals):  # a signal now is honoured after the save, not in its middle
+        return _save(ctx, root, state, keep_last)
+
+
+def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_last: int | None) -> TrainState:
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
@@ -141,9 +150,24 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     files = agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
     agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
     entries = agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
-    agreed(ctx, lambda: commit(root, tmp, root / name, ctx, state, entries, keep_last) if main else None, f"committing {name}",
-            cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
+    finite = _all_finite(weights, name) if main else True
+    agreed(ctx, lambda: commit(root, tmp, root / name, ctx, state, entries, keep_last, finite=finite) if main else None,
+           f"committing {name}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
     return state
+
+
+def _all_finite(weights: Mapping[str, torch.Tensor], name: str) -> bool:
+    """Whether every floating-point weight is finite (one host sync, at a save); logs an error if not."""
+    checks = [torch.isfinite(t).all() for t in weights.values() if t.is_floating_point() and t.numel()]
+    finite = bool(torch.stack(checks).all()) if checks else True  # sync: once per save
+    if not finite:
+        logger.error(
+            "trainfold: checkpoint %s holds non-finite weights (NaN or inf): the run has diverged. It is kept, but "
+            "keep_last never removes the newest checkpoint of finite weights because of it; resume from that one "
+            "(see list_checkpoints) with a lower learning rate, clipping, or make_step(..., stages=[nan_guard()]).",
+            name,
+        )
+    return finite
 
 
 def _start(root: Path, tmp: Path, state: TrainState) -> None:
@@ -266,7 +290,9 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         raise CheckpointError(f"{folder} {exc}") from None
 
     # Everything read and checked: now change things.
-    return attrs.evolve(put_back(run, state, keep_run=False), cursor=resume)
+    loaded = put_back(run, state, keep_run=False)
+    # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
+    return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "")
 
 
 # --- periodic saving ------------------------------------------------------------------------
@@ -296,8 +322,9 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update, and when the run stops.
 
     A final checkpoint is written after the step at which the run stops for any
-    reason (``max_steps``, ``nan_guard``, or Ctrl-C, which ``run_epoch`` turns
-    into a stop at the next step boundary), so an interrupted run loses nothing.
+    reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
+    which ``run_epoch`` turns into a stop at the next step boundary agreed by
+    every process), so an interrupted run loses nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
 
@@ -324,7 +351,10 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
                 checked[0] = True
             new = step(state, batch)
             due = new.step != state.step and new.step % n == 0
-            stopping = (new.should_stop and not state.should_stop) or (interrupt.requested and interrupt.agreed(ctx.accelerator, new.step))
+            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
+            stopping = (new.should_stop and not state.should_stop) or (
+                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+            )
             if due or stopping:
                 return save_checkpoint(ctx, root, new, keep_last=keep_last)
             return new

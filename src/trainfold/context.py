@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
+import signal
 from typing import Any
 
 import attrs
 from accelerate import Accelerator
 
 from ._backend import loader_placement, wait_for_everyone
+from ._control import Control, current_timeout, set_timeout
 from .interrupt import Interrupt
+
+#: the signals a Context turns into a stop request by default: Ctrl-C, and what SLURM,
+#: Kubernetes and torchrun send before they kill a job
+DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
 
 
 def _require_accelerator(value: Any) -> Accelerator:
@@ -34,6 +41,41 @@ def _is_main_process(ctx: Context) -> bool:
     return bool(ctx.accelerator.is_main_process)
 
 
+def _signals(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    found = tuple(value) if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+    out = []
+    for s in found:
+        try:
+            sig = signal.Signals(s)
+        except (ValueError, TypeError):
+            raise TypeError(f"'signals' must be signal numbers such as signal.SIGTERM (got {s!r}); pass signals=() to turn handling off.") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{sig.name} cannot be caught by any process: it cannot be a stop request. Use SIGTERM or SIGUSR1.")
+        out.append(int(sig))
+    return tuple(out)
+
+
+def _positive_seconds(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"'{attribute.name}' must be a positive number of seconds (got {value!r}).")
+
+
+def _timeout(value: Any) -> datetime.timedelta | None:
+    if value is None or isinstance(value, datetime.timedelta):
+        if value is not None and value.total_seconds() <= 0:
+            raise ValueError(f"'timeout' must be positive (got {value}).")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive number of seconds (got {value!r}).")
+    return datetime.timedelta(seconds=value)
+
+
+def _interrupt(ctx: Context) -> Interrupt:
+    return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
+
+
 @attrs.frozen(eq=False)
 class Context:
     """The Accelerator and the run-wide settings trainfold reads.
@@ -48,6 +90,17 @@ class Context:
     Args:
         accelerator: the ``accelerate.Accelerator`` that does device placement,
             mixed precision, accumulation and distribution.
+        signals: the signals that, while ``loop`` or ``run_epoch`` runs, are a request
+            to stop at the next step boundary (a final checkpoint is written, a second
+            signal acts at once). SIGINT and SIGTERM by default; ``signals=()`` leaves
+            every signal to the host application.
+        stop_check_s: on several processes, the length of an agreement round in
+            seconds: a stop requested on any process stops all of them within two
+            rounds and the micro-batch in progress (see :mod:`trainfold.interrupt`).
+        timeout: how long a collective waits for the other processes before it fails
+            (a ``datetime.timedelta`` or seconds), set on the process group now. By
+            default the group keeps what it was made with: torch's 30 minutes for
+            gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
 
     Example:
         >>> from accelerate import Accelerator
@@ -68,11 +121,24 @@ class Context:
     #: True on the process that should log, print and write shared files. Read once: Accelerate's
     #: own property builds a ``PartialState`` on every read (~2.5 us, 10 times that in a cold cache).
     is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
-    #: the stop request Ctrl-C sets while ``run_epoch`` runs (see :mod:`trainfold.interrupt`)
-    interrupt: Interrupt = attrs.field(init=False, factory=Interrupt, repr=False)
+    signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=_signals)
+    stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=_positive_seconds)
+    timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=_timeout)
+    #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
+    control: Control = attrs.field(init=False, factory=Control, repr=False)
+    #: the stop request a signal sets while ``loop`` or ``run_epoch`` runs (see :mod:`trainfold.interrupt`)
+    interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
     #: the checkpoint roots this run writes, by path: the lock's descriptor on the main process
     #: (held until :meth:`close` or the process ends), None on the others
     checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.timeout is not None and self.accelerator.num_processes > 1:
+            set_timeout(self.timeout)
+
+    def collective_timeout(self) -> datetime.timedelta | None:
+        """How long a collective waits for the other processes before it fails (None on one process)."""
+        return current_timeout() if self.accelerator.num_processes > 1 else None
 
     def check(self) -> None:
         """Raise if another Accelerator changed the process-wide settings this Context relies on.
@@ -106,6 +172,7 @@ class Context:
             if fd is not None:
                 release(fd)
         self.checkpoint_locks.clear()
+        self.control.forget()
         self.accelerator.end_training()
 
     def __enter__(self) -> Context:

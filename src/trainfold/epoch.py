@@ -25,7 +25,8 @@ from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state, length_or_none
 from .context import Context
 from ._loss import compute_loss
-from .interrupt import catching_interrupts
+from ._control import check_same_count, check_same_length, explaining_timeouts
+from .interrupt import catching_signals, signal_name
 from .metrics import RunningSums, weighted
 from .state import TrainState
 
@@ -56,11 +57,25 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         model.train()
         for batch in loader:                   # to exhaustion, as a plain for loop
             state = step(state, batch)
-            if state.should_stop: break        # set by max_steps, nan_guard...
+            if state.should_stop:              # max_steps, nan_guard, a signal...
+                return state                   # the epoch stays open: state.interrupted
         record train_loss (and train_<aux>): running sums reduced over processes, once
         epoch + 1, batch_in_epoch = 0, running sums reset
 
     Curried with the state last: ``run_epoch(ctx, step, loader)`` is an epoch function.
+
+    A stop before the loader's end leaves the epoch open: ``state.epoch`` is
+    unchanged, ``state.batch_in_epoch`` is where it stopped, ``state.interrupted``
+    is set (the epoch-level functions composed after this one pass the state
+    through) and a checkpoint of it continues the epoch. So does ``run_epoch``
+    on it, over the same loader, once ``should_stop`` is cleared.
+
+    While it runs, the Context's signals (SIGINT, SIGTERM) are a request to
+    stop at the next step boundary, agreed by every process (see
+    :mod:`trainfold.interrupt`). On several processes it first checks, with one
+    all-gather on the control channel, that every process has as many batches
+    (a loader of unknown length is checked at its end), so that uneven data
+    fails on every process instead of hanging in a collective.
 
     Args:
         ctx: the run's Context.
@@ -76,7 +91,10 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         mean batch loss over all processes.
 
     Raises:
-        ValueError: the loader yielded no batches.
+        ValueError: the loader yielded no batches; the processes have different
+            numbers of batches.
+        RuntimeError: a loader of unknown length ended on this process but not on
+            the others.
 
     Example:
         >>> from trainfold import testing
@@ -91,20 +109,33 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     ctx.check()
     _check_accumulation(ctx, loader)
     state.model.train()
+    length = length_or_none(loader)
+    distributed = ctx.accelerator.num_processes > 1
+    if distributed:
+        check_same_length(ctx.control, length, "run_epoch")
     iterator, epoch_start = _start_epoch(state, loader)
     state = attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start))
     seen = 0
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.interrupt
-    with catching_interrupts(interrupt):
+    acc = ctx.accelerator
+    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx):
         for batch in iterator:
             state = step(state, batch)
             seen += 1
-            if interrupt.requested and interrupt.agreed(ctx.accelerator, state.step):
-                state = attrs.evolve(state.with_extra("interrupted", True), should_stop=True)
-            if state.should_stop or state.batch_in_epoch == limit:
+            if state.micro_step >= interrupt.next_check and (signum := interrupt.check(state.micro_step, acc.sync_gradients)):
+                state = state.with_stop(f"signal {signal_name(signum)}")
+                interrupt.clear()  # honoured: the next run on this Context is not stopped by it
+            if state.batch_in_epoch == limit:
                 abandon_epoch(iterator, loader)
                 break
+            if state.should_stop:
+                # The epoch stays open: its position is kept (a checkpoint continues it, as does a
+                # later run_epoch), and the epoch-level functions after this one pass it through.
+                return attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start, interrupted=True))
+        else:
+            if distributed and length is None:
+                check_same_count(ctx.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
     if seen == 0 and state.batch_in_epoch == 0:
         raise _empty_loader("run_epoch", loader)
     return end_epoch(ctx, state)
@@ -127,7 +158,15 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
     A state from ``load_checkpoint`` continues its interrupted epoch: see
     :func:`trainfold._backend.resumed_epoch`.
     """
-    resume = state.cursor if isinstance(state.cursor, Resume) else None
+    cursor = state.cursor
+    if isinstance(cursor, EpochCursor) and cursor.iterator is not None and state.batch_in_epoch > 0:
+        if cursor.loader is not loader:
+            raise ValueError(
+                "run_epoch: the state stopped in the middle of an epoch over another loader: continue it with the "
+                "same loader (or save a checkpoint and resume from it, or start from a state between epochs)."
+            )
+        return cursor.iterator, cursor.epoch_start  # an epoch stopped in this process: it goes on
+    resume = cursor if isinstance(cursor, Resume) else None
     generators = loader_generators(loader)
     if resume is None:
         return iter(loader), rng.capture(generators)  # ~60 us, once per epoch
@@ -212,6 +251,11 @@ def evaluate(
         count += n
     then one reduction over processes: ``{prefix}_loss = sum / count``.
 
+    A state from a ``run_epoch`` that stopped mid-epoch (``state.interrupted``)
+    is passed through unevaluated. A signal that arrives during the evaluation
+    (SIGINT, SIGTERM: the Context's) lets it finish and returns the state
+    stopped, on every process.
+
     Every sample is counted once, however the last batch falls: under
     Accelerate's ``even_batches`` padding, each process drops its padded
     samples before calling ``loss_fn`` (a process whose whole last batch is
@@ -242,12 +286,15 @@ def evaluate(
     """
     state = expect_owned("evaluate", ctx, expect_state("evaluate", state))
     ctx.check()
+    if state.interrupted:
+        return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
     sums = RunningSums.zero(acc.device)
     count = 0
     batches = 0
-    with _eval_mode(net):
+    interrupt = ctx.interrupt
+    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx), _eval_mode(net):
         for batch in loader:
             batches += 1
             n = batch_size(batch)
@@ -262,7 +309,12 @@ def evaluate(
     if batches == 0:
         raise _empty_loader("evaluate", loader)
     values = {f"{prefix}_{k}": v for k, v in sums.means(acc, count).items()}
-    return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
+    state = attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
+    signum = interrupt.agree_now()  # a signal during the evaluation: the run stops after it, on every process
+    if signum:
+        interrupt.clear()
+        return state.with_stop(f"signal {signal_name(signum)}")
+    return state
 
 
 @overload

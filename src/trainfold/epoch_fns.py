@@ -8,6 +8,7 @@ decision reads values from ``state.history``, which ``run_epoch`` and
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import overload
@@ -25,6 +26,8 @@ from .records import register_record
 from .state import TrainState
 from .tracking import emit
 from .transforms import LR_SCALE
+
+logger = logging.getLogger("trainfold")
 
 _MODES = ("min", "max")
 
@@ -77,22 +80,27 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     Reads the latest ``state.history[metric]`` (so compose it after the
     ``evaluate`` that records it); keeps its best value and count in
     ``state.extras["early_stop:<metric>"]``. No exception is raised: ``loop``
-    sees ``should_stop`` and ends.
+    sees ``should_stop`` and ends. The run is ``finished``: resumed from its
+    checkpoint, it stays stopped. An interrupted epoch (``state.interrupted``)
+    is passed through: no epoch ended, so none is counted.
 
     Example:
         >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
         >>> for v in (1.0, 0.5, 0.6, 0.7):
         ...     s = early_stop("eval_loss", attrs.evolve(s, history=s.history.add(epoch=0, step=0, values={"eval_loss": v})), patience=2)
-        >>> s.should_stop, s.extras["early_stop:eval_loss"]
-        (True, PatienceState(best=0.5, bad_epochs=2))
+        >>> s.should_stop, s.finished, s.stop_reason, s.extras["early_stop:eval_loss"]
+        (True, True, 'early_stop:eval_loss', PatienceState(best=0.5, bad_epochs=2))
 
     .. versionadded:: 0.1.0
     """
     state = expect_state("early_stop", state)
     _check_mode(mode)
+    if state.interrupted:
+        return state  # no epoch ended: nothing to count
     key = f"early_stop:{metric}"
     tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "early_stop"), mode, min_delta)
-    return attrs.evolve(state.with_extra(key, tracker), should_stop=state.should_stop or tracker.bad_epochs >= patience)
+    state = state.with_extra(key, tracker)
+    return state.with_stop(key, finished=True) if tracker.bad_epochs >= patience else state
 
 
 @register_record
@@ -132,6 +140,8 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
     _check_mode(mode)
+    if state.interrupted:
+        return state
     key = f"save_best:{metric}"
     value = _latest(state, metric, "save_best")
     best: BestState | None = state.extras.get(key)
@@ -209,6 +219,8 @@ def reduce_lr_on_plateau(
     _check_mode(mode)
     if not 0.0 < factor < 1.0:
         raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
+    if state.interrupted:
+        return state
     key = f"plateau:{metric}"
     tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta)
     if tracker.bad_epochs < patience:
@@ -237,6 +249,10 @@ def log_epoch(ctx: Context, state: TrainState) -> TrainState:
     .. versionadded:: 0.1.0
     """
     state = expect_state("log_epoch", state)
+    if state.interrupted:
+        if ctx.is_main_process:
+            logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
+        return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
     emit(ctx, {**values, "epoch": float(state.epoch)}, state.step)
     return state

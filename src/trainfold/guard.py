@@ -222,6 +222,7 @@ class NanGuard:
                 mb.extras = MappingProxyType({**mb.extras, NAME: guard})
                 if guard.tripped:
                     mb.should_stop = True
+                    mb.stop_reason = "nan_guard"
 
         name = f"nan_guard({max_consecutive})"
         return Stage(name, on_update=check, after_update=settle, gates_update=True, masks_nonfinite=True)

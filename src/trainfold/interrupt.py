@@ -1,64 +1,203 @@
-"""Ctrl-C as a request to stop at the next step boundary, agreed by every process."""
+"""Signals as a request to stop at the next step boundary, agreed by every process within a bounded time.
+
+While ``loop`` or ``run_epoch`` runs, the signals the Context names (SIGINT and
+SIGTERM by default) do not kill the process: the first one is a request to
+stop, honoured at a step boundary, so a final checkpoint can be written; a
+second one acts at once (KeyboardInterrupt for SIGINT, the previous handler for
+the others).
+
+On one process the request is seen at the next step boundary. On several, a
+signal may reach one process only (a scheduler that signals one task, a user
+who kills one pid), and every process must stop at the same step or the next
+collective mismatches. So every process takes part in agreement *rounds* on the
+control channel (a CPU gloo group, :mod:`trainfold._control`), whether or not
+it saw a signal: at agreed micro-batches each launches an asynchronous
+all-reduce of ``(its signal, its seconds per micro-batch)`` and, one round
+later, reads the previous round's result, which is then the same on every
+process. Launching costs ~30 us of CPU and reading a finished all-reduce
+nothing: no step waits for it, no step synchronises with the device. The round
+length is re-chosen from each round's measured speed so that a round takes
+about ``Context(stop_check_s=...)`` seconds: a signal on any process stops every
+process within two rounds and the optimizer update in progress (rounds fall at
+the ends of accumulation groups, so the run stops at an update).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import signal
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Iterator, Sequence
 
 import torch
-from accelerate import Accelerator
 
-#: On several processes, the processes agree on an interrupt once every this many updates.
-AGREE_EVERY = 50
+from ._control import Control
+
+log = logging.getLogger("trainfold")
+
+#: ``next_check`` when nothing is due: no round, no request (one process)
+NEVER = 1 << 62
+#: the most micro-batches between two rounds (a round of very fast steps)
+MAX_PERIOD = 100_000
 
 
 class Interrupt:
-    """The stop request a Context carries: set by SIGINT, read at step boundaries.
+    """The stop request a Context carries: set by a signal, agreed at step boundaries.
 
     It is a signal from outside the run, not run state (it is not checkpointed).
-    On one process a request is honoured after the current step. On several,
-    each process may see Ctrl-C at a different step, so they agree with one
-    all-reduce every ``AGREE_EVERY`` updates and stop together.
+    ``run_epoch`` (and ``checkpoint_every``) call :meth:`check` when
+    ``state.micro_step >= next_check``: one integer comparison per micro-batch.
+    A stop is agreed only at the end of an accumulation group: the run stops
+    at an optimizer update.
+
+    Args:
+        processes: the number of processes of the run.
+        interval_s: the target length of an agreement round, in seconds.
+        control: the control channel the rounds use (several processes).
+        enabled: False when the Context catches no signal: no round is ever run.
     """
 
-    def __init__(self) -> None:
-        self.requested = False
-        self._decided_at: int | None = None
-        self._decision = False
+    def __init__(self, processes: int, interval_s: float, control: Control, *, enabled: bool = True) -> None:
+        self.requested = 0  # the signal this process received, 0 for none
+        self.distributed = processes > 1 and enabled
+        self.next_check = 0 if self.distributed else NEVER
+        self._interval = interval_s
+        self._control = control
+        self._decided = (-1, 0)  # (micro_step, agreed signal) of the last check
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._launched = (0.0, 0)  # (monotonic time, micro_step) of the last launch
+        self._period = 1
+        self._speed = 0.0
+        self._scopes = 0
 
-    def request(self) -> None:
-        self.requested = True
+    def request(self, signum: int) -> None:
+        """Ask the run to stop (what the signal handler does)."""
+        self.requested = int(signum)
+        if not self.distributed:
+            self.next_check = 0
 
-    def agreed(self, accelerator: Accelerator, step: int) -> bool:
-        """Whether the run stops after this step (the same answer on every process)."""
-        if accelerator.num_processes == 1:
+    def check(self, micro_step: int, synced: bool) -> int:
+        """The signal every process agreed to stop at after this micro-batch, or 0 (the same on every process).
+
+        Called when ``micro_step >= next_check``, with ``synced``: this
+        micro-batch ended an accumulation group (Accelerate's ``sync_gradients``).
+        A round falls due only at the end of a group, so a run stops at an
+        optimizer update, never holding half a group's gradients; the rounds are
+        the same micro-batches on every process. A second call at the same
+        micro-batch returns the first's answer.
+        """
+        if not synced:
+            return 0
+        if self._decided[0] == micro_step:
+            return self._decided[1]
+        agreed = self._round(micro_step) if self.distributed else self.requested
+        self._decided = (micro_step, agreed)
+        return agreed
+
+    def agree_now(self) -> int:
+        """The signal any process received, agreed now with one blocking all-reduce (the same on every process).
+
+        For the end of a phase without step boundaries (an evaluation); every
+        process must call it at the same point.
+        """
+        if not self.distributed:
             return self.requested
-        if self._decided_at == step or step % AGREE_EVERY:
-            return self._decision
-        flag = torch.tensor(float(self.requested), device=accelerator.device)
-        self._decision = bool(accelerator.reduce(flag, reduction="sum") > 0)  # sync: once every AGREE_EVERY updates
-        self._decided_at = step
-        return self._decision
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.requested)], dtype=torch.float64)  # sync: none, a CPU tensor
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control.group())
+        return int(flag[0])
+
+    def clear(self) -> None:
+        """Forget the request once the stop has been honoured (a host that runs many trials goes on)."""
+        self.requested = 0
+        self._decided = (-1, 0)
+        if not self.distributed:
+            self.next_check = NEVER
+            return
+        # Every process clears at the same point (after the same agreed decision): a round still in
+        # flight may carry the honoured signal, so it is drained and dropped, and the next
+        # micro-batch starts the rounds afresh.
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+        self._launched = (0.0, 0)
+        self.next_check = 0
+
+    def seconds_per_batch(self) -> float:
+        """The slowest process's seconds per micro-batch, as the last round measured it (0.0 before any)."""
+        return self._speed
+
+    def _round(self, micro_step: int) -> int:
+        import torch.distributed as dist
+
+        if self._pending is not None:
+            work, result = self._pending
+            work.wait()  # launched a round ago on every process: done, or nearly
+            self._pending = None
+            signum, speed = int(result[0]), float(result[1])  # sync: none, a CPU tensor
+            if signum:
+                self.next_check = micro_step  # a second caller at this micro-batch gets the same answer
+                return signum
+            self._speed = speed
+            self._period = max(1, min(MAX_PERIOD, math.floor(self._interval / speed))) if speed > 0 else 1
+        now = time.monotonic()
+        then, at = self._launched
+        speed = (now - then) / (micro_step - at) if at and micro_step > at else 0.0
+        flags = torch.tensor([float(self.requested), speed], dtype=torch.float64)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control.group(), async_op=True)
+        self._pending = (work, flags)
+        self._launched = (now, micro_step)
+        self.next_check = micro_step + self._period
+        return 0
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 @contextlib.contextmanager
-def catching_interrupts(interrupt: Interrupt) -> Iterator[None]:
-    """Turn the first SIGINT into ``interrupt.request()``; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+def catching_signals(interrupt: Interrupt, signals: Sequence[int]) -> Iterator[None]:
+    """Turn the first of ``signals`` into ``interrupt.request``; a second one acts at once.
+
+    Installed by the outermost of nested scopes (``loop`` around ``run_epoch``),
+    in the main thread only (Python delivers signals there), and the previous
+    handlers are put back on the way out.
+    """
+    if not signals or interrupt._scopes or threading.current_thread() is not threading.main_thread():
+        interrupt._scopes += 1
+        try:
+            yield
+        finally:
+            interrupt._scopes -= 1
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def put_back() -> None:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
     def handler(signum: int, frame: Any) -> None:
         if interrupt.requested:
-            signal.signal(signal.SIGINT, previous)
-            raise KeyboardInterrupt
-        interrupt.request()
+            put_back()
+            if signum == signal.SIGINT and previous[signum] in (signal.default_int_handler, signal.SIG_DFL):
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)  # the previous disposition: the default ends the process
+            return
+        interrupt.request(signum)
+        log.warning("trainfold: %s received: stopping at the next step boundary; send it again to stop at once.", signal_name(signum))
 
-    signal.signal(signal.SIGINT, handler)
+    for s in signals:
+        signal.signal(s, handler)
+    interrupt._scopes += 1
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        interrupt._scopes -= 1
+        put_back()

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import warnings
 
+import attrs
+
 from ._types import EpochFn, StatePredicate
 from ._validate import expect_state, name_of, named, positive_int, returned_state
 from .state import TrainState
+
+
+def _ended(state: TrainState) -> TrainState:
+    """The state a loop combinator returns: an interrupted epoch is no longer being unwound.
+
+    The epoch functions composed after ``run_epoch`` passed it through; code after
+    the loop runs as written (``evaluate`` evaluates). It stays stopped and mid-epoch.
+    """
+    return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False)) if state.interrupted else state
 
 
 def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
@@ -24,7 +35,9 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
 
     ``max_epochs`` counts epochs of the whole run, so a state resumed at epoch
     5 runs epochs 6..max_epochs. With ``max_epochs=None`` only ``should_stop``
-    ends the loop.
+    ends the loop. A stop in the middle of an epoch (``state.interrupted``) is
+    returned as it is, mid-epoch and stopped, with the interrupted flag
+    cleared: code after the loop (an ``evaluate``...) runs as written.
 
     Raises:
         TypeError: ``epoch_fn`` returned something other than a TrainState.
@@ -54,7 +67,7 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
                     f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
                 )
             state = new
-        return state
+        return _ended(state)
 
     return named(run, f"loop({name_of(epoch_fn)}, max_epochs={max_epochs})")
 
@@ -78,7 +91,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
             if state.should_stop:
                 break
             state = returned_state(fn, fn(state))
-        return state
+        return _ended(state)
 
     return named(run, f"repeat({n}, {name_of(fn)})")
 
@@ -99,7 +112,7 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
         state = expect_state("until", state)
         while not state.should_stop and not predicate(state):
             state = returned_state(fn, fn(state))
-        return state
+        return _ended(state)
 
     return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
 
@@ -125,6 +138,8 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("every_epochs", state)
+        if state.interrupted:  # the epoch did not end: the one before it was already counted
+            return state
         return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
 
     return named(run, f"every_epochs({n}, {name_of(fn)})")

@@ -53,6 +53,7 @@ class MicroBatch:
         skip: a 0-d float32 flag on the device, set by a gating stage: the update is
             skipped where it is non-zero (the ``found_inf`` protocol of torch's GradScaler).
         should_stop: the new state's ``should_stop``.
+        stop_reason: why a stage set ``should_stop`` (the new state's ``stop_reason``).
     """
 
     state: TrainState
@@ -63,6 +64,7 @@ class MicroBatch:
     extras: Mapping[str, Any]
     skip: torch.Tensor | None = None
     should_stop: bool = False
+    stop_reason: str = ""
 
 
 #: A stage's hook: reads and changes a :class:`MicroBatch`, returns nothing. No host sync.

@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from ._backend import convert_sync_batchnorm
+from ._cursor import EpochCursor
 from .context import Context
 from .history import History
 from .metrics import RunningSums
@@ -52,7 +53,14 @@ class TrainState:
             a step); divided by ``batch_in_epoch`` they are the epoch's running
             means. ``loss_sum`` and ``aux_sums`` read them.
         history: epoch-level :class:`~trainfold.History` of train and eval metrics.
-        should_stop: set by epoch functions such as ``early_stop``; ``loop`` reads it.
+        should_stop: end this invocation: ``run_epoch``, ``loop`` and the other
+            combinators stop when it is set (by ``max_steps``, ``early_stop``,
+            ``nan_guard``, a signal, or your code).
+        finished: the run is over for good (``early_stop`` decided it converged): a
+            run resumed from its checkpoint stays stopped. A stop that only ends this
+            invocation (a budget, a signal) leaves it False, and a resumed run goes on.
+        stop_reason: who stopped it: ``"max_steps"``, ``"early_stop:<metric>"``,
+            ``"nan_guard"``, ``"signal SIGTERM"``... ("" for none given).
         extras: named states of step transformers and epoch functions
             (``extras["nan_guard"]``...), a read-only mapping.
 
@@ -79,6 +87,8 @@ class TrainState:
     sums: RunningSums = attrs.field(factory=RunningSums, eq=False, repr=False)
     history: History = History()
     should_stop: bool = False
+    finished: bool = False
+    stop_reason: str = ""
     extras: Mapping[str, Any] = _EMPTY
     cursor: Any = attrs.field(default=None, repr=False, eq=False)
     run_id: str = attrs.field(default="", repr=False, eq=False)
@@ -171,6 +181,30 @@ class TrainState:
     def metrics(self) -> Mapping[str, float]:
         """The latest value of every recorded metric (``{"train_loss": ..., "eval_loss": ...}``)."""
         return self.history.latest_values()
+
+    @property
+    def interrupted(self) -> bool:
+        """True between a ``run_epoch`` that stopped before its loader's end and the ``loop`` that ends.
+
+        The epoch stays open (``epoch`` unchanged, ``batch_in_epoch`` its position), so
+        a checkpoint of this state continues it, and the epoch-level functions composed
+        after ``run_epoch`` (``evaluate``, ``early_stop``, ``log_epoch``, ``save_best``,
+        ``reduce_lr_on_plateau``, ``every_epochs``) pass it through: they are about a
+        completed epoch. ``save_checkpoint`` saves it. ``loop``, ``repeat`` and ``until``
+        return it with this flag cleared (still stopped, still mid-epoch), so code after
+        the loop runs as written and tells a stop mid-epoch by ``state.should_stop and
+        state.batch_in_epoch > 0``.
+        """
+        return isinstance(self.cursor, EpochCursor) and self.cursor.interrupted
+
+    def with_stop(self, reason: str, *, finished: bool = False) -> TrainState:
+        """Return this state stopped: ``should_stop`` set, with its reason, ``finished`` if the run is over for good.
+
+        Example:
+            >>> TrainState().with_stop("max_steps").should_stop
+            True
+        """
+        return attrs.evolve(self, should_stop=True, finished=self.finished or finished, stop_reason=reason)
 
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""

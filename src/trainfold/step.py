@@ -212,6 +212,7 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
             state.scheduler.step()
         sums = state.sums if state.sums.mask_nonfinite or not masks else state.sums.masking()
         updated = synced and not update.ops.was_skipped()
-        return record(state, mb.loss, mb.aux, updated=updated, sums=sums, extras=mb.extras, should_stop=mb.should_stop)
+        new = record(state, mb.loss, mb.aux, updated=updated, sums=sums, extras=mb.extras, should_stop=mb.should_stop)
+        return new.with_stop(mb.stop_reason) if mb.should_stop and not state.should_stop else new
 
     return micro_batch

@@ -28,14 +28,16 @@ def max_steps(n: int) -> StepTransformer:
     """Stop the run after ``n`` optimizer updates: sets ``should_stop``, which ``run_epoch`` and ``loop`` obey.
 
     A state already at ``n`` updates is returned unchanged (stopped) without
-    running the step.
+    running the step. A budget ends this invocation, not the run: the stopped
+    epoch stays open (``state.interrupted``), and a run resumed from its
+    checkpoint with a larger budget (or none) goes on from there.
 
     Example:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
-        >>> state.step, state.should_stop
-        (6, True)
+        >>> state.step, state.should_stop, state.stop_reason, state.epoch, state.batch_in_epoch
+        (6, True, 'max_steps', 1, 2)
 
     .. versionadded:: 0.1.0
     """
@@ -44,9 +46,9 @@ def max_steps(n: int) -> StepTransformer:
     def transform(step: Step) -> Step:
         def limited(state: TrainState, batch: Batch) -> TrainState:
             if state.step >= n:
-                return attrs.evolve(state, should_stop=True)
+                return state.with_stop("max_steps")
             new = step(state, batch)
-            return attrs.evolve(new, should_stop=True) if new.step >= n else new
+            return new.with_stop("max_steps") if new.step >= n else new
 
         return named(limited, f"max_steps({n})({name_of(step)})")
 

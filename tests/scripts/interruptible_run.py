@@ -48,7 +48,7 @@ def main():
     step = checkpoint_every(ctx, root, 1000)(slow)  # no periodic save: only the final one on a stop
     print("ready", flush=True)
     state = loop(run_epoch(ctx, step, dl), max_epochs=4)(state)
-    if state.extras.get("interrupted"):
+    if state.stop_reason.startswith("signal"):
         print("interrupted at update", state.step, flush=True)
         sys.exit(130)
     save_file(testing.parameters(state), out)

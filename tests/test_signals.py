@@ -1,0 +1,401 @@
+"""Signals and the other ways a cluster ends a job: stop in time, on every rank, and lose nothing.
+
+The multi-process cases run real processes (torchrun, or testing.run_distributed)
+with hard timeouts, so a regression fails instead of hanging CI.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from toolz import compose
+
+import helpers
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    early_stop,
+    evaluate,
+    fit,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    log_epoch,
+    loop,
+    make_step,
+    max_steps,
+    run_epoch,
+    save_checkpoint,
+    testing,
+)
+from trainfold._launch import free_port
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _kill_self_at(batch_in_epoch, signum=signal.SIGINT, *, times=1):
+    """A step transformer that sends this process ``signum`` after the step that reaches ``batch_in_epoch``."""
+    sent = []
+
+    def transform(step):
+        def signalling(state, batch):
+            new = step(state, batch)
+            if new.batch_in_epoch == batch_in_epoch and len(sent) < times:
+                sent.append(new.step)
+                os.kill(os.getpid(), signum)
+            return new
+
+        return signalling
+
+    return transform
+
+
+def _setup(seed=0, *, ctx=None, n=48):
+    ctx = ctx or Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(seed)
+    model = helpers.mlp(dropout=0.2)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(n), batch_size=4, shuffle=True))
+    return ctx, state, dl
+
+
+# --- one process ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_at_the_next_step_boundary_and_puts_the_handlers_back(signum):
+    before = signal.getsignal(signum)
+    ctx, state, dl = _setup()
+
+    stopped = run_epoch(ctx, _kill_self_at(5, signum)(make_step(ctx, helpers.ce_loss)), dl, state)
+
+    assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop_reason)
+    assert stopped.interrupted and not stopped.finished
+    assert before is signal.getsignal(signum)
+
+
+def test_under_accumulation_the_stop_waits_for_the_end_of_the_group():
+    """A signal after the 5th micro-batch with 2 accumulation steps: the run stops at the update after the 6th,
+    so no checkpoint holds half a group's gradients."""
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2)))
+    stopped = run_epoch(ctx, _kill_self_at(5)(make_step(ctx, helpers.ce_loss)), dl, state)
+    assert (6, 3, True) == (stopped.batch_in_epoch, stopped.step, stopped.should_stop)
+
+
+def test_a_host_can_leave_its_signals_alone():
+    """Context(signals=()): trainfold installs no handler; the host's own sees the signal."""
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda s, f: seen.append(s))
+    try:
+        ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), signals=()))
+        final = run_epoch(ctx, _kill_self_at(2, signal.SIGUSR1)(make_step(ctx, helpers.ce_loss)), dl, state)
+        assert [signal.SIGUSR1] == seen
+        assert (1, False) == (final.epoch, final.should_stop)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_the_signals_are_configurable():
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGUSR1]))
+    stopped = run_epoch(ctx, _kill_self_at(3, signal.SIGUSR1)(make_step(ctx, helpers.ce_loss)), dl, state)
+    assert (3, "signal SIGUSR1") == (stopped.batch_in_epoch, stopped.stop_reason)
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGKILL])
+
+
+def test_the_stop_request_is_cleared_once_honoured():
+    """A host running trials in one process: a Ctrl-C in one trial does not stop the next ones."""
+    ctx, state, dl = _setup()
+    first = run_epoch(ctx, _kill_self_at(2)(make_step(ctx, helpers.ce_loss)), dl, state)
+    assert first.should_stop
+
+    _, fresh, _ = _setup(1, ctx=ctx)
+    second = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, fresh)
+    assert (1, 0, False) == (second.epoch, second.batch_in_epoch, second.should_stop)
+
+
+def test_an_interrupted_epoch_stays_interrupted_and_its_checkpoint_continues_it(tmp_path):
+    """Ctrl-C mid-epoch under epoch-level checkpoints: nothing after run_epoch counts the epoch, the
+    checkpoint keeps its position, and the resumed run ends where one never stopped ends, bit for bit."""
+
+    def epoch(ctx, dl, wrap=lambda s: s, root=tmp_path / "run"):
+        return compose(
+            save_checkpoint(ctx, root, keep_last=2),
+            log_epoch(ctx),
+            early_stop("eval_loss", patience=1),
+            evaluate(ctx, helpers.ce_loss, dl),
+            run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl),
+        )
+
+    ctx, state, dl = _setup()
+    expected = loop(epoch(ctx, dl, root=tmp_path / "expected"), max_epochs=3)(state)
+
+    ctx, state, dl = _setup()
+    state = epoch(ctx, dl)(state)  # one whole epoch, then Ctrl-C at batch 7 of the second
+    stopped = loop(epoch(ctx, dl, _kill_self_at(7)), max_epochs=3)(state)
+    assert (1, 7, True, False) == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.finished)
+    assert [1] == [r.epoch for r in stopped.history if r.name == "eval_loss"]  # no evaluation of a partial epoch
+    assert state.extras["early_stop:eval_loss"] == stopped.extras["early_stop:eval_loss"]  # no epoch counted
+    assert latest_checkpoint(tmp_path / "run").name == f"ckpt-{stopped.step:010d}"
+
+    ctx, fresh, dl = _setup(99)
+    resumed = load_checkpoint(ctx, tmp_path / "run", fresh)
+    assert (1, 7, False) == (resumed.epoch, resumed.batch_in_epoch, resumed.should_stop)
+    final = loop(epoch(ctx, dl), max_epochs=3)(resumed)
+    testing.assert_params_equal(expected, final)
+    assert expected.history == final.history
+
+
+def test_an_interrupted_epoch_goes_on_in_the_same_process_once_the_stop_is_cleared():
+    ctx, state, dl = _setup()
+    expected = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(state)
+
+    ctx, state, dl = _setup()
+    stopped = loop(run_epoch(ctx, _kill_self_at(5)(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
+    assert (0, 5) == (stopped.epoch, stopped.batch_in_epoch)
+    with pytest.raises(ValueError, match="stopped in the middle of an epoch over another loader"):
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), [(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))], attrs.evolve(stopped, should_stop=False))
+    final = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(attrs.evolve(stopped, should_stop=False))
+    testing.assert_params_equal(expected, final)
+    assert expected.history == final.history
+
+
+def test_fit_interrupted_mid_epoch_resumes_to_the_same_end(tmp_path):
+    kw = dict(max_epochs=3, checkpoint_dir=tmp_path, progress=False)
+    ctx, state, dl = _setup()
+    expected = fit(ctx, helpers.ce_loss, dl, state, eval_loader=dl, **kw)
+
+    tmp2 = tmp_path / "interrupted"
+    kw["checkpoint_dir"] = tmp2
+    ctx, state, dl = _setup()
+    stopped = fit(ctx, helpers.ce_loss, dl, state, eval_loader=dl, transforms=[_kill_self_at(9)], **kw)
+    assert (0, 9, "signal SIGINT") == (stopped.epoch, stopped.batch_in_epoch, stopped.stop_reason)
+
+    ctx, state, dl = _setup(99)
+    final = fit(ctx, helpers.ce_loss, dl, state, eval_loader=dl, **kw)
+    testing.assert_params_equal(expected, final)
+    assert expected.history == final.history
+
+
+def test_a_signal_during_evaluation_stops_the_run_after_it():
+    ctx, state, dl = _setup()
+    sent = []
+
+    def loss_fn(model, batch):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return helpers.ce_loss(model, batch)
+
+    final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
+    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop_reason)
+    assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
+
+
+def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
+    """max_steps(5) saves its stop; resumed with a larger budget, the run goes on to where one run of 20 ends."""
+
+    def train(ctx, state, dl, budget, root=None):
+        step = max_steps(budget)(make_step(ctx, helpers.ce_loss))
+        if root is not None:
+            step = checkpoint_every(ctx, root, 100)(step)
+        return loop(run_epoch(ctx, step, dl), max_epochs=10)(state)
+
+    ctx, state, dl = _setup()
+    expected = train(ctx, state, dl, 20)
+    assert 20 == expected.step
+
+    ctx, state, dl = _setup()
+    first = train(ctx, state, dl, 5, tmp_path)
+    assert (5, 5, True, False) == (first.step, first.batch_in_epoch, first.should_stop, first.finished)
+
+    ctx, fresh, dl = _setup(99)
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    assert (5, False, "") == (resumed.step, resumed.should_stop, resumed.stop_reason)
+    testing.assert_params_equal(expected, train(ctx, resumed, dl, 20))
+
+
+def test_a_finished_run_stays_finished_when_resumed(tmp_path):
+    ctx, state, dl = _setup()
+    epoch = compose(save_checkpoint(ctx, tmp_path), early_stop("train_loss", patience=1, min_delta=10.0), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl))
+    done = loop(epoch, max_epochs=10)(state)
+    assert (2, True, True, "early_stop:train_loss") == (done.epoch, done.should_stop, done.finished, done.stop_reason)
+
+    ctx, fresh, dl = _setup(99)
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    assert (True, True) == (resumed.should_stop, resumed.finished)
+    assert 2 == loop(epoch, max_epochs=10)(resumed).epoch
+
+
+def test_keep_last_never_prunes_the_newest_finite_checkpoint(tmp_path, caplog):
+    """A run whose weights go NaN keeps saving; keep_last=2 keeps the last finite checkpoint besides the newest two."""
+    ctx, state, dl = _setup()
+
+    def loss_fn(model, batch):
+        loss = helpers.ce_loss(model, batch)
+        return loss * float("nan") if poisoned else loss
+
+    poisoned = False
+    step = checkpoint_every(ctx, tmp_path, 1, keep_last=2)(make_step(ctx, loss_fn))
+    state = run_epoch(ctx, step, dl, state, max_batches=4)
+    poisoned = True
+    with caplog.at_level("ERROR", logger="trainfold"):
+        run_epoch(ctx, step, dl, state, max_batches=4)
+
+    assert ["ckpt-0000000004", "ckpt-0000000007", "ckpt-0000000008"] == [p.name for p in list_checkpoints(tmp_path)]
+    assert "ckpt-0000000005 holds non-finite weights" in caplog.text
+    ctx, fresh, _ = _setup(99)
+    assert torch.isfinite(load_checkpoint(ctx, tmp_path / "ckpt-0000000004", fresh).model[0].weight).all()
+
+
+# --- several processes: agreement, uneven data, timeouts -------------------------------------
+
+
+def _uneven_on_this_rank(kind):
+    from accelerate.utils import DataLoaderConfiguration
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    if kind == "sized":
+        ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False)))
+        ctx, state, dl = _setup(ctx=ctx, n=44)  # 11 batches of 4: 6 on rank 0, 5 on rank 1
+    else:
+        ctx = Context(accelerator=Accelerator(cpu=True), stop_check_s=0.1)
+        ctx, state, _ = _setup(ctx=ctx)
+        rank = ctx.accelerator.process_index
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                g = torch.Generator().manual_seed(rank)
+                for _ in range(5 + rank):  # rank 1 has one more batch
+                    yield torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+        dl = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    if kind == "stream":  # the short rank raises and exits; run_distributed then stops the other, as torchrun does
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+        return "no error"
+    try:
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_processes_with_different_numbers_of_batches_fail_on_every_rank_at_the_epoch_start():
+    messages = testing.run_distributed(_uneven_on_this_rank, "sized", nprocs=2, timeout=60)
+    for message in messages:
+        assert "different numbers of batches this epoch (rank 0: 6, rank 1: 5)" in message
+
+
+def test_a_loader_of_unknown_length_that_ends_early_on_one_rank_fails_instead_of_hanging():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"this process's loader ended after 5 batches, but the other processes had not ended"):
+        testing.run_distributed(_uneven_on_this_rank, "stream", nprocs=2, timeout=60)
+    assert time.monotonic() - started < 40
+
+
+def _hung_rank(seconds):
+    import datetime
+
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), timeout=datetime.timedelta(seconds=seconds)))
+    inner = make_step(ctx, helpers.ce_loss)
+    rank = ctx.accelerator.process_index
+
+    def step(s, b):
+        if rank == 1 and s.step == 2:
+            time.sleep(seconds + 4)  # hung: the other rank's collective gives up first
+        return inner(s, b)
+
+    run_epoch(ctx, step, dl, state)  # rank 0's collective times out and raises; the error carries trainfold's note
+
+
+def test_a_hung_rank_fails_the_run_after_the_contexts_timeout_and_the_error_says_so():
+    with pytest.raises(RuntimeError) as info:
+        testing.run_distributed(_hung_rank, 2, nprocs=2, timeout=60)
+    assert "Timed out" in str(info.value)
+    assert "the process group's timeout (0:00:02)" in str(info.value)
+    assert "Context(accelerator, timeout=" in str(info.value)
+
+
+# --- signals to a real torchrun job -----------------------------------------------------------
+
+
+def _torchrun(root, out, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+            str(SCRIPT), str(root), str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    done = subprocess.run(_torchrun(tmp / "ckpt", tmp / "clean.st", "--step-s", "0"), capture_output=True, text=True, timeout=180, env=ENV)
+    assert 0 == done.returncode, done.stderr[-3000:]
+    return tmp / "clean.st"
+
+
+def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_check_s=1.0):
+    """Start the job, wait for both ranks and a few updates, signal ``target``; return (seconds to exit, last update seen, output)."""
+    proc = subprocess.Popen(_torchrun(root, root / "never.st", "--step-s", str(step_s), "--stop-check-s", str(stop_check_s)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    pids, lines, update = {}, [], 0
+    try:
+        deadline = time.monotonic() + 120
+        while update < after_updates or len(pids) < 2:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)[-3000:]
+            lines.append(line)
+            if line.startswith("ready"):
+                _, rank, pid = line.split()
+                pids[int(rank)] = int(pid)
+            elif line.startswith("update"):
+                update = int(line.split()[1])
+        for pid in {"torchrun": [proc.pid], "all": list(pids.values()), "rank1": [pids[1]]}[target]:
+            os.kill(pid, signum)
+        sent = time.monotonic()
+        rest, _ = proc.communicate(timeout=60)
+        return time.monotonic() - sent, update, "".join(lines) + rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("target", ["torchrun", "all", "rank1"])
+def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_resume_is_exact(tmp_path, uninterrupted, target):
+    """SLURM/Kubernetes send SIGTERM, then SIGKILL 30 s later: the job stops at a step boundary within a few
+    seconds (on every rank, when only one saw it), writes its final checkpoint, and a resumed job ends bit for bit
+    where the uninterrupted one does."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "ckpt"
+    seconds, _, output = _start_and_signal(root, target, signal.SIGTERM, step_s=0.05)
+
+    assert seconds < 15, output[-3000:]
+    assert "stopped" in output and "signal SIGTERM" in output, output[-3000:]
+    assert [f"ckpt-{int(output.split('stopped', 1)[1].split()[0]):010d}"] == [p.name for p in list_checkpoints(root)], output[-3000:]
+
+    resumed = subprocess.run(_torchrun(root, tmp_path / "resumed.st"), capture_output=True, text=True, timeout=180, env=ENV)
+    assert 0 == resumed.returncode, resumed.stderr[-3000:]
+    testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
+
+
+def test_the_stop_is_agreed_within_seconds_not_updates(tmp_path):
+    """Updates of 0.5 s, a signal on one rank: every rank stops within two agreement rounds (1 s each) and a
+    few updates, long before 50 updates (25 s, past torchrun's 30 s grace with the save)."""
+    root = tmp_path / "ckpt"
+    seconds, seen, output = _start_and_signal(root, "rank1", signal.SIGTERM, step_s=0.25, after_updates=2)
+
+    stopped_at = int(output.split("stopped", 1)[1].split()[0])
+    assert stopped_at - seen <= 8, output[-3000:]  # 2 rounds + the update in progress: ~3 s of 0.5 s updates
+    assert seconds < 12, output[-3000:]
+    assert list_checkpoints(root)[-1].name.startswith(f"ckpt-{stopped_at:010d}"), output[-3000:]
