@@ -4,7 +4,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, evaluate, make_step, predict, run_epoch, testing
+from trainfold import Context, TrainState, constant, evaluate, make_step, predict, run_epoch, testing, warmup_cosine, warmup_linear
 
 
 def _step_with(loss_fn):
@@ -128,6 +128,55 @@ def test_create_checks_its_arguments(kw, words):
         TrainState.create(ctx, **args)
 
 
+def _other_optimizer(model):
+    return torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "build,error,words",
+    [
+        (_other_optimizer, ValueError, "updates none of the model's parameters"),
+        (lambda m: torch.optim.SGD(m.parameters(), lr=float("nan")), ValueError, "lr=nan: a non-finite learning rate"),
+        (lambda m: torch.optim.AdamW(m.parameters(), lr=float("inf")), ValueError, "lr=inf"),
+    ],
+    ids=["other_parameters", "nan_lr", "inf_lr"],
+)
+def test_create_refuses_an_optimizer_that_would_train_silently_wrong(build, error, words):
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(error, match=words):
+        TrainState.create(ctx, model=model, optimizer=build(model))
+
+
+def test_create_refuses_a_scheduler_of_another_optimizer_or_a_scheduler_class():
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
+    with pytest.raises(ValueError, match="built on another optimizer"):
+        TrainState.create(ctx, model=model, optimizer=opt, scheduler=other)
+    with pytest.raises(TypeError, match=r"the class StepLR, not a scheduler: .*StepLR\(optimizer"):
+        TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: constant(float("nan")), lambda: warmup_cosine(float("inf"), warmup_steps=1, total_steps=10), lambda: warmup_linear(0.1, warmup_steps=1, total_steps=10, end_lr=float("nan"))],
+    ids=["constant_nan", "cosine_inf", "linear_end_nan"],
+)
+def test_schedules_refuse_non_finite_learning_rates(make):
+    with pytest.raises(ValueError, match="finite, non-negative learning rate"):
+        make()
+
+
+def test_save_checkpoint_refuses_an_empty_root():
+    ctx, state, _, _ = testing.tiny_setup()
+    from trainfold import save_checkpoint
+
+    with pytest.raises(ValueError, match="needs a folder for its checkpoints"):
+        save_checkpoint(ctx, "", state)
+
+
 def test_context_needs_an_accelerator():
     with pytest.raises(TypeError, match="'accelerator' must be an accelerate.Accelerator"):
         Context(accelerator="cpu")
@@ -225,7 +274,8 @@ def test_a_checkpoint_root_shared_by_two_runs_is_refused(tmp_path):
 
     ctx, first, *_ = testing.tiny_setup()
     save_checkpoint(ctx, tmp_path, first)
-    second = TrainState.create(ctx, model=torch.nn.Linear(1, 1), optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1))
+    other = torch.nn.Linear(1, 1)
+    second = TrainState.create(ctx, model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
 
     with pytest.raises(CheckpointError, match=r"holds checkpoints of another run .* Use one folder per run"):
         save_checkpoint(ctx, tmp_path, second)

@@ -216,8 +216,8 @@ def test_a_checkpoint_of_another_model_names_the_parameter(tmp_path):
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 3))
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                              scheduler=torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=0.1), 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
 
     with pytest.raises(CheckpointError, match=r"parameter '0.weight' has shape \(16, 8\) in the checkpoint and \(32, 8\)"):
         load_checkpoint(ctx, ckpt, state)

@@ -294,3 +294,15 @@ def test_a_refused_save_is_refused_on_every_rank_and_none_waits(tmp_path):
     ranks = testing.run_distributed(_save_into_another_runs_root, str(tmp_path), nprocs=2, timeout=60)
 
     assert all(r.startswith("refused") for r in ranks), ranks
+
+
+def _end_training_inside_the_with_block():
+    with Context(accelerator=Accelerator(cpu=True)) as ctx:
+        ctx.wait_for_everyone()
+        ctx.accelerator.end_training()  # the usual Accelerate ending
+    return "ok"
+
+
+def test_end_training_inside_with_context_is_harmless():
+    """Before, __exit__'s barrier crashed every process: 'Default process group has not been initialized'."""
+    assert ["ok", "ok"] == testing.run_distributed(_end_training_inside_the_with_block, nprocs=2, timeout=60)

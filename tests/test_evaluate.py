@@ -102,3 +102,29 @@ def test_predict_concatenates_structures():
 
     y = data.tensors[1]
     assert torch.equal(out["y"], y) and torch.equal(out["pair"][1], y * 2)
+
+
+def test_evaluate_sums_in_float64_so_the_mean_matches_an_exact_sum():
+    """3,000 float32 batch losses spread over six orders of magnitude: the recorded mean is the exact
+    (fsum) mean of the float32 values to float64 rounding, which float32 sums are not."""
+    import math
+
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, evaluate
+
+    g = torch.Generator().manual_seed(0)
+    values = (torch.rand(3000, generator=g) * 10.0 ** torch.randint(-3, 3, (3000,), generator=g)).float()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = [(torch.tensor([i]), torch.zeros(1, 1)) for i in range(len(values))]
+
+    got = evaluate(ctx, lambda m, b: values[b[0][0]] + 0 * m(b[1]).sum(), batches, state).metrics["eval_loss"]
+
+    exact = math.fsum(values.tolist()) / len(values)
+    assert abs(got - exact) <= 1e-12 * exact
+    float32 = torch.zeros(())
+    for chunk in values.split(64):  # what float32 sums folded every 64 batches give
+        float32 = float32 + chunk.sum(dtype=torch.float32)
+    assert abs(float(float32) / len(values) - exact) > 1e-9 * exact

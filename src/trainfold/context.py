@@ -165,6 +165,8 @@ class Context:
         another still uses it can abort too. Prefer
         ``with Context(accelerator=...) as ctx:``, which waits for every process
         (when the block ended without an exception) and closes on the way out.
+        Calling it after ``accelerator.end_training()`` (the usual Accelerate
+        ending, inside the ``with`` block too) is harmless.
         """
         from ._lock import release
 
@@ -179,9 +181,15 @@ class Context:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
+        if exc_type is None and self._group_alive():
             self.wait_for_everyone()  # no rank tears down while another still works
         self.close()
+
+    def _group_alive(self) -> bool:
+        """Whether the processes can still meet (False once ``accelerator.end_training()`` destroyed the group)."""
+        import torch.distributed as dist
+
+        return self.accelerator.num_processes == 1 or (dist.is_available() and dist.is_initialized())
 
     def wait_for_everyone(self) -> None:
         """Block until every process reaches this point (a no-op on one process).

@@ -247,7 +247,7 @@ def evaluate(
 
         n = real samples in the batch (padding of the last round excluded)
         loss, aux = loss_fn(model, batch[:n])
-        sums += n * (loss, aux)                # on the device
+        sums += n * (loss, aux)                # on the device, in float64
         count += n
     then one reduction over processes: ``{prefix}_loss = sum / count``.
 
@@ -290,7 +290,8 @@ def evaluate(
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
-    sums = RunningSums.zero(acc.device)
+    precision = torch.float32 if acc.device.type == "mps" else torch.float64  # MPS has no float64
+    sums = RunningSums.zero(acc.device, dtype=precision)
     count = 0
     batches = 0
     interrupt = ctx.interrupt
@@ -302,7 +303,7 @@ def evaluate(
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
             # matched, and adds zeros under the same names, so every process reduces the same shape.
-            sums = sums.add(weighted(loss, real), {k: weighted(v, real) for k, v in aux.items()})
+            sums = sums.add(weighted(loss, real, precision), {k: weighted(v, real, precision) for k, v in aux.items()})
             count += real
             if batches == max_batches:
                 break

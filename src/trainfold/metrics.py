@@ -35,8 +35,9 @@ class RunningSums:
     in ``pending``, and every ``FOLD_EVERY`` batches adds them to the sums with
     one stack and one sum per name (a step then costs no tensor operation for its
     bookkeeping: ~1.3 µs a step measured, see ``benchmarks/README.md``). The
-    properties ``loss`` and ``aux`` include the pending batches. Sums are float32
-    whatever the values' dtypes.
+    properties ``loss`` and ``aux`` include the pending batches. Sums are of
+    ``dtype`` (float32 unless asked: ``evaluate`` keeps float64 sums) whatever the
+    values' dtypes.
 
     With ``mask_nonfinite`` (under ``nan_guard``), a non-finite loss adds 0 to the
     loss sum and 1 to ``aux["nonfinite"]``; :meth:`means` then divides the loss by
@@ -54,11 +55,13 @@ class RunningSums:
     folded_aux: Mapping[str, torch.Tensor] = attrs.field(default=_NO_AUX, eq=False)
     pending: tuple[Entry, ...] = attrs.field(default=(), eq=False)
     mask_nonfinite: bool = False
+    #: the sums' dtype: float32 for a run's batch values, float64 for ``evaluate``'s weighted ones
+    dtype: torch.dtype = attrs.field(default=torch.float32, eq=False)
 
     @classmethod
-    def zero(cls, device: torch.device | str, *, mask_nonfinite: bool = False) -> RunningSums:
-        """Empty sums whose loss sum is a 0-d zero on ``device``."""
-        return cls(torch.zeros((), device=device), _NO_AUX, (), mask_nonfinite)
+    def zero(cls, device: torch.device | str, *, mask_nonfinite: bool = False, dtype: torch.dtype = torch.float32) -> RunningSums:
+        """Empty sums whose loss sum is a 0-d zero of ``dtype`` on ``device``."""
+        return cls(torch.zeros((), device=device, dtype=dtype), _NO_AUX, (), mask_nonfinite, dtype)
 
     def add(self, loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> RunningSums:
         """These sums with one more batch: no kernel, except one fold every ``FOLD_EVERY`` batches.
@@ -69,26 +72,26 @@ class RunningSums:
         check_same_names(self.folded_aux, self.pending, aux)
         pending = (*self.pending, detached(loss, aux))
         if len(pending) < FOLD_EVERY:
-            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite)
-        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite)
+            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype)
+        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype)
 
     def folded(self) -> RunningSums:
         """These sums with the pending batches added (a few kernels, no sync)."""
         if not self.pending:
             return self
-        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite)
+        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype)
 
     def masking(self, mask_nonfinite: bool = True) -> RunningSums:
         """These sums, masking non-finite losses from now on (or not)."""
         if mask_nonfinite == self.mask_nonfinite:
             return self
-        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite)
+        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype)
 
     def reset(self, device: torch.device | str) -> RunningSums:
         """Empty sums on ``device`` that mask as these do (a new epoch)."""
-        return RunningSums.zero(device, mask_nonfinite=self.mask_nonfinite)
+        return RunningSums.zero(device, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -143,20 +146,21 @@ def fold(
     pending: tuple[Entry, ...],
     *,
     mask_nonfinite: bool,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, Mapping[str, torch.Tensor]]:
-    """Add the pending batches to the sums: one stack and one sum per name, float32. No host sync."""
+    """Add the pending batches to the sums: one stack and one sum per name, in ``dtype``. No host sync."""
     if not pending:
         return loss_sum, aux_sums
     losses = torch.stack([loss for loss, _ in pending])
     new: dict[str, torch.Tensor] = {}
     if mask_nonfinite:
         masked = losses.nan_to_num(0.0, 0.0, 0.0)  # nan, +inf, -inf
-        new[NONFINITE] = losses.ne(masked).sum(dtype=torch.float32)
+        new[NONFINITE] = losses.ne(masked).sum(dtype=dtype)
         losses = masked
-    total = losses.sum(dtype=torch.float32)
+    total = losses.sum(dtype=dtype)
     loss_sum = total if loss_sum is None else loss_sum + total
     for name in pending[0][1]:
-        new[name] = torch.stack([aux[name] for _, aux in pending]).sum(dtype=torch.float32)
+        new[name] = torch.stack([aux[name] for _, aux in pending]).sum(dtype=dtype)
     # the names were checked per batch (check_same_names); "nonfinite" is there only when masking
     merged = dict(aux_sums)
     for name, value in new.items():
@@ -164,8 +168,9 @@ def fold(
     return loss_sum, MappingProxyType(merged)
 
 
-def weighted(value: torch.Tensor, weight: float) -> torch.Tensor:
-    value = as_float32(value)
+def weighted(value: torch.Tensor, weight: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``value * weight`` detached, in ``dtype`` (0 for a weight of 0, even for an infinite value)."""
+    value = as_float32(value) if dtype is torch.float32 else value.detach().to(dtype)
     if weight == 0:
         return torch.zeros_like(value)  # not value * 0, which is nan for an infinite value
     return value if weight == 1.0 else value * weight
@@ -195,7 +200,8 @@ def reduce_means(
     epoch or log interval, never per step.
     """
     names = list(sums)
-    local = torch.stack([sums[n].float() for n in names] + [torch.as_tensor(count, dtype=torch.float32, device=accelerator.device)])
+    dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) else torch.float32
+    local = torch.stack([sums[n].to(dtype) for n in names] + [torch.as_tensor(count, dtype=dtype, device=accelerator.device)])
     if accelerator.num_processes > 1:
         _check_same_names(accelerator, names)
         local = accelerator.reduce(local, reduction="sum")

@@ -13,7 +13,13 @@ import math
 import attrs
 
 
+def _finite_lr(name: str, lr: float) -> None:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"{name} must be a finite, non-negative learning rate (got {lr!r}): a NaN or infinite one trains silently to NaN.")
+
+
 def _check(peak_lr: float, warmup_steps: int, total_steps: int) -> None:
+    _finite_lr("peak_lr", peak_lr)
     if not peak_lr > 0:
         raise ValueError(f"peak_lr must be positive (got {peak_lr!r}).")
     if not (isinstance(warmup_steps, int) and isinstance(total_steps, int) and 0 <= warmup_steps <= total_steps and total_steps > 0):
@@ -34,6 +40,9 @@ class constant:
 
     lr: float
 
+    def __attrs_post_init__(self) -> None:
+        _finite_lr("lr", self.lr)
+
     def __call__(self, step: int) -> float:
         return self.lr
 
@@ -49,6 +58,7 @@ class _Warmup:
 
     def __attrs_post_init__(self) -> None:
         _check(self.peak_lr, self.warmup_steps, self.total_steps)
+        _finite_lr("end_lr", self.end_lr)
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:

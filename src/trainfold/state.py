@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -26,6 +27,28 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def _handle() -> Any:
     """A field that holds a live object: not part of repr or ==."""
     return attrs.field(repr=False, eq=False)
+
+
+def _check_optimizer_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Refuse what would train silently wrong: an optimizer over none of the model's parameters, a
+    non-finite learning rate, a scheduler built on another optimizer."""
+    own = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and not any(id(p) in own for p in params):
+        raise ValueError(
+            "'optimizer' updates none of the model's parameters (it was built over another model, or over a copy): "
+            "its updates would leave this model unchanged. Build it over model.parameters() of the model you pass."
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if lr is not None and not math.isfinite(float(lr)):
+            raise ValueError(f"'optimizer' parameter group {i} has lr={float(lr)}: a non-finite learning rate trains silently to NaN.")
+    bound = getattr(scheduler, "optimizer", None)
+    if scheduler is not None and bound is not None and bound is not optimizer:
+        raise ValueError(
+            "'scheduler' was built on another optimizer than the one passed: it would change that one's learning "
+            "rate, not this one's. Build it as Scheduler(optimizer, ...) over the optimizer you pass."
+        )
 
 
 @attrs.frozen(eq=True)
@@ -124,7 +147,11 @@ class TrainState:
             A TrainState at step 0, epoch 0.
 
         Raises:
-            TypeError: ``model`` or ``optimizer`` is not what it must be.
+            TypeError: ``model`` or ``optimizer`` is not what it must be, or
+                ``scheduler`` is a class instead of a scheduler.
+            ValueError: the optimizer updates none of the model's parameters, a
+                learning rate is NaN or infinite, or the scheduler was built on
+                another optimizer.
 
         Example:
             >>> import torch
@@ -144,11 +171,17 @@ class TrainState:
                 f"'optimizer' must be a torch.optim.Optimizer (got {optimizer!r} that is a "
                 f"{type(optimizer).__name__}): build it over model.parameters()."
             )
+        if isinstance(scheduler, type):
+            raise TypeError(
+                f"'scheduler' is the class {scheduler.__name__}, not a scheduler: build one over the optimizer, "
+                f"e.g. {scheduler.__name__}(optimizer, ...)."
+            )
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(
                 f"'scheduler' must have a step() method, like torch.optim.lr_scheduler objects "
                 f"(got a {type(scheduler).__name__}); pass scheduler=None for none."
             )
+        _check_optimizer_fits(model, optimizer, scheduler)
         ctx.check()
         acc = ctx.accelerator
         if sync_batchnorm and acc.num_processes > 1:
