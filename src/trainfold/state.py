@@ -234,8 +234,9 @@ class TrainState:
         """Return this state stopped: ``should_stop`` set, with its reason, ``finished`` if the run is over for good.
 
         Example:
-            >>> TrainState().with_stop("max_steps").should_stop
-            True
+            >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None).with_stop("max_steps")
+            >>> s.should_stop, s.finished, s.stop_reason
+            (True, False, 'max_steps')
         """
         return attrs.evolve(self, should_stop=True, finished=self.finished or finished, stop_reason=reason)
 
