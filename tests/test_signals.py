@@ -25,6 +25,7 @@ from trainfold import (
     checkpoint_every,
     early_stop,
     evaluate,
+    every_epochs,
     fit,
     latest_checkpoint,
     list_checkpoints,
@@ -33,7 +34,9 @@ from trainfold import (
     loop,
     make_step,
     max_steps,
+    reduce_lr_on_plateau,
     run_epoch,
+    save_best,
     save_checkpoint,
     testing,
 )
@@ -111,6 +114,74 @@ def test_the_signals_are_configurable():
     assert (3, "signal SIGUSR1") == (stopped.batch_in_epoch, stopped.stop_reason)
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGKILL])
+
+
+def test_a_second_signal_acts_at_once_and_the_handlers_are_put_back():
+    ctx, state, dl = _setup()
+    inner = make_step(ctx, helpers.ce_loss)
+
+    def twice(s, b):
+        new = inner(s, b)
+        if new.batch_in_epoch == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # a request
+            os.kill(os.getpid(), signal.SIGINT)  # impatient: now
+        return new
+
+    with pytest.raises(KeyboardInterrupt):
+        run_epoch(ctx, twice, dl, state)
+    assert signal.default_int_handler is signal.getsignal(signal.SIGINT)
+
+
+def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_update(tmp_path):
+    """Without the save catching it, Ctrl-C would raise KeyboardInterrupt in the middle of the save."""
+    ctx, state, dl = _setup()
+    armed = []
+
+    def hook(event, args):
+        if armed and event == "open" and str(tmp_path) in str(args[0]):
+            armed.clear()
+            os.kill(os.getpid(), signal.SIGINT)
+
+    sys.addaudithook(hook)  # cannot be removed: it acts only while armed
+    armed.append(True)
+    save_checkpoint(ctx, tmp_path, state)
+    assert not armed and 1 == len(list_checkpoints(tmp_path))
+
+    stopped = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    assert (1, "signal SIGINT") == (stopped.batch_in_epoch, stopped.stop_reason)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [({"stop_check_s": 0}, "positive, finite number of seconds"), ({"stop_check_s": float("inf")}, "positive, finite"),
+     ({"timeout": -1}, "positive, finite"), ({"signals": ["TERM"]}, "must be signal numbers")],
+)
+def test_the_contexts_stop_settings_are_checked(kw, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        Context(accelerator=Accelerator(cpu=True), **kw)
+
+
+def test_every_end_of_epoch_function_passes_an_interrupted_epoch_through(tmp_path):
+    """Nothing ended: save_best writes nothing, reduce_lr_on_plateau and every_epochs count nothing."""
+    ctx, state, dl = _setup()
+    calls = []
+
+    def epoch(wrap=lambda s: s):
+        return compose(
+            every_epochs(1, lambda s: calls.append(s.epoch) or s),
+            reduce_lr_on_plateau("eval_loss", patience=1),
+            save_best(ctx, tmp_path / "best.safetensors", "eval_loss"),
+            evaluate(ctx, helpers.ce_loss, dl),
+            run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl),
+        )
+
+    state = epoch()(state)
+    (tmp_path / "best.safetensors").unlink()
+    stopped = epoch(_kill_self_at(4))(state)
+
+    assert [1] == calls and stopped.interrupted
+    assert not (tmp_path / "best.safetensors").exists()
+    assert state.extras == stopped.extras
 
 
 def test_the_stop_request_is_cleared_once_honoured():

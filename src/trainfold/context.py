@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import signal
 from typing import Any
 
@@ -58,8 +59,8 @@ def _signals(value: Any) -> tuple[int, ...]:
 
 
 def _positive_seconds(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"'{attribute.name}' must be a positive number of seconds (got {value!r}).")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"'{attribute.name}' must be a positive, finite number of seconds (got {value!r}).")
 
 
 def _timeout(value: Any) -> datetime.timedelta | None:
@@ -67,8 +68,8 @@ def _timeout(value: Any) -> datetime.timedelta | None:
         if value is not None and value.total_seconds() <= 0:
             raise ValueError(f"'timeout' must be positive (got {value}).")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive number of seconds (got {value!r}).")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive, finite number of seconds (got {value!r}).")
     return datetime.timedelta(seconds=value)
 
 
@@ -90,13 +91,13 @@ class Context:
     Args:
         accelerator: the ``accelerate.Accelerator`` that does device placement,
             mixed precision, accumulation and distribution.
-        signals: the signals that, while ``loop`` or ``run_epoch`` runs, are a request
+        signals: the signals that, while ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs, are a request
             to stop at the next step boundary (a final checkpoint is written, a second
             signal acts at once). SIGINT and SIGTERM by default; ``signals=()`` leaves
             every signal to the host application.
         stop_check_s: on several processes, the length of an agreement round in
             seconds: a stop requested on any process stops all of them within two
-            rounds and the micro-batch in progress (see :mod:`trainfold.interrupt`).
+            rounds and the optimizer update in progress (see :mod:`trainfold.interrupt`).
         timeout: how long a collective waits for the other processes before it fails
             (a ``datetime.timedelta`` or seconds), set on the process group now. By
             default the group keeps what it was made with: torch's 30 minutes for
@@ -126,7 +127,7 @@ class Context:
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=_timeout)
     #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
     control: Control = attrs.field(init=False, factory=Control, repr=False)
-    #: the stop request a signal sets while ``loop`` or ``run_epoch`` runs (see :mod:`trainfold.interrupt`)
+    #: the stop request a signal sets while ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs (see :mod:`trainfold.interrupt`)
     interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
     #: the checkpoint roots this run writes, by path: the lock's descriptor on the main process
     #: (held until :meth:`close` or the process ends), None on the others

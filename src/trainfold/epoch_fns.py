@@ -140,8 +140,6 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
     _check_mode(mode)
-    if state.interrupted:
-        return state
     key = f"save_best:{metric}"
     value = _latest(state, metric, "save_best")
     best: BestState | None = state.extras.get(key)

@@ -1,8 +1,9 @@
 """Signals as a request to stop at the next step boundary, agreed by every process within a bounded time.
 
-While ``loop`` or ``run_epoch`` runs, the signals the Context names (SIGINT and
-SIGTERM by default) do not kill the process: the first one is a request to
-stop, honoured at a step boundary, so a final checkpoint can be written; a
+While ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs, the signals the
+Context names (SIGINT and SIGTERM by default) do not kill the process: the first
+one is a request to stop, honoured at the next optimizer update (or when an
+evaluation ends), so a final checkpoint can be written; a
 second one acts at once (KeyboardInterrupt for SIGINT, the previous handler for
 the others).
 
@@ -166,7 +167,7 @@ def signal_name(signum: int) -> str:
 def catching_signals(interrupt: Interrupt, signals: Sequence[int]) -> Iterator[None]:
     """Turn the first of ``signals`` into ``interrupt.request``; a second one acts at once.
 
-    Installed by the outermost of nested scopes (``loop`` around ``run_epoch``),
+    Installed by the outermost of nested scopes (``run_epoch`` around a ``checkpoint_every`` save),
     in the main thread only (Python delivers signals there), and the previous
     handlers are put back on the way out.
     """
