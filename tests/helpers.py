@@ -67,3 +67,37 @@ def canonical_loop(accelerator: Accelerator, model, opt, sched, dl, loss_fn, *, 
                 opt.zero_grad()
             losses.append(loss.detach().float())
     return testing.parameters(model), losses
+
+
+def fsdp2_accelerator(**kwargs) -> Accelerator:
+    """An Accelerator on CPU processes that prepares models with Accelerate's real FSDP2 path.
+
+    Accelerate selects FSDP only on accelerators (``Accelerator(cpu=True)`` always
+    means MULTI_CPU), but torch's ``fully_shard`` runs on CPU with gloo. Setting
+    the distributed type and plugin after the Accelerator is built makes
+    ``prepare`` take ``fsdp2_prepare_model`` exactly as it would on GPUs, so the
+    step, the checkpoints and the resharding are tested under FSDP2 on CI.
+    The one place the tests do this.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    acc = Accelerator(cpu=True, **kwargs)
+    # Both: every AcceleratorState() (prepare makes some) copies PartialState's distributed type over its own.
+    PartialState().distributed_type = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    return acc
+
+
+def small_disk(folder, size: str):
+    """A tmpfs of ``size`` mounted at ``folder`` (a full disk, for real), unmounted after; skips where mounting needs root."""
+    import subprocess
+
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CI and the project's machines run as root)")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

@@ -265,7 +265,7 @@ def test_a_checkpoint_from_another_trainfold_format_names_both(tmp_path):
     doc.update(format=7, trainfold_version="9.0.0")
     manifest.write_text(json.dumps(doc))
 
-    with pytest.raises(CheckpointError, match=r"written by trainfold 9.0.0 in checkpoint format 7; this trainfold .* reads format 1"):
+    with pytest.raises(CheckpointError, match=r"written by trainfold 9.0.0 in checkpoint format 7; this trainfold .* reads formats 1, 2"):
         load_checkpoint(ctx, tmp_path, state)
 
 

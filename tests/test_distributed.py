@@ -205,12 +205,13 @@ def _checkpoint_on_this_rank(root):
     ctx, fresh, dl = setup(99)
     resumed = train(ctx, load_checkpoint(ctx, f"{root}/boundary", fresh), dl)
     results.append(("boundary", testing.parameters(resumed)))
+    save_checkpoint(ctx, f"{root}/gathered", resumed, sharded=False)  # the format that cannot be dealt out anew
     return expected, results, [c.name for c in ckpts]
 
 
 def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
     """One writer for shared files, each rank its own random state and read-ahead batch; resume is bit-exact."""
-    from trainfold import CheckpointError, load_checkpoint
+    from trainfold import CheckpointError, latest_checkpoint, load_checkpoint, verify_checkpoint
 
     ranks = testing.run_distributed(_checkpoint_on_this_rank, str(tmp_path), nprocs=2)
 
@@ -220,9 +221,10 @@ def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
             testing.assert_params_equal(expected, params)
     assert {f"rank-{r}.safetensors" for r in (0, 1)} <= {p.name for p in (tmp_path / names[0]).iterdir()}
 
+    assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path / "gathered"))["files"]
     ctx, state, _, _ = testing.tiny_setup()
-    with pytest.raises(CheckpointError, match="written by 2 processes but this run has 1"):
-        load_checkpoint(ctx, tmp_path, state)
+    with pytest.raises(CheckpointError, match=r"written by 2 processes but this run has 1.*resume it on 2 processes.*sharded=True"):
+        load_checkpoint(ctx, tmp_path / "gathered", state)
 
 
 def _token_step_on_this_rank():

@@ -26,6 +26,8 @@ _OPENED: list[str] | None = None
 def _audit(event, args):
     if _OPENED is not None and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
         _OPENED.append(os.fsdecode(args[0]))
+    if _OPENED is not None and event == "pickle.find_class":
+        _OPENED.append(f"pickle:{args[0]}.{args[1]}")
 
 
 sys.addaudithook(_audit)  # an audit hook cannot be removed: it records only inside _opened()
@@ -51,18 +53,23 @@ def _setup():
     return ctx, state
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    """A real checkpoint of a trained state, and an outside file holding a secret."""
+def _trained_checkpoint(tmp_path, **save):
+    """A real checkpoint of a trained state, an outside file holding a secret, and the trained parameters."""
     ctx, state = _setup()
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4))
     step = make_step(ctx, helpers.ce_loss)
     for batch in dl:
         state = step(state, batch)
-    save_checkpoint(ctx, tmp_path / "root", state)
+    save_checkpoint(ctx, tmp_path / "root", state, **save)
     secret = tmp_path / "secret.bin"
     secret.write_bytes(os.urandom(631))
-    return latest_checkpoint(tmp_path / "root"), secret
+    return latest_checkpoint(tmp_path / "root"), secret, testing.parameters(state)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A real checkpoint (the gathered format) of a trained state, and an outside file holding a secret."""
+    return _trained_checkpoint(tmp_path)[:2]
 
 
 def _manifest(folder):
@@ -269,3 +276,127 @@ def test_a_scheduler_or_optimizer_state_of_another_shape_is_refused(tmp_path, pl
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(ctx, folder, state)
     assert callable(state.scheduler.scheduler.step) and 0 == state.scheduler.scheduler.last_epoch
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint's pieces, trainfold's files) ----------
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A real sharded checkpoint (format 2) of a trained state, an outside file holding a secret, the trained parameters."""
+    return _trained_checkpoint(tmp_path, sharded=True)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_sharded_checkpoint_is_read_without_unpickling_anything(sharded, tmp_path, monkeypatch):
+    """DCP's own format keeps its metadata in a pickle (.metadata) and tensors in torch.save files: trainfold's
+    sharded format keeps JSON and safetensors only. Planted DCP files are never opened, nothing is unpickled."""
+    import pickle
+
+    folder, _, trained = sharded
+    (folder / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    (folder / "__0_0.distcp").write_bytes(pickle.dumps(_Boom()))
+    monkeypatch.chdir(tmp_path)
+    ctx, state = _setup()
+
+    with _opened() as events:
+        loaded = load_checkpoint(ctx, folder, state)
+
+    testing.assert_params_equal(trained, loaded)
+    assert [] == [e for e in events if e.startswith("pickle:")]
+    assert [] == [e for e in events if e.endswith((".metadata", ".distcp"))]
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("name", [".metadata", "__0_0.distcp", "shard-0.distcp", "shard-01.safetensors"])
+def test_a_sharded_manifest_listing_a_file_of_another_format_is_refused(sharded, name):
+    folder, secret, _ = sharded
+    doc = _manifest(folder)
+    doc["files"][name] = {"size": 631, "sha256": "0" * 64}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"is not a file of the checkpoint format")
+
+
+def test_a_missing_shard_is_refused_naming_it(sharded):
+    folder, secret, _ = sharded
+    (folder / "shard-0.safetensors").unlink()
+
+    _load_refused(folder, secret, r"file shard-0.safetensors is missing")
+
+
+def test_a_shard_left_out_of_the_manifest_is_an_incomplete_checkpoint(sharded):
+    folder, secret, _ = sharded
+    doc = _manifest(folder)
+    del doc["files"]["shard-0.safetensors"]
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"does not list shard-0.safetensors.*incomplete")
+
+
+def _first_tensor(doc, prefix="model."):
+    return next(k for k in doc["tensors"] if k.startswith(prefix))
+
+
+def _outside(doc):
+    doc["storage"][0][2] = "../secret.bin"
+
+
+def _uncovered(doc):
+    entry = doc["tensors"][_first_tensor(doc)]
+    entry["chunks"][0][1][0] -= 1
+
+
+def _overlapping(doc):
+    entry = doc["tensors"][_first_tensor(doc)]
+    entry["chunks"].append(entry["chunks"][0])
+
+
+def _unknown_dtype(doc):
+    doc["tensors"][_first_tensor(doc)]["dtype"] = "F128"
+
+
+def _pickled_value(doc):
+    doc["tensors"][_first_tensor(doc)] = {"__reduce__": "os.system"}
+
+
+@pytest.mark.parametrize("forge,match", [
+    (_outside, r"stored in '../secret.bin', not a shard file of this checkpoint"),
+    (_uncovered, r"the pieces of .* cover \d+ of its \d+ elements"),
+    (_overlapping, r"two pieces of .* overlap"),
+    (_unknown_dtype, r"KeyError: 'F128'"),
+    (_pickled_value, r"tensors.json does not describe the checkpoint's shards"),
+])
+def test_metadata_that_does_not_describe_its_shards_is_refused(sharded, forge, match):
+    """tensors.json rewritten and re-signed: every value is checked before a piece is read."""
+    folder, secret, _ = sharded
+
+    _edit_json(folder, "tensors.json", forge)
+
+    _load_refused(folder, secret, rf"tensors.json does not describe the checkpoint's shards.*{match}|{match}")
+
+
+def test_a_tensor_of_another_shape_in_the_metadata_is_another_model(sharded):
+    folder, secret, _ = sharded
+
+    def grow(doc):
+        name = _first_tensor(doc)
+        entry = doc["tensors"][name]
+        entry["size"][0] += 1
+        entry["chunks"][0][1][0] += 1
+
+    _edit_json(folder, "tensors.json", grow)
+
+    _load_refused(folder, secret, r"is from another model: parameter '0.weight' has shape \(17, 8\) in the checkpoint")
+
+
+def test_a_shard_that_does_not_hold_the_piece_the_metadata_names_is_refused(sharded):
+    """The metadata says a piece is in shard-0.safetensors under a key the file does not have."""
+    folder, secret, _ = sharded
+    _edit_json(folder, "tensors.json", lambda doc: doc["storage"][0].__setitem__(3, "nothing@0,0"))
+
+    _load_refused(folder, secret, r"file shard-0.safetensors does not hold the piece of")

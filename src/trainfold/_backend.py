@@ -6,6 +6,7 @@ batch.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import attrs
@@ -178,6 +179,8 @@ def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
     """
     if loader.end_of_dataloader:
         return False, None
+    while getattr(iterator, "gi_yieldfrom", None) is not None:  # resumed epochs delegate to _look_ahead
+        iterator = iterator.gi_yieldfrom
     frame = getattr(iterator, "gi_frame", None)
     if frame is None or "next_batch" not in frame.f_locals:
         raise RuntimeError(
@@ -185,6 +188,25 @@ def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
             "over a loader prepared with ctx.prepare_loaders (or this Accelerate version iterates differently)."
         )
     return True, frame.f_locals["next_batch"]
+
+
+def _begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callable[[Any], Any]:
+    """Begin an interrupted epoch again as ``DataLoaderShard.__iter__`` begins one; return how it sends a batch to the device.
+
+    The random state of the epoch's start is restored and synchronised across
+    processes, the loader is registered as Accelerate's active one and told its epoch.
+    """
+    from accelerate.utils import send_to_device, synchronize_rng_states
+
+    def to_device(batch: Any) -> Any:
+        return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
+
+    restore_epoch_start()
+    if loader.rng_types is not None:
+        synchronize_rng_states(loader.rng_types, loader.synchronized_generator)
+    loader.begin()
+    loader.set_epoch(loader.iteration)
+    return to_device
 
 
 def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
@@ -197,18 +219,9 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     the checkpoint is restored and iteration continues with the same one-batch
     look-ahead, so every later batch is read with the same random numbers.
     """
-    from accelerate.utils import send_to_device, synchronize_rng_states
-
     from ._batch import like
 
-    def to_device(batch: Any) -> Any:
-        return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
-
-    restore_epoch_start()
-    if loader.rng_types is not None:
-        synchronize_rng_states(loader.rng_types, loader.synchronized_generator)
-    loader.begin()
-    loader.set_epoch(loader.iteration)
+    to_device = _begin_again(loader, restore_epoch_start)
     base_iter = iter(loader.base_dataloader)
     has_ahead, ahead = read_ahead
     skip = consumed + (1 if has_ahead else 0)
@@ -233,7 +246,14 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         loader.iteration += 1
         loader.end()
         return
-    current_batch = to_device(ahead)
+    yield from _look_ahead(loader, base_iter, to_device(ahead), to_device)
+
+
+def _look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Callable[[Any], Any]) -> Any:
+    """Yield the epoch's batches as ``DataLoaderShard.__iter__`` does: one read ahead, the last one flagged, then the epoch closed.
+
+    The batch read ahead is the local ``next_batch`` (``read_ahead_batch`` finds it there).
+    """
     while True:
         try:
             next_batch = next(base_iter)
@@ -245,6 +265,97 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         current_batch = to_device(next_batch)
     loader.iteration += 1
     loader.end()
+
+
+def samples_per_batch(loader: Any) -> int | None:
+    """How many samples of the epoch's order one batch of every process covers together (None where unknown).
+
+    A loader prepared for N processes deals the batches of its sampler's order
+    out in turn (batch ``i`` to process ``i % N``), so after ``k`` batches each,
+    the first ``k * N * batch_size`` samples are done (``k * batch_size`` with
+    ``split_batches``). An iterable dataset has no such order: None.
+    """
+    from accelerate.data_loader import BatchSamplerShard
+
+    base = getattr(loader, "base_dataloader", None)
+    if isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset):
+        return None
+    sampler = getattr(base, "batch_sampler", None)
+    if isinstance(sampler, BatchSamplerShard):
+        size = getattr(sampler, "batch_size", None)
+        return None if size is None else size if sampler.split_batches else size * sampler.num_processes
+    if type(sampler) is torch.utils.data.BatchSampler:
+        return int(sampler.batch_size)
+    return None
+
+
+def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[torch.Tensor, ...], restore_epoch_start: Callable[[], None],
+                       restore_now: Callable[[], None]) -> Any:
+    """Iterate the rest of an interrupted epoch by its position in samples, dealt out to this run's processes.
+
+    For an epoch saved on another number of processes: the epoch's order is
+    drawn again under its starting random state exactly as its first batch drew
+    it, the first ``samples_done`` samples are dropped, and the rest are batched
+    and dealt out as the prepared loader deals a whole epoch (same batch size,
+    ``drop_last`` and ``even_batches``), so that every sample of the epoch is
+    trained on once over the two runs. Batches are read again (a random
+    augmentation of them draws anew), through a ``DataLoader`` with the loader's
+    dataset, collate function and workers.
+
+    The order is drawn by the sampler's generator as it was saved
+    (``saved_generators``: the loader's generators at the epoch's start). On one
+    process Accelerate leaves a shuffling sampler without a generator of its own
+    (it draws from torch's global one), on several it gives it one: when the
+    two layouts differ so, the sampler draws with the saved one for this.
+
+    Raises:
+        ValueError: the loader has no order to continue (an iterable dataset).
+    """
+    from accelerate.data_loader import BatchSamplerShard
+
+    base = loader.base_dataloader
+    shard = base.batch_sampler
+    inner = shard.batch_sampler if isinstance(shard, BatchSamplerShard) else shard
+    if samples_per_batch(loader) is None or not isinstance(getattr(inner, "sampler", None), torch.utils.data.Sampler):
+        raise ValueError(
+            "run_epoch: the checkpoint stopped in the middle of an epoch and this run has another number of processes, "
+            "but the loader deals no sampler's order (an iterable dataset, or a custom batch sampler), so the rest of the "
+            "epoch cannot be dealt out anew. Resume on the number of processes that saved it, or from a checkpoint "
+            "taken between epochs."
+        )
+
+    to_device = _begin_again(loader, restore_epoch_start)
+    whole = iter(base)  # draws what the epoch's own iteration draws before its order (the workers' seed)
+    sampler = inner.sampler
+    live = len(loader_generators(loader))
+    if live != len(saved_generators) and hasattr(sampler, "generator"):
+        own = sampler.generator
+        # the synchronized generator, which is the sampler's, comes first among a loader's generators
+        sampler.generator = torch.Generator().set_state(saved_generators[0]) if saved_generators else None
+        try:
+            order = list(sampler)
+        finally:
+            sampler.generator = own
+    else:
+        order = list(sampler)  # the epoch's order, drawn as its first batch drew it
+    del whole
+    batches: Any = torch.utils.data.BatchSampler(order[samples_done:], inner.batch_size, inner.drop_last)
+    if isinstance(shard, BatchSamplerShard):
+        batches = BatchSamplerShard(batches, shard.num_processes, shard.process_index, split_batches=shard.split_batches, even_batches=shard.even_batches)
+    rest = torch.utils.data.DataLoader(
+        base.dataset, batch_sampler=batches, collate_fn=base.collate_fn, num_workers=base.num_workers, pin_memory=base.pin_memory,
+        worker_init_fn=base.worker_init_fn, timeout=base.timeout, multiprocessing_context=base.multiprocessing_context,
+    )
+    restore_now()
+    base_iter = iter(rest)
+    try:
+        first = next(base_iter)
+    except StopIteration:
+        loader.end_of_dataloader = True
+        loader.iteration += 1
+        loader.end()
+        return
+    yield from _look_ahead(loader, base_iter, to_device(first), to_device)
 
 
 def abandon_epoch(iterator: Any, loader: Any) -> None:
@@ -323,6 +434,32 @@ def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torc
             "across processes. Leave it off for CPU runs."
         )
     return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def shards_parameters(accelerator: Accelerator) -> bool:
+    """True under FSDP: each process holds a shard of every parameter (a DTensor), never the whole model."""
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 shard); cheap: if torch's DTensor was never imported, nothing is one."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: a DTensor's local shard, or the tensor."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A gradient read back from this process's file, in its parameter's layout (a DTensor for a DTensor)."""
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor
+
+        g = grad.to(param.device, param.dtype, copy=True)
+        return DTensor.from_local(g, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())  # type: ignore[attr-defined]
+    return grad.to(param.device, param.dtype, copy=True)
 
 
 def owns_clipping(accelerator: Accelerator) -> bool:

@@ -152,3 +152,12 @@ def explaining_timeouts(ctx: Context) -> Iterator[None]:
                 "Context(accelerator, timeout=datetime.timedelta(minutes=5)) to notice sooner.",
             )
         raise
+
+
+def gather_objects(group: Any, value: Any) -> list[Any]:
+    """Every process's ``value`` over ``group`` (small, picklable: it travels between this run's own processes), in rank order."""
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out

@@ -22,11 +22,15 @@ import torch
 
 from . import _safetensors
 
+#: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
+#: process writes its own pieces of them (``_sharded.py``), and they can be read back on another number of processes.
 FORMAT = 1
+SHARDED = 2
+FORMATS = (FORMAT, SHARDED)
 MANIFEST = "MANIFEST.json"
-SHARED = ("model.safetensors", "state.safetensors", "state.json")
+SHARED = {FORMAT: ("model.safetensors", "state.safetensors", "state.json"), SHARDED: ("tensors.json", "state.safetensors", "state.json")}
 #: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
-_NAME = re.compile(r"(?:model|state)\.safetensors|state\.json|rank-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
+_NAME = re.compile(r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -41,9 +45,14 @@ def rank_files(rank: int) -> tuple[str, str]:
     return f"rank-{rank}.json", f"rank-{rank}.safetensors"
 
 
-def required_files(world_size: int) -> list[str]:
+def process_files(rank: int, fmt: int = FORMAT) -> tuple[str, ...]:
+    """The files process ``rank`` writes: its random states and data position; in a sharded checkpoint, its pieces too."""
+    return (*rank_files(rank), f"shard-{rank}.safetensors") if fmt == SHARDED else rank_files(rank)
+
+
+def required_files(world_size: int, fmt: int = FORMAT) -> list[str]:
     """Every file a checkpoint of ``world_size`` processes must have, besides its manifest."""
-    return [*SHARED, *(name for r in range(world_size) for name in rank_files(r))]
+    return [*SHARED[fmt], *(name for r in range(world_size) for name in process_files(r, fmt))]
 
 
 def sha256_bytes(data: bytes | bytearray | memoryview) -> str:  # hashlib releases the GIL for large buffers
@@ -193,10 +202,10 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
         files, fmt = manifest["files"], manifest["format"]
     except KeyError as exc:
         raise CheckpointError(f"{path} is damaged (no {exc}); the checkpoint cannot be trusted.") from None
-    if fmt != FORMAT:
+    if fmt not in FORMATS:
         raise CheckpointError(
             f"{folder} was written by trainfold {manifest.get('trainfold_version')} in checkpoint format {fmt}; "
-            f"this trainfold ({version}) reads format {FORMAT}. Use the trainfold version that wrote it."
+            f"this trainfold ({version}) reads formats {', '.join(map(str, FORMATS))}. Use the trainfold version that wrote it."
         )
     world = manifest.get("world_size")
     if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -207,7 +216,7 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
         size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and a SHA-256.")
-    missing = [name for name in required_files(world) if name not in files]
+    missing = [name for name in required_files(world, fmt) if name not in files]
     if missing:
         raise CheckpointError(f"{path} does not list {missing[0]}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
     return manifest
@@ -216,9 +225,9 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
 # --- the manifest ---------------------------------------------------------------------------
 
 
-def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], **fields: Any) -> None:
-    """Write the manifest last: every file's size and SHA-256 (``files``), and ``fields`` (format, position...)."""
-    write_file(tmp / MANIFEST, json_bytes({"format": FORMAT, **fields, "files": dict(sorted(files.items()))}))
+def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], fmt: int, **fields: Any) -> None:
+    """Write the manifest last: every file's size and SHA-256 (``files``), and ``fields`` (position...)."""
+    write_file(tmp / MANIFEST, json_bytes({"format": fmt, **fields, "files": dict(sorted(files.items()))}))
 
 
 def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -237,6 +246,7 @@ def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 def verify(folder: Path, *, rank: int | None = None, version: str = "") -> dict[str, Any]:
     """Check a checkpoint folder against its manifest and return the manifest (see ``verify_checkpoint``)."""
     manifest = read_manifest(folder, version=version)
-    names = [n for n in manifest["files"] if rank is None or not n.startswith("rank-") or n.startswith(f"rank-{rank}.")]
+    mine = process_files(rank, manifest["format"]) if rank is not None else ()
+    names = [n for n in manifest["files"] if rank is None or not n.startswith(("rank-", "shard-")) or n in mine]
     read_verified(folder, manifest, names, keep=False)
     return manifest

@@ -9,6 +9,10 @@ A checkpoint is a folder holding::
     rank-<r>.json          per process: random states (now and at the epoch's start)
     rank-<r>.safetensors   per process: their tensors, the batch read ahead, a partial accumulation's gradients
 
+A sharded checkpoint (format 2) has no ``model.safetensors`` and keeps no
+optimizer tensor in ``state.*``: the model's and optimizer's tensors are in
+``tensors.json`` and every process's ``shard-<r>.safetensors`` (``_sharded.py``).
+
 Owned here: encoding a :class:`~trainfold._runstate.RunState` (and a process's
 data position) into those files and decoding them back. Only JSON and
 safetensors are read: nothing can run code. The folder on disk (names, manifest,
@@ -49,7 +53,7 @@ _OWN = ("history", "sums")
 # --- the shared files: the run state -------------------------------------------------------
 
 
-def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str) -> dict[str, Content]:
+def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None) -> dict[str, Content]:
     """``run`` (but its gradients and random states, which are per process) as the shared files' bytes.
 
     Raises:
@@ -73,8 +77,12 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str) -> 
         "scheduler": None if run.scheduler is None else enc.encode(run.scheduler, "scheduler"),
         "scaler": None if run.scaler is None else enc.encode(run.scaler, "scaler"),
         "accelerate": {"step": run.accelerate_step, "gradient_accumulation_steps": accumulation, "mixed_precision": mixed_precision},
+        "layout": dict(layout or {}),
     }
-    return {"model.safetensors": dict(run.weights), "state.safetensors": enc.tensors, "state.json": json_bytes(doc)}
+    files: dict[str, Content] = {"state.safetensors": enc.tensors, "state.json": json_bytes(doc)}
+    if not run.sharded:  # a sharded checkpoint's weights: each process's shard-<rank>.safetensors
+        files["model.safetensors"] = dict(run.weights)
+    return files
 
 
 def _value_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
@@ -95,7 +103,8 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
     meta = parse_json(folder, json_name, files[json_name])
     shared = parse_tensors(folder, "state.safetensors", files["state.safetensors"])
     per_rank = parse_tensors(folder, tensors_name, files[tensors_name])
-    weights = parse_tensors(folder, "model.safetensors", files["model.safetensors"])
+    sharded = "model.safetensors" not in files
+    weights = {} if sharded else parse_tensors(folder, "model.safetensors", files["model.safetensors"])
     try:
         saved = doc["state"]
         values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template.model), device=device)
@@ -120,6 +129,7 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
         accelerate_step = _count("accelerate.step", doc["accelerate"]["step"])
         accumulation = _count("gradient_accumulation_steps", doc["accelerate"]["gradient_accumulation_steps"])
         grads, resume = _decode_rank(meta, per_rank)
+        resume = attrs.evolve(resume, saved_layout=_layout(doc.get("layout"), accumulation))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
         raise CheckpointError(f"{folder}: a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
     if "extras" in values:
@@ -127,8 +137,16 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
     state = attrs.evolve(template, model=None, optimizer=None, scheduler=None, accelerator=None, cursor=None,
                          history=history, sums=sums, **values)
     run = RunState(values=state, weights=weights, grads=grads, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                   accelerate_step=accelerate_step, rng=resume.now)
+                   accelerate_step=accelerate_step, rng=resume.now, sharded=sharded)
     return run, resume, accumulation
+
+
+def _layout(layout: Any, accumulation: int) -> tuple[int, int | None, int] | None:
+    """(processes, samples per batch over all of them, accumulation steps) of the saving run; None if not recorded."""
+    if not isinstance(layout, dict) or "processes" not in layout:
+        return None  # written before trainfold recorded it
+    per_batch = layout.get("batch_samples")
+    return _count("processes", layout["processes"]), None if per_batch is None else _count("batch_samples", per_batch), accumulation
 
 
 def _count(name: str, v: Any) -> int:
@@ -167,6 +185,8 @@ def encode_rank(rank: int, run: RunState, resume: Resume | None) -> dict[str, Co
         start_t, meta["epoch_start"] = _rng.to_record(resume.epoch_start)  # type: ignore[arg-type]
         tensors.update({f"epoch_start.{k}": v for k, v in start_t.items()})
         meta["epoch_length"] = resume.epoch_length
+        meta["samples_done"] = resume.samples_done
+        meta["by_samples"] = resume.by_samples
         has, batch = resume.read_ahead
         enc = _codec.Encoder()
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
@@ -191,11 +211,18 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
     length = meta.get("epoch_length")
     if length is not None:
         _count("epoch_length", length)
+    done = meta.get("samples_done")
+    if done is not None:
+        _count("samples_done", done)
+    if not isinstance(meta.get("by_samples", False), bool):
+        raise ValueError(f"by_samples is {meta['by_samples']!r}, not a bool")
     resume = Resume(
         epoch_start=states("epoch_start") if "epoch_start" in meta else None,
         now=states("now"),
         read_ahead=read_ahead,
         epoch_length=length,
+        samples_done=done,
+        by_samples=meta.get("by_samples", False),
     )
     return grads, resume
 

@@ -52,6 +52,13 @@ def restore(states: RngStates, generators: Iterable[torch.Generator] = ()) -> No
         g.set_state(s)
 
 
+def restore_loosely(states: RngStates, generators: Iterable[torch.Generator] = ()) -> None:
+    """As :func:`restore`, for a run laid out otherwise (another number of processes): where the loader has
+    another number of generators than were recorded, only the global states are restored."""
+    gens = list(generators)
+    restore(states if len(gens) == len(states.generators) else attrs.evolve(states, generators=()), gens)
+
+
 def to_record(states: RngStates) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Split into tensors (for safetensors) and JSON values."""
     tensors = {"torch_cpu": states.torch_cpu}

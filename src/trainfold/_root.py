@@ -21,6 +21,7 @@ import torch
 from . import _lock
 from ._backend import accumulation_counter
 from ._files import (
+    FORMAT,
     MANIFEST,
     CheckpointError,
     digest_files,
@@ -69,10 +70,12 @@ def fresh(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None) -> Any:
+def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None, *, group: Any = None) -> Any:
     """Run ``work`` on every process and agree on whether it failed anywhere (one all-reduce on several).
 
     Every process then raises or goes on together: none waits forever in the next collective.
+    The all-reduce is on the control channel (a CPU group: no device sync), or on ``group``
+    (a background save's own).
     """
     error: BaseException | None = None
     result = None
@@ -83,8 +86,11 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
     acc = ctx.accelerator
     failed = error is not None
     if acc.num_processes > 1:
-        flag = torch.tensor(float(failed), device=acc.device)
-        failed = bool(acc.reduce(flag, reduction="sum") > 0)  # sync: once per step of a save
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(failed)])
+        dist.all_reduce(flag, group=ctx.control.group() if group is None else group)
+        failed = bool(flag.item() > 0)  # sync: none, a CPU tensor
     if not failed:
         return result
     cleanup()
@@ -124,16 +130,17 @@ def check_same_run(root: Path, state: TrainState) -> None:
 
 
 def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
-           *, finite: bool = True) -> None:
+           *, finite: bool = True, fmt: int = FORMAT, fields: dict[str, Any] | None = None) -> None:
     world = ctx.accelerator.num_processes
-    others = [n for n in required_files(world) if n not in entries]
-    entries = {**entries, **digest_files(tmp, others)}  # the other processes' files: read back
-    missing = [n for n in required_files(world) if n not in entries]
+    others = [n for n in required_files(world, fmt) if n not in entries]
+    entries = {**entries, **digest_files(tmp, others)}  # the other processes' files (not already reported): read back
+    missing = [n for n in required_files(world, fmt) if n not in entries]
     if missing:
         raise CheckpointError(f"{tmp}: {missing[0]} was not written; a checkpoint missing a file is never committed.")
     write_manifest(
         tmp,
         entries,
+        fmt,
         trainfold_version=_version(),
         torch_version=torch.__version__,
         world_size=world,
@@ -142,6 +149,7 @@ def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, 
         epoch=state.epoch,
         micro_step=state.micro_step,
         finite=finite,
+        **(fields or {}),
     )
     fsync_dir(tmp)
     if final.exists():  # the same position saved again: swap, then drop the old one

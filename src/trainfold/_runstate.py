@@ -19,6 +19,8 @@ from . import _rng
 from ._backend import (
     accumulation_counter,
     inner_optimizer,
+    like_param,
+    local,
     loss_scaler,
     set_accumulation_counter,
     unwrap,
@@ -47,6 +49,9 @@ class RunState:
         scaler: Accelerate's fp16 loss scaler's state dict, or None.
         accelerate_step: Accelerate's micro-batch counter (the accumulation phase).
         rng: the random states (global ones; and the loader's generators, for checkpoints).
+        sharded: the model's and optimizer's tensors are not here: a sharded checkpoint
+            reads and writes them through ``_sharded.py``; ``weights`` is empty and
+            ``optimizer`` holds the optimizer's other values (learning rates...).
     """
 
     values: TrainState = attrs.field(repr=False)
@@ -57,6 +62,7 @@ class RunState:
     scaler: Any = attrs.field(repr=False)
     accelerate_step: int
     rng: _rng.RngStates = attrs.field(repr=False)
+    sharded: bool = False
 
     @property
     def step(self) -> int:
@@ -102,6 +108,7 @@ def capture(
     copied: bool = True,
     weights: Mapping[str, torch.Tensor] | None = None,
     rng: _rng.RngStates | None = None,
+    sharded_optimizer: Mapping[str, Any] | None = None,
 ) -> RunState:
     """The run state of ``state``.
 
@@ -112,22 +119,26 @@ def capture(
         weights: the model's weights if already gathered (a sharded engine gathers
             them on every process: ``accelerator.get_state_dict``).
         rng: the random states if already captured (a checkpoint takes them first).
+        sharded_optimizer: for a sharded checkpoint, the optimizer's values other than
+            tensors (``_sharded.split_state``); the weights are then not captured.
     """
     acc = state.accelerator
     model = unwrap(acc, state.model)
     scaler = loss_scaler(acc)
     keep = detach if copied else (lambda v: v)
+    sharded = sharded_optimizer is not None
     if weights is None:
-        weights = model.state_dict()
+        weights = {} if sharded else model.state_dict()
     return RunState(
         values=keep(values_of(state)),
         weights={k: keep(v) for k, v in weights.items()},
-        grads={n: keep(p.grad) for n, p in model.named_parameters() if p.grad is not None},
-        optimizer=keep(inner_optimizer(state.optimizer).state_dict()),
+        grads={n: keep(local(p.grad)) for n, p in model.named_parameters() if p.grad is not None},
+        optimizer=dict(sharded_optimizer) if sharded_optimizer is not None else keep(inner_optimizer(state.optimizer).state_dict()),
         scheduler=None if state.scheduler is None else keep(state.scheduler.state_dict()),
         scaler=None if scaler is None else keep(scaler.state_dict()),
         accelerate_step=accumulation_counter(acc),
         rng=_rng.capture() if rng is None else rng,
+        sharded=sharded,
     )
 
 
@@ -138,11 +149,12 @@ def check_fits(run: RunState, state: TrainState) -> None:
         StateMismatch: other parameter names or shapes, another optimizer layout,
             or a scheduler on one side only.
     """
-    _check_model(unwrap(state.accelerator, state.model), run.weights)
-    optimizer = inner_optimizer(state.optimizer)
-    _check_optimizer(optimizer, run.optimizer)
-    for saved, live in zip(run.optimizer["param_groups"], optimizer.state_dict()["param_groups"]):
-        _check_like(saved, live, "optimizer parameter group")
+    if not run.sharded:  # a sharded checkpoint's model and optimizer: _sharded.check_layout
+        _check_model(unwrap(state.accelerator, state.model), run.weights)
+        optimizer = inner_optimizer(state.optimizer)
+        _check_optimizer(optimizer, run.optimizer)
+        for saved, live in zip(run.optimizer["param_groups"], optimizer.state_dict()["param_groups"]):
+            _check_like(saved, live, "optimizer parameter group")
     if (run.scheduler is None) != (state.scheduler is None):
         has = "has no" if run.scheduler is None else "has a"
         live_has = "has one" if state.scheduler is not None else "has none"
@@ -190,11 +202,12 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True) -> Trai
     own = copy.deepcopy if keep_run else (lambda v: v)
     acc = state.accelerator
     model = unwrap(acc, state.model)
-    model.load_state_dict(run.weights, strict=True)
+    if not run.sharded:  # a sharded checkpoint's model and optimizer are put back by _sharded.apply
+        model.load_state_dict(run.weights, strict=True)
+        inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
     for name, p in model.named_parameters():
         grad = run.grads.get(name)
-        p.grad = None if grad is None else grad.to(p.device, p.dtype, copy=True)
-    inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
+        p.grad = None if grad is None else like_param(grad, p)
     if state.scheduler is not None and run.scheduler is not None:
         state.scheduler.load_state_dict(own(run.scheduler))
     scaler = loss_scaler(acc)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Mapping, overload
 
@@ -25,23 +24,34 @@ import torch
 from toolz import curry
 
 from . import _codec, _rng
-from ._backend import is_resumable_loader, loader_generators, read_ahead_batch
+from ._backend import (
+    inner_optimizer,
+    is_resumable_loader,
+    loader_generators,
+    local,
+    read_ahead_batch,
+    samples_per_batch,
+    shards_parameters,
+    unwrap,
+)
 from ._cursor import EpochCursor, Resume
 from ._files import (
+    FORMAT,
+    SHARDED,
     CheckpointError,
     Content,
+    parse_tensors,
     rank_files,
     read_manifest,
     read_verified,
     verify,
-    write_files,
 )
 from ._format import decode, encode_rank, encode_shared
+from ._background import SaveJob, to_host, write_and_commit
 from ._root import (
     agreed,
     check_same_run,
     checkpoint_name,
-    commit,
     fresh,
     hold_lock,
     latest_checkpoint,
@@ -49,7 +59,7 @@ from ._root import (
     resolve,
     root_path,
 )
-from ._runstate import StateMismatch, capture, check_fits, put_back
+from ._runstate import StateMismatch, capture, check_fits, put_back, values_of
 from ._types import Batch, Step, StepTransformer
 from ._validate import (
     expect_owned,
@@ -78,11 +88,13 @@ def _version() -> str:
 
 
 @overload
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ...) -> Any: ...
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...) -> Any: ...
 @overload
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ...) -> TrainState: ...
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
+                    async_save: bool = ...) -> TrainState: ...
 @curry  # type: ignore[misc]
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None) -> TrainState:
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
+                    async_save: bool = False) -> TrainState:
     """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
 
     Everything needed to continue exactly is written: the model, optimizer,
@@ -102,11 +114,23 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     several processes, the main process writes the shared files and each
     process its own.
 
+    A sharded checkpoint (the default on several processes) writes the model's
+    and optimizer's tensors through ``torch.distributed.checkpoint``, each
+    process its own pieces, and resumes on any number of processes; a gathered
+    one (the default on one process) writes them into the main process's
+    ``model.safetensors`` and ``state.safetensors``.
+
     Args:
         ctx: the run's Context.
         root: the folder that holds the run's checkpoints.
         state: the state to save.
         keep_last: keep only the newest N checkpoints under ``root``.
+        sharded: True for a sharded checkpoint, False for a gathered one (refused
+            under FSDP), None (the default) for sharded on several processes.
+        async_save: copy the state to host memory and return; a background thread
+            writes and commits the checkpoint while training goes on (at most one
+            in flight; ``ctx.wait_for_checkpoints()``, the next save, a load and
+            ``ctx.close()`` wait for it and raise its error).
 
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
@@ -134,10 +158,29 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     if keep_last is not None:
         positive_int("keep_last", keep_last)
     with catching_signals(ctx.interrupt, ctx.signals):  # a signal now is honoured after the save, not in its middle
-        return _save(ctx, root, state, keep_last)
+        return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
 
 
-def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_last: int | None) -> TrainState:
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"save_checkpoint: {name} must be True or False, not {value!r}.")
+    return value
+
+
+def _sharded_layout(ctx: Context, sharded: bool | None) -> bool:
+    """Sharded on several processes (and whenever asked); gathered into the main process's files on one, unless asked."""
+    if sharded is not None and not isinstance(sharded, bool):
+        raise TypeError(f"save_checkpoint: sharded must be True, False or None (automatic), not {sharded!r}.")
+    if sharded is False and shards_parameters(ctx.accelerator):
+        raise ValueError(
+            "save_checkpoint: sharded=False gathers the whole model into one process's files, which FSDP's sharded "
+            "parameters do not allow here; leave sharded unset (a sharded checkpoint) under FSDP."
+        )
+    return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
+
+
+def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
+    ctx.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
@@ -145,29 +188,30 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
     hold_lock(ctx, root, state)
     name = checkpoint_name(ctx, state)
     tmp = root / f".tmp-{name}"
-    weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
-    run = capture(state, copied=False, weights=weights, rng=now)
+    # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
+    shards: dict[str, torch.Tensor] | None = None
+    if sharded:  # each process keeps its own pieces: nothing is gathered
+        from . import _sharded  # torch.distributed.checkpoint: imported by the first sharded save, not with trainfold
+
+        shards, rest = agreed(ctx, lambda: _sharded.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
+        if async_save:
+            shards = to_host(shards)
+        run = capture(state, copied=async_save, rng=now, sharded_optimizer=rest)
+        weights = {k: local(v) for k, v in shards.items() if k.startswith(_sharded.MODEL)}
+    else:
+        weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
+        if async_save:
+            weights = to_host(weights)
+        run = attrs.evolve(capture(state, copied=async_save, weights={}, rng=now), weights=weights)
     files = agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
     agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
-    entries = agreed(ctx, lambda: write_files(tmp, files), f"writing {tmp}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
-    finite = _all_finite(weights, name) if main else True
-    agreed(ctx, lambda: commit(root, tmp, root / name, ctx, state, entries, keep_last, finite=finite) if main else None,
-           f"committing {name}", cleanup=lambda: main and shutil.rmtree(tmp, ignore_errors=True))
+    job = SaveJob(root, name, files, shards, weights, values_of(state), keep_last, SHARDED if sharded else FORMAT)
+    if async_save:
+        group = ctx.saver.group(acc.num_processes)
+        ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
+    else:
+        write_and_commit(ctx, job)
     return state
-
-
-def _all_finite(weights: Mapping[str, torch.Tensor], name: str) -> bool:
-    """Whether every floating-point weight is finite (one host sync, at a save); logs an error if not."""
-    checks = [torch.isfinite(t).all() for t in weights.values() if t.is_floating_point() and t.numel()]
-    finite = bool(torch.stack(checks).all()) if checks else True  # sync: once per save
-    if not finite:
-        logger.error(
-            "trainfold: checkpoint %s holds non-finite weights (NaN or inf): the run has diverged. It is kept, but "
-            "keep_last never removes the newest checkpoint of finite weights because of it; resume from that one "
-            "(see list_checkpoints) with a lower learning rate, clipping, or make_step(..., stages=[nan_guard()]).",
-            name,
-        )
-    return finite
 
 
 def _start(root: Path, tmp: Path, state: TrainState) -> None:
@@ -178,7 +222,7 @@ def _start(root: Path, tmp: Path, state: TrainState) -> None:
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
     files = encode_rank(ctx.accelerator.process_index, run, _position(state))
     if main:
-        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision))
+        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state)))
     return files
 
 
@@ -188,7 +232,7 @@ def _generators(state: TrainState) -> list[torch.Generator]:
 
 
 def _position(state: TrainState) -> Resume | None:
-    """Where an interrupted epoch stands (for this process), or None between epochs."""
+    """Where an interrupted epoch stands (for this process, and in samples over every process), or None between epochs."""
     cursor = state.cursor
     if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
         return None
@@ -198,8 +242,22 @@ def _position(state: TrainState) -> Resume | None:
             f"(the epoch runs over a {type(cursor.loader).__name__}), so that it can continue where it stopped."
         )
     read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
+    per_batch = samples_per_batch(cursor.loader)
+    samples_before, batches_before = cursor.resumed_at or (0, 0)
+    done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
     # ``now`` is not written from here: the run state's random states are the moment of the save
-    return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader))
+    return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader),
+                  samples_done=done, by_samples=cursor.resumed_at is not None)
+
+
+def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:
+    """The global batch this run trains with: processes, samples per batch over all of them, accumulation."""
+    cursor = state.cursor
+    return {
+        "processes": ctx.accelerator.num_processes,
+        "batch_samples": samples_per_batch(cursor.loader) if isinstance(cursor, EpochCursor) else None,
+        "gradient_accumulation_steps": ctx.gradient_accumulation_steps,
+    }
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -231,9 +289,12 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     ``path`` is a checkpoint folder, or a root of them (then the newest complete
     one, by the position it records). All or nothing: every file is read once
     and verified against the manifest while it is read, every value is decoded
-    and the checkpoint is checked against the run (the same world size, the same
-    parameters, names and shapes, the same optimizer layout, a scheduler on both
-    sides or neither) before anything is changed. Then the weights, optimizer,
+    and the checkpoint is checked against the run (the same parameters, names and
+    shapes, the same optimizer layout, a scheduler on both sides or neither; for a
+    gathered checkpoint, the same number of processes) before anything is changed.
+    A sharded checkpoint written by another number of processes is resharded into
+    this run's layout, and its interrupted epoch continues by its position in
+    samples (see the README's "Sharded, elastic and background checkpoints"). Then the weights, optimizer,
     scheduler, scaler and Accelerate's accumulation counter are restored in
     place, the random states are restored, and a state is returned whose next
     ``run_epoch`` continues the interrupted epoch from the next batch, in the
@@ -267,32 +328,99 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     .. versionadded:: 0.1.0
     """
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
+    ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
     acc = ctx.accelerator
     folder = resolve(path)
     manifest = read_manifest(folder, version=_version())
+    if manifest["format"] == SHARDED:
+        return _load_sharded(ctx, folder, manifest, state)
     if manifest["world_size"] != acc.num_processes:
         raise CheckpointError(
-            f"{folder} was written by {manifest['world_size']} processes but this run has {acc.num_processes}: "
-            "resume with the same number of processes (the random states and the data position are per process)."
+            f"{folder} was written by {manifest['world_size']} processes but this run has {acc.num_processes}, and its "
+            "format (the model gathered into one file, the data position per process) cannot be dealt out anew: resume "
+            f"it on {manifest['world_size']} processes, and save there with save_checkpoint(..., sharded=True) (the default "
+            "on several processes); a sharded checkpoint resumes on any number of processes."
         )
     files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(acc.process_index)])
     run, resume, saved_steps = decode(folder, files, state, acc.process_index)
     del files
-    if saved_steps != ctx.gradient_accumulation_steps:
-        raise CheckpointError(
-            f"{folder} was saved with gradient_accumulation_steps={saved_steps}, this run "
-            f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
-            "Resume with the same Accelerator settings."
-        )
+    _check_accumulation(ctx, folder, saved_steps)
     try:
         check_fits(run, state)
     except StateMismatch as exc:
         raise CheckpointError(f"{folder} {exc}") from None
 
     # Everything read and checked: now change things.
-    loaded = put_back(run, state, keep_run=False)
+    return _loaded(put_back(run, state, keep_run=False), resume)
+
+
+def _loaded(loaded: TrainState, resume: Resume) -> TrainState:
     # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
     return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "")
+
+
+def _check_accumulation(ctx: Context, folder: Path, saved_steps: int) -> None:
+    if saved_steps != ctx.gradient_accumulation_steps:
+        raise CheckpointError(
+            f"{folder} was saved with gradient_accumulation_steps={saved_steps}, this run "
+            f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
+            "Resume with the same Accelerator settings."
+        )
+
+
+def _check_elastic(folder: Path, run: Any, resume: Resume, saved_steps: int, saved: int, now: int) -> None:
+    """A checkpoint of ``saved`` processes continues on ``now`` only at an optimizer update, with its position in samples."""
+    if run.accelerate_step % saved_steps or run.grads:
+        raise CheckpointError(
+            f"{folder} was saved by {saved} processes in the middle of an accumulation group (their partial gradients "
+            f"cannot be dealt out to {now}): resume it on {saved} processes, or from a checkpoint at an optimizer update "
+            "(checkpoint_every saves at updates)."
+        )
+    if run.values.batch_in_epoch > 0 and resume.samples_done is None:
+        raise CheckpointError(
+            f"{folder} was saved by {saved} processes in the middle of an epoch over a loader whose position in samples "
+            f"is unknown (an iterable dataset): resume it on {saved} processes, or from a checkpoint between epochs."
+        )
+
+
+def _load_sharded(ctx: Context, folder: Path, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
+    """Load a sharded checkpoint: every process reads the pieces of its own layout (a collective: every process calls it)."""
+    from . import _sharded
+
+    acc = ctx.accelerator
+    rank = acc.process_index
+    model, optimizer = unwrap(acc, state.model), inner_optimizer(state.optimizer)
+
+    world = manifest["world_size"]
+    elastic = world != acc.num_processes
+    source = 0 if elastic else rank  # another number of processes: every process continues from the first one's states
+
+    def read_and_check() -> tuple[Any, Resume, Any]:
+        files = read_verified(folder, manifest, ["state.json", "state.safetensors", _sharded.METADATA, *rank_files(source)])
+        run, resume, saved_steps = decode(folder, files, state, source)
+        if elastic:
+            _check_elastic(folder, run, resume, saved_steps, world, acc.num_processes)
+            run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
+            resume = attrs.evolve(resume, elastic=True)
+        else:
+            _check_accumulation(ctx, folder, saved_steps)
+        metadata = _sharded.parse_metadata(folder, files[_sharded.METADATA], world)
+        try:
+            check_fits(run, state)
+            _sharded.check_layout(metadata, model, optimizer, run.optimizer)
+        except ValueError as exc:  # StateMismatch, and check_layout's predicates
+            raise CheckpointError(f"{folder} {exc}") from None
+        return run, resume, metadata
+
+    run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
+
+    def read_file(name: str) -> Mapping[str, torch.Tensor]:
+        return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
+
+    tensors = _sharded.load_shards(metadata, read_file, model, optimizer)
+    # Everything read and checked, on every process: now change things.
+    _sharded.apply(model, optimizer, tensors, run.optimizer)
+    return _loaded(put_back(run, state, keep_run=False), resume)
 
 
 # --- periodic saving ------------------------------------------------------------------------
@@ -318,7 +446,8 @@ def _check_resumable(state: TrainState, batch: Batch) -> None:
         raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
 
 
-def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None) -> StepTransformer:
+def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
+                     async_save: bool = False) -> StepTransformer:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update, and when the run stops.
 
     A final checkpoint is written after the step at which the run stops for any
@@ -327,6 +456,8 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     every process), so an interrupted run loses nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
+    ``sharded`` and ``async_save`` are ``save_checkpoint``'s; with ``async_save``
+    the final checkpoint at a stop is committed before the step returns.
 
     Example:
         >>> import tempfile
@@ -340,6 +471,8 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     .. versionadded:: 0.1.0
     """
     positive_int("checkpoint_every", n)
+    _sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
+    _flag("async_save", async_save)
     interrupt = ctx.interrupt
 
     def transform(step: Step) -> Step:
@@ -355,8 +488,12 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
             stopping = (new.should_stop and not state.should_stop) or (
                 new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
             )
-            if due or stopping:
-                return save_checkpoint(ctx, root, new, keep_last=keep_last)
+            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
+                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
+                ctx.wait_for_checkpoints()
+                return saved
+            if due:
+                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
             return new
 
         return named(saving, f"checkpoint_every({n})({name_of(step)})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import signal
 from typing import Any
@@ -11,6 +12,7 @@ import attrs
 from accelerate import Accelerator
 
 from ._backend import loader_placement, wait_for_everyone
+from ._saver import Saver
 from ._control import Control, current_timeout, set_timeout
 from .interrupt import Interrupt
 
@@ -132,6 +134,8 @@ class Context:
     #: the checkpoint roots this run writes, by path: the lock's descriptor on the main process
     #: (held until :meth:`close` or the process ends), None on the others
     checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold._saver`)
+    saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.timeout is not None and self.accelerator.num_processes > 1:
@@ -167,24 +171,57 @@ class Context:
         ``with Context(accelerator=...) as ctx:``, which waits for every process
         (when the block ended without an exception) and closes on the way out.
         Calling it after ``accelerator.end_training()`` (the usual Accelerate
-        ending, inside the ``with`` block too) is harmless.
+        ending, inside the ``with`` block too) is harmless. A checkpoint being
+        written in the background is waited for first; if it failed, its error
+        is raised once the run is closed.
         """
         from ._lock import release
 
+        failed: BaseException | None = None
+        try:
+            self.wait_for_checkpoints()
+        except BaseException as exc:  # raised once the run is closed: a lost checkpoint is never silent
+            failed = exc
+        self.saver.forget()
         for fd in self.checkpoint_locks.values():
             if fd is not None:
                 release(fd)
         self.checkpoint_locks.clear()
         self.control.forget()
         self.accelerator.end_training()
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Context:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None and self._group_alive():
-            self.wait_for_everyone()  # no rank tears down while another still works
-        self.close()
+        if exc_type is not None:  # the block's own error is the one raised; a failed background save is logged
+            try:
+                self.wait_for_checkpoints()
+            except Exception:
+                logging.getLogger("trainfold").exception("trainfold: the checkpoint being written in the background failed")
+            self.close()
+            return
+        try:
+            self.wait_for_checkpoints()
+            if self._group_alive():
+                self.wait_for_everyone()  # no rank tears down while another still works
+        finally:
+            self.close()
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until the checkpoint being written in the background (``async_save=True``) is committed.
+
+        At most one is in flight: the next save, ``load_checkpoint`` and
+        :meth:`close` wait for it too; call this where a run must know its last
+        checkpoint is on disk (before it reports being done, say).
+
+        Raises:
+            OSError, CheckpointError: that save failed (nothing was committed; the
+                previous checkpoints are intact).
+        """
+        self.saver.wait()
 
     def _group_alive(self) -> bool:
         """Whether the processes can still meet (False once ``accelerator.end_training()`` destroyed the group)."""

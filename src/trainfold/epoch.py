@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, overload
 
@@ -15,12 +16,13 @@ from ._backend import (
     is_resumable_loader,
     loader_generators,
     real_samples_in_batch,
+    resumed_by_samples,
     resumed_epoch,
+    samples_per_batch,
     set_loader_epoch,
 )
 from ._batch import batch_size, describe_batch, slice_batch
 from ._cursor import EpochCursor, Resume
-from ._rng import RngStates
 from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_owned, expect_state, length_or_none
 from .context import Context
@@ -113,8 +115,8 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     distributed = ctx.accelerator.num_processes > 1
     if distributed:
         check_same_length(ctx.control, length, "run_epoch")
-    iterator, epoch_start = _start_epoch(state, loader)
-    state = attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start))
+    state = attrs.evolve(state, cursor=_start_epoch(ctx, state, loader))
+    iterator = state.cursor.iterator
     seen = 0
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.interrupt
@@ -132,7 +134,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
             if state.should_stop:
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
                 # later run_epoch), and the epoch-level functions after this one pass it through.
-                return attrs.evolve(state, cursor=EpochCursor(iterator, loader, epoch_start, interrupted=True))
+                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=True))
         else:
             if distributed and length is None:
                 check_same_count(ctx.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
@@ -152,11 +154,12 @@ def _check_accumulation(ctx: Context, loader: Any) -> None:
         )
 
 
-def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[Batch], RngStates]:
-    """The epoch's iterator, and the random state it starts from (what a checkpoint needs to replay it).
+def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> EpochCursor:
+    """The epoch's cursor: its iterator, and the random state it starts from (what a checkpoint needs to replay it).
 
     A state from ``load_checkpoint`` continues its interrupted epoch: see
-    :func:`trainfold._backend.resumed_epoch`.
+    :func:`trainfold._backend.resumed_epoch`, and on another number of
+    processes :func:`trainfold._backend.resumed_by_samples`.
     """
     cursor = state.cursor
     if isinstance(cursor, EpochCursor) and cursor.iterator is not None and state.batch_in_epoch > 0:
@@ -165,17 +168,19 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
                 "run_epoch: the state stopped in the middle of an epoch over another loader: continue it with the "
                 "same loader (or save a checkpoint and resume from it, or start from a state between epochs)."
             )
-        return cursor.iterator, cursor.epoch_start  # an epoch stopped in this process: it goes on
+        return attrs.evolve(cursor, interrupted=False)  # an epoch stopped in this process: it goes on
     resume = cursor if isinstance(cursor, Resume) else None
     generators = loader_generators(loader)
     if resume is None:
-        return iter(loader), rng.capture(generators)  # ~60 us, once per epoch
+        return EpochCursor(iter(loader), loader, rng.capture(generators))  # ~60 us, once per epoch
     if not is_resumable_loader(loader):
         raise TypeError(
             "run_epoch: to continue a run from a checkpoint, the loader must be prepared with "
             f"ctx.prepare_loaders (got a {type(loader).__name__})."
         )
-    if state.batch_in_epoch > 0 and resume.epoch_length is not None and length_or_none(loader) not in (None, resume.epoch_length):
+    _warn_if_global_batch_changed(ctx, resume, loader)
+    by_samples = resume.elastic or resume.by_samples
+    if state.batch_in_epoch > 0 and not by_samples and resume.epoch_length is not None and length_or_none(loader) not in (None, resume.epoch_length):
         raise ValueError(
             f"run_epoch: the interrupted epoch had {resume.epoch_length} batches, this loader has {length_or_none(loader)}: "
             "the data or the batch size changed, so the run cannot continue where it stopped. Resume with the "
@@ -183,17 +188,49 @@ def _start_epoch(state: TrainState, loader: Iterable[Batch]) -> tuple[Iterable[B
             "taken between epochs)."
         )
     set_loader_epoch(loader, state.epoch)
+    restore = rng.restore_loosely if resume.elastic else rng.restore  # another layout may hold other loader generators
     if state.batch_in_epoch == 0 or resume.epoch_start is None:
-        rng.restore(resume.now, generators)
-        return iter(loader), rng.capture(generators)
+        restore(resume.now, generators)
+        return EpochCursor(iter(loader), loader, rng.capture(generators))
+    epoch_start = resume.epoch_start
+    if by_samples:
+        assert resume.samples_done is not None  # load_checkpoint refuses a checkpoint without it
+        iterator = resumed_by_samples(
+            loader,
+            resume.samples_done,
+            epoch_start.generators,
+            restore_epoch_start=lambda: restore(epoch_start, generators),
+            restore_now=lambda: restore(resume.now, generators),
+        )
+        return EpochCursor(iterator, loader, epoch_start, resumed_at=(resume.samples_done, state.batch_in_epoch))
     iterator = resumed_epoch(
         loader,
         state.batch_in_epoch,
         resume.read_ahead,
-        restore_epoch_start=lambda: rng.restore(resume.epoch_start, generators),
+        restore_epoch_start=lambda: rng.restore(epoch_start, generators),
         restore_now=lambda: rng.restore(resume.now, generators),
     )
-    return iterator, resume.epoch_start
+    return EpochCursor(iterator, loader, epoch_start)
+
+
+def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> None:
+    """Warn, with the numbers, when a resumed run trains with another global batch than the run that saved."""
+    if resume.saved_layout is None:
+        return
+    processes, per_batch, steps = resume.saved_layout
+    now_per_batch, now_steps = samples_per_batch(loader), ctx.gradient_accumulation_steps
+    if per_batch is None or now_per_batch is None or per_batch * steps == now_per_batch * now_steps:
+        return
+    warnings.warn(
+        f"run_epoch: the checkpoint was trained with a global batch of {per_batch * steps} samples per update "
+        f"({processes} process(es), {per_batch} samples per batch over all of them, gradient_accumulation_steps={steps}); "
+        f"this run's is {now_per_batch * now_steps} ({ctx.accelerator.num_processes} process(es), {now_per_batch} samples "
+        f"per batch, gradient_accumulation_steps={now_steps}). The schedules go on counting updates, each now over "
+        "another number of samples. To keep the global batch, make processes x batch_size x gradient_accumulation_steps "
+        f"equal {per_batch * steps}.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:

@@ -1,0 +1,148 @@
+"""Background saves (``async_save=True``): the step only copies the state to host memory; a thread writes,
+hashes and commits; at most one save is in flight; a crash or a failure in the background loses nothing."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    Context, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step, run_epoch,
+    save_checkpoint, testing, verify_checkpoint,
+)
+
+import helpers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _big_setup(features=2048, seed=0):
+    """A 2048 x 4096 linear layer (33 MB of weights): a write that takes tens of milliseconds."""
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(features, 4096)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    return ctx, state
+
+
+def _nudge(state):
+    """What training does meanwhile: change every weight in place."""
+    with torch.no_grad():
+        for p in state.model.parameters():
+            p.add_(1.0)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_an_async_save_returns_before_the_write_and_holds_the_state_of_its_moment(sharded, tmp_path):
+    ctx, state = _big_setup()
+    before = testing.parameters(state)
+
+    save_checkpoint(ctx, tmp_path, state, async_save=True, sharded=sharded)
+    in_flight, visible = ctx.saver.in_flight, latest_checkpoint(tmp_path)
+    _nudge(state)  # training goes on while the thread writes
+    ctx.wait_for_checkpoints()
+
+    assert in_flight and visible is None  # returned at once; committed only later
+    verify_checkpoint(latest_checkpoint(tmp_path))
+    ctx.close()
+    ctx, fresh = _big_setup(seed=1)
+    testing.assert_params_equal(before, load_checkpoint(ctx, tmp_path, fresh))  # the weights of the save, not the nudged ones
+
+
+def test_a_second_save_waits_for_the_first_and_closing_waits_for_the_last(tmp_path):
+    ctx, state = _big_setup()
+    save_checkpoint(ctx, tmp_path, state, async_save=True)
+    state = attrs.evolve(state, step=1)
+    save_checkpoint(ctx, tmp_path, state, async_save=True)
+    after_second_call = [p.name for p in list_checkpoints(tmp_path)]
+    ctx.close()
+
+    assert ["ckpt-0000000000"] == after_second_call  # the first was committed before the second began
+    assert ["ckpt-0000000000", "ckpt-0000000001"] == [p.name for p in list_checkpoints(tmp_path)]
+
+
+_KILLED_MID_WRITE = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    import test_async_save as t
+    from trainfold import save_checkpoint
+    import attrs
+    ctx, state = t._big_setup()
+    save_checkpoint(ctx, sys.argv[1], state)  # a complete checkpoint at update 0
+    save_checkpoint(ctx, sys.argv[1], attrs.evolve(state, step=1), async_save=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # while the thread writes update 1
+""")
+
+
+def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoint_the_newest(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
+    root = tmp_path / "ckpts"
+
+    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
+
+    assert -signal.SIGKILL == proc.returncode, proc.stderr[-2000:]
+    assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
+    verify_checkpoint(latest_checkpoint(root))
+    assert any(p.name.startswith(".tmp-ckpt-0000000001") for p in root.iterdir())  # the unfinished one: never committed
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    yield from helpers.small_disk(tmp_path / "disk", "48m")
+
+
+def test_a_background_save_that_fails_raises_when_waited_for_and_keeps_the_previous_checkpoint(small_disk):
+    """48 MB hold one checkpoint of 33 MB, not two: the second, written in the background, fails on a full disk."""
+    ctx, state = _big_setup()
+    root = small_disk / "ckpts"
+    save_checkpoint(ctx, root, state)
+    first = latest_checkpoint(root)
+
+    save_checkpoint(ctx, root, attrs.evolve(state, step=1), async_save=True)
+    with pytest.raises(OSError, match=r"writing .*ckpt-0000000001 failed \(.*No space left on device.*\); nothing was committed"):
+        ctx.wait_for_checkpoints()
+
+    assert [first] == list_checkpoints(root)
+    assert [] == [p.name for p in root.iterdir() if p.name.startswith(".tmp")]
+    verify_checkpoint(first)
+    ctx.close()
+
+
+def _async_run(root, stop_after=None, resume=False):
+    from trainfold import loop, max_steps
+
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    torch.manual_seed(0)
+    model = helpers.mlp(dropout=0.1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
+    if resume:
+        state = load_checkpoint(ctx, root, state)
+    step = make_step(ctx, helpers.ce_loss)
+    if stop_after:
+        step = max_steps(stop_after)(step)
+    state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 1, async_save=True)(step), dl), max_epochs=2)(state)
+    with ctx:  # waits for the last background save, then every process, then closes
+        return testing.parameters(state), state.step
+
+
+def test_async_checkpoints_on_two_processes_resume_exactly(tmp_path):
+    """checkpoint_every(..., async_save=True) on 2 processes: stopped at update 5 (its last save committed before the
+    step returned), resumed in new processes, the run ends as an uninterrupted one, bit for bit."""
+    full = testing.run_distributed(_async_run, str(tmp_path / "a"), nprocs=2)
+    stopped = testing.run_distributed(_async_run, str(tmp_path / "b"), stop_after=5, nprocs=2)
+    last_saved = latest_checkpoint(tmp_path / "b").name
+    resumed = testing.run_distributed(_async_run, str(tmp_path / "b"), resume=True, nprocs=2)
+
+    assert 5 == stopped[0][1] and "ckpt-0000000005" == last_saved
+    testing.assert_params_equal(full[0][0], resumed[0][0])
+    testing.assert_params_equal(resumed[0][0], resumed[1][0])
+    assert full[0][1] == resumed[0][1]

@@ -1,0 +1,292 @@
+"""Sharded checkpoints (torch.distributed.checkpoint on trainfold's storage): FSDP2 and DDP on CPU processes."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    max_steps,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
+)
+
+import helpers
+
+
+def _full_params(state):
+    """Every parameter whole, on every process (FSDP2's DTensors gathered), by name."""
+    model = state.accelerator.unwrap_model(state.model)
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True):
+    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga) if engine == "fsdp2" else Accelerator(cpu=True, gradient_accumulation_steps=ga)
+    ctx = Context(accelerator=acc)
+    torch.manual_seed(seed)
+    model = helpers.mlp(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    dl = torch.utils.data.DataLoader(helpers.classification_data(n), batch_size=batch_size, shuffle=shuffle)
+    (dl,) = ctx.prepare_loaders(dl)
+    return ctx, state, dl
+
+
+def _canonical_fsdp2(ga, clip):
+    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga)
+    torch.manual_seed(0)
+    model = helpers.mlp(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    dl = torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
+    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
+    for _ in range(2):
+        model.train()
+        for batch in dl:
+            with acc.accumulate(model):
+                loss = helpers.ce_loss(model, batch)
+                acc.backward(loss)
+                if clip is not None and acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+    return {n: p.full_tensor().detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
+
+
+def _fsdp2_equivalence(ga, clip):
+    expected = _canonical_fsdp2(ga, clip)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()  # keep the process group, forget the Accelerator's settings
+    GradientState._reset_state()
+    ctx, state, dl = _setup("fsdp2", ga=ga)
+    state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=clip), dl), max_epochs=2)(state)
+    return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__
+
+
+@pytest.mark.parametrize("ga,clip", [(1, None), (3, 0.5)])
+def test_composed_loop_equals_canonical_fsdp2_loop(ga, clip):
+    """Under Accelerate's FSDP2 (2 CPU processes): the same parameters, bit for bit, with and without accumulation and clipping."""
+    ranks = testing.run_distributed(_fsdp2_equivalence, ga, clip, nprocs=2)
+
+    for expected, got, cls in ranks:
+        assert cls.startswith("FSDP")  # the model really is sharded by fully_shard
+        testing.assert_params_equal(expected, got)
+
+
+def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, epochs=2, async_save=False):
+    """Train ``epochs`` epochs, saving every 2 updates; stop after ``stop_after`` updates; or resume from ``root``."""
+    ctx, state, dl = _setup(engine, ga=ga)
+    if resume:
+        state = load_checkpoint(ctx, root, state)
+    step = make_step(ctx, helpers.ce_loss)
+    if stop_after is not None:
+        step = max_steps(stop_after)(step)
+    if sharded is None:
+        step = checkpoint_every(ctx, root, 2, async_save=async_save)(step)
+    state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
+    if sharded is not None:
+        save_checkpoint(ctx, root, state, sharded=sharded)
+    params = _full_params(state)
+    ctx.close()
+    return params, state.step, state.epoch
+
+
+@pytest.mark.parametrize("engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("ddp", 2, False), ("fsdp2", 3, True)])
+def test_sharded_checkpoint_resumes_mid_epoch_exactly(engine, ga, async_save, tmp_path):
+    """Stopped mid-epoch (at update 5, inside the second epoch), resumed in new processes: the run ends as an uninterrupted one, bit for bit."""
+    (full, *_), _ = testing.run_distributed(_train, engine, str(tmp_path / "a"), ga=ga, nprocs=2)
+    testing.run_distributed(_train, engine, str(tmp_path / "b"), stop_after=5, ga=ga, async_save=async_save, nprocs=2)
+    manifest = verify_checkpoint(latest_checkpoint(tmp_path / "b"))
+    (resumed, step, epoch), _ = testing.run_distributed(_train, engine, str(tmp_path / "b"), resume=True, ga=ga, async_save=async_save, nprocs=2)
+
+    assert 2 == manifest["format"] and 2 == manifest["world_size"]
+    assert {"tensors.json", "shard-0.safetensors", "shard-1.safetensors", "rank-1.json"} <= set(manifest["files"])
+    assert "model.safetensors" not in manifest["files"]  # nothing gathered to one process
+    testing.assert_params_equal(full, resumed)
+    assert epoch == 2
+
+
+def test_one_process_writes_a_sharded_checkpoint_when_asked(tmp_path):
+    ctx, state, dl = _setup("ddp")
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, tmp_path, state, sharded=True)
+    before = _full_params(state)
+    expected_opt = state.optimizer.optimizer.state_dict()
+    ctx.close()
+
+    ctx, fresh, dl = _setup("ddp", seed=1)
+    loaded = load_checkpoint(ctx, tmp_path, fresh)
+
+    assert {"tensors.json", "shard-0.safetensors"} <= set(verify_checkpoint(latest_checkpoint(tmp_path))["files"])
+    testing.assert_params_equal(before, _full_params(loaded))
+    got_opt = loaded.optimizer.optimizer.state_dict()
+    for i, per_param in expected_opt["state"].items():
+        for k, v in per_param.items():
+            assert torch.equal(v, got_opt["state"][i][k]), (i, k)
+    assert expected_opt["param_groups"] == got_opt["param_groups"]
+    assert loaded.step == state.step and loaded.scheduler.state_dict() == state.scheduler.state_dict()
+
+
+# --- elastic: a checkpoint of N processes resumes on M ---------------------------------------
+
+
+def _ids_data(n=48):
+    x, y = helpers.classification_data(n).tensors
+    return torch.utils.data.TensorDataset(x, y, torch.arange(n))
+
+
+def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, ga=1):
+    """One epoch over 48 numbered samples; returns the ids this process trained on, and the model at the start and end."""
+    import warnings
+
+    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga) if engine == "fsdp2" else Accelerator(cpu=True, gradient_accumulation_steps=ga)
+    ctx = Context(accelerator=acc)
+    torch.manual_seed(0)
+    model = helpers.mlp(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_ids_data(), batch_size=batch_size, shuffle=True))
+    seen = []
+
+    def loss_fn(model, batch):
+        x, y, ids = batch
+        seen.extend(ids.tolist())
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    caught = []
+    if resume:
+        state = load_checkpoint(ctx, root, state)
+    at_start = (_full_params(state), state.step, state.scheduler.state_dict()["last_epoch"], state.optimizer.optimizer.state_dict()["state"])
+    at_start = (at_start[0], at_start[1], at_start[2], {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()} for k, per in at_start[3].items()})
+    step = make_step(ctx, loss_fn)
+    if stop_after is not None:
+        step = max_steps(stop_after)(step)
+    step = checkpoint_every(ctx, root, 1, keep_last=1, sharded=True)(step)
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        state = run_epoch(ctx, step, dl, state)
+    caught = [str(w.message) for w in log if "global batch" in str(w.message)]
+    at_end = (_full_params(state), state.step, state.scheduler.state_dict()["last_epoch"],
+              {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()} for k, per in state.optimizer.optimizer.state_dict()["state"].items()})
+    ctx.close()
+    return seen, at_start, at_end, state.epoch, caught
+
+
+def _run(engine, nprocs, *args, **kwargs):
+    if nprocs == 1:
+        from trainfold.testing import reset_accelerate_state
+
+        reset_accelerate_state()
+        try:
+            return [_elastic_run("ddp", *args, **kwargs)]
+        finally:
+            reset_accelerate_state()
+    return testing.run_distributed(_elastic_run, engine, *args, nprocs=nprocs, **kwargs)
+
+
+@pytest.mark.parametrize("engine,saved,resumed,stop_after", [("ddp", 2, 1, 3), ("ddp", 1, 2, 4), ("ddp", 2, 3, 3), ("fsdp2", 2, 1, 3)])
+def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, saved, resumed, stop_after, tmp_path):
+    """Stopped mid-epoch on N processes, resumed on M: every sample of the epoch is trained on exactly once over the
+    two runs, and the model, optimizer and scheduler continue exactly where they stopped (resharded)."""
+    first = _run(engine, saved, str(tmp_path), stop_after=stop_after)
+    second = _run("ddp", resumed, str(tmp_path), resume=True)
+
+    trained = sorted(i for seen, *_ in first + second for i in seen)
+    assert trained == list(range(48))  # none skipped, none repeated
+    stopped, started = first[0][2], second[0][1]
+    testing.assert_params_equal(stopped[0], started[0])
+    assert stopped[1] == started[1] == stop_after  # state.step continues
+    assert stopped[2] == started[2]  # the scheduler too
+    for k, per in stopped[3].items():  # the optimizer's moments and counts, whole
+        for name, value in per.items():
+            assert torch.equal(value, started[3][k][name]), (k, name)
+    assert all(epoch == 1 for *_, epoch, _ in second)
+    warned = second[0][4]
+    assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
+
+
+def _gathered_under_fsdp2(root):
+    ctx, state, _ = _setup("fsdp2")
+    try:
+        save_checkpoint(ctx, root, state, sharded=False)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+
+
+def test_a_gathered_checkpoint_is_refused_under_fsdp2_with_the_way_out(tmp_path):
+    for message in testing.run_distributed(_gathered_under_fsdp2, str(tmp_path), nprocs=2):
+        assert "sharded=False gathers the whole model into one process's files" in message and "leave sharded unset" in message
+
+
+def _save_one_process(root, *, ga=1, iterable=False, max_batches=None, stop_after=None):
+    """One process: train part of an epoch and write a sharded checkpoint there."""
+    from trainfold.testing import reset_accelerate_state
+
+    reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = helpers.classification_data(48)
+    if iterable:
+        samples = data
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                return iter(samples)
+
+        data = Stream()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=4))
+    step = make_step(ctx, helpers.ce_loss)
+    state = run_epoch(ctx, max_steps(stop_after)(step) if stop_after else step, dl, state, max_batches=max_batches)
+    save_checkpoint(ctx, root, state, sharded=True)
+    ctx.close()
+    reset_accelerate_state()
+
+
+def _load_on_this_rank(root, ga):
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = testing.parameters(state)
+    try:
+        load_checkpoint(ctx, root, state)
+        return None
+    except CheckpointError as exc:
+        return str(exc), all(torch.equal(before[k], v) for k, v in testing.parameters(state).items())
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("case,match", [
+    ({"ga": 2, "max_batches": 3}, r"saved by 1 processes in the middle of an accumulation group .* resume it on 1 processes, or from a checkpoint at an optimizer update"),
+    ({"iterable": True, "stop_after": 3}, r"in the middle of an epoch over a loader whose position in samples is unknown \(an iterable dataset\): resume it on 1 processes, or from a checkpoint between epochs"),
+])
+def test_a_checkpoint_that_cannot_be_dealt_out_to_another_number_of_processes_is_refused(case, match, tmp_path):
+    """Mid-accumulation, or mid-epoch over an iterable dataset: refused on every process, with the way out; nothing changed."""
+    import re
+
+    _save_one_process(str(tmp_path), **case)
+    ranks = testing.run_distributed(_load_on_this_rank, str(tmp_path), case.get("ga", 1), nprocs=2)
+
+    for message, unchanged in ranks:
+        assert re.search(match, message), message
+        assert unchanged
