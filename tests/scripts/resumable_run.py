@@ -1,13 +1,17 @@
 """A training run that resumes from its latest checkpoint: killed and restarted by test_kill_resume.py.
 
-    python resumable_run.py ROOT OUT [--slow-saves]
+    python resumable_run.py ROOT OUT [--slow-saves] [--async-saves]
+    torchrun --nproc_per_node 2 resumable_run.py ROOT OUT --fsdp2 [--async-saves]
 
 Prints "ready" once set up, saves a checkpoint after every update, and writes
-its final parameters to OUT (safetensors) when it finishes.
+its final parameters to OUT (safetensors) when it finishes. With --fsdp2 the
+model is sharded by Accelerate's FSDP2 path on CPU processes (as the tests set it up).
 """
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -36,24 +40,35 @@ def loss_fn(model, batch):
 def main():
     root, out = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    if "--fsdp2" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import helpers
+
+        accelerator = helpers.fsdp2_accelerator(gradient_accumulation_steps=2)
+    else:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    ctx = Context(accelerator=accelerator)
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     if latest_checkpoint(root) is not None:
         state = load_checkpoint(ctx, root, state)
-    step = checkpoint_every(ctx, root, 1, keep_last=3)(make_step(ctx, loss_fn, clip_grad_norm=1.0))
+    step = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in sys.argv)(make_step(ctx, loss_fn, clip_grad_norm=1.0))
     if "--slow-saves" in sys.argv:  # widen the window in which a kill lands during a save
-        inner = step
+        inner, pause = step, 0.05 if "--fsdp2" in sys.argv else 0.01
 
         def step(s, b):
-            time.sleep(0.01)
+            time.sleep(pause)
             return inner(s, b)
 
-    print("ready", flush=True)
-    state = loop(run_epoch(ctx, step, dl), max_epochs=6)(state)
-    save_file(testing.parameters(state), out)
+    print("ready", os.getpid(), flush=True)
+    with ctx:  # waits for the last background save and every process, then ends the run
+        state = loop(run_epoch(ctx, step, dl), max_epochs=6)(state)
+        model = ctx.accelerator.unwrap_model(state.model)
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+        if ctx.is_main_process:
+            save_file(params, out)
     print("done", state.step, flush=True)
 
 
