@@ -65,4 +65,5 @@ def test_count_host_syncs_sees_each_kind():
         bool(t.sum())
         t.tolist()
 
-    assert {"item": 1, "__float__": 1, "__bool__": 1, "tolist": 1} == dict(syncs)
+    assert {"item": 1, "__float__": 1, "__bool__": 1, "tolist": 1} == syncs.by_method
+    assert 4 == syncs.total

@@ -13,7 +13,6 @@ Example test file::
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from typing import Any, Iterable, Iterator
 
@@ -86,12 +85,28 @@ def isolated_accelerate() -> Iterator[None]:
         reset_accelerate_state()
 
 
-class SyncCounter(collections.Counter):  # type: ignore[type-arg]
-    """Counts of Tensor methods that would synchronise host and device, by method name."""
+class SyncCounter:
+    """What :func:`count_host_syncs` counted: ``total`` (all calls) and ``by_method`` (calls per method name).
 
-    @property
-    def total(self) -> int:  # type: ignore[override]
-        return sum(self.values())
+    Plain attributes, read during or after the ``with`` block.
+
+    Example:
+        >>> with count_host_syncs() as syncs:
+        ...     _ = torch.ones(2).sum().item(), torch.ones(2).tolist()
+        >>> syncs.total, syncs.by_method
+        (2, {'item': 1, 'tolist': 1})
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_method: dict[str, int] = {}
+
+    def add(self, method: str) -> None:
+        self.total += 1
+        self.by_method[method] = self.by_method.get(method, 0) + 1
+
+    def __repr__(self) -> str:
+        return f"SyncCounter(total={self.total}, by_method={self.by_method})"
 
 
 @contextlib.contextmanager
@@ -113,7 +128,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 
     def counting(name: str, original: Any) -> Any:
         def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
+            counts.add(name)
             return original(self, *args, **kwargs)
 
         return wrapper
