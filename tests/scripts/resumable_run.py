@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
+from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch
 
 
 class NoisyData(torch.utils.data.Dataset):
