@@ -4,7 +4,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, constant, evaluate, make_step, predict, run_epoch, testing, warmup_cosine, warmup_linear
+from trainfold import Context, TrainState, constant, evaluate, load_checkpoint, make_step, predict, run_epoch, save_checkpoint, testing, warmup_cosine, warmup_linear
 
 
 def _step_with(loss_fn):
@@ -328,3 +328,39 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_e
     resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=120, env=ENV)
     assert 0 == resumed.returncode, resumed.stderr[-2000:]
     testing.assert_params_equal(load_file(str(tmp_path / "clean.st")), load_file(str(tmp_path / "resumed.st")))
+
+
+# --- arguments in the wrong order (issue 23, item 5): each place named, checked once, not per step -------
+
+
+def _misplaced_calls():
+    ctx, state, dl, loss_fn = testing.tiny_setup()
+    step = make_step(ctx, loss_fn)
+    batch = next(iter(dl))
+    return {
+        "run_epoch(ctx, loader, step, state)": (lambda: run_epoch(ctx, dl, step, state),
+                                                r"run_epoch: step, the second argument of run_epoch\(ctx, step, loader, state\), must be a function; got a loader"),
+        "run_epoch(state, ctx, step, loader)": (lambda: run_epoch(state, ctx, step, dl),
+                                                r"run_epoch: the first argument of run_epoch\(ctx, step, loader, state\) must be the Context; got a TrainState"),
+        "make_step(loss_fn, ctx)": (lambda: make_step(loss_fn, ctx),
+                                    r"make_step: the first argument of make_step\(ctx, loss_fn, ...\) must be the Context; got the function 'mse_loss'"),
+        "step(batch, state)": (lambda: step(batch, state), r"step\(state, batch\): the arguments are swapped: the TrainState comes first"),
+        "evaluate(ctx, loader, loss_fn, state)": (lambda: evaluate(ctx, dl, loss_fn, state),
+                                                  r"evaluate: loss_fn, the second argument of evaluate\(ctx, loss_fn, loader, state\), must be a function"),
+        "evaluate(ctx, loss_fn, state, loader)": (lambda: evaluate(ctx, loss_fn, state, dl),
+                                                  r"evaluate: loader, the third argument of evaluate\(ctx, loss_fn, loader, state\), must be an iterable of batches \(a DataLoader\); got a TrainState"),
+        "predict(ctx, loader, fn, state)": (lambda: predict(ctx, dl, lambda m, b: m(b[0]), state),
+                                            r"predict: fn, the second argument of predict\(ctx, fn, loader, state\), must be a function"),
+        "save_checkpoint(state, root, ctx)": (lambda: save_checkpoint(state, "unused", ctx),
+                                              r"save_checkpoint: the first argument of save_checkpoint\(ctx, root, state\) must be the Context; got a TrainState"),
+        "load_checkpoint(state, path, ctx)": (lambda: load_checkpoint(state, "unused", ctx),
+                                              r"load_checkpoint: the first argument of load_checkpoint\(ctx, path, state\) must be the Context; got a TrainState"),
+    }
+
+
+@pytest.mark.parametrize("call", list(_misplaced_calls()))
+def test_arguments_in_the_wrong_order_are_named_by_place(call):
+    fn, match = _misplaced_calls()[call]
+
+    with pytest.raises(TypeError, match=match):
+        fn()

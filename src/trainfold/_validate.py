@@ -60,6 +60,53 @@ def _missing_args(c: curry) -> str:
     return ", ".join(names) or "none"
 
 
+_NO_LOADER = object()
+
+
+def describe(value: Any) -> str:
+    """What a misplaced argument is, in the words of the API (the Context, a TrainState, a loader, a function...)."""
+    if isinstance(value, Context):
+        return "the Context"
+    if isinstance(value, TrainState):
+        return "a TrainState"
+    if hasattr(value, "__iter__") and hasattr(value, "batch_size"):
+        return f"a loader ({type(value).__name__})"
+    if callable(value):
+        return f"the function {name_of(value)!r}"
+    return f"a {type(value).__name__}"
+
+
+def expect_context(where: str, signature: str, ctx: Any) -> Context:
+    """Return ``ctx`` if it is a Context; otherwise say that the Context comes first.
+
+    Raises:
+        TypeError: the first argument is something else (a TrainState: the state comes last).
+    """
+    if isinstance(ctx, Context):
+        return ctx
+    raise TypeError(f"{where}: the first argument of {signature} must be the Context; got {describe(ctx)}. Check the order of the arguments.")
+
+
+def expect_args(where: str, signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any = _NO_LOADER) -> None:
+    """Check the kinds of a primitive's leading arguments (once, when it runs or is built; never per step).
+
+    Arguments in the wrong order would otherwise fail far away, about the wrong
+    thing (``'function' object is not iterable``); this names each place.
+
+    Raises:
+        TypeError: the first argument is not the Context, the second not a
+            function, or the third not an iterable of batches.
+    """
+    expect_context(where, signature, ctx)
+    if not callable(fn):
+        raise TypeError(f"{where}: {fn_name}, the second argument of {signature}, must be a function; got {describe(fn)}. Check the order of the arguments.")
+    if loader is not _NO_LOADER and (callable(loader) or not hasattr(loader, "__iter__") or isinstance(loader, (str, bytes, TrainState))):
+        raise TypeError(
+            f"{where}: loader, the third argument of {signature}, must be an iterable of batches (a DataLoader); got "
+            f"{describe(loader)}. Check the order of the arguments."
+        )
+
+
 def expect_owned(where: str, ctx: Context, state: TrainState) -> TrainState:
     """Raise unless ``state`` was created with ``ctx``'s Accelerator."""
     if state.accelerator is not ctx.accelerator:

@@ -62,6 +62,7 @@ from ._root import (
 from ._runstate import StateMismatch, capture, check_fits, put_back, values_of
 from ._types import Batch, Step, StepTransformer
 from ._validate import (
+    expect_context,
     expect_owned,
     expect_state,
     length_or_none,
@@ -154,6 +155,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
 
     .. versionadded:: 0.1.0
     """
+    expect_context("save_checkpoint", "save_checkpoint(ctx, root, state)", ctx)
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
     if keep_last is not None:
         positive_int("keep_last", keep_last)
@@ -327,6 +329,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
 
     .. versionadded:: 0.1.0
     """
+    expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
     acc = ctx.accelerator

@@ -11,7 +11,7 @@ from ._copier import copier
 from ._loss import compute_loss
 from ._types import Batch, LossFn, Step
 from ._update import Updates
-from ._validate import expect_owned, expect_state
+from ._validate import describe, expect_args, expect_owned, expect_state
 from .context import Context
 from .metrics import RunningSums
 from .stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value
@@ -145,6 +145,7 @@ def make_step(
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0 ``stages=``.
     """
+    expect_args("make_step", "make_step(ctx, loss_fn, ...)", ctx, "loss_fn", loss_fn)
     ctx.check()
     accelerator = ctx.accelerator
     bound = bind_all(ctx, stages_of(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, normalize=normalize, stages=stages))
@@ -155,8 +156,8 @@ def make_step(
     sync = gradient_sync(accelerator)
 
     def step(state: TrainState, batch: Batch) -> TrainState:
-        if state.accelerator is not accelerator:
-            expect_owned("step", ctx, expect_state("step", state))
+        if getattr(state, "accelerator", None) is not accelerator:
+            _refuse_call(ctx, state, batch)
         if start is not None:
             start()
             return micro_batch(state, batch, sync.sync_gradients)
@@ -166,6 +167,13 @@ def make_step(
     names = "".join(f", {s.name}" for s in bound)
     step.__qualname__ = step.__name__ = f"step[{getattr(loss_fn, '__name__', 'loss_fn')}{names}]"
     return step
+
+
+def _refuse_call(ctx: Context, state: Any, batch: Any) -> None:
+    """Explain a call of a step with something else than ``(state, batch)`` of this Context (off the hot path)."""
+    if isinstance(batch, TrainState) and not isinstance(state, TrainState):
+        raise TypeError(f"step(state, batch): the arguments are swapped: the TrainState comes first, the batch second (got {describe(state)} first).")
+    expect_owned("step", ctx, expect_state("step", state))
 
 
 def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> Any:
