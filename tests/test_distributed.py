@@ -308,3 +308,42 @@ def _end_training_inside_the_with_block():
 def test_end_training_inside_with_context_is_harmless():
     """Before, __exit__'s barrier crashed every process: 'Default process group has not been initialized'."""
     assert ["ok", "ok"] == testing.run_distributed(_end_training_inside_the_with_block, nprocs=2, timeout=60)
+
+
+def _unprepared_on_this_rank(kind):
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = helpers.classification_data(16)
+    if kind == "distributed_sampler":  # shards itself: taken as it is
+        sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
+        dl = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
+    else:
+        dl = torch.utils.data.DataLoader(data, batch_size=4)
+        if kind == "marked":
+            (dl,) = ctx.own_shards(dl)
+    outcomes = []
+    for call in (lambda: run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), lambda: evaluate(ctx, helpers.ce_loss, dl, state),
+                 lambda: predict(ctx, lambda m, b: m(b[0]), dl, state)):
+        try:
+            call()
+            outcomes.append("ran")
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    ctx.close()
+    return outcomes
+
+
+def test_an_unprepared_loader_on_two_processes_is_refused_with_the_two_ways_out():
+    """Each rank would read the whole dataset (twice the updates per epoch, every sample twice): refused before any batch."""
+    for outcomes in testing.run_distributed(_unprepared_on_this_rank, "plain", nprocs=2, timeout=60):
+        for where, message in zip(("run_epoch", "evaluate", "predict"), outcomes):
+            assert message.startswith(f"{where}: the loader was not prepared, so each of the 2 processes would read the whole dataset")
+            assert "ctx.prepare_loaders(loader)" in message and "ctx.own_shards(loader)" in message
+
+
+@pytest.mark.parametrize("kind", ["marked", "distributed_sampler"])
+def test_a_loader_that_shards_itself_is_taken_on_two_processes(kind):
+    for outcomes in testing.run_distributed(_unprepared_on_this_rank, kind, nprocs=2, timeout=60):
+        assert ["ran", "ran", "ran"] == outcomes

@@ -351,7 +351,7 @@ def _uneven_on_this_rank(kind):
                 for _ in range(5 + rank):  # rank 1 has one more batch
                     yield torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
 
-        dl = torch.utils.data.DataLoader(Stream(), batch_size=None)
+        (dl,) = ctx.own_shards(torch.utils.data.DataLoader(Stream(), batch_size=None))  # a stream per rank: its own share
     if kind == "stream":  # the short rank raises and exits; run_distributed then stops the other, as torchrun does
         run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
         return "no error"

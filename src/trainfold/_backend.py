@@ -163,6 +163,19 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def shares_out_data(loader: Any) -> bool:
+    """Whether each process reads only its share of ``loader``'s data: prepared by Accelerate, marked with
+    ``Context.own_shards``, or over torch's ``DistributedSampler``."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
+
+    return (
+        isinstance(loader, (DataLoaderShard, DataLoaderDispatcher))
+        or getattr(loader, "_is_accelerate_prepared", False)
+        or getattr(loader, "_trainfold_own_shard", False)
+        or isinstance(getattr(loader, "sampler", None), torch.utils.data.distributed.DistributedSampler)
+    )
+
+
 def is_resumable_loader(loader: Any) -> bool:
     from accelerate.data_loader import DataLoaderShard
 

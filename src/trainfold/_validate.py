@@ -107,6 +107,25 @@ def expect_args(where: str, signature: str, ctx: Any, fn_name: str, fn: Any, loa
         )
 
 
+def expect_shared_out(where: str, ctx: Context, loader: Any) -> None:
+    """On several processes, refuse a loader every process would read whole (once per epoch, never per batch).
+
+    Raises:
+        ValueError: the loader was not prepared, not marked with ``ctx.own_shards`` and not
+            over a ``DistributedSampler``.
+    """
+    from ._backend import shares_out_data
+
+    n = ctx.accelerator.num_processes
+    if n > 1 and not shares_out_data(loader):
+        raise ValueError(
+            f"{where}: the loader was not prepared, so each of the {n} processes would read the whole dataset "
+            f"({n} times the batches per epoch, every sample {n} times). Prepare it with ctx.prepare_loaders(loader); "
+            "if it already yields only this process's share (its own sampler or stream per process), mark it with "
+            "ctx.own_shards(loader)."
+        )
+
+
 def expect_owned(where: str, ctx: Context, state: TrainState) -> TrainState:
     """Raise unless ``state`` was created with ``ctx``'s Accelerator."""
     if state.accelerator is not ctx.accelerator:

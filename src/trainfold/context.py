@@ -79,6 +79,29 @@ def _interrupt(ctx: Context) -> Interrupt:
     return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
 
 
+class _OwnShard:
+    """A loader that takes no attribute (a list of batches), marked by wrapping: iterates and measures as it does."""
+
+    _trainfold_own_shard = True
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _marked(loader: Any) -> Any:
+    try:
+        loader._trainfold_own_shard = True
+        return loader
+    except (AttributeError, TypeError):
+        return _OwnShard(loader)
+
+
 @attrs.frozen(eq=False)
 class Context:
     """The Accelerator and the run-wide settings trainfold reads.
@@ -268,3 +291,25 @@ class Context:
         self.check()
         prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
         return prepared if isinstance(prepared, tuple) else (prepared,)
+
+    def own_shards(self, *loaders: Any) -> tuple[Any, ...]:
+        """Mark loaders that already yield only this process's share of the data, and return them.
+
+        On several processes ``run_epoch``, ``evaluate`` and ``predict`` refuse a
+        loader that was not prepared (``prepare_loaders``): each process would
+        read the whole dataset. A loader that shards itself (its own sampler per
+        process, a stream per rank) is marked with this instead; one whose
+        sampler is torch's ``DistributedSampler`` needs no mark. The loaders are
+        returned unchanged (the mark is an attribute on each).
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> (mine,) = ctx.own_shards(torch.utils.data.DataLoader(range(4), batch_size=2))
+            >>> [b.tolist() for b in mine]
+            [[0, 1], [2, 3]]
+        """
+        if not loaders:
+            raise TypeError("own_shards() needs at least one loader.")
+        return tuple(_marked(loader) for loader in loaders)

@@ -24,7 +24,7 @@ from ._backend import (
 from ._batch import batch_size, describe_batch, slice_batch
 from ._cursor import EpochCursor, Resume
 from ._types import Batch, EpochFn, LossFn, Step
-from ._validate import add_note, expect_args, expect_owned, expect_state, length_or_none
+from ._validate import add_note, expect_args, expect_owned, expect_shared_out, expect_state, length_or_none
 from .context import Context
 from ._loss import compute_loss
 from ._control import check_same_count, check_same_length, explaining_timeouts
@@ -109,6 +109,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     """
     expect_args("run_epoch", "run_epoch(ctx, step, loader, state)", ctx, "step", step, loader)
     state = expect_owned("run_epoch", ctx, expect_state("run_epoch", state))
+    expect_shared_out("run_epoch", ctx, loader)
     ctx.check()
     _check_accumulation(ctx, loader)
     state.model.train()
@@ -324,6 +325,7 @@ def evaluate(
     """
     expect_args("evaluate", "evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader)
     state = expect_owned("evaluate", ctx, expect_state("evaluate", state))
+    expect_shared_out("evaluate", ctx, loader)
     ctx.check()
     if state.interrupted:
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
@@ -391,6 +393,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
     """
     expect_args("predict", "predict(ctx, fn, loader, state)", ctx, "fn", fn, loader)
     state = expect_owned("predict", ctx, expect_state("predict", state))
+    expect_shared_out("predict", ctx, loader)
     ctx.check()
     acc = ctx.accelerator
     outputs = []
