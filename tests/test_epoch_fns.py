@@ -116,15 +116,28 @@ def test_reduce_lr_on_plateau_scales_the_learning_rate():
     assert 0.25 == state.extras["lr_scale"]
 
 
-def test_log_epoch_sends_the_epoch_records(caplog):
+def test_log_epoch_prints_the_epoch_records_without_any_logging_set_up(capsys, caplog):
     ctx, state, loader, loss_fn = testing.tiny_setup()
     state = evaluate(ctx, loss_fn, loader, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
 
     with caplog.at_level(logging.INFO, logger="trainfold"):
         log_epoch(ctx, state)
 
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("epoch 1 (update 4): train_loss ") and "  eval_loss " in line
+    assert [] == caplog.records  # printed, not logged twice
+
+
+def test_log_epoch_with_echo_off_logs_instead(capsys, caplog):
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+    state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+
+    with caplog.at_level(logging.INFO, logger="trainfold"):
+        log_epoch(ctx, state, echo=False)
+
+    assert "" == capsys.readouterr().out
     (message,) = [r.getMessage() for r in caplog.records]
-    assert message.startswith("step 4:") and "train_loss" in message and "eval_loss" in message
+    assert message.startswith("epoch 1 (update 4): train_loss ")
 
 
 def test_plot_history_writes_a_png(tmp_path):

@@ -401,6 +401,25 @@ def test_log_every_writes_to_tensorboard(tmp_path):
     assert list(tmp_path.rglob("events.out.tfevents.*"))
 
 
+def test_trackers_get_one_key_scheme_from_log_every_and_log_epoch(tmp_path):
+    """<where>/<name>, as TensorBoard groups them: log_every's running values as train/..., log_epoch's epoch records as
+    train/<name>_epoch and eval/<name>; epoch on its own."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainfold import evaluate, log_epoch
+
+    acc = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    acc.init_trackers("run")
+    ctx, state, loader, loss_fn = testing.tiny_setup(accelerator=acc)
+    state = run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
+    log_epoch(ctx, evaluate(ctx, loss_fn, loader, state), echo=False)
+    ctx.close()
+
+    (events,) = tmp_path.rglob("events.out.tfevents.*")
+    tags = set(EventAccumulator(str(events)).Reload().Tags()["scalars"])
+    assert {"train/loss", "train/lr", "epoch", "train/loss_epoch", "eval/loss"} == tags
+
+
 def test_log_every_adds_no_sync_between_reports():
     ctx, state, loader, loss_fn = testing.tiny_setup(n=64)
     step = log_every(ctx, 100)(make_step(ctx, loss_fn))

@@ -24,7 +24,7 @@ from ._validate import expect_owned, expect_state
 from .context import Context
 from .records import register_record
 from .state import TrainState
-from .tracking import emit
+from .tracking import emit, epoch_key, summary_line
 from .transforms import LR_SCALE
 
 logger = logging.getLogger("trainfold")
@@ -229,22 +229,30 @@ def reduce_lr_on_plateau(
 
 
 @overload
-def log_epoch(ctx: Context) -> EpochFn: ...
+def log_epoch(ctx: Context, *, echo: bool = ...) -> EpochFn: ...
 @overload
-def log_epoch(ctx: Context, state: TrainState) -> TrainState: ...
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = ...) -> TrainState: ...
 @curry  # type: ignore[misc]
-def log_epoch(ctx: Context, state: TrainState) -> TrainState:
-    """Send the metrics recorded for the current epoch to the trackers and the ``trainfold`` logger.
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainState:
+    """Print the epoch's records, and send them to the trackers, on the main process.
+
+    The printed line names the records as the history does (``train_loss``,
+    ``eval_loss``); the trackers get them as ``train/loss_epoch``, ``eval/loss``
+    (the ``train/loss`` of :func:`~trainfold.log_every` is the running value
+    between its reports; see :func:`trainfold.tracking.epoch_key`). With
+    ``echo=False`` nothing is printed and the line goes to the ``trainfold``
+    logger at INFO instead, for a host that configures logging.
 
     Example:
-        >>> import logging
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
-        >>> log_epoch(ctx, state).epoch  # logged at INFO to "trainfold" and to the trackers
+        >>> log_epoch(ctx, state).epoch
+        epoch 1 (update 4): train_loss 2.37973
         1
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0 prints by default (``echo=True``); tracker keys ``<prefix>/<name>``.
     """
     state = expect_state("log_epoch", state)
     if state.interrupted:
@@ -252,7 +260,12 @@ def log_epoch(ctx: Context, state: TrainState) -> TrainState:
             logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
-    emit(ctx, {**values, "epoch": float(state.epoch)}, state.step)
+    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, state.step, log=False)
+    if ctx.is_main_process:
+        if echo:
+            print(summary_line(state, values), flush=True)
+        else:
+            logger.info("%s", summary_line(state, values))
     return state
 
 

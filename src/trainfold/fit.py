@@ -39,6 +39,7 @@ def fit(
     resume: bool = True,
     log_every_n: int | None = None,
     progress: bool = True,
+    echo: bool = True,
     stages: Sequence[StageSpec] = (),
     transforms: Sequence[StepTransformer] = (),
     epoch_fns: Sequence[EpochFn] = (),
@@ -49,14 +50,16 @@ def fit(
 
         step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip..., stages=stages))))
         epoch = compose(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),
-                        log_epoch(ctx), *reversed(epoch_fns),
+                        log_epoch(ctx, echo=echo), *reversed(epoch_fns),
                         early_stop(monitor, patience=patience, mode=mode),
                         evaluate(ctx, loss_fn, eval_loader),
                         run_epoch(ctx, step, train_loader))
         state = load_checkpoint(ctx, checkpoint_dir, state)   # if resume and one exists
         return loop(epoch, max_epochs)(state)
 
-    where each optional piece is left out when its option is not given.
+    where each optional piece is left out when its option is not given. A line
+    per epoch is printed on the main process (``echo=False``: logged to the
+    ``trainfold`` logger instead).
     ``stages`` act inside the step (``nan_guard(3)``; see :func:`make_step`);
     ``transforms`` wrap the step (the first outermost); ``epoch_fns`` run after
     early stopping, in order. The checkpoint is written last in each epoch, so it
@@ -67,6 +70,9 @@ def fit(
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = fit(ctx, loss_fn, loader, state, max_epochs=3, eval_loader=loader, patience=2, progress=False)
+        epoch 1 (update 4): train_loss 2.37973  eval_loss 0.816404
+        epoch 2 (update 8): train_loss 0.563212  eval_loss 0.200673
+        epoch 3 (update 12): train_loss 0.141296  eval_loss 0.0557624
         >>> state.epoch, sorted(state.metrics)
         (3, ['eval_loss', 'train_loss'])
 
@@ -85,7 +91,7 @@ def fit(
     if patience is not None:
         epoch_stages.append(early_stop(monitor, patience=patience, mode=mode))
     epoch_stages.extend(epoch_fns)
-    epoch_stages.append(log_epoch(ctx))
+    epoch_stages.append(log_epoch(ctx, echo=echo))
     if checkpoint_dir is not None:
         # last: the checkpoint holds everything the epoch did, and what the epoch functions
         # drew from the random generators is behind it, so a resumed run continues exactly

@@ -16,8 +16,8 @@ from .state import TrainState
 logger = logging.getLogger("trainfold")
 
 
-def emit(ctx: Context, values: Mapping[str, float], step: int) -> None:
-    """Send ``values`` to the Accelerator's trackers and to the ``trainfold`` logger, on the main process.
+def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = True) -> None:
+    """Send ``values`` to the Accelerator's trackers and (with ``log``) to the ``trainfold`` logger, on the main process.
 
     ``accelerator.log`` reaches every tracker configured with
     ``Accelerator(log_with=...)`` and ``accelerator.init_trackers(...)``; without
@@ -26,8 +26,32 @@ def emit(ctx: Context, values: Mapping[str, float], step: int) -> None:
     """
     if ctx.accelerator.trackers:
         ctx.accelerator.log(dict(values), step=step)
-    if ctx.is_main_process and logger.isEnabledFor(logging.INFO):
+    if log and ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
+
+
+def step_key(name: str) -> str:
+    """The tracker key of a value ``log_every`` reports (``loss``, ``lr``, an aux name): ``train/<name>``; ``epoch`` stays."""
+    return name if name == "epoch" else f"train/{name}"
+
+
+def epoch_key(record: str) -> str:
+    """The tracker key of an epoch record: ``<prefix>/<name>`` for ``<prefix>_<name>``; ``train/<name>_epoch`` for
+    the training records, apart from the running values ``log_every`` sends as ``train/<name>``; ``epoch`` stays.
+
+    Example:
+        >>> [epoch_key(n) for n in ("train_loss", "eval_loss", "ema_accuracy", "epoch")]
+        ['train/loss_epoch', 'eval/loss', 'ema/accuracy', 'epoch']
+    """
+    prefix, sep, name = record.partition("_")
+    if not sep or not name:
+        return record
+    return f"train/{name}_epoch" if prefix == "train" else f"{prefix}/{name}"
+
+
+def summary_line(state: TrainState, values: Mapping[str, float]) -> str:
+    """The line ``log_epoch`` prints: the epoch, the update, and the epoch's records as they are named in the history."""
+    return f"epoch {state.epoch} (update {state.step}): " + "  ".join(f"{k} {v:.6g}" for k, v in values.items())
 
 
 @attrs.frozen

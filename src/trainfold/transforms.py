@@ -21,7 +21,7 @@ from ._validate import name_of, named, positive_int, returned_state
 from .context import Context
 from .records import register_record
 from .state import TrainState
-from .tracking import emit
+from .tracking import emit, step_key
 
 
 def max_steps(n: int) -> StepTransformer:
@@ -202,7 +202,7 @@ def _report(ctx: Context, state: TrainState) -> LogState:
     values = {**means, "epoch": float(state.epoch)}
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
-    emit(ctx, {f"train/{k}" if k not in ("lr", "epoch") else k: v for k, v in values.items()}, state.step)
+    emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
     return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), MappingProxyType(values))
 
 
