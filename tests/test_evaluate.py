@@ -128,3 +128,66 @@ def test_evaluate_sums_in_float64_so_the_mean_matches_an_exact_sum():
     for chunk in values.split(64):  # what float32 sums folded every 64 batches give
         float32 = float32 + chunk.sum(dtype=torch.float32)
     assert abs(float(float32) / len(values) - exact) > 1e-9 * exact
+
+
+# --- metrics that are not batch means (evaluate_metrics) -------------------------------------
+
+
+def _f1_setup(n=50):
+    from trainfold import Context, TrainState
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    model = mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = classification_data(n)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=8))
+    return ctx, state, dl, data
+
+
+def _macro_f1_on_this_rank(n):
+    """torchmetrics' macro F1 through evaluate_metrics, and sklearn's on the whole dataset, on this process."""
+    from sklearn.metrics import f1_score
+    from torchmetrics.classification import MulticlassF1Score
+
+    from trainfold import evaluate_metrics
+
+    ctx, state, dl, data = _f1_setup(n)
+    f1 = MulticlassF1Score(num_classes=3, average="macro")
+    state = evaluate_metrics(ctx, {"f1": f1}, lambda m, b: (m(b[0]).argmax(-1), b[1]), dl, state)
+    x, y = data.tensors
+    with torch.no_grad():
+        expected = f1_score(y.numpy(), state.model(x).argmax(-1).numpy(), average="macro")
+    ctx.close()
+    return state.metrics["eval_f1"], float(expected)
+
+
+def test_evaluate_metrics_runs_a_torchmetrics_metric_and_records_it():
+    testing.reset_accelerate_state()
+    got, expected = _macro_f1_on_this_rank(50)
+    testing.reset_accelerate_state()
+
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_evaluate_metrics_counts_every_sample_once_on_two_processes():
+    """50 samples, 2 processes of batch 8: the last round is padded; the padding is dropped and nothing is counted twice."""
+    for got, expected in testing.run_distributed(_macro_f1_on_this_rank, 50, nprocs=2):
+        assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_evaluate_metrics_refuses_an_object_that_is_not_a_metric_and_a_value_that_is_not_a_number():
+    from trainfold import evaluate_metrics
+
+    testing.reset_accelerate_state()
+    ctx, state, dl, _ = _f1_setup()
+
+    with pytest.raises(TypeError, match=r"metric 'f1' is a function, which has no update, compute and reset methods"):
+        evaluate_metrics(ctx, {"f1": lambda p, t: 0.0}, lambda m, b: (m(b[0]), b[1]), dl, state)
+
+    from torchmetrics.classification import MulticlassF1Score
+
+    per_class = MulticlassF1Score(num_classes=3, average=None)
+    with pytest.raises(TypeError, match=r"metric 'f1' computed a tensor of shape \(3,\); the history holds numbers"):
+        evaluate_metrics(ctx, {"f1": per_class}, lambda m, b: (m(b[0]).argmax(-1), b[1]), dl, state)
+    testing.reset_accelerate_state()

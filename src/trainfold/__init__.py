@@ -14,6 +14,7 @@ from .checkpoint import save_checkpoint as save_checkpoint
 from .checkpoint import verify_checkpoint as verify_checkpoint
 from .context import Context as Context
 from .epoch import evaluate as evaluate
+from .epoch import evaluate_metrics as evaluate_metrics
 from .epoch import predict as predict
 from .epoch import run_epoch as run_epoch
 from .epoch_fns import early_stop as early_stop
@@ -82,6 +83,7 @@ __all__ = [
     "ema",
     "ema_model",
     "evaluate",
+    "evaluate_metrics",
     "every",
     "every_epochs",
     "every_steps",

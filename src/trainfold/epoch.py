@@ -360,6 +360,106 @@ def evaluate(
 
 
 @overload
+def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], *,
+                     prefix: str = ...) -> EpochFn: ...
+@overload
+def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
+                     state: TrainState, *, prefix: str = ...) -> TrainState: ...
+@curry  # type: ignore[misc]
+def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
+                     state: TrainState, *, prefix: str = "eval") -> TrainState:
+    """Metrics that are not batch means (F1, AUROC, BLEU...): update metric objects over ``loader`` and record their values.
+
+    A metric is a torchmetrics ``Metric``, or any object with ``update(...)``,
+    ``compute()`` and ``reset()``. For each batch ``fn(model, batch)`` returns
+    the arguments of ``update``: a tuple (``(preds, target)``) or one tensor.
+    They are gathered from every process with ``gather_for_metrics`` (the
+    padding of the last round dropped), and every process updates its metrics
+    with all of them: each process computes each metric over every sample of the
+    dataset exactly once, and a torchmetrics metric's own sync is turned off for
+    the ``compute`` (its inputs are already everyone's). Each value is recorded
+    in the history as ``<prefix>_<name>`` (a float), then the metric is reset.
+    In eval mode under ``torch.no_grad()``; a state stopped in the middle of an
+    epoch is passed through, as by :func:`evaluate`.
+
+    Args:
+        ctx: the run's Context.
+        metrics: the metric objects, by name.
+        fn: ``fn(model, batch)`` returning the arguments of ``update``.
+        loader: a prepared loader.
+        state: the state whose model is evaluated.
+        prefix: the records' prefix.
+
+    Returns:
+        The state with the values appended to ``state.history``.
+
+    Raises:
+        TypeError: a metric without ``update``, ``compute`` and ``reset``, or one whose
+            ``compute`` returns more than one number.
+
+    Example:
+        >>> from trainfold import testing
+        >>> class MaxError:  # any object with update, compute and reset
+        ...     def __init__(self): self.worst = 0.0
+        ...     def update(self, preds, target): self.worst = max(self.worst, (preds - target).abs().max().item())
+        ...     def compute(self): return self.worst
+        ...     def reset(self): self.worst = 0.0
+        >>> ctx, state, loader, _ = testing.tiny_setup(seed=0)
+        >>> state = evaluate_metrics(ctx, {"max_error": MaxError()}, lambda m, b: (m(b[0]), b[1]), loader, state)
+        >>> round(state.metrics["eval_max_error"], 4)
+        3.5974
+
+    .. versionadded:: 0.2.0
+    """
+    expect_args("evaluate_metrics", "evaluate_metrics(ctx, metrics, fn, loader, state)", ctx, "fn", fn, loader)
+    state = expect_owned("evaluate_metrics", ctx, expect_state("evaluate_metrics", state))
+    expect_shared_out("evaluate_metrics", ctx, loader)
+    for name, metric in metrics.items():
+        if not all(callable(getattr(metric, m, None)) for m in ("update", "compute", "reset")):
+            raise TypeError(f"evaluate_metrics: metric {name!r} is a {type(metric).__name__}, which has no update, compute and reset methods.")
+    ctx.check()
+    if state.interrupted:
+        return state
+    acc = ctx.accelerator
+    batches = 0
+    with explaining_timeouts(ctx), _eval_mode(state.model):
+        for batch in loader:
+            batches += 1
+            try:
+                args = fn(state.model, batch)
+            except Exception as exc:
+                add_note(exc, f"trainfold: raised by evaluate_metrics' fn on a batch of structure {describe_batch(batch)}")
+                raise
+            args = acc.gather_for_metrics(args if isinstance(args, tuple) else (args,))
+            for metric in metrics.values():
+                metric.update(*args)
+    if batches == 0:
+        raise _empty_loader("evaluate_metrics", loader)
+    values = {f"{prefix}_{name}": _computed(name, metric) for name, metric in metrics.items()}
+    return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
+
+
+def _computed(name: str, metric: Any) -> float:
+    """``metric.compute()`` as a float, without a torchmetrics metric syncing inputs every process already holds; then reset."""
+    own_sync = getattr(metric, "sync_on_compute", None)
+    if own_sync is not None:
+        metric.sync_on_compute = False
+    try:
+        value = metric.compute()
+    finally:
+        if own_sync is not None:
+            metric.sync_on_compute = own_sync
+    metric.reset()
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"evaluate_metrics: metric {name!r} computed a tensor of shape {tuple(value.shape)}; the history holds numbers (average it, e.g. average='macro').")
+        return float(value)  # sync: once per metric per evaluation
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"evaluate_metrics: metric {name!r} computed a {type(value).__name__}, not a number.")
+    return float(value)
+
+
+@overload
 def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch]) -> Callable[[TrainState], Any]: ...
 @overload
 def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any: ...
