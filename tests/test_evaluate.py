@@ -153,27 +153,33 @@ def _macro_f1_on_this_rank(n):
     from trainfold import evaluate_metrics
 
     ctx, state, dl, data = _f1_setup(n)
+    from torchmetrics.aggregation import SumMetric
+
     f1 = MulticlassF1Score(num_classes=3, average="macro")
     state = evaluate_metrics(ctx, {"f1": f1}, lambda m, b: (m(b[0]).argmax(-1), b[1]), dl, state)
+    # a count is what double counting would show (an F1 of everything twice is the same F1)
+    state = evaluate_metrics(ctx, {"samples": SumMetric()}, lambda m, b: torch.ones(len(b[1])), dl, state)
     x, y = data.tensors
     with torch.no_grad():
         expected = f1_score(y.numpy(), state.model(x).argmax(-1).numpy(), average="macro")
     ctx.close()
-    return state.metrics["eval_f1"], float(expected)
+    return state.metrics["eval_f1"], float(expected), state.metrics["eval_samples"]
 
 
 def test_evaluate_metrics_runs_a_torchmetrics_metric_and_records_it():
     testing.reset_accelerate_state()
-    got, expected = _macro_f1_on_this_rank(50)
+    got, expected, samples = _macro_f1_on_this_rank(50)
     testing.reset_accelerate_state()
 
     assert got == pytest.approx(expected, rel=1e-6)
+    assert 50 == samples
 
 
 def test_evaluate_metrics_counts_every_sample_once_on_two_processes():
     """50 samples, 2 processes of batch 8: the last round is padded; the padding is dropped and nothing is counted twice."""
-    for got, expected in testing.run_distributed(_macro_f1_on_this_rank, 50, nprocs=2):
+    for got, expected, samples in testing.run_distributed(_macro_f1_on_this_rank, 50, nprocs=2):
         assert got == pytest.approx(expected, rel=1e-6)
+        assert 50 == samples  # not 56 (padding) nor 100 (synced again)
 
 
 def test_evaluate_metrics_refuses_an_object_that_is_not_a_metric_and_a_value_that_is_not_a_number():

@@ -440,15 +440,22 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
 
 
 def _computed(name: str, metric: Any) -> float:
-    """``metric.compute()`` as a float, without a torchmetrics metric syncing inputs every process already holds; then reset."""
-    own_sync = getattr(metric, "sync_on_compute", None)
-    if own_sync is not None:
-        metric.sync_on_compute = False
+    """``metric.compute()`` as a float, without a torchmetrics metric syncing inputs every process already holds; then reset.
+
+    torchmetrics decides whether ``compute`` syncs from ``_to_sync``, set from
+    ``sync_on_compute`` when the metric is built and after each ``forward``
+    (``update`` alone leaves it): both are turned off for the call and put back.
+    A test counts the samples a metric saw on 2 processes, so a torchmetrics that
+    decides otherwise fails it (100 samples instead of 50) rather than passing silently.
+    """
+    saved = {a: getattr(metric, a) for a in ("sync_on_compute", "_to_sync") if isinstance(getattr(metric, a, None), bool)}
+    for attribute in saved:
+        setattr(metric, attribute, False)
     try:
         value = metric.compute()
     finally:
-        if own_sync is not None:
-            metric.sync_on_compute = own_sync
+        for attribute, flag in saved.items():
+            setattr(metric, attribute, flag)
     metric.reset()
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
