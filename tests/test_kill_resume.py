@@ -65,7 +65,12 @@ def _fsdp2_killed(root, out, delay, *extra):
     """Start the 2-process FSDP2 job, SIGKILL the launcher and both workers ``delay`` s after both are training."""
     with subprocess.Popen(_torchrun(root, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                           start_new_session=True) as proc:
-        pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+        lines = [proc.stdout.readline() for _ in range(2)]
+        if not all(line.startswith("ready") for line in lines):
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
+        pids = [int(line.split()[1]) for line in lines]
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)
         for pid in pids:  # the workers too, wherever they are
