@@ -66,8 +66,7 @@ def _allocated_kb():
             return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def test_memory_is_flat_over_20000_steps_with_transformers_on():
-    """The state accumulates nothing per step: allocated memory grows by less than 1 MB over 20,000 steps."""
+def _growth_over_20000_steps_kb():
     ctx, state, loader, loss_fn = testing.tiny_setup(n=1000, batch_size=1)
     step = compose(log_every(ctx, 50), ema(0.9))(make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=100)]))
     for _ in range(2):  # warm-up: allocator pools, first-epoch objects
@@ -80,7 +79,24 @@ def test_memory_is_flat_over_20000_steps_with_transformers_on():
     gc.collect()
 
     assert 22_000 == state.micro_step
-    assert _allocated_kb() - before < 1024
+    return _allocated_kb() - before
+
+
+def test_memory_is_flat_over_20000_steps_with_transformers_on():
+    """The state accumulates nothing per step: allocated memory grows by less than 1 MB over 20,000 steps.
+
+    Measured in a fresh interpreter: in the suite's own process, what earlier tests left
+    running (torch.compile's workers after the compile test) allocated ~3.7 MB meanwhile.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import test_performance as t; print(t._growth_over_20000_steps_kb())"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+
+    assert 0 == done.returncode, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) < 1024
 
 
 @needs_cuda
