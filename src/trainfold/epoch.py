@@ -107,10 +107,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
     .. versionadded:: 0.1.0
     """
-    expect_args("run_epoch", "run_epoch(ctx, step, loader, state)", ctx, "step", step, loader)
-    state = expect_owned("run_epoch", ctx, expect_state("run_epoch", state))
-    expect_shared_out("run_epoch", ctx, loader)
-    ctx.check()
+    state = _checked("run_epoch(ctx, step, loader, state)", ctx, "step", step, loader, state)
     _check_accumulation(ctx, loader)
     state.model.train()
     length = length_or_none(loader)
@@ -143,6 +140,17 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     if seen == 0 and state.batch_in_epoch == 0:
         raise _empty_loader("run_epoch", loader)
     return end_epoch(ctx, state)
+
+
+def _checked(signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any, state: Any) -> TrainState:
+    """What every loop over a loader checks first, once per call: the arguments' places, the state and
+    its Context, a loader each process reads its share of, and Accelerate's settings unchanged."""
+    where = signature.split("(", 1)[0]
+    expect_args(where, signature, ctx, fn_name, fn, loader)
+    state = expect_owned(where, ctx, expect_state(where, state))
+    expect_shared_out(where, ctx, loader)
+    ctx.check()
+    return state
 
 
 def _check_accumulation(ctx: Context, loader: Any) -> None:
@@ -323,10 +331,7 @@ def evaluate(
 
     .. versionadded:: 0.1.0
     """
-    expect_args("evaluate", "evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader)
-    state = expect_owned("evaluate", ctx, expect_state("evaluate", state))
-    expect_shared_out("evaluate", ctx, loader)
-    ctx.check()
+    state = _checked("evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader, state)
     if state.interrupted:
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
@@ -411,13 +416,10 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
 
     .. versionadded:: 0.2.0
     """
-    expect_args("evaluate_metrics", "evaluate_metrics(ctx, metrics, fn, loader, state)", ctx, "fn", fn, loader)
-    state = expect_owned("evaluate_metrics", ctx, expect_state("evaluate_metrics", state))
-    expect_shared_out("evaluate_metrics", ctx, loader)
+    state = _checked("evaluate_metrics(ctx, metrics, fn, loader, state)", ctx, "fn", fn, loader, state)
     for name, metric in metrics.items():
         if not all(callable(getattr(metric, m, None)) for m in ("update", "compute", "reset")):
             raise TypeError(f"evaluate_metrics: metric {name!r} is a {type(metric).__name__}, which has no update, compute and reset methods.")
-    ctx.check()
     if state.interrupted:
         return state
     acc = ctx.accelerator
@@ -498,10 +500,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
 
     .. versionadded:: 0.1.0
     """
-    expect_args("predict", "predict(ctx, fn, loader, state)", ctx, "fn", fn, loader)
-    state = expect_owned("predict", ctx, expect_state("predict", state))
-    expect_shared_out("predict", ctx, loader)
-    ctx.check()
+    state = _checked("predict(ctx, fn, loader, state)", ctx, "fn", fn, loader, state)
     acc = ctx.accelerator
     outputs = []
     with _eval_mode(state.model):
