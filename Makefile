@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh clone:
 #   make example   creates .venv and runs the digits example end to end
-#   make test      creates .venv and runs the whole test suite, then the core tests again
-#                  with the oldest Accelerate trainfold supports (in .venv-floor)
+#   make test      creates .venv and runs the whole test suite, then the DeepSpeed tests (DeepSpeed
+#                  in .deepspeed-site), then the core tests again with the oldest Accelerate
+#                  trainfold supports (in .venv-floor)
 # TORCH pins the CPU build that lies on this project's machines; elsewhere set TORCH=torch
 # (or a build of your choice) to let pip pick one: `make test TORCH=torch`.
 
@@ -14,9 +15,11 @@ FLOOR ?= accelerate==1.0.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.trainfold-installed
 FLOOR_STAMP := $(FLOOR_VENV)/.trainfold-installed
+DS_SITE := .deepspeed-site
+DS_STAMP := $(DS_SITE)/.trainfold-installed
 FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
-.PHONY: example test test-floor bench clean
+.PHONY: example test test-deepspeed test-floor bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +27,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev,examples]"
 	touch $(STAMP)
+
+# DeepSpeed lives apart from .venv: once installed, Accelerate imports it (and it prints a warning) in every
+# process that unwraps a model. It ships as source that imports torch to build: built against .venv's torch,
+# its ops compiled on first use (its tests run on CPU). transformers: Accelerate's DeepSpeed path imports it.
+$(DS_STAMP): $(STAMP)
+	rm -rf $(DS_SITE)
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation --no-deps --target $(DS_SITE) "deepspeed>=0.16"
+	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
+	touch $(DS_STAMP)
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -37,7 +49,11 @@ example: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+	$(MAKE) test-deepspeed
 	$(MAKE) test-floor
+
+test-deepspeed: $(DS_STAMP)
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" tests/test_deepspeed.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"
@@ -47,4 +63,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV)
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -47,8 +49,12 @@ def build(seed: int, *, dropout: float = 0.0, shuffle: bool = False, scheduler: 
     return model, opt, sched, dl
 
 
-def canonical_loop(accelerator: Accelerator, model, opt, sched, dl, loss_fn, *, epochs: int, clip_norm=None):
-    """The hand-written loop of Accelerate's gradient-accumulation guide, with clipping on sync steps."""
+def canonical_loop(accelerator: Accelerator, model, opt, sched, dl, loss_fn, *, epochs: int, clip_norm=None, read=None):
+    """The hand-written loop of Accelerate's gradient-accumulation guide, with clipping on sync steps.
+
+    ``read(accelerator, prepared_model)`` gives the parameters returned (whole ones of a sharded engine);
+    by default ``testing.parameters``.
+    """
     objs = accelerator.prepare(model, opt, dl) if sched is None else accelerator.prepare(model, opt, dl, sched)
     model, opt, dl = objs[:3]
     sched = objs[3] if sched is not None else None
@@ -66,7 +72,7 @@ def canonical_loop(accelerator: Accelerator, model, opt, sched, dl, loss_fn, *, 
                     sched.step()
                 opt.zero_grad()
             losses.append(loss.detach().float())
-    return testing.parameters(model), losses
+    return (testing.parameters(model) if read is None else read(accelerator, model)), losses
 
 
 def fsdp2_accelerator(**kwargs) -> Accelerator:
@@ -86,7 +92,10 @@ def fsdp2_accelerator(**kwargs) -> Accelerator:
     # Both: every AcceleratorState() (prepare makes some) copies PartialState's distributed type over its own.
     PartialState().distributed_type = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    if acc.mixed_precision != "no":  # what AcceleratorState does for a plugin it selects itself: FSDP2's MixedPrecisionPolicy
+        plugin.set_mixed_precision(acc.mixed_precision)
+    acc.state.fsdp_plugin = plugin
     return acc
 
 
@@ -101,3 +110,41 @@ def small_disk(folder, size: str):
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+#: Marks a test that needs DeepSpeed installed (``make dev`` installs it; it is skipped where it is not).
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
+
+
+def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, clip: float | None = None, **kwargs) -> Accelerator:
+    """An Accelerator that prepares with DeepSpeed ZeRO stage ``stage``, on CPU processes as on GPUs.
+
+    DeepSpeed runs on CPU (its CPU accelerator, over a gloo group that
+    ``deepspeed.comm`` starts), and Accelerate takes its DeepSpeed path there,
+    but Accelerate's PartialState picks a process group only for accelerators
+    (``cpu=True`` means MULTI_CPU) and so reports one process while every
+    process is in DeepSpeed's group. Filling in the process counts from
+    ``torch.distributed`` makes ``prepare`` build DeepSpeed's config with the
+    real world size and shard the loader; where Accelerate counted them itself
+    (one process, or a GPU), nothing is changed. The one place the tests do this.
+    Call it inside a process of its own (``testing.run_distributed``): it sets
+    ``ACCELERATE_USE_DEEPSPEED`` as ``accelerate launch`` does.
+    """
+    import os
+
+    import torch.distributed as dist
+    from accelerate.state import PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gradient_accumulation_steps,
+                             gradient_clipping=0.0 if clip is None else clip)
+    acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+    if dist.is_initialized() and acc.num_processes != dist.get_world_size():
+        shared = PartialState()
+        for state in (shared, acc.state):  # AcceleratorState copied PartialState's values when it was built
+            state.num_processes = dist.get_world_size()
+            state.process_index = dist.get_rank()
+            state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            state.backend = dist.get_backend()
+    return acc

@@ -32,8 +32,9 @@ def _full_params(state):
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True):
-    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga) if engine == "fsdp2" else Accelerator(cpu=True, gradient_accumulation_steps=ga)
+def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True, mixed_precision="no"):
+    acc = (helpers.fsdp2_accelerator(gradient_accumulation_steps=ga, mixed_precision=mixed_precision) if engine == "fsdp2"
+           else Accelerator(cpu=True, gradient_accumulation_steps=ga))
     ctx = Context(accelerator=acc)
     torch.manual_seed(seed)
     model = helpers.mlp(dropout=0.1)
@@ -45,8 +46,8 @@ def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True):
     return ctx, state, dl
 
 
-def _canonical_fsdp2(ga, clip):
-    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga)
+def _canonical_fsdp2(ga, clip, mixed_precision="no"):
+    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga, mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -67,21 +68,23 @@ def _canonical_fsdp2(ga, clip):
     return {n: p.full_tensor().detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
 
 
-def _fsdp2_equivalence(ga, clip):
-    expected = _canonical_fsdp2(ga, clip)
+def _fsdp2_equivalence(ga, clip, mixed_precision="no"):
+    expected = _canonical_fsdp2(ga, clip, mixed_precision)
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state()  # keep the process group, forget the Accelerator's settings
     GradientState._reset_state()
-    ctx, state, dl = _setup("fsdp2", ga=ga)
+    ctx, state, dl = _setup("fsdp2", ga=ga, mixed_precision=mixed_precision)
     state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=clip), dl), max_epochs=2)(state)
     return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__
 
 
-@pytest.mark.parametrize("ga,clip", [(1, None), (3, 0.5)])
-def test_composed_loop_equals_canonical_fsdp2_loop(ga, clip):
-    """Under Accelerate's FSDP2 (2 CPU processes): the same parameters, bit for bit, with and without accumulation and clipping."""
-    ranks = testing.run_distributed(_fsdp2_equivalence, ga, clip, nprocs=2)
+@pytest.mark.parametrize("ga,clip,nprocs,mixed_precision", [(1, None, 2, "no"), (3, 0.5, 2, "no"), (3, None, 1, "bf16")])
+def test_composed_loop_equals_canonical_fsdp2_loop(ga, clip, nprocs, mixed_precision):
+    """Under Accelerate's FSDP2 (CPU processes): the same parameters, bit for bit, with and without accumulation and clipping;
+    on one process too, where Accelerate still turns FSDP2's gradient sync off inside an accumulation group (with bf16
+    parameters, accumulating unsharded bf16 gradients is not the same arithmetic as reducing each micro-batch)."""
+    ranks = testing.run_distributed(_fsdp2_equivalence, ga, clip, mixed_precision, nprocs=nprocs)
 
     for expected, got, cls in ranks:
         assert cls.startswith("FSDP")  # the model really is sharded by fully_shard

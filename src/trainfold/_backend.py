@@ -398,10 +398,12 @@ def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:
     without a generator-based context manager and an ExitStack per micro-batch.
     With one accumulation step ``sync_gradients`` is always True and the
     counter's phase always 0, so the call is made only if something else left
-    ``sync_gradients`` False. Under several processes (None), the step enters
-    ``accelerator.accumulate`` itself.
+    ``sync_gradients`` False. Under several processes, and under FSDP even on one
+    (Accelerate turns FSDP2's gradient sync off inside an accumulation group, which
+    with bf16 parameters changes the arithmetic), the step enters
+    ``accelerator.accumulate`` itself (None).
     """
-    if accelerator.use_distributed:
+    if accelerator.use_distributed or shards_parameters(accelerator):
         return None
     if accelerator.gradient_accumulation_steps > 1:
         return accelerator._do_sync
@@ -517,3 +519,38 @@ def reset_process_state() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+def is_deepspeed(accelerator: Accelerator | None) -> bool:
+    """True where Accelerate hands the model and optimizer to a DeepSpeed engine."""
+    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+
+
+def deepspeed_micro_batch_unset(accelerator: Accelerator) -> bool:
+    """True under DeepSpeed while its config's ``train_micro_batch_size_per_gpu`` is still ``auto``.
+
+    Accelerate fills it from the loaders passed to the same ``prepare`` call as the
+    model; ``TrainState.create`` prepares the model alone, so it must be known first.
+    """
+    plugin = accelerator.state.deepspeed_plugin if is_deepspeed(accelerator) else None
+    return plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu")
+
+
+def fill_deepspeed_micro_batch(accelerator: Accelerator, loaders: tuple[Any, ...]) -> None:
+    """Under DeepSpeed, set an ``auto`` micro-batch size from ``loaders`` as a joint ``prepare`` would.
+
+    Accelerate's rule: the smallest (``is_train_batch_min``, the default) or largest
+    of the loaders' batch sizes, per process (divided by the processes under
+    ``split_batches``). It only labels DeepSpeed's throughput figures and checks
+    its config; the step does not depend on it.
+    """
+    if not deepspeed_micro_batch_unset(accelerator):
+        return
+    found = [getattr(dl, "batch_size", None) for dl in loaders]
+    sizes = [s for s in found if isinstance(s, int)]
+    if not sizes or len(sizes) != len(found):
+        return  # Accelerate's own prepare names the problem (a loader with no batch size)
+    if accelerator.split_batches:
+        sizes = [s // accelerator.num_processes for s in sizes]
+    plugin = accelerator.state.deepspeed_plugin
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = min(sizes) if plugin.is_train_batch_min else max(sizes)

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from ._control import gather_objects
-from ._files import Content, write_files
+from ._files import FORMAT, Content, write_files
 from ._root import agreed, commit
 
 if TYPE_CHECKING:
@@ -73,8 +73,9 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
 
         shards = job.shards
         entries.update(agreed(ctx, lambda: _sharded.write_shards(job.tmp, shards, ctx.accelerator.process_index, group), f"writing the shards of {job.tmp}", cleanup, group=group))
+    if job.fmt != FORMAT:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
         finite = _finite(job.weights)
-        if world > 1:  # every process reports its files' digests (nothing is read back) and whether its shards are finite
+        if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
             reports = gather_objects(ctx.control.group() if group is None else group, (entries, finite))
             entries = {k: v for files_of, _ in reports for k, v in files_of.items()}
             finite = all(f for _, f in reports)

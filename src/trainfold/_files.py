@@ -24,13 +24,31 @@ from . import _safetensors
 
 #: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
 #: process writes its own pieces of them (``_sharded.py``), and they can be read back on another number of processes.
+#: Format 3 (DeepSpeed): the engine's own files for the model and ZeRO optimizer partitions (``_deepspeed.py``).
 FORMAT = 1
 SHARDED = 2
-FORMATS = (FORMAT, SHARDED)
+DEEPSPEED = 3
+FORMATS = (FORMAT, SHARDED, DEEPSPEED)
 MANIFEST = "MANIFEST.json"
-SHARED = {FORMAT: ("model.safetensors", "state.safetensors", "state.json"), SHARDED: ("tensors.json", "state.safetensors", "state.json")}
+SHARED = {
+    FORMAT: ("model.safetensors", "state.safetensors", "state.json"),
+    SHARDED: ("tensors.json", "state.safetensors", "state.json"),
+    DEEPSPEED: ("state.safetensors", "state.json"),
+}
 #: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
 _NAME = re.compile(r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
+#: And in format 3, the names DeepSpeed gives its files (read by ``_deepspeed.py``; here, so that no deepspeed import is needed).
+_ENGINE_NAME = re.compile(r"(?:bf16_)?(?:zero_pp_rank_(?:0|[1-9][0-9]{0,5})_)?mp_rank_00_(?:model|optim)_states\.pt")
+
+
+def allowed_name(name: Any, fmt: int) -> bool:
+    """Whether a manifest of format ``fmt`` may list ``name``: one of the format's plain file names."""
+    return isinstance(name, str) and (_NAME.fullmatch(name) is not None or (fmt == DEEPSPEED and _ENGINE_NAME.fullmatch(name) is not None))
+
+
+def is_engine_file(name: str) -> bool:
+    """A DeepSpeed engine file of a format-3 checkpoint."""
+    return _ENGINE_NAME.fullmatch(name) is not None
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -211,7 +229,7 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
     if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
     for name, entry in files.items():
-        if not isinstance(name, str) or not _NAME.fullmatch(name):
+        if not allowed_name(name, fmt):
             raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")
         size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str) or not _SHA256.fullmatch(digest):

@@ -25,7 +25,9 @@ from toolz import curry
 
 from . import _codec, _rng
 from ._backend import (
+    accumulation_counter,
     inner_optimizer,
+    is_deepspeed,
     is_resumable_loader,
     loader_generators,
     local,
@@ -36,6 +38,7 @@ from ._backend import (
 )
 from ._cursor import EpochCursor, Resume
 from ._files import (
+    DEEPSPEED,
     FORMAT,
     SHARDED,
     CheckpointError,
@@ -119,7 +122,9 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     and optimizer's tensors through ``torch.distributed.checkpoint``, each
     process its own pieces, and resumes on any number of processes; a gathered
     one (the default on one process) writes them into the main process's
-    ``model.safetensors`` and ``state.safetensors``.
+    ``model.safetensors`` and ``state.safetensors``. Under DeepSpeed, the
+    checkpoint holds the engine's own files (its model states and each
+    process's ZeRO optimizer partition), taken at an optimizer update.
 
     Args:
         ctx: the run's Context.
@@ -173,6 +178,11 @@ def _sharded_layout(ctx: Context, sharded: bool | None) -> bool:
     """Sharded on several processes (and whenever asked); gathered into the main process's files on one, unless asked."""
     if sharded is not None and not isinstance(sharded, bool):
         raise TypeError(f"save_checkpoint: sharded must be True, False or None (automatic), not {sharded!r}.")
+    if sharded is False and is_deepspeed(ctx.accelerator):
+        raise ValueError(
+            "save_checkpoint: sharded=False gathers the whole model into one process's files; under DeepSpeed a checkpoint "
+            "holds the engine's own files, one ZeRO partition per process. Leave sharded unset."
+        )
     if sharded is False and shards_parameters(ctx.accelerator):
         raise ValueError(
             "save_checkpoint: sharded=False gathers the whole model into one process's files, which FSDP's sharded "
@@ -192,7 +202,19 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
     tmp = root / f".tmp-{name}"
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
     shards: dict[str, torch.Tensor] | None = None
-    if sharded:  # each process keeps its own pieces: nothing is gathered
+    engine_files: dict[str, bytes] = {}
+    fmt = SHARDED if sharded else FORMAT
+    if is_deepspeed(acc):  # the engine's own files, taken as bytes: each process its ZeRO partition
+        from . import _deepspeed  # imports deepspeed
+
+        _check_at_update(ctx, state)
+        engine_files = agreed(ctx, lambda: _deepspeed.capture(state.model), "reading DeepSpeed's engine state")
+        run = capture(state, copied=async_save, rng=now, sharded_optimizer={})
+        weights = _deepspeed.local_weights(state.model)
+        if async_save:
+            weights = to_host(weights)
+        fmt = DEEPSPEED
+    elif sharded:  # each process keeps its own pieces: nothing is gathered
         from . import _sharded  # torch.distributed.checkpoint: imported by the first sharded save, not with trainfold
 
         shards, rest = agreed(ctx, lambda: _sharded.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
@@ -205,15 +227,26 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
         if async_save:
             weights = to_host(weights)
         run = attrs.evolve(capture(state, copied=async_save, weights={}, rng=now), weights=weights)
-    files = agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint")
+    files = {**agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint"), **engine_files}
     agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
-    job = SaveJob(root, name, files, shards, weights, values_of(state), keep_last, SHARDED if sharded else FORMAT)
+    job = SaveJob(root, name, files, shards, weights, values_of(state), keep_last, fmt)
     if async_save:
         group = ctx.saver.group(acc.num_processes)
         ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
     else:
         write_and_commit(ctx, job)
     return state
+
+
+def _check_at_update(ctx: Context, state: TrainState) -> None:
+    """Under DeepSpeed, refuse a save inside an accumulation group: the engine's partial gradients are not in its checkpoint."""
+    if accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps:
+        raise ValueError(
+            f"save_checkpoint: under DeepSpeed a checkpoint is taken at an optimizer update, and this state is inside an "
+            f"accumulation group (micro-batch {state.micro_step}, {ctx.gradient_accumulation_steps} per update): DeepSpeed "
+            "keeps the group's partial gradients in its own buffers, which its checkpoint does not hold. Save after the "
+            "update (checkpoint_every, fit and a stop by signal all save there)."
+        )
 
 
 def _start(root: Path, tmp: Path, state: TrainState) -> None:
@@ -296,7 +329,10 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     gathered checkpoint, the same number of processes) before anything is changed.
     A sharded checkpoint written by another number of processes is resharded into
     this run's layout, and its interrupted epoch continues by its position in
-    samples (see the README's "Sharded, elastic and background checkpoints"). Then the weights, optimizer,
+    samples (see the README's "Sharded, elastic and background checkpoints"). A DeepSpeed
+    checkpoint's engine files are parsed with torch's restricted unpickler and checked against
+    the live engine (processes, ZeRO stage, parameter shapes) before DeepSpeed is given them.
+    Then the weights, optimizer,
     scheduler, scaler and Accelerate's accumulation counter are restored in
     place, the random states are restored, and a state is returned whose next
     ``run_epoch`` continues the interrupted epoch from the next batch, in the
@@ -306,7 +342,8 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     Raises:
         CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
-            another world size, another accumulation setting. Nothing is changed.
+            another world size, another accumulation setting, DeepSpeed on one side only.
+            Nothing is changed.
 
     Example:
         >>> import tempfile
@@ -335,6 +372,15 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     acc = ctx.accelerator
     folder = resolve(path)
     manifest = read_manifest(folder, version=_version())
+    if (manifest["format"] == DEEPSPEED) != is_deepspeed(acc):
+        raise CheckpointError(
+            f"{folder} was written by a run under DeepSpeed and this run does not use it: its model and optimizer are "
+            "DeepSpeed's engine files. Resume it under the same DeepSpeed config." if manifest["format"] == DEEPSPEED else
+            f"{folder} was written by a run without DeepSpeed and this run uses it: resume it without DeepSpeed (then "
+            "save there under DeepSpeed to continue with it)."
+        )
+    if manifest["format"] == DEEPSPEED:
+        return _load_deepspeed(ctx, folder, manifest, state)
     if manifest["format"] == SHARDED:
         return _load_sharded(ctx, folder, manifest, state)
     if manifest["world_size"] != acc.num_processes:
@@ -423,6 +469,38 @@ def _load_sharded(ctx: Context, folder: Path, manifest: Mapping[str, Any], state
     tensors = _sharded.load_shards(metadata, read_file, model, optimizer)
     # Everything read and checked, on every process: now change things.
     _sharded.apply(model, optimizer, tensors, run.optimizer)
+    return _loaded(put_back(run, state, keep_run=False), resume)
+
+
+def _load_deepspeed(ctx: Context, folder: Path, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
+    """Load a DeepSpeed checkpoint: every engine file read, verified and parsed safely, then given to the engine (a collective)."""
+    from . import _deepspeed  # imports deepspeed
+
+    acc = ctx.accelerator
+    rank = acc.process_index
+    if manifest["world_size"] != acc.num_processes:
+        raise CheckpointError(
+            f"{folder} was written by {manifest['world_size']} processes under DeepSpeed and this run has "
+            f"{acc.num_processes}: ZeRO's optimizer partitions cannot be dealt out anew here. Resume it on "
+            f"{manifest['world_size']} processes (DeepSpeed's ds_to_universal converts its own checkpoints for another number)."
+        )
+
+    def read_and_check() -> tuple[Any, Resume, Any]:
+        engine_names = _deepspeed.files_to_read(manifest, rank)
+        files = read_verified(folder, manifest, ["state.json", "state.safetensors", *rank_files(rank), *engine_names])
+        run, resume, saved_steps = decode(folder, files, state, rank)
+        _check_accumulation(ctx, folder, saved_steps)
+        try:
+            parsed = _deepspeed.parse({n: files[n] for n in engine_names})
+            _deepspeed.check(parsed, state.model, acc.num_processes)
+            check_fits(run, state)
+        except ValueError as exc:  # StateMismatch, and _deepspeed's predicates
+            raise CheckpointError(f"{folder} {exc}") from None
+        return run, resume, parsed
+
+    run, resume, parsed = agreed(ctx, read_and_check, f"reading {folder}")
+    # Everything read, verified, parsed and checked, on every process: now change things.
+    _deepspeed.load(state.model, folder, parsed)
     return _loaded(put_back(run, state, keep_run=False), resume)
 
 

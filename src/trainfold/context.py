@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 from accelerate import Accelerator
 
-from ._backend import loader_placement, wait_for_everyone
+from ._backend import fill_deepspeed_micro_batch, loader_placement, wait_for_everyone
 from ._saver import Saver
 from ._control import Control, current_timeout, set_timeout
 from .interrupt import Interrupt
@@ -289,6 +289,7 @@ class Context:
         if not loaders:
             raise TypeError("prepare_loaders() needs at least one DataLoader.")
         self.check()
+        fill_deepspeed_micro_batch(self.accelerator, loaders)  # before TrainState.create, which prepares the model alone
         prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
         return prepared if isinstance(prepared, tuple) else (prepared,)
 

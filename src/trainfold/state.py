@@ -11,7 +11,7 @@ import attrs
 import torch
 from accelerate import Accelerator
 
-from ._backend import convert_sync_batchnorm
+from ._backend import convert_sync_batchnorm, deepspeed_micro_batch_unset
 from ._cursor import EpochCursor
 from .context import Context
 from .history import History
@@ -184,6 +184,12 @@ class TrainState:
         _check_optimizer_fits(model, optimizer, scheduler)
         ctx.check()
         acc = ctx.accelerator
+        if deepspeed_micro_batch_unset(acc):
+            raise ValueError(
+                "TrainState.create: under DeepSpeed, the engine is built with the micro-batch size, which Accelerate takes "
+                "from the training loader: call ctx.prepare_loaders(train_dl) before TrainState.create, or set "
+                "train_micro_batch_size_per_gpu in the DeepSpeed config."
+            )
         if sync_batchnorm and acc.num_processes > 1:
             model = convert_sync_batchnorm(model, acc.device)
         if scheduler is None:

@@ -1,0 +1,264 @@
+"""DeepSpeed through Accelerate (ZeRO-2, ZeRO-3): the composed step equals Accelerate's canonical DeepSpeed loop, on CPU processes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    max_steps,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
+)
+
+import helpers
+
+pytestmark = helpers.needs_deepspeed
+
+
+def _objects(seed=0, mixed_precision="no"):
+    torch.manual_seed(seed)
+    model = helpers.mlp(dropout=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    data = helpers.classification_data(48)
+    if mixed_precision == "bf16":  # DeepSpeed's bf16 casts the model, not its inputs (token ids need no cast; features do)
+        data = torch.utils.data.TensorDataset(data.tensors[0].bfloat16(), data.tensors[1])
+    dl = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    return model, opt, sched, dl
+
+
+def _full_params(accelerator, model):
+    """Every parameter whole (ZeRO-3's partitions gathered), by name."""
+    import deepspeed
+
+    engine = model
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _canonical(stage, ga, clip, mixed_precision="no"):
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision)
+    model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
+    # clipping comes from the DeepSpeed config (clip_norm stays None: Accelerate's clip_grad_norm_ does nothing there)
+    return helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2, read=_full_params)[0]
+
+
+def _composed(stage, ga, clip, mixed_precision="no"):
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
+    (dl,) = ctx.prepare_loaders(dl)  # first: DeepSpeed's engine is built with the loader's micro-batch size
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(state)
+    params = _full_params(acc, state.model)
+    ctx.close()
+    return params, state.step, type(state.model).__name__
+
+
+_ON_CUDA = [pytest.param(2, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
+            pytest.param(3, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16")]
+
+
+# On CPU the resume test below compares its uninterrupted runs with the canonical loop too (ZeRO-2 and ZeRO-3 on 2 processes).
+@pytest.mark.parametrize("stage,ga,clip,nprocs,mixed_precision", [(2, 3, 0.5, 1, "no"), *_ON_CUDA])
+def test_composed_loop_equals_canonical_deepspeed_loop(stage, ga, clip, nprocs, mixed_precision):
+    """Under Accelerate's DeepSpeed ZeRO-2 and ZeRO-3: the same parameters, bit for bit, with accumulation and clipping from the config."""
+    nprocs = min(nprocs, torch.cuda.device_count()) if torch.cuda.is_available() else nprocs
+    expected = testing.run_distributed(_canonical, stage, ga, clip, mixed_precision, nprocs=nprocs)
+    got = testing.run_distributed(_composed, stage, ga, clip, mixed_precision, nprocs=nprocs)
+
+    for want, (params, step, cls) in zip(expected, got):
+        assert cls == "DeepSpeedEngine"
+        assert step == 2 * 48 // (4 * nprocs * ga)
+        testing.assert_params_equal(want, params)
+        assert not any(p.isnan().any() for p in params.values())
+
+
+def _train(stage, root, *, ga=1, stop_after=None, resume=False, epochs=2, async_save=False, mixed_precision="no"):
+    """Train under DeepSpeed, saving every 2 updates; stop after ``stop_after`` updates; or resume from ``root``."""
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5, mixed_precision=mixed_precision)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    if resume:
+        state = load_checkpoint(ctx, root, state)
+    step = make_step(ctx, helpers.ce_loss)
+    if stop_after is not None:
+        step = max_steps(stop_after)(step)
+    step = checkpoint_every(ctx, root, 2, async_save=async_save)(step)
+    state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
+    params = _full_params(acc, state.model)
+    ctx.close()
+    return params, state.step, state.epoch
+
+
+@pytest.mark.parametrize("stage,ga,nprocs,stop_after,async_save,mixed_precision", [
+    (2, 1, 2, 5, False, "no"), (3, 3, 2, 3, True, "no"),
+    pytest.param(2, 3, 1, 5, False, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
+    pytest.param(3, 1, 1, 5, True, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16"),
+])
+def test_deepspeed_checkpoint_resumes_mid_epoch_exactly(stage, ga, nprocs, stop_after, async_save, mixed_precision, tmp_path):
+    """Stopped mid-epoch, resumed in new processes from trainfold's checkpoint of DeepSpeed's engine: bit for bit,
+    and the uninterrupted run equals Accelerate's canonical DeepSpeed loop."""
+    nprocs = min(nprocs, torch.cuda.device_count()) if torch.cuda.is_available() else nprocs
+    kw = dict(ga=ga, mixed_precision=mixed_precision, nprocs=nprocs)
+    full = testing.run_distributed(_train, stage, str(tmp_path / "a"), **kw)
+    testing.run_distributed(_train, stage, str(tmp_path / "b"), stop_after=stop_after, async_save=async_save, **kw)
+    manifest = verify_checkpoint(latest_checkpoint(tmp_path / "b"))
+    resumed = testing.run_distributed(_train, stage, str(tmp_path / "b"), resume=True, async_save=async_save, **kw)
+
+    assert manifest["format"] == 3 and manifest["step"] == stop_after
+    engine = {n for n in manifest["files"] if n.endswith(".pt")}
+    prefix = "bf16_" if mixed_precision == "bf16" else ""  # DeepSpeed's name for a bf16 engine's partitions
+    assert {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(nprocs)} <= engine
+    for (want, *_), (got, step, epoch) in zip(full, resumed):
+        testing.assert_params_equal(want, got)
+        assert epoch == 2
+    if mixed_precision == "no":  # the uninterrupted run is Accelerate's canonical DeepSpeed loop too (clipping from the config)
+        for want, (got, *_) in zip(testing.run_distributed(_canonical, stage, ga, 0.5, nprocs=nprocs), full):
+            testing.assert_params_equal(want, got)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def _replace_file(folder, name, data):
+    """Plant ``data`` as ``name`` and rewrite the manifest to match it: what someone who controls the files can do."""
+    (folder / name).write_bytes(data)
+    doc = json.loads((folder / "MANIFEST.json").read_text())
+    doc["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+
+def _refusals(root, workdir):
+    """On one process under ZeRO-2 with accumulation: what a DeepSpeed checkpoint refuses, each before anything changes."""
+    os.chdir(workdir)
+    acc = helpers.deepspeed_accelerator(2, gradient_accumulation_steps=2)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects()
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    step = make_step(ctx, helpers.ce_loss)
+    batches = iter(dl)
+    state = step(state, next(batches))  # inside an accumulation group
+    errors = {}
+    try:
+        save_checkpoint(ctx, root, state)
+    except ValueError as exc:
+        errors["mid_group"] = str(exc)
+    try:
+        save_checkpoint(ctx, root, state, sharded=False)
+    except ValueError as exc:
+        errors["gathered"] = str(exc)
+    state = step(state, next(batches))  # the update
+    save_checkpoint(ctx, root, state)
+    folder = latest_checkpoint(root)
+    buffer = io.BytesIO()
+    torch.save({"optimizer_state_dict": _Boom()}, buffer)
+    _replace_file(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt", buffer.getvalue())
+    before = _full_params(acc, state.model)
+    state = step(state, next(batches))
+    state = step(state, next(batches))  # another update: a load that changed anything would show
+    trained = _full_params(acc, state.model)
+    try:
+        load_checkpoint(ctx, folder, state)
+    except CheckpointError as exc:
+        errors["hostile"] = str(exc)
+    after = _full_params(acc, state.model)
+    ctx.close()
+    return errors, before, trained, after, state.step
+
+
+def test_a_deepspeed_checkpoint_refuses_a_save_mid_group_and_a_planted_pickle(tmp_path):
+    """A save inside an accumulation group is refused (DeepSpeed's checkpoint does not hold its partial gradients);
+    an engine file whose pickle calls a function (its manifest rewritten to match) is refused by torch's restricted
+    unpickler: the function never runs and the live model is not changed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    [(errors, before, trained, after, step)] = testing.run_distributed(_refusals, str(tmp_path / "ckpts"), str(work), nprocs=1)
+
+    assert "at an optimizer update" in errors["mid_group"] and "accumulation group" in errors["mid_group"]
+    assert "under DeepSpeed" in errors["gathered"] and "Leave sharded unset" in errors["gathered"]
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in errors["hostile"] and "restricted unpickler" in errors["hostile"]
+    assert not (work / "pwned").exists()
+    assert step == 2
+    testing.assert_params_equal(trained, after)  # nothing changed by the refused load
+    with pytest.raises(AssertionError):
+        testing.assert_params_equal(before, after)
+
+
+def _save_under_zero2(root, nprocs_note):
+    acc = helpers.deepspeed_accelerator(2)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects()
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, root, state)
+    ctx.close()
+    return nprocs_note
+
+
+def _load_on(root, deepspeed):
+    acc = helpers.deepspeed_accelerator(2) if deepspeed else Accelerator(cpu=True)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects()
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    try:
+        load_checkpoint(ctx, root, state)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
+def test_a_deepspeed_checkpoint_is_refused_without_deepspeed_and_on_another_number_of_processes(tmp_path):
+    testing.run_distributed(_save_under_zero2, str(tmp_path), 2, nprocs=2)
+
+    [without] = testing.run_distributed(_load_on, str(tmp_path), False, nprocs=1)
+    [elsewhere] = testing.run_distributed(_load_on, str(tmp_path), True, nprocs=1)
+
+    assert "under DeepSpeed and this run does not use it" in without
+    assert "written by 2 processes under DeepSpeed and this run has 1" in elsewhere and "Resume it on 2 processes" in elsewhere
+
+
+def _create_before_loaders():
+    ctx = Context(accelerator=helpers.deepspeed_accelerator(2))
+    model, opt, sched, _ = _objects()
+    try:
+        TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
+def test_create_before_the_loaders_under_deepspeed_says_what_to_do():
+    """DeepSpeed's engine is built with the micro-batch size; Accelerate takes it from loaders prepared with the model."""
+    [message] = testing.run_distributed(_create_before_loaders, nprocs=1)
+
+    assert "ctx.prepare_loaders(train_dl) before TrainState.create" in message
+    assert "train_micro_batch_size_per_gpu" in message
