@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh clone:
 #   make example   creates .venv and runs the digits example end to end
-#   make test      creates .venv and runs the whole test suite, then the DeepSpeed tests (DeepSpeed
+#   make test      creates .venv, type-checks src/ (mypy --strict) and runs the whole test suite, then the DeepSpeed tests (DeepSpeed
 #                  in .deepspeed-site), then the core tests again with the oldest Accelerate
 #                  trainfold supports (in .venv-floor)
 # TORCH pins the CPU build that lies on this project's machines; elsewhere set TORCH=torch
@@ -48,6 +48,7 @@ example: $(STAMP)
 	$(PY) examples/digits.py
 
 test: $(STAMP)
+	$(PY) -m mypy src/trainfold
 	$(PY) -m pytest
 	$(MAKE) test-deepspeed
 	$(MAKE) test-floor

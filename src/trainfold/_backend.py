@@ -7,7 +7,7 @@ batch.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import attrs
 import torch
@@ -136,12 +136,12 @@ def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:
     if remainder is None or remainder <= 0:
         return batch_size  # no padding (exact multiple, drop_last, or unknown length)
     before_me = accelerator.process_index * batch_size
-    return max(0, min(batch_size, remainder - before_me))
+    return int(max(0, min(batch_size, remainder - before_me)))
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's wrapper (for reading lr and state)."""
-    return getattr(optimizer, "optimizer", optimizer)
+    return cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))
 
 
 # --- The data position: what a checkpoint needs to continue an epoch exactly -----------------
@@ -406,7 +406,7 @@ def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:
     if accelerator.use_distributed or shards_parameters(accelerator):
         return None
     if accelerator.gradient_accumulation_steps > 1:
-        return accelerator._do_sync
+        return cast("Callable[[], None]", accelerator._do_sync)
     gradient_state, do_sync = accelerator.gradient_state, accelerator._do_sync
 
     def keep_synced() -> None:
@@ -426,7 +426,7 @@ def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:
     """
     plain = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) and accelerator.scaler is None
     if not plain or getattr(accelerator, "has_lomo_optimizer", False):
-        return accelerator.backward
+        return cast("Callable[[torch.Tensor], Any]", accelerator.backward)
     steps = accelerator.gradient_accumulation_steps
     if steps == 1:
         return torch.Tensor.backward
@@ -448,12 +448,12 @@ def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torc
             "sync_batchnorm=True needs GPUs (or XPUs): torch's SyncBatchNorm does not run on CPU "
             "across processes. Leave it off for CPU runs."
         )
-    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return cast(torch.nn.Module, torch.nn.SyncBatchNorm.convert_sync_batchnorm(model))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
 def shards_parameters(accelerator: Accelerator) -> bool:
     """True under FSDP: each process holds a shard of every parameter (a DTensor), never the whole model."""
-    return accelerator.distributed_type == DistributedType.FSDP
+    return bool(accelerator.distributed_type == DistributedType.FSDP)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -479,7 +479,7 @@ def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def owns_clipping(accelerator: Accelerator) -> bool:
     """True where the engine clips and scales gradients itself (DeepSpeed, from its config)."""
-    return accelerator.distributed_type == DistributedType.DEEPSPEED
+    return bool(accelerator.distributed_type == DistributedType.DEEPSPEED)
 
 
 def unwrap(accelerator: Accelerator | None, model: torch.nn.Module) -> torch.nn.Module:
@@ -523,7 +523,7 @@ def reset_process_state() -> None:
 
 def is_deepspeed(accelerator: Accelerator | None) -> bool:
     """True where Accelerate hands the model and optimizer to a DeepSpeed engine."""
-    return getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED
+    return bool(getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED)
 
 
 def deepspeed_micro_batch_unset(accelerator: Accelerator) -> bool:

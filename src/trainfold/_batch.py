@@ -7,7 +7,7 @@ trainfold never looks inside a batch otherwise. Owned here: :func:`describe_batc
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Any, Mapping, cast
 
 import torch
 
@@ -64,7 +64,7 @@ def slice_batch(batch: Batch, n: int) -> Batch:
     if isinstance(batch, torch.Tensor):
         return batch[:n] if batch.ndim > 0 else batch
     if isinstance(batch, Mapping):
-        return type(batch)({k: slice_batch(v, n) for k, v in batch.items()})
+        return cast(Any, type(batch))({k: slice_batch(v, n) for k, v in batch.items()})  # its own mapping type
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(slice_batch(v, n) for v in batch))
     if isinstance(batch, (list, tuple)):
@@ -97,7 +97,7 @@ def like(template: Batch, value: Batch) -> Batch:
         if type(template) is dict:
             return items
         try:
-            return type(template)(items)
+            return cast(Any, type(template))(items)  # its own mapping type
         except TypeError:
             return items
     return value

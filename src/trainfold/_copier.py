@@ -10,7 +10,7 @@ measurement in ``benchmarks/README.md`` ("What was found").
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 import attrs
 
@@ -51,4 +51,4 @@ def _generate(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
     source = f"def copy(__old{''.join(f', {name}' for name in changed)}):\n    return __cls({', '.join(args)})\n"
     namespace: dict[str, Any] = {"__cls": cls}
     exec(compile(source, f"<trainfold copy of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)
-    return namespace["copy"]
+    return cast("Callable[..., Any]", namespace["copy"])

@@ -26,7 +26,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 from ._files import is_engine_file
@@ -106,7 +106,7 @@ def capture(engine: Any) -> dict[str, bytes]:
     writer = _capturing()
     with tempfile.TemporaryDirectory(prefix="trainfold-deepspeed-") as scratch:  # DeepSpeed copies its recovery scripts here
         _swapped(engine, writer, lambda: engine.save_checkpoint(scratch, tag=_TAG, client_state={}, save_latest=False))
-    return writer.files
+    return cast("dict[str, bytes]", writer.files)
 
 
 def local_weights(engine: Any) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import re
 import stat
@@ -73,7 +74,7 @@ def required_files(world_size: int, fmt: int = FORMAT) -> list[str]:
     return [*SHARED[fmt], *(name for r in range(world_size) for name in process_files(r, fmt))]
 
 
-def sha256_bytes(data: bytes | bytearray | memoryview) -> str:  # hashlib releases the GIL for large buffers
+def sha256_bytes(data: bytes | bytearray | memoryview | mmap.mmap) -> str:  # hashlib releases the GIL for large buffers
     return hashlib.sha256(data).hexdigest()
 
 
@@ -172,7 +173,7 @@ def read_verified(folder: Path, manifest: Mapping[str, Any], names: list[str], *
     files = manifest["files"]
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
         futures = {name: pool.submit(_read_checked, folder, name, files[name], keep) for name in names}
-        return {name: future.result() for name, future in futures.items()}  # type: ignore[misc]
+        return {name: future.result() for name, future in futures.items()}
 
 
 def read_manifest_json(folder: Path) -> dict[str, Any]:

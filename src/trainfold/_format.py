@@ -39,7 +39,7 @@ from ._files import (
     parse_tensors,
     rank_files,
 )
-from ._runstate import RunState
+from ._runstate import NO_HANDLES, RunState
 from .history import History, Record
 from .metrics import RunningSums
 from .state import TrainState
@@ -134,8 +134,7 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
         raise CheckpointError(f"{folder}: a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
     if "extras" in values:
         values["extras"] = MappingProxyType(values["extras"])
-    state = attrs.evolve(template, model=None, optimizer=None, scheduler=None, accelerator=None, cursor=None,
-                         history=history, sums=sums, **values)
+    state = attrs.evolve(template, **NO_HANDLES, history=history, sums=sums, **values)
     run = RunState(values=state, weights=weights, grads=grads, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
                    accelerate_step=accelerate_step, rng=resume.now, sharded=sharded)
     return run, resume, accumulation

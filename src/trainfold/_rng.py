@@ -23,7 +23,7 @@ class RngStates:
 
 def capture(generators: Iterable[torch.Generator] = ()) -> RngStates:
     """The current states (copies). Costs ~60 us: once per epoch or checkpoint, never per step."""
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else ()
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_available() and torch.cuda.is_initialized() else ()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     return RngStates(
         torch_cpu=torch.get_rng_state(),
         torch_cuda=cuda,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import torch
@@ -97,9 +97,13 @@ def detach(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+#: What a TrainState's values have instead of live objects (a value, not a handle to the run).
+NO_HANDLES: dict[str, Any] = {"model": None, "optimizer": None, "scheduler": None, "accelerator": None, "cursor": None}
+
+
 def values_of(state: TrainState) -> TrainState:
     """The state's values: the same TrainState with no handle and no cursor (nothing copied)."""
-    return attrs.evolve(state, model=None, optimizer=None, scheduler=None, accelerator=None, cursor=None)
+    return attrs.evolve(state, **NO_HANDLES)
 
 
 def capture(
@@ -190,6 +194,10 @@ def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
             raise StateMismatch(f"does not fit: its {what} {key!r} is a {_kind(saved[key])}, this run's a {_kind(value)}.")
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 def put_back(run: RunState, state: TrainState, *, keep_run: bool = True) -> TrainState:
     """Put ``run`` into ``state``'s live objects (in place) and return its values with ``state``'s handles.
 
@@ -199,7 +207,7 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True) -> Trai
     without (a run state just read from a checkpoint, used once). Call
     :func:`check_fits` first: this changes things as it goes.
     """
-    own = copy.deepcopy if keep_run else (lambda v: v)
+    own: Callable[[Any], Any] = copy.deepcopy if keep_run else _same
     acc = state.accelerator
     model = unwrap(acc, state.model)
     if not run.sharded:  # a sharded checkpoint's model and optimizer are put back by _sharded.apply

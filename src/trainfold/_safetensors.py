@@ -38,7 +38,8 @@ class FormatError(ValueError):
 def _raw(t: torch.Tensor) -> memoryview:
     """A tensor's bytes, as a read-only view of its (CPU, contiguous) memory."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    array: Any = flat.view(torch.uint8).numpy()  # a buffer; numpy's stubs do not say so
+    return memoryview(array).cast("B")
 
 
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:

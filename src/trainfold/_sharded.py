@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from toolz import curry
 
 from .context import Context
 from .state import TrainState
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def name_of(fn: Any) -> str:
@@ -16,7 +18,7 @@ def name_of(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def named(fn: Any, name: str) -> Any:
+def named(fn: _F, name: str) -> _F:
     """Give a composed function a readable ``__name__`` and ``__qualname__`` (like toolz's Compose)."""
     fn.__name__ = fn.__qualname__ = name
     return fn

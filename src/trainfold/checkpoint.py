@@ -96,7 +96,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: in
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
                     async_save: bool = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
                     async_save: bool = False) -> TrainState:
     """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
@@ -317,7 +317,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
 def load_checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Any: ...
 @overload
 def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, overload
+from typing import Any, Callable, Iterable, Iterator, Mapping, cast, overload
 
 import attrs
 import torch
@@ -50,7 +50,7 @@ def _len_or_unknown(x: Any) -> str:
 def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], *, max_batches: int | None = ...) -> EpochFn: ...
 @overload
 def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = None) -> TrainState:
     """Train for one epoch: fold ``step`` over ``loader``.
 
@@ -147,10 +147,10 @@ def _checked(signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any, state
     its Context, a loader each process reads its share of, and Accelerate's settings unchanged."""
     where = signature.split("(", 1)[0]
     expect_args(where, signature, ctx, fn_name, fn, loader)
-    state = expect_owned(where, ctx, expect_state(where, state))
+    checked = expect_owned(where, ctx, expect_state(where, state))
     expect_shared_out(where, ctx, loader)
     ctx.check()
-    return state
+    return checked
 
 
 def _check_accumulation(ctx: Context, loader: Any) -> None:
@@ -276,7 +276,7 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
 def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> EpochFn: ...
 @overload
 def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def evaluate(
     ctx: Context,
     loss_fn: LossFn,
@@ -370,7 +370,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
 @overload
 def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
                      state: TrainState, *, prefix: str = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
                      state: TrainState, *, prefix: str = "eval") -> TrainState:
     """Metrics that are not batch means (F1, AUROC, BLEU...): update metric objects over ``loader`` and record their values.
@@ -472,7 +472,7 @@ def _computed(name: str, metric: Any) -> float:
 def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch]) -> Callable[[TrainState], Any]: ...
 @overload
 def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any:
     """Run ``fn(model, batch)`` over ``loader`` and return the outputs for every sample, in order.
 
@@ -521,7 +521,7 @@ def _concat(parts: list[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat([p.reshape(1) if p.ndim == 0 else p for p in parts])
     if isinstance(first, Mapping):
-        return type(first)({k: _concat([p[k] for p in parts]) for k in first})
+        return cast(Any, type(first))({k: _concat([p[k] for p in parts]) for k in first})  # its own mapping type
     if isinstance(first, (list, tuple)):
         return type(first)(_concat(list(items)) for items in zip(*parts))
     raise TypeError(

@@ -73,7 +73,7 @@ class PatienceState:
 def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> EpochFn: ...
 @overload
 def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> TrainState:
     """Set ``should_stop`` when ``metric`` has not improved for ``patience`` epochs.
 
@@ -118,7 +118,7 @@ class BestState:
 def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ...) -> EpochFn: ...
 @overload
 def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "min") -> TrainState:
     """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
 
@@ -157,7 +157,7 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
 def restore_best(ctx: Context, path: str | os.PathLike[str]) -> EpochFn: ...
 @overload
 def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
     """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
 
@@ -192,7 +192,7 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) 
 def reduce_lr_on_plateau(metric: str, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> EpochFn: ...
 @overload
 def reduce_lr_on_plateau(metric: str, state: TrainState, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def reduce_lr_on_plateau(
     metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0
 ) -> TrainState:
@@ -232,7 +232,7 @@ def reduce_lr_on_plateau(
 def log_epoch(ctx: Context, *, echo: bool = ...) -> EpochFn: ...
 @overload
 def log_epoch(ctx: Context, state: TrainState, *, echo: bool = ...) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainState:
     """Print the epoch's records, and send them to the trackers, on the main process.
 

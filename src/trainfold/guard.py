@@ -10,7 +10,7 @@ gated update (``trainfold._update``).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import torch
@@ -209,7 +209,7 @@ class NanGuard:
             guard, flag = guard.claim(device)
             if grads:
                 if device == target.device:  # the usual case: one kernel, no grouping
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, target.one)
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, cast(torch.Tensor, target.one))  # set with device
                 else:
                     check_finite(grads, flag)
             mb.skip = flag

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zlib
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping
+from typing import AbstractSet, Any, Iterable, Mapping
 
 import attrs
 import torch
@@ -130,6 +130,7 @@ def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
 
 def check_same_names(sums: Mapping[str, torch.Tensor], pending: tuple[Entry, ...], aux: Mapping[str, Any]) -> None:
     """Raise if a batch's aux names differ from the earlier ones (a dict-keys comparison)."""
+    earlier: AbstractSet[str]
     if pending:
         earlier = pending[-1][1].keys()
     elif sums:

@@ -10,7 +10,7 @@ own records register themselves where they are defined; register yours with
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -48,7 +48,8 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
     .. versionadded:: 0.2.0
     """
 
-    def register(c: _T) -> _T:
+    def register(record: _T) -> _T:
+        c: Any = record
         if not (isinstance(c, type) and attrs.has(c)):
             raise TypeError(f"register_record takes an attrs class (got {c!r}): decorate an @attrs.frozen class.")
         key = name or c.__qualname__
@@ -59,8 +60,8 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
                 f"{c.__module__}.{c.__qualname__} under another name: register_record(name='...')."
             )
         RECORDS[key] = c
-        c.__trainfold_record__ = key  # type: ignore[attr-defined]
-        return c
+        setattr(c, "__trainfold_record__", key)  # read back by the codec
+        return record
 
     return register if cls is None else register(cls)  # type: ignore[return-value]
 

@@ -45,7 +45,7 @@ def snapshot(state: TrainState) -> Snapshot:
 def restore(ctx: Context, snap: Snapshot) -> Any: ...
 @overload
 def restore(ctx: Context, snap: Snapshot, state: TrainState) -> TrainState: ...
-@curry  # type: ignore[misc]
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def restore(ctx: Context, snap: Snapshot, state: TrainState) -> TrainState:
     """Put a :class:`Snapshot` back into ``state``'s model, optimizer and scheduler; return its values.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -176,7 +176,11 @@ def _refuse_call(ctx: Context, state: Any, batch: Any) -> None:
     expect_owned("step", ctx, expect_state("step", state))
 
 
-def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> Any:
+#: One micro-batch of a step: ``(state, batch, synced) -> state``.
+_MicroBatch = Callable[[TrainState, Batch, bool], TrainState]
+
+
+def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> _MicroBatch:
     """The pipeline with no stages: loss, backward, update, scheduler, record."""
 
     def micro_batch(state: TrainState, batch: Batch, synced: bool) -> TrainState:
@@ -193,7 +197,7 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> Any:
     return micro_batch
 
 
-def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...]) -> Any:
+def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...]) -> _MicroBatch:
     """The pipeline with stages: their hooks run in order, each kind only where it is given."""
     on_batch = tuple(s.on_batch for s in stages if s.on_batch is not None)
     on_update = tuple(s.on_update for s in stages if s.on_update is not None)

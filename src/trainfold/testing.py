@@ -14,6 +14,7 @@ Example test file::
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -222,6 +223,10 @@ def parameters(state_or_model: TrainState | torch.nn.Module) -> dict[str, torch.
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
+def _named_message(name: str, message: str) -> str:
+    return f"parameter {name!r}: {message}"
+
+
 def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor], b: TrainState | torch.nn.Module | dict[str, torch.Tensor], *, rtol: float = 0.0, atol: float = 0.0) -> None:
     """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default).
 
@@ -234,7 +239,7 @@ def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor
     if pa.keys() != pb.keys():
         raise AssertionError(f"parameter names differ: {sorted(pa)} != {sorted(pb)}")
     for name in pa:
-        torch.testing.assert_close(pa[name], pb[name], rtol=rtol, atol=atol, msg=lambda m, name=name: f"parameter {name!r}: {m}")
+        torch.testing.assert_close(pa[name], pb[name], rtol=rtol, atol=atol, msg=functools.partial(_named_message, name))
 
 
 def assert_params_changed(before: dict[str, torch.Tensor], after: TrainState | torch.nn.Module) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Callable, Mapping, cast
 
 import attrs
 import torch
@@ -114,7 +114,7 @@ def _ema_copy(state: TrainState) -> torch.nn.Module:
 
 @torch.no_grad()
 def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    ema_params = [p for p in ema_model.parameters()]
+    ema_params: list[torch.Tensor] = list(ema_model.parameters())
     params = [p.detach() for p in model.parameters()]
     torch._foreach_lerp_(ema_params, params, 1.0 - decay)
     for eb, b in zip(ema_model.buffers(), model.buffers()):
@@ -128,7 +128,7 @@ def ema_model(state: TrainState, name: str = "ema") -> torch.nn.Module:
         KeyError: no ``ema`` transformer has run on this state.
     """
     try:
-        return state.extras[name].model
+        return cast(torch.nn.Module, state.extras[name].model)
     except KeyError:
         raise KeyError(
             f"state.extras has no {name!r}: wrap the step with ema(decay) (and run at least one step) "
