@@ -116,7 +116,8 @@ def small_disk(folder, size: str):
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
 
 
-def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, clip: float | None = None, **kwargs) -> Accelerator:
+def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, clip: float | None = None, config: dict | None = None,
+                          **kwargs) -> Accelerator:
     """An Accelerator that prepares with DeepSpeed ZeRO stage ``stage``, on CPU processes as on GPUs.
 
     DeepSpeed runs on CPU (its CPU accelerator, over a gloo group that
@@ -137,8 +138,9 @@ def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, c
     from accelerate.utils import DeepSpeedPlugin
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    plugin = DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gradient_accumulation_steps,
-                             gradient_clipping=0.0 if clip is None else clip)
+    plugin = (DeepSpeedPlugin(hf_ds_config=config) if config is not None else  # a whole config (its stage wins)
+              DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gradient_accumulation_steps,
+                              gradient_clipping=0.0 if clip is None else clip))
     acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
     if dist.is_initialized() and acc.num_processes != dist.get_world_size():
         shared = PartialState()

@@ -159,6 +159,20 @@ def test_create_refuses_a_scheduler_of_another_optimizer_or_a_scheduler_class():
         TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR)
 
 
+def test_create_refuses_deepspeeds_stand_ins_where_they_stand_for_nothing():
+    """DummyOptim / DummyScheduler stand for what a DeepSpeed config defines: without DeepSpeed, or a DummyScheduler
+    over a real optimizer, nothing would build them (Accelerate's prepare passes them through, to fail at the first step)."""
+    from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(TypeError, match="DummyOptim.*does not run DeepSpeed"):
+        TrainState.create(ctx, model=model, optimizer=DummyOptim(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="DummyScheduler.*'optimizer' is a real one"):
+        TrainState.create(ctx, model=model, optimizer=opt, scheduler=DummyScheduler(opt))
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: constant(float("nan")), lambda: warmup_cosine(float("inf"), warmup_steps=1, total_steps=10), lambda: warmup_linear(0.1, warmup_steps=1, total_steps=10, end_lr=float("nan"))],

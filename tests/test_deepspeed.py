@@ -262,3 +262,56 @@ def test_create_before_the_loaders_under_deepspeed_says_what_to_do():
 
     assert "ctx.prepare_loaders(train_dl) before TrainState.create" in message
     assert "train_micro_batch_size_per_gpu" in message
+
+
+# --- an optimizer and a scheduler defined in the DeepSpeed config (Accelerate's DummyOptim / DummyScheduler) ---
+
+
+def _config(stage, ga):
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": ga,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage},
+        # torch_adam: torch's AdamW, not DeepSpeed's fused kernel (which needs its compiled ops)
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}},
+    }
+
+
+def _config_objects(stage, ga):
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, config=_config(stage, ga))
+    model, _, _, dl = _objects()
+    opt = DummyOptim(model.parameters(), lr=0.01)
+    return acc, model, opt, DummyScheduler(opt, warmup_num_steps=3), dl
+
+
+def _config_canonical(stage, ga):
+    acc, model, opt, sched, dl = _config_objects(stage, ga)
+    params, _ = helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2, read=_full_params)
+    return params
+
+
+def _config_composed(stage, ga, root):
+    acc, model, opt, sched, dl = _config_objects(stage, ga)
+    ctx = Context(accelerator=acc)
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 2)(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
+    params = _full_params(acc, state.model)
+    lr = state.optimizer.param_groups[0]["lr"]
+    ctx.close()
+    return params, state.step, lr
+
+
+def test_an_optimizer_and_scheduler_from_the_deepspeed_config_train_as_accelerates_loop(tmp_path):
+    """DummyOptim and DummyScheduler (deepspeed_with_config_support.py's way): the engine builds AdamW and WarmupLR from the
+    config; the composed loop's parameters equal the canonical loop's, and checkpoint_every saves it."""
+    [expected] = testing.run_distributed(_config_canonical, 3, 2, nprocs=1)
+    [(got, step, lr)] = testing.run_distributed(_config_composed, 3, 2, str(tmp_path), nprocs=1)
+
+    testing.assert_params_equal(expected, got)
+    assert step == 2 * 48 // (4 * 2) and lr == pytest.approx(0.01)  # past the 3 warm-up updates
+    assert verify_checkpoint(latest_checkpoint(tmp_path))["step"] == step

@@ -554,3 +554,23 @@ def fill_deepspeed_micro_batch(accelerator: Accelerator, loaders: tuple[Any, ...
         sizes = [s // accelerator.num_processes for s in sizes]
     plugin = accelerator.state.deepspeed_plugin
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = min(sizes) if plugin.is_train_batch_min else max(sizes)
+
+
+def is_config_optimizer(optimizer: Any) -> bool:
+    """Accelerate's ``DummyOptim``: a stand-in for the optimizer a DeepSpeed config defines."""
+    from accelerate.utils.deepspeed import DummyOptim  # exported by accelerate.utils only when deepspeed is installed
+
+    return isinstance(optimizer, DummyOptim)
+
+
+def is_config_scheduler(scheduler: Any) -> bool:
+    """Accelerate's ``DummyScheduler`` or ``MegatronLMDummyScheduler``: a stand-in for an engine-defined scheduler."""
+    from accelerate.utils.deepspeed import DummyScheduler
+    from accelerate.utils.megatron_lm import MegatronLMDummyScheduler  # importable without Megatron-LM
+
+    return isinstance(scheduler, (DummyScheduler, MegatronLMDummyScheduler))
+
+
+def engine_builds_optimizers(accelerator: Accelerator) -> bool:
+    """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
+    return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))

@@ -11,7 +11,13 @@ import attrs
 import torch
 from accelerate import Accelerator
 
-from ._backend import convert_sync_batchnorm, deepspeed_micro_batch_unset
+from ._backend import (
+    convert_sync_batchnorm,
+    deepspeed_micro_batch_unset,
+    engine_builds_optimizers,
+    is_config_optimizer,
+    is_config_scheduler,
+)
 from ._cursor import EpochCursor
 from .context import Context
 from .history import History
@@ -48,6 +54,35 @@ def _check_optimizer_fits(model: torch.nn.Module, optimizer: torch.optim.Optimiz
         raise ValueError(
             "'scheduler' was built on another optimizer than the one passed: it would change that one's learning "
             "rate, not this one's. Build it as Scheduler(optimizer, ...) over the optimizer you pass."
+        )
+
+
+def _check_config_objects(ctx: Context, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> None:
+    """Accelerate's DummyOptim (and DummyScheduler): only where the engine builds them from its config, over this model.
+
+    Materialises ``optimizer.params`` (often a generator) so that checking it does not empty it.
+    """
+    if not engine_builds_optimizers(ctx.accelerator):
+        raise TypeError(
+            "'optimizer' is Accelerate's DummyOptim, which stands for the optimizer a DeepSpeed (or Megatron-LM) config "
+            "defines, but this Accelerator does not run DeepSpeed: pass a torch optimizer, or run under DeepSpeed."
+        )
+    optimizer.params = list(optimizer.params)
+    params = [p for item in optimizer.params for p in (item["params"] if isinstance(item, dict) else [item])]
+    own = {id(p) for p in model.parameters()}
+    if params and not any(id(p) in own for p in params):
+        raise ValueError(
+            "'optimizer' (a DummyOptim) holds none of the model's parameters (built over another model, or a copy): "
+            "build it as DummyOptim(model.parameters(), ...) over the model you pass."
+        )
+    lr = optimizer.lr
+    if isinstance(lr, (int, float)) and not math.isfinite(float(lr)):
+        raise ValueError(f"'optimizer' (a DummyOptim) has lr={float(lr)}: a non-finite learning rate trains silently to NaN.")
+    bound = getattr(scheduler, "optimizer", None)
+    if scheduler is not None and bound is not None and bound is not optimizer:
+        raise ValueError(
+            "'scheduler' was built on another optimizer than the one passed: build it as DummyScheduler(optimizer, ...) "
+            "over the DummyOptim you pass."
         )
 
 
@@ -132,11 +167,13 @@ class TrainState:
         Args:
             ctx: the run's :class:`~trainfold.Context`.
             model: an unprepared ``torch.nn.Module``.
-            optimizer: an optimizer over ``model``'s parameters.
+            optimizer: an optimizer over ``model``'s parameters; under DeepSpeed with an
+                optimizer in its config, Accelerate's ``DummyOptim(model.parameters(), ...)``.
             scheduler: an optional ``torch.optim.lr_scheduler`` object; Accelerate
                 steps it on every optimizer update (``num_processes`` times per update
                 unless ``split_batches=True``: see the README's scheduler section), or
-                a trainfold schedule already built into the optimizer.
+                a trainfold schedule already built into the optimizer; under DeepSpeed with a
+                scheduler in its config, Accelerate's ``DummyScheduler(optimizer, ...)``.
             extras: initial values for ``state.extras``.
             sync_batchnorm: on several processes, convert BatchNorm layers to
                 ``torch.nn.SyncBatchNorm`` first (statistics over the global batch). The
@@ -166,22 +203,32 @@ class TrainState:
             raise TypeError(
                 f"'model' must be a torch.nn.Module (got {model!r} that is a {type(model).__name__})."
             )
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        config_optimizer = is_config_optimizer(optimizer)
+        if config_optimizer:
+            _check_config_objects(ctx, model, optimizer, scheduler)
+        elif not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"'optimizer' must be a torch.optim.Optimizer (got {optimizer!r} that is a "
                 f"{type(optimizer).__name__}): build it over model.parameters()."
+            )
+        if is_config_scheduler(scheduler) and not config_optimizer:
+            raise TypeError(
+                "'scheduler' is Accelerate's DummyScheduler, which stands for a scheduler in the DeepSpeed config, but "
+                "'optimizer' is a real one: pass accelerate.utils.DummyOptim as the optimizer when the config defines it, "
+                "or a real scheduler."
             )
         if isinstance(scheduler, type):
             raise TypeError(
                 f"'scheduler' is the class {scheduler.__name__}, not a scheduler: build one over the optimizer, "
                 f"e.g. {scheduler.__name__}(optimizer, ...)."
             )
-        if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        if scheduler is not None and not is_config_scheduler(scheduler) and not callable(getattr(scheduler, "step", None)):
             raise TypeError(
                 f"'scheduler' must have a step() method, like torch.optim.lr_scheduler objects "
                 f"(got a {type(scheduler).__name__}); pass scheduler=None for none."
             )
-        _check_optimizer_fits(model, optimizer, scheduler)
+        if not config_optimizer:
+            _check_optimizer_fits(model, optimizer, scheduler)
         ctx.check()
         acc = ctx.accelerator
         if deepspeed_micro_batch_unset(acc):
