@@ -35,17 +35,18 @@ def _handle() -> Any:
     return attrs.field(repr=False, eq=False)
 
 
-def _check_optimizer_fits(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+def _check_optimizer_fits(model: torch.nn.Module, optimizer: Any, scheduler: Any, groups: list[dict[str, Any]]) -> None:
     """Refuse what would train silently wrong: an optimizer over none of the model's parameters, a
-    non-finite learning rate, a scheduler built on another optimizer."""
+    non-finite learning rate, a scheduler built on another optimizer. ``groups`` are the optimizer's
+    parameter groups (``params`` and ``lr``)."""
     own = {id(p) for p in model.parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in groups for p in group["params"]]
     if params and not any(id(p) in own for p in params):
         raise ValueError(
             "'optimizer' updates none of the model's parameters (it was built over another model, or over a copy): "
             "its updates would leave this model unchanged. Build it over model.parameters() of the model you pass."
         )
-    for i, group in enumerate(optimizer.param_groups):
+    for i, group in enumerate(groups):
         lr = group.get("lr")
         if lr is not None and not math.isfinite(float(lr)):
             raise ValueError(f"'optimizer' parameter group {i} has lr={float(lr)}: a non-finite learning rate trains silently to NaN.")
@@ -58,32 +59,18 @@ def _check_optimizer_fits(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def _check_config_objects(ctx: Context, model: torch.nn.Module, optimizer: Any, scheduler: Any) -> None:
-    """Accelerate's DummyOptim (and DummyScheduler): only where the engine builds them from its config, over this model.
-
-    Materialises ``optimizer.params`` (often a generator) so that checking it does not empty it.
-    """
+    """Accelerate's DummyOptim (and DummyScheduler): only where the engine builds them from its config, and
+    checked as a real optimizer is. Materialises ``optimizer.params`` (often a generator) so that checking
+    it does not empty it."""
     if not engine_builds_optimizers(ctx.accelerator):
         raise TypeError(
             "'optimizer' is Accelerate's DummyOptim, which stands for the optimizer a DeepSpeed (or Megatron-LM) config "
             "defines, but this Accelerator does not run DeepSpeed: pass a torch optimizer, or run under DeepSpeed."
         )
     optimizer.params = list(optimizer.params)
-    params = [p for item in optimizer.params for p in (item["params"] if isinstance(item, dict) else [item])]
-    own = {id(p) for p in model.parameters()}
-    if params and not any(id(p) in own for p in params):
-        raise ValueError(
-            "'optimizer' (a DummyOptim) holds none of the model's parameters (built over another model, or a copy): "
-            "build it as DummyOptim(model.parameters(), ...) over the model you pass."
-        )
-    lr = optimizer.lr
-    if isinstance(lr, (int, float)) and not math.isfinite(float(lr)):
-        raise ValueError(f"'optimizer' (a DummyOptim) has lr={float(lr)}: a non-finite learning rate trains silently to NaN.")
-    bound = getattr(scheduler, "optimizer", None)
-    if scheduler is not None and bound is not None and bound is not optimizer:
-        raise ValueError(
-            "'scheduler' was built on another optimizer than the one passed: build it as DummyScheduler(optimizer, ...) "
-            "over the DummyOptim you pass."
-        )
+    groups = [item if isinstance(item, dict) else {"params": [item]} for item in optimizer.params]
+    lr = optimizer.lr if isinstance(optimizer.lr, (int, float)) else None  # DeepSpeed's "auto" and the like: its config's
+    _check_optimizer_fits(model, optimizer, scheduler, [{"lr": lr, **g} for g in groups])
 
 
 @attrs.frozen(eq=True)
@@ -228,7 +215,7 @@ class TrainState:
                 f"(got a {type(scheduler).__name__}); pass scheduler=None for none."
             )
         if not config_optimizer:
-            _check_optimizer_fits(model, optimizer, scheduler)
+            _check_optimizer_fits(model, optimizer, scheduler, optimizer.param_groups)
         ctx.check()
         acc = ctx.accelerator
         if deepspeed_micro_batch_unset(acc):
