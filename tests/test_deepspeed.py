@@ -219,10 +219,14 @@ def _save_under_zero2(root, nprocs_note):
     return nprocs_note
 
 
-def _load_on(root, deepspeed):
-    acc = helpers.deepspeed_accelerator(2) if deepspeed else Accelerator(cpu=True)
+def _load_on(root, deepspeed, stage=2, classes=3):
+    acc = helpers.deepspeed_accelerator(stage) if deepspeed else Accelerator(cpu=True)
     ctx = Context(accelerator=acc)
     model, opt, sched, dl = _objects()
+    if classes != 3:  # another model: its last layer has another shape
+        model = helpers.mlp(classes=classes)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     (dl,) = ctx.prepare_loaders(dl)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
     try:
@@ -315,3 +319,15 @@ def test_an_optimizer_and_scheduler_from_the_deepspeed_config_train_as_accelerat
     testing.assert_params_equal(expected, got)
     assert step == 2 * 48 // (4 * 2) and lr == pytest.approx(0.01)  # past the 3 warm-up updates
     assert verify_checkpoint(latest_checkpoint(tmp_path))["step"] == step
+
+
+def test_a_deepspeed_checkpoint_of_another_zero_stage_or_model_is_refused_before_deepspeed_is_given_it(tmp_path):
+    testing.run_distributed(_save_under_zero2, str(tmp_path), 1, nprocs=1)
+
+    [stage] = testing.run_distributed(_load_on, str(tmp_path), True, 3, nprocs=1)
+    [model] = testing.run_distributed(_load_on, str(tmp_path), True, 2, 4, nprocs=1)
+    [same] = testing.run_distributed(_load_on, str(tmp_path), True, nprocs=1)
+
+    assert "holds ZeRO stage 2 optimizer states and this run uses stage 3" in stage
+    assert "is from another model: parameter '3.bias' has shape (3,) in the checkpoint and (4,) in this model" in model
+    assert same is None  # the same settings load

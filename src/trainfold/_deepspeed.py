@@ -167,7 +167,8 @@ def check(parsed: Mapping[str, Any], engine: Any, world: int) -> None:
     for states in optim_files:
         saved = states.get("optimizer_state_dict") if isinstance(states, Mapping) else None
         saved_stage = saved.get("zero_stage") if isinstance(saved, Mapping) else None
-        if saved_stage is None or int(saved_stage) != stage:
+        saved_stage = None if saved_stage is None else int(saved_stage)  # DeepSpeed's ZeroStageEnum is an int
+        if saved_stage != stage:
             raise ValueError(f"holds ZeRO stage {saved_stage} optimizer states and this run uses stage {stage}: resume with the same DeepSpeed config.")
     if len(optim_files) != (world if stage else 0):
         raise ValueError(f"holds {len(optim_files)} ZeRO optimizer partitions for {world} processes: incomplete, refused.")
