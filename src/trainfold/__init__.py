@@ -45,6 +45,7 @@ from .stages import Stage as Stage
 from .stages import StageSpec as StageSpec
 from .stages import clip_by_norm as clip_by_norm
 from .stages import clip_by_value as clip_by_value
+from .stopping import stop_when as stop_when
 from .state import TrainState as TrainState
 from .step import make_step as make_step
 from .tokens import normalize_tokens as normalize_tokens
@@ -111,6 +112,7 @@ __all__ = [
     "save_best",
     "save_checkpoint",
     "snapshot",
+    "stop_when",
     "until",
     "verify_checkpoint",
     "warmup_cosine",

@@ -127,7 +127,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
             if state.micro_step >= interrupt.next_check and (signum := interrupt.check(state.micro_step, acc.sync_gradients)):
                 state = state.with_stop(f"signal {signal_name(signum)}")
                 interrupt.clear()  # honoured: the next run on this Context is not stopped by it
-            if state.batch_in_epoch == limit:
+            if state.batch_in_epoch == limit or state.end_of_epoch:
                 abandon_epoch(iterator, loader)
                 break
             if state.should_stop:
@@ -199,6 +199,11 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         )
     set_loader_epoch(loader, state.epoch)
     restore = rng.restore_loosely if resume.elastic else rng.restore  # another layout may hold other loader generators
+    if state.end_of_epoch and state.batch_in_epoch > 0:
+        # Saved after a step ended the epoch (stop_when(end="epoch")), before run_epoch closed it: close it now,
+        # at the random state the uninterrupted run leaves its loader with.
+        restore(resume.now, generators)
+        return EpochCursor(iter(()), loader, None)
     if state.batch_in_epoch == 0 or resume.epoch_start is None:
         restore(resume.now, generators)
         return EpochCursor(iter(loader), loader, rng.capture(generators))
@@ -253,6 +258,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         state,
         epoch=state.epoch + 1,
         batch_in_epoch=0,
+        end_of_epoch=False,
         sums=state.sums.reset(ctx.accelerator.device),
         history=history,
         # Between epochs the cursor keeps the loader (no iteration): a checkpoint taken now

@@ -57,6 +57,9 @@ class RunningSums:
     mask_nonfinite: bool = False
     #: the sums' dtype: float32 for a run's batch values, float64 for ``evaluate``'s weighted ones
     dtype: torch.dtype = attrs.field(default=torch.float32, eq=False)
+    #: the last batch added, detached ``(loss, aux)`` as given (None in fresh sums): kept when the
+    #: pending batches are folded, so a step transformer can always read its step's values
+    last: Entry | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def zero(cls, device: torch.device | str, *, mask_nonfinite: bool = False, dtype: torch.dtype = torch.float32) -> RunningSums:
@@ -70,24 +73,25 @@ class RunningSums:
             ValueError: ``aux`` has other names than the earlier batches'.
         """
         check_same_names(self.folded_aux, self.pending, aux)
-        pending = (*self.pending, detached(loss, aux))
+        entry = detached(loss, aux)
+        pending = (*self.pending, entry)
         if len(pending) < FOLD_EVERY:
-            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype)
+            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype, entry)
         loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, entry)
 
     def folded(self) -> RunningSums:
         """These sums with the pending batches added (a few kernels, no sync)."""
         if not self.pending:
             return self
         loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.last)
 
     def masking(self, mask_nonfinite: bool = True) -> RunningSums:
         """These sums, masking non-finite losses from now on (or not)."""
         if mask_nonfinite == self.mask_nonfinite:
             return self
-        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype)
+        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.last)
 
     def reset(self, device: torch.device | str) -> RunningSums:
         """Empty sums on ``device`` that mask as these do (a new epoch)."""

@@ -106,6 +106,9 @@ class TrainState:
             invocation (a budget, a signal) leaves it False, and a resumed run goes on.
         stop_reason: who stopped it: ``"max_steps"``, ``"early_stop:<metric>"``,
             ``"nan_guard"``, ``"signal SIGTERM"``... ("" for none given).
+        end_of_epoch: end the current epoch after this batch, as if the loader had
+            ended (``stop_when(..., end="epoch")`` sets it): ``run_epoch`` records the
+            epoch and clears the flag; training goes on with the next epoch.
         extras: named states of step transformers and epoch functions
             (``extras["nan_guard"]``...), a read-only mapping.
 
@@ -134,6 +137,7 @@ class TrainState:
     should_stop: bool = False
     finished: bool = False
     stop_reason: str = ""
+    end_of_epoch: bool = False
     extras: Mapping[str, Any] = _EMPTY
     cursor: Any = attrs.field(default=None, repr=False, eq=False)
     run_id: str = attrs.field(default="", repr=False, eq=False)
@@ -249,6 +253,30 @@ class TrainState:
     def aux_sums(self) -> Mapping[str, torch.Tensor]:
         """The sums of the current epoch's aux values, by name (0-d float32 tensors on the device)."""
         return self.sums.aux
+
+    @property
+    def last_loss(self) -> torch.Tensor | None:
+        """The loss of the last batch the step consumed, detached, on the device (no sync to read it).
+
+        What a step transformer reads to act on each batch's value (``stop_when``,
+        your own): ``new = step(state, batch); new.last_loss``. The value as recorded
+        (a stage may have replaced it, as ``normalize="tokens"`` does by the per-token
+        mean), in the loss function's dtype. None before the first batch of an epoch,
+        and after ``load_checkpoint`` until the next batch.
+
+        .. versionadded:: 0.2.0
+        """
+        last = self.sums.last
+        return None if last is None else last[0]
+
+    @property
+    def last_aux(self) -> Mapping[str, torch.Tensor]:
+        """The aux values of the last batch the step consumed, detached, on the device (empty when :attr:`last_loss` is None).
+
+        .. versionadded:: 0.2.0
+        """
+        last = self.sums.last
+        return _EMPTY if last is None else last[1]
 
     @property
     def metrics(self) -> Mapping[str, float]:
