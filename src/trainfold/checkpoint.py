@@ -50,6 +50,7 @@ from ._files import (
     verify,
 )
 from ._format import decode, encode_rank, encode_shared
+from ._modes import eval_mode
 from ._background import SaveJob, to_host, write_and_commit
 from ._root import (
     agreed,
@@ -164,7 +165,8 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
     if keep_last is not None:
         positive_int("keep_last", keep_last)
-    with catching_signals(ctx.interrupt, ctx.signals):  # a signal now is honoured after the save, not in its middle
+    # a signal now is honoured after the save, not in its middle; a schedule-free optimizer saves its eval weights
+    with catching_signals(ctx.interrupt, ctx.signals), eval_mode(state.model, state.optimizer, no_grad=False):
         return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
 
 

@@ -6,6 +6,7 @@ import datetime
 import logging
 import math
 import signal
+import weakref
 from typing import Any
 
 import attrs
@@ -77,6 +78,36 @@ def _timeout(value: Any) -> datetime.timedelta | None:
 
 def _interrupt(ctx: Context) -> Interrupt:
     return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
+
+
+def _finish_saves_before_end_training(ctx: Context) -> None:
+    """Make ``ctx.accelerator.end_training()`` wait for this Context's background save before it destroys the process group.
+
+    ``end_training`` (the usual last line of an Accelerate script, often inside
+    ``with Context(...)``) destroys every process group, the background saver's
+    too. A save still running there would wait forever in its next collective,
+    on every process, and the job would hang at exit. So the Accelerator's
+    method is wrapped, on this instance: the save in flight is committed first
+    (its error raised once the group is gone), then Accelerate's own method
+    runs. The wrapper holds the Context weakly.
+    """
+    accelerator = ctx.accelerator
+    end_training = accelerator.end_training
+    context = weakref.ref(ctx)
+
+    def finishing_saves_first() -> None:
+        live = context()
+        try:
+            if live is not None:
+                live.wait_for_checkpoints()
+        finally:
+            if live is not None:
+                live.saver.forget()  # its group is destroyed next
+                live.control.forget()
+            end_training()
+
+    finishing_saves_first.__doc__ = end_training.__doc__
+    accelerator.end_training = finishing_saves_first
 
 
 class _OwnShard:
@@ -163,6 +194,7 @@ class Context:
     def __attrs_post_init__(self) -> None:
         if self.timeout is not None and self.accelerator.num_processes > 1:
             set_timeout(self.timeout)
+        _finish_saves_before_end_training(self)
 
     def collective_timeout(self) -> datetime.timedelta | None:
         """How long a collective waits for the other processes before it fails (None on one process)."""

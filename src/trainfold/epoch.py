@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, cast, overload
+from typing import Any, Callable, Iterable, Mapping, cast, overload
 
 import attrs
 import torch
@@ -27,6 +26,7 @@ from ._types import Batch, EpochFn, LossFn, Step
 from ._validate import add_note, expect_args, expect_owned, expect_shared_out, expect_state, length_or_none
 from .context import Context
 from ._loss import compute_loss
+from ._modes import eval_mode, train_mode
 from ._control import check_same_count, check_same_length, explaining_timeouts
 from .interrupt import catching_signals, signal_name
 from .metrics import RunningSums, weighted
@@ -56,7 +56,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
     Per epoch::
 
-        model.train()
+        model.train(); optimizer.train()       # the latter where it has modes (schedule-free)
         for batch in loader:                   # to exhaustion, as a plain for loop
             state = step(state, batch)
             if state.should_stop:              # max_steps, nan_guard, a signal...
@@ -109,7 +109,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     """
     state = _checked("run_epoch(ctx, step, loader, state)", ctx, "step", step, loader, state)
     _check_accumulation(ctx, loader)
-    state.model.train()
+    train_mode(state.model, state.optimizer)
     length = length_or_none(loader)
     distributed = ctx.accelerator.num_processes > 1
     if distributed:
@@ -267,17 +267,6 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     )
 
 
-@contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        model.train(was_training)
-
-
 @overload
 def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> EpochFn: ...
 @overload
@@ -296,7 +285,8 @@ def evaluate(
     """Evaluate: the exact mean loss and aux metrics over every sample of ``loader``.
 
     Per batch, in eval mode under ``torch.no_grad()`` (the model's training
-    mode is restored after)::
+    mode is restored after; an optimizer with modes, schedule-free's, is put in
+    eval mode too when ``state.model`` is evaluated, and back)::
 
         n = real samples in the batch (padding of the last round excluded)
         loss, aux = loss_fn(model, batch[:n])
@@ -347,7 +337,7 @@ def evaluate(
     count = 0
     batches = 0
     interrupt = ctx.interrupt
-    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx), _eval_mode(net):
+    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx), eval_mode(net, state.optimizer if net is state.model else None):
         for batch in loader:
             batches += 1
             n = batch_size(batch)
@@ -430,7 +420,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
         return state
     acc = ctx.accelerator
     batches = 0
-    with explaining_timeouts(ctx), _eval_mode(state.model):
+    with explaining_timeouts(ctx), eval_mode(state.model, state.optimizer):
         for batch in loader:
             batches += 1
             try:
@@ -509,7 +499,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
     state = _checked("predict(ctx, fn, loader, state)", ctx, "fn", fn, loader, state)
     acc = ctx.accelerator
     outputs = []
-    with _eval_mode(state.model):
+    with eval_mode(state.model, state.optimizer):
         for batch in loader:
             try:
                 out = fn(state.model, batch)

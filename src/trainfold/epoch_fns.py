@@ -19,6 +19,7 @@ from toolz import curry
 
 from ._backend import inner_optimizer
 from ._io import atomic_write
+from ._modes import eval_mode
 from ._types import EpochFn
 from ._validate import expect_owned, expect_state
 from .context import Context
@@ -145,9 +146,10 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     best: BestState | None = state.extras.get(key)
     if not improved(value, None if best is None else best.value, mode):
         return state
-    weights = ctx.accelerator.get_state_dict(state.model)  # gathers sharded weights on every process
+    with eval_mode(state.model, state.optimizer, no_grad=False):  # a schedule-free optimizer's eval weights
+        weights = ctx.accelerator.get_state_dict(state.model)  # gathers sharded weights on every process
+        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()} if ctx.is_main_process else {}
     if ctx.is_main_process:
-        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}
         atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata={"metric": metric, "value": repr(value)}))
     ctx.wait_for_everyone()
     return state.with_extra(key, BestState(value, state.epoch, state.step, os.fspath(path)))
