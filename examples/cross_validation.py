@@ -25,7 +25,9 @@ def fold_accuracy(ctx: Context, train_ds, val_ds, epochs: int, seed: int) -> flo
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
     train_dl, val_dl = ctx.prepare_loaders(DataLoader(train_ds, batch_size=64, shuffle=True), DataLoader(val_ds, batch_size=256))
     epoch = compose(evaluate(ctx, loss_fn, val_dl), run_epoch(ctx, make_step(ctx, loss_fn), train_dl))
-    return loop(epoch, max_epochs=epochs)(state).metrics["eval_accuracy"]
+    state = loop(epoch, max_epochs=epochs)(state)
+    ctx.release(state, train_dl, val_dl)  # the Accelerator would keep every fold's model and optimizer alive
+    return state.metrics["eval_accuracy"]
 
 
 def main() -> None:

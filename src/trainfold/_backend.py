@@ -574,3 +574,33 @@ def is_config_scheduler(scheduler: Any) -> bool:
 def engine_builds_optimizers(accelerator: Accelerator) -> bool:
     """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
     return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))
+
+
+# --- Releasing a finished run's objects ------------------------------------------------------
+
+
+def release_prepared(accelerator: Accelerator, state: Any, loaders: tuple[Any, ...]) -> None:
+    """Remove ``state``'s model, optimizer and scheduler and ``loaders`` from the lists ``accelerator.prepare`` keeps.
+
+    By identity, so other prepared objects stay; a DeepSpeed engine that is the
+    state's model is destroyed first. Then ``gc.collect()`` and the device cache
+    emptied (Accelerate's ``clear_device_cache``).
+    """
+    import gc
+
+    from accelerate.utils.memory import clear_device_cache
+
+    # Accelerate keeps the model it was given (under DDP, the module inside the wrapper), or its own wrapper
+    model = state.model
+    inner = unwrap(accelerator, model) if model is not None else None
+    ours = {id(o) for o in (model, inner, state.optimizer, state.scheduler, *loaders) if o is not None}
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    if wrapped is not None and getattr(wrapped, "engine", None) is state.model:
+        wrapped.engine.destroy()
+        accelerator.deepspeed_engine_wrapped = None
+    for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
+        kept = getattr(accelerator, name, None)
+        if isinstance(kept, list):
+            kept[:] = [o for o in kept if id(o) not in ours]
+    gc.collect()
+    clear_device_cache()

@@ -247,6 +247,36 @@ class Context:
         if failed is not None:
             raise failed
 
+    def release(self, state: Any, *loaders: Any) -> None:
+        """Let a finished run's model, optimizer, scheduler and loaders be freed: drop the Accelerator's references to them.
+
+        ``accelerator.prepare`` keeps every object it prepared in lists on the
+        Accelerator, so a host that trains many states on one Context (folds of a
+        cross-validation, trials of a search) keeps every one of them alive, with
+        its parameters and optimizer moments. This removes this state's objects
+        and the given loaders (and the loader of the state's last epoch) from those
+        lists, and only those: unlike Accelerate's ``free_memory()``, which forgets
+        everything it prepared, other live states keep working. A DeepSpeed engine
+        of this state is destroyed. Then Python's garbage collector runs and the
+        device's cache is emptied. Drop your own references (``del state``) for the
+        memory to go.
+
+        The state is finished after this: do not train it again (under FSDP,
+        Accelerate finds the model to clip in those lists). Its values, and a
+        checkpoint of it, stay good.
+
+        Example:
+            >>> from trainfold import testing
+            >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+            >>> ctx.release(state, loader)
+            >>> state.model in ctx.accelerator._models
+            False
+        """
+        from ._backend import release_prepared  # what Accelerate keeps, in the module that knows its internals
+
+        cursor_loader = getattr(getattr(state, "cursor", None), "loader", None)
+        release_prepared(self.accelerator, state, (*loaders, cursor_loader) if cursor_loader is not None else loaders)
+
     def __enter__(self) -> Context:
         return self
 
