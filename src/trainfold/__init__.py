@@ -45,6 +45,7 @@ from .stages import Stage as Stage
 from .stages import StageSpec as StageSpec
 from .stages import clip_by_norm as clip_by_norm
 from .stages import clip_by_value as clip_by_value
+from .stages import grad_norm as grad_norm
 from .stopping import stop_when as stop_when
 from .state import TrainState as TrainState
 from .step import make_step as make_step
@@ -89,6 +90,7 @@ __all__ = [
     "every_epochs",
     "every_steps",
     "fit",
+    "grad_norm",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

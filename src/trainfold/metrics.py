@@ -20,6 +20,10 @@ _NO_AUX: Mapping[str, torch.Tensor] = MappingProxyType({})
 #: The aux name under which sums that mask non-finite losses count them.
 NONFINITE = "nonfinite"
 
+#: The suffix of an aux value that weights another: the mean of ``name`` is ``sum(name) / sum(name + WEIGHT)``
+#: over the batches, not a mean per batch (a value recorded on updates only, such as the gradient norm).
+WEIGHT = "@weight"
+
 #: A batch's ``(loss, aux)``, detached, waiting in :attr:`RunningSums.pending` to be added.
 Entry = tuple[torch.Tensor, Mapping[str, torch.Tensor]]
 
@@ -120,7 +124,7 @@ class RunningSums:
         sums = self.as_dict()
         if since is not None:
             sums = {k: v - since[k] for k, v in sums.items()}
-        return finite_loss_mean(reduce_means(accelerator, sums, count)) if sums else {}
+        return weighted_means(finite_loss_mean(reduce_means(accelerator, sums, count))) if sums else {}
 
 
 def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
@@ -232,3 +236,24 @@ def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dic
         finite_share = 1.0 - means[nonfinite]
         means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}
     return means
+
+
+def weighted_means(means: dict[str, float], suffix: str = WEIGHT) -> dict[str, float]:
+    """Divide each value that has a weight (``name`` and ``name@weight``) by its weight's mean, and drop the weights.
+
+    Both were divided by the same count, so the ratio is ``sum(name) / sum(weight)``: the
+    weighted mean, from the same one reduction.
+
+    Example:
+        >>> weighted_means({"loss": 2.0, "grad_norm": 0.5, "grad_norm@weight": 0.25})
+        {'loss': 2.0, 'grad_norm': 2.0}
+    """
+    if not any(name.endswith(suffix) for name in means):
+        return means
+    out = {}
+    for name, value in means.items():
+        if name.endswith(suffix):
+            continue
+        weight = means.get(name + suffix)
+        out[name] = value if weight is None else (value / weight if weight else float("nan"))
+    return out

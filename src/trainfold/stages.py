@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from ._backend import owns_clipping
+from .metrics import WEIGHT
 
 if TYPE_CHECKING:
     from .context import Context
@@ -149,40 +150,99 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
+#: The aux name under which a stage records the gradient norm of each update (see :func:`grad_norm`).
+GRAD_NORM = "grad_norm"
+
+
 @attrs.frozen
 class _Clip:
     kind: str
     threshold: float
+    record: bool = False
 
     def bind(self, ctx: Context) -> Stage:
         accelerator = ctx.accelerator
         if owns_clipping(accelerator):
+            what = "the gradient norm is DeepSpeed's (engine.get_global_grad_norm())" if math.isinf(self.threshold) else (
+                "clipping comes from the DeepSpeed config: set 'gradient_clipping' there")
             raise ValueError(
-                "under DeepSpeed, clipping comes from the DeepSpeed config: set 'gradient_clipping' there "
-                "and leave clip_grad_norm/clip_grad_value (and clip_by_norm/clip_by_value) out of make_step."
+                f"under DeepSpeed, {what}; leave clip_grad_norm/clip_grad_value/record_grad_norm (and clip_by_norm, "
+                "clip_by_value, grad_norm) out of make_step."
             )
         threshold = self.threshold
+        name = "grad_norm()" if math.isinf(threshold) else f"clip_by_{self.kind}({threshold})"
         if self.kind == "norm":
             clip: Callable[..., Any] = accelerator.clip_grad_norm_
         else:
             clip = accelerator.clip_grad_value_
+        if not self.record:
 
-        def on_update(mb: MicroBatch) -> None:
-            clip(mb.model.parameters(), threshold)
+            def on_update(mb: MicroBatch) -> None:
+                clip(mb.model.parameters(), threshold)
 
-        return Stage(f"clip_by_{self.kind}({threshold})", on_update=on_update)
+            return Stage(name, on_update=on_update)
+
+        # The norm of each update, as aux "grad_norm" weighted by "grad_norm@weight" (1 on updates, 0 on the other
+        # micro-batches): the running sums then average it over updates, reduced with the loss (no sync of its own).
+        zero = torch.zeros((), device=accelerator.device)
+        one = torch.ones((), device=accelerator.device)
+        weight = GRAD_NORM + WEIGHT
+
+        def on_batch(mb: MicroBatch) -> None:
+            mb.aux = {**mb.aux, GRAD_NORM: zero, weight: zero}
+
+        def on_update_recording(mb: MicroBatch) -> None:
+            norm = clip(mb.model.parameters(), threshold)
+            mb.aux = {**mb.aux, GRAD_NORM: norm.detach().float().reshape(()), weight: one}
+
+        return Stage(name, on_batch=on_batch, on_update=on_update_recording)
 
 
-def clip_by_norm(max_norm: float) -> StageSpec:
+def clip_by_norm(max_norm: float, *, record: bool = False) -> StageSpec:
     """A stage that clips the gradients' global norm to ``max_norm``, once per update.
 
     ``accelerator.clip_grad_norm_`` (which unscales fp16 gradients first and
     handles FSDP's sharded norms), on the micro-batches that update only.
     ``make_step(clip_grad_norm=x)`` is this stage.
 
+    With ``record=True`` the norm clipping computes (before clipping) is recorded
+    as :func:`grad_norm` records it: ``train_grad_norm`` in the history,
+    ``train/grad_norm`` from ``log_every``.
+
     .. versionadded:: 0.2.0
     """
-    return _Clip("norm", _positive("clip_grad_norm", max_norm))
+    return _Clip("norm", _positive("clip_grad_norm", max_norm), record)
+
+
+def grad_norm() -> StageSpec:
+    """A stage that records the gradients' global norm at every update, without clipping.
+
+    The norm is ``accelerator.clip_grad_norm_(params, inf)``'s (fp16 gradients
+    unscaled, FSDP's shards combined; the gradients are multiplied by exactly 1.0,
+    so training is unchanged bit for bit). It is kept on the device in the
+    running sums as the aux value ``grad_norm``, weighted so that its means are
+    over updates, not micro-batches: ``train_grad_norm`` in the history is the
+    epoch's mean norm, and ``log_every`` reports ``train/grad_norm``, the mean
+    since its last report, both from the one reduction they already do (no added
+    sync). ``state.last_aux["grad_norm"]`` is the last update's norm (0 on a
+    micro-batch that did not update). With clipping, use
+    ``clip_by_norm(max_norm, record=True)`` (or ``make_step(clip_grad_norm=x,
+    record_grad_norm=True)``), which records the norm before clipping.
+
+    Raises:
+        ValueError (when ``make_step`` binds it): under DeepSpeed, whose engine
+            computes the norm itself.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[grad_norm()]), loader, state)
+        >>> round(state.metrics["train_grad_norm"], 4)
+        3.227
+
+    .. versionadded:: 0.2.0
+    """
+    return _Clip("norm", math.inf, True)
 
 
 def clip_by_value(max_value: float) -> StageSpec:

@@ -14,7 +14,7 @@ from ._update import Updates
 from ._validate import describe, expect_args, expect_owned, expect_state
 from .context import Context
 from .metrics import RunningSums
-from .stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value
+from .stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, grad_norm
 from .state import TrainState
 
 
@@ -51,18 +51,23 @@ def _normalize_mode(normalize: str) -> str:
 
 
 def stages_of(
-    *, clip_grad_norm: float | None, clip_grad_value: float | None, normalize: str, stages: Sequence[StageSpec]
+    *, clip_grad_norm: float | None, clip_grad_value: float | None, normalize: str, stages: Sequence[StageSpec],
+    record_grad_norm: bool = False,
 ) -> tuple[StageSpec, ...]:
-    """The stages ``make_step``'s options stand for, in order: token scaling, clipping, then ``stages``."""
+    """The stages ``make_step``'s options stand for, in order: token scaling, clipping (or the norm), then ``stages``."""
     if clip_grad_norm is not None and clip_grad_value is not None:
         raise ValueError("give clip_grad_norm or clip_grad_value, not both.")
+    if not isinstance(record_grad_norm, bool):
+        raise TypeError(f"record_grad_norm must be True or False (got {record_grad_norm!r}).")
     chosen: list[StageSpec] = []
     if _normalize_mode(normalize) == "tokens":
         from .tokens import normalize_tokens  # the option's stage, from its own module: the pipeline knows no feature
 
         chosen.append(normalize_tokens())
     if clip_grad_norm is not None:
-        chosen.append(clip_by_norm(clip_grad_norm))
+        chosen.append(clip_by_norm(clip_grad_norm, record=record_grad_norm))
+    elif record_grad_norm:
+        chosen.append(grad_norm())  # before clip_by_value: the norm of the gradients as computed
     if clip_grad_value is not None:
         chosen.append(clip_by_value(clip_grad_value))
     return (*chosen, *stages)
@@ -76,6 +81,7 @@ def make_step(
     clip_grad_value: float | None = None,
     normalize: str = "mean",
     stages: Sequence[StageSpec] = (),
+    record_grad_norm: bool = False,
 ) -> Step:
     """Build a training step ``(state, batch) -> state``.
 
@@ -121,6 +127,9 @@ def make_step(
             :func:`~trainfold.normalize_tokens`).
         stages: more stages, after those the options stand for: ``nan_guard(3)``,
             or your own :class:`~trainfold.Stage`.
+        record_grad_norm: record the gradients' global norm at every update (before
+            clipping, with ``clip_grad_norm``): ``train_grad_norm`` in the history and
+            ``train/grad_norm`` from ``log_every`` (the stage :func:`~trainfold.grad_norm`).
 
     Returns:
         A plain function ``step(state, batch) -> state``.
@@ -143,12 +152,13 @@ def make_step(
         ((0, 1), 2.0)
 
     .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 ``stages=``.
+    .. versionchanged:: 0.2.0 ``stages=``, ``record_grad_norm=``.
     """
     expect_args("make_step", "make_step(ctx, loss_fn, ...)", ctx, "loss_fn", loss_fn)
     ctx.check()
     accelerator = ctx.accelerator
-    bound = bind_all(ctx, stages_of(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, normalize=normalize, stages=stages))
+    bound = bind_all(ctx, stages_of(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, normalize=normalize, stages=stages,
+                                    record_grad_norm=record_grad_norm))
     start = micro_batch_start(accelerator)
     backward = backward_fn(accelerator)
     updates = Updates(accelerator, gate=any(s.gates_update for s in bound))
