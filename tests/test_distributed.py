@@ -252,6 +252,31 @@ def test_token_normalization_spans_every_process():
         testing.assert_params_equal(big, params, rtol=1e-5, atol=1e-6)
 
 
+def _token_weighted_train_loss_on_this_rank():
+    import test_tokens as tt
+
+    seqs = tt._sequences()
+    rank = int(__import__("os").environ["RANK"])
+    mine = [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4)] if rank == 0 else [tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)]
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = tt._lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))  # fixed weights
+    state = run_epoch(ctx, make_step(ctx, tt.summed_loss, normalize="tokens"), ctx.own_shards(mine)[0], state)
+    ctx.close()
+    return state.history["train_loss"][-1]
+
+
+def test_token_weighted_train_loss_spans_every_process():
+    """Rank 0 has 9 tokens, rank 1 11: the recorded loss is all 20 token losses over 20, not a mean of ranks' means."""
+    import test_tokens as tt
+
+    ranks = testing.run_distributed(_token_weighted_train_loss_on_this_rank, nprocs=2)
+    seqs = tt._sequences()
+    expected = tt._per_token_loss(tt._lm(), [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4), tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)])
+
+    assert ranks[0] == ranks[1] == pytest.approx(expected, rel=1e-6)
+
+
 def _barrier_on_this_rank(root):
     import time
 

@@ -78,3 +78,55 @@ def test_token_mode_needs_the_token_count():
         _train(1, mean_loss, [_pad(_sequences(), 6)], normalize="tokens")
     with pytest.raises(ValueError, match="normalize must be 'mean' or 'tokens'"):
         _train(1, mean_loss, [], normalize="sum")
+
+
+def _token_batches():
+    seqs = _sequences()
+    return [_pad(seqs[:3], 6), _pad(seqs[3:5], 5), _pad(seqs[5:], 3)]
+
+
+def _per_token_loss(model, batches):
+    """All token losses over all real tokens of ``batches``, by hand (what exp() of makes the perplexity)."""
+    with torch.no_grad():
+        total = sum(summed_loss(model, b)[0].double() for b in batches)
+        tokens = sum(int((b[1] != -100).sum()) for b in batches)
+    return (total / tokens).item()
+
+
+def test_train_loss_in_token_mode_is_weighted_by_tokens_not_a_mean_of_batch_means():
+    """The recorded train_loss (and log_every's) is all token losses over all tokens of the epoch."""
+    from trainfold import log_every, run_epoch
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = _lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))  # lr 0: fixed weights
+    batches = _token_batches()
+    expected = _per_token_loss(model, batches)
+    per_batch_means = sum(_per_token_loss(model, [b]) for b in batches) / len(batches)
+    assert abs(expected - per_batch_means) > 1e-3  # the two differ here: the batches have 12, 6 and 2 tokens
+
+    state = run_epoch(ctx, log_every(ctx, 3)(make_step(ctx, summed_loss, normalize="tokens")), ctx.own_shards(batches)[0], state)
+
+    assert state.history["train_loss"][-1] == pytest.approx(expected, rel=1e-6)
+    assert state.extras["log_every"].values["loss"] == pytest.approx(expected, rel=1e-6)
+    assert "loss@weight" not in state.metrics and "train_loss@weight" not in state.metrics
+
+
+def test_evaluate_in_token_mode_weights_by_tokens_and_counts_every_token_once():
+    from trainfold import evaluate
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = _lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _pad(_sequences(), 6)
+    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=3))
+
+    state = evaluate(ctx, summed_loss, loader, state, normalize="tokens")
+
+    assert state.metrics["eval_loss"] == pytest.approx(_per_token_loss(model, [(x, y)]), rel=1e-6)
+    with pytest.raises(ValueError, match="needs loss_fn to return"):
+        evaluate(ctx, mean_loss, loader, state, normalize="tokens")
+    with pytest.raises(ValueError, match="normalize must be 'mean' or 'tokens'"):
+        evaluate(ctx, summed_loss, loader, state, normalize="sum")

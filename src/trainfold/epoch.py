@@ -27,6 +27,7 @@ from ._validate import add_note, expect_args, expect_owned, expect_shared_out, e
 from .context import Context
 from ._loss import compute_loss
 from ._modes import eval_mode, train_mode
+from .tokens import LOSS_WEIGHT, TOKENS
 from ._control import check_same_count, check_same_length, explaining_timeouts
 from .interrupt import catching_signals, signal_name
 from .metrics import RunningSums, weighted
@@ -268,9 +269,9 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
 
 
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> EpochFn: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ..., normalize: str = ...) -> EpochFn: ...
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ...) -> TrainState: ...
+def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ..., normalize: str = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def evaluate(
     ctx: Context,
@@ -281,6 +282,7 @@ def evaluate(
     prefix: str = "eval",
     model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = None,
     max_batches: int | None = None,
+    normalize: str = "mean",
 ) -> TrainState:
     """Evaluate: the exact mean loss and aux metrics over every sample of ``loader``.
 
@@ -313,6 +315,12 @@ def evaluate(
         prefix: the names' prefix: ``{prefix}_loss``, ``{prefix}_{aux name}``.
         model: evaluate this model instead of ``state.model``, or a function of the
             state that returns one (``model=ema_model`` for the :func:`ema` average).
+        max_batches: stop after this many batches.
+        normalize: ``"mean"`` (the default): the loss and aux values are batch means,
+            weighted by samples. ``"tokens"``: the loss function is the one of
+            ``make_step(normalize="tokens")``, returning the *sum* of the token losses and
+            ``aux["tokens"]``; ``{prefix}_loss`` is then all token losses over all real
+            tokens of the dataset (``exp`` of it is the perplexity).
 
     Returns:
         The state with the metrics appended to ``state.history`` (at the
@@ -330,6 +338,7 @@ def evaluate(
     state = _checked("evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader, state)
     if state.interrupted:
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
+    by_tokens = _normalize_mode(normalize) == "tokens"
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
     precision = torch.float32 if acc.device.type == "mps" else torch.float64  # MPS has no float64
@@ -345,7 +354,13 @@ def evaluate(
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
             # matched, and adds zeros under the same names, so every process reduces the same shape.
-            sums = sums.add(weighted(loss, real, precision), {k: weighted(v, real, precision) for k, v in aux.items()})
+            recorded = {k: weighted(v, real, precision) for k, v in aux.items()}
+            if by_tokens:  # the loss is a sum over the batch's tokens: a per-token mean weighted by them
+                tokens = weighted(_tokens_of(aux), 1 if real else 0, precision)
+                loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if real else 0, precision) / tokens.clamp(min=1), tokens
+            else:
+                loss = weighted(loss, real, precision)
+            sums = sums.add(loss, recorded)
             count += real
             if batches == max_batches:
                 break
@@ -358,6 +373,22 @@ def evaluate(
         interrupt.clear()
         return state.with_stop(f"signal {signal_name(signum)}")
     return state
+
+
+def _normalize_mode(normalize: str) -> str:
+    if normalize not in ("mean", "tokens"):
+        raise ValueError(f"evaluate: normalize must be 'mean' or 'tokens' (got {normalize!r}).")
+    return normalize
+
+
+def _tokens_of(aux: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    tokens = aux.get(TOKENS)
+    if tokens is None:
+        raise ValueError(
+            "evaluate(normalize='tokens') needs loss_fn to return (summed_loss, {'tokens': n}) with n the number of "
+            "real (non-padding) tokens of the batch, as make_step(normalize='tokens') does."
+        )
+    return tokens
 
 
 @overload

@@ -20,8 +20,9 @@ _NO_AUX: Mapping[str, torch.Tensor] = MappingProxyType({})
 #: The aux name under which sums that mask non-finite losses count them.
 NONFINITE = "nonfinite"
 
-#: The suffix of an aux value that weights another: the mean of ``name`` is ``sum(name) / sum(name + WEIGHT)``
-#: over the batches, not a mean per batch (a value recorded on updates only, such as the gradient norm).
+#: The suffix of an aux value that weights another: ``x`` with ``x@weight`` (or the loss with ``loss@weight``) is a
+#: mean over ``weight`` units (tokens; 1 for an update, 0 for a micro-batch without one), and its recorded mean is
+#: ``sum(x * weight) / sum(weight)`` over the batches, not a mean of per-batch values.
 WEIGHT = "@weight"
 
 #: A batch's ``(loss, aux)``, detached, waiting in :attr:`RunningSums.pending` to be added.
@@ -157,19 +158,33 @@ def fold(
     mask_nonfinite: bool,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, Mapping[str, torch.Tensor]]:
-    """Add the pending batches to the sums: one stack and one sum per name, in ``dtype``. No host sync."""
+    """Add the pending batches to the sums: one stack and one sum per name, in ``dtype``. No host sync.
+
+    A value with a weight (``x`` and ``x@weight``, ``loss`` and ``loss@weight``) is summed as
+    ``x * weight``: it is a mean over ``weight`` units (tokens, updates), and the sums hold its total.
+    Under masking, a non-finite loss adds nothing to the loss sum, nor its weight to the weight's.
+    """
     if not pending:
         return loss_sum, aux_sums
+    names = pending[0][1].keys()
+    stacked = {name: torch.stack([aux[name] for _, aux in pending]) for name in names}
     losses = torch.stack([loss for loss, _ in pending])
     new: dict[str, torch.Tensor] = {}
+    loss_weight = "loss" + WEIGHT
     if mask_nonfinite:
         masked = losses.nan_to_num(0.0, 0.0, 0.0)  # nan, +inf, -inf
-        new[NONFINITE] = losses.ne(masked).sum(dtype=dtype)
+        finite = losses.eq(masked)
+        new[NONFINITE] = finite.logical_not().sum(dtype=dtype)
         losses = masked
+        if loss_weight in stacked:
+            stacked[loss_weight] = stacked[loss_weight] * finite
+    if loss_weight in stacked:
+        losses = losses * stacked[loss_weight]
     total = losses.sum(dtype=dtype)
     loss_sum = total if loss_sum is None else loss_sum + total
-    for name in pending[0][1]:
-        new[name] = torch.stack([aux[name] for _, aux in pending]).sum(dtype=dtype)
+    for name, values in stacked.items():
+        weight = stacked.get(name + WEIGHT)
+        new[name] = (values if weight is None else values * weight).sum(dtype=dtype)
     # the names were checked per batch (check_same_names); "nonfinite" is there only when masking
     merged = dict(aux_sums)
     for name, value in new.items():
@@ -231,8 +246,11 @@ def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:
 
 
 def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dict[str, float]:
-    """Under ``nan_guard`` a non-finite loss adds 0 to the sum: rescale the mean to the finite batches."""
-    if nonfinite in means and "loss" in means:
+    """Under ``nan_guard`` a non-finite loss adds 0 to the sum: rescale the mean to the finite batches.
+
+    A weighted loss (``loss@weight``) needs no rescaling: its weight left the non-finite batches out.
+    """
+    if nonfinite in means and "loss" in means and "loss" + WEIGHT not in means:
         finite_share = 1.0 - means[nonfinite]
         means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}
     return means

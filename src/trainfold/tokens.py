@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from ._backend import owns_clipping
+from .metrics import WEIGHT
 from .stages import MicroBatch, Stage
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 #: The aux name a loss function reports its real tokens under, and the extras name of the group's count.
 TOKENS = "tokens"
+#: The aux name that weights the recorded loss by the batch's tokens.
+LOSS_WEIGHT = "loss" + WEIGHT
 
 
 @attrs.frozen
@@ -41,7 +44,8 @@ class _NormalizeTokens:
             group = mb.extras.get(TOKENS)
             tokens = tokens.detach().float()
             mb.extras = MappingProxyType({**mb.extras, TOKENS: tokens if group is None else group + tokens})
-            mb.loss = mb.loss.detach() / tokens.clamp(min=1)  # the logs show the per-token mean
+            mb.loss = mb.loss.detach() / tokens.clamp(min=1)  # the per-token mean, recorded weighted by the tokens:
+            mb.aux = {**mb.aux, LOSS_WEIGHT: tokens}  # train_loss is then (all token losses) / (all tokens)
 
         def scale(mb: MicroBatch) -> None:
             group = mb.extras[TOKENS]
@@ -65,7 +69,9 @@ def normalize_tokens() -> _NormalizeTokens:
     total_tokens``: Accelerate divided each summed loss by the accumulation
     steps and DDP averaged over processes, so the result is the gradient of
     (sum of all token losses) / (all tokens), what one big batch would give. The
-    recorded loss is the micro-batch's per-token mean. It runs before clipping:
+    recorded loss (``state.last_loss``) is the micro-batch's per-token mean, and
+    ``train_loss`` (like ``log_every``'s ``train/loss``) is weighted by tokens: all
+    token losses over all tokens, so ``exp(train_loss)`` is the perplexity. It runs before clipping:
     ``make_step(normalize="tokens")`` puts it first.
 
     .. versionadded:: 0.2.0
