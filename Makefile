@@ -47,9 +47,14 @@ $(FLOOR_STAMP): pyproject.toml Makefile
 example: $(STAMP)
 	$(PY) examples/digits.py
 
+# The suite in two parts: the tests that run in this process, spread over the cores by pytest-xdist, then the ones
+# marked multiprocess (they spawn torchrun jobs and gloo process groups, or time a stop), one at a time.
+XDIST ?= -n auto --maxprocesses 4
+
 test: $(STAMP)
 	$(PY) -m mypy src/trainfold
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST) -m "not multiprocess"
+	$(PY) -m pytest -m multiprocess
 	$(MAKE) test-deepspeed
 	$(MAKE) test-floor
 
@@ -58,7 +63,8 @@ test-deepspeed: $(DS_STAMP)
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"
-	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(FLOOR_TESTS) -k "not digits_example and not torchrun_job"
+	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(XDIST) -m "not multiprocess" $(FLOOR_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" -m multiprocess $(FLOOR_TESTS) -k "not digits_example and not torchrun_job"
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6

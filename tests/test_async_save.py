@@ -81,6 +81,7 @@ _KILLED_MID_WRITE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoint_the_newest(tmp_path):
     script = tmp_path / "killed.py"
     script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
@@ -134,6 +135,7 @@ def _async_run(root, stop_after=None, resume=False):
         return testing.parameters(state), state.step
 
 
+@pytest.mark.multiprocess
 def test_async_checkpoints_on_two_processes_resume_exactly(tmp_path):
     """checkpoint_every(..., async_save=True) on 2 processes: stopped at update 5 (its last save committed before the
     step returned), resumed in new processes, the run ends as an uninterrupted one, bit for bit."""

@@ -308,6 +308,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "interruptible_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
     from trainfold import latest_checkpoint, list_checkpoints, verify_checkpoint
 
@@ -320,6 +321,7 @@ def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path)
     verify_checkpoint(latest_checkpoint(tmp_path))  # the previous checkpoint is whole
 
 
+@pytest.mark.multiprocess
 def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_exact(tmp_path):
     from safetensors.torch import load_file
 

@@ -87,6 +87,7 @@ _HOLDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
     root = tmp_path / "ckpts"
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True,
@@ -260,6 +261,7 @@ def _best_on_this_rank(folder):
     return same, str(ctx.accelerator.device)
 
 
+@pytest.mark.multiprocess
 def test_save_best_and_restore_best_on_two_processes(tmp_path):
     ranks = testing.run_distributed(_best_on_this_rank, str(tmp_path), nprocs=2, timeout=120)
 

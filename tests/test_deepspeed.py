@@ -29,6 +29,8 @@ from trainfold import (
 
 import helpers
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 pytestmark = helpers.needs_deepspeed
 
 

@@ -13,6 +13,8 @@ from trainfold import Context, TrainState, evaluate, loop, make_step, predict, r
 
 import helpers
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

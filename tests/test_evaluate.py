@@ -175,6 +175,7 @@ def test_evaluate_metrics_runs_a_torchmetrics_metric_and_records_it():
     assert 50 == samples
 
 
+@pytest.mark.multiprocess
 def test_evaluate_metrics_counts_every_sample_once_on_two_processes():
     """50 samples, 2 processes of batch 8: the last round is padded; the padding is dropped and nothing is counted twice."""
     for got, expected, samples in testing.run_distributed(_macro_f1_on_this_rank, 50, nprocs=2):

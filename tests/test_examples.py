@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

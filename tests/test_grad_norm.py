@@ -72,6 +72,7 @@ def test_the_recorded_norm_is_the_mean_of_clip_grad_norms_over_each_epochs_updat
     _check(*_both_ways(ga, clip))
 
 
+@pytest.mark.multiprocess
 def test_on_two_processes_the_norm_is_that_of_the_averaged_gradients():
     for expected, got in testing.run_distributed(_both_ways, 3, 0.5, nprocs=2):
         _check(expected, got)

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from trainfold import latest_checkpoint, testing, verify_checkpoint
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

@@ -12,6 +12,8 @@ from trainfold import ema, log_every, make_step, nan_guard, run_epoch, testing, 
 import helpers
 from helpers import needs_cuda
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 
 ON_GPU_WITH_INDUCTOR = pytest.param(
     False, "inductor", marks=[needs_cuda, pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")], id="cuda-inductor"

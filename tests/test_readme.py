@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

@@ -3,6 +3,7 @@
 import gc
 import weakref
 
+import pytest
 import torch
 from accelerate import Accelerator
 
@@ -39,6 +40,7 @@ def test_released_folds_are_collected():
     assert _folds(release=True) == [[False] * 4] * 3
 
 
+@pytest.mark.multiprocess
 def test_released_folds_are_collected_on_two_processes():
     """Under DDP too (the wrapper, its reducer, the module)."""
     for alive in testing.run_distributed(_folds, True, nprocs=2):

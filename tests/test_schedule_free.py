@@ -105,6 +105,7 @@ def test_composed_loop_equals_the_schedule_free_example_on_one_process():
     _check(*_both_ways())
 
 
+@pytest.mark.multiprocess
 def test_composed_loop_equals_the_schedule_free_example_on_two_processes():
     for expected, got in testing.run_distributed(_both_ways, nprocs=2):
         _check(expected, got)

@@ -79,6 +79,7 @@ def _fsdp2_equivalence(ga, clip, mixed_precision="no"):
     return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("ga,clip,nprocs,mixed_precision", [(1, None, 2, "no"), (3, 0.5, 2, "no"), (3, None, 1, "bf16")])
 def test_composed_loop_equals_canonical_fsdp2_loop(ga, clip, nprocs, mixed_precision):
     """Under Accelerate's FSDP2 (CPU processes): the same parameters, bit for bit, with and without accumulation and clipping;
@@ -110,6 +111,7 @@ def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, e
 
 
 # DDP's sharded mid-epoch resume: test_distributed's checkpoint test (sharded is the default on several processes)
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("fsdp2", 3, True)])
 def test_sharded_checkpoint_resumes_mid_epoch_exactly(engine, ga, async_save, tmp_path):
     """Stopped mid-epoch (at update 5, inside the second epoch), resumed in new processes: the run ends as an uninterrupted one, bit for bit."""
@@ -204,6 +206,7 @@ def _run(engine, nprocs, *args, **kwargs):
     return testing.run_distributed(_elastic_run, engine, *args, nprocs=nprocs, **kwargs)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine,saved,resumed,stop_after", [("ddp", 2, 1, 3), ("ddp", 1, 2, 4), ("ddp", 2, 3, 3), ("fsdp2", 2, 1, 3)])
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, saved, resumed, stop_after, tmp_path):
     """Stopped mid-epoch on N processes, resumed on M: every sample of the epoch is trained on exactly once over the
@@ -235,6 +238,7 @@ def _gathered_under_fsdp2(root):
         ctx.close()
 
 
+@pytest.mark.multiprocess
 def test_a_gathered_checkpoint_is_refused_under_fsdp2_with_the_way_out(tmp_path):
     for message in testing.run_distributed(_gathered_under_fsdp2, str(tmp_path), nprocs=2):
         assert "sharded=False gathers the whole model into one process's files" in message and "leave sharded unset" in message
@@ -280,6 +284,7 @@ def _load_on_this_rank(root, ga):
         ctx.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case,match", [
     ({"ga": 2, "max_batches": 3}, r"saved by 1 processes in the middle of an accumulation group .* resume it on 1 processes, or from a checkpoint at an optimizer update"),
     ({"iterable": True, "stop_after": 3}, r"in the middle of an epoch over a loader whose position in samples is unknown \(an iterable dataset\): resume it on 1 processes, or from a checkpoint between epochs"),

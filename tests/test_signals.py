@@ -42,6 +42,8 @@ from trainfold import (
 )
 from trainfold._launch import free_port
 
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 

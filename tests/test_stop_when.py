@@ -131,6 +131,7 @@ def test_with_accumulation_a_value_raised_inside_a_group_stops_at_the_end_of_tha
     assert all(p.grad is None or not p.grad.any() for p in state.model.parameters())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("end", ["run", "epoch"])
 def test_two_processes_a_decision_on_rank_one_stops_both_at_the_same_update(end):
     ranks = testing.run_distributed(_on_this_rank, end, nprocs=2)

@@ -32,6 +32,7 @@ from ._control import check_same_count, check_same_length, explaining_timeouts
 from .interrupt import catching_signals, signal_name
 from .metrics import RunningSums, weighted
 from .state import TrainState
+from .step import normalize_mode
 
 
 def _empty_loader(where: str, loader: Any) -> ValueError:
@@ -338,7 +339,7 @@ def evaluate(
     state = _checked("evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader, state)
     if state.interrupted:
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
-    by_tokens = _normalize_mode(normalize) == "tokens"
+    by_tokens = normalize_mode(normalize, "evaluate") == "tokens"
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
     precision = torch.float32 if acc.device.type == "mps" else torch.float64  # MPS has no float64
@@ -373,12 +374,6 @@ def evaluate(
         interrupt.clear()
         return state.with_stop(f"signal {signal_name(signum)}")
     return state
-
-
-def _normalize_mode(normalize: str) -> str:
-    if normalize not in ("mean", "tokens"):
-        raise ValueError(f"evaluate: normalize must be 'mean' or 'tokens' (got {normalize!r}).")
-    return normalize
 
 
 def _tokens_of(aux: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -44,9 +44,10 @@ def record(
     return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums, extras, stop)
 
 
-def _normalize_mode(normalize: str) -> str:
+def normalize_mode(normalize: str, where: str = "make_step") -> str:
+    """``normalize`` if it is ``"mean"`` or ``"tokens"``; a ValueError naming ``where`` otherwise."""
     if normalize not in ("mean", "tokens"):
-        raise ValueError(f"normalize must be 'mean' or 'tokens' (got {normalize!r}).")
+        raise ValueError(f"{where}: normalize must be 'mean' or 'tokens' (got {normalize!r}).")
     return normalize
 
 
@@ -60,7 +61,7 @@ def stages_of(
     if not isinstance(record_grad_norm, bool):
         raise TypeError(f"record_grad_norm must be True or False (got {record_grad_norm!r}).")
     chosen: list[StageSpec] = []
-    if _normalize_mode(normalize) == "tokens":
+    if normalize_mode(normalize) == "tokens":
         from .tokens import normalize_tokens  # the option's stage, from its own module: the pipeline knows no feature
 
         chosen.append(normalize_tokens())
