@@ -26,6 +26,8 @@ from .fit import fit as fit
 from .guard import nan_guard as nan_guard
 from .history import History as History
 from .history import Record as Record
+from .local_sgd import average_parameters as average_parameters
+from .local_sgd import local_sgd as local_sgd
 from .loop import every as every
 from .loop import every_epochs as every_epochs
 from .loop import loop as loop
@@ -77,6 +79,7 @@ __all__ = [
     "StepTransformer",
     "TrainState",
     "__version__",
+    "average_parameters",
     "checkpoint_every",
     "clip_by_norm",
     "clip_by_value",
@@ -94,6 +97,7 @@ __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "local_sgd",
     "log_epoch",
     "log_every",
     "loop",

@@ -165,9 +165,22 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
     if keep_last is not None:
         positive_int("keep_last", keep_last)
+    _check_replicas_equal(state)
     # a signal now is honoured after the save, not in its middle; a schedule-free optimizer saves its eval weights
     with catching_signals(ctx.interrupt, ctx.signals), eval_mode(state.model, state.optimizer, no_grad=False):
         return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
+
+
+def _check_replicas_equal(state: TrainState) -> None:
+    """Refuse a state whose processes hold different parameters (a record of its extras says ``replicas_differ``,
+    as ``local_sgd``'s does between two averages): a checkpoint holds one copy of the model."""
+    for name, record in state.extras.items():
+        if getattr(record, "replicas_differ", False):
+            raise ValueError(
+                f"save_checkpoint: the processes' parameters differ ({name}: {record!r}), and a checkpoint holds one "
+                "copy of the model. Save where they were just averaged: at an epoch's end, with save_checkpoint composed "
+                "after average_parameters(ctx), or at a stop (local_sgd averages there)."
+            )
 
 
 def _flag(name: str, value: Any) -> bool:
