@@ -35,6 +35,7 @@ from .loop import repeat as repeat
 from .loop import until as until
 from .metrics import RunningSums as RunningSums
 from .plot import plot_history as plot_history
+from .profiling import profile as profile
 from .records import register_record as register_record
 from .schedules import constant as constant
 from .schedules import warmup_cosine as warmup_cosine
@@ -108,6 +109,7 @@ __all__ = [
     "normalize_tokens",
     "plot_history",
     "predict",
+    "profile",
     "progress_bar",
     "reduce_lr_on_plateau",
     "register_record",
