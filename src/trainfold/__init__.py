@@ -5,6 +5,7 @@ from ._types import EpochFn as EpochFn
 from ._types import LossFn as LossFn
 from ._types import Step as Step
 from ._types import StepTransformer as StepTransformer
+from .batch_size import find_batch_size as find_batch_size
 from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import checkpoint_every as checkpoint_every
 from .checkpoint import latest_checkpoint as latest_checkpoint
@@ -93,6 +94,7 @@ __all__ = [
     "every",
     "every_epochs",
     "every_steps",
+    "find_batch_size",
     "fit",
     "grad_norm",
     "latest_checkpoint",

@@ -214,7 +214,8 @@ class Context:
                 f"Context was made with gradient_accumulation_steps={self.gradient_accumulation_steps}"
                 f" and mixed_precision={self.mixed_precision!r}, but now "
                 f"gradient_accumulation_steps={now[0]} and mixed_precision={now[1]!r} are in force. "
-                "Use one Accelerator per process (share one Context), or give both the same settings."
+                "Use one Accelerator per process (share one Context), or give both the same settings; after "
+                "ctx.with_accumulation(n) (or inside find_batch_size), use the Context it returned."
             )
 
     def close(self) -> None:
@@ -246,6 +247,36 @@ class Context:
         self.accelerator.end_training()
         if failed is not None:
             raise failed
+
+    def with_accumulation(self, steps: int) -> Context:
+        """A Context for the same Accelerator with ``steps`` gradient accumulation steps; this one is retired.
+
+        Accelerate keeps the accumulation steps process-wide, so this sets them on
+        the Accelerator (``accelerator.gradient_accumulation_steps = steps``) and
+        returns a new Context that records them, with this one's settings. This
+        Context then refuses to work (its :meth:`check` sees another accumulation):
+        use the new one from here on. Build states and steps after the change
+        (``make_step`` reads the accumulation when it builds the step).
+        :func:`~trainfold.find_batch_size` uses it for each attempt.
+
+        Raises:
+            ValueError: ``steps`` is not a positive int, or the run is under DeepSpeed,
+                whose accumulation is in its config.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> ctx.with_accumulation(4).gradient_accumulation_steps
+            4
+        """
+        from ._backend import is_deepspeed
+        from ._validate import positive_int
+
+        positive_int("gradient_accumulation_steps", steps)
+        if is_deepspeed(self.accelerator):
+            raise ValueError("under DeepSpeed the accumulation steps are the DeepSpeed config's (gradient_accumulation_steps there).")
+        self.accelerator.gradient_accumulation_steps = steps
+        return Context(accelerator=self.accelerator, signals=self.signals, stop_check_s=self.stop_check_s, timeout=self.timeout)
 
     def release(self, state: Any, *loaders: Any) -> None:
         """Let a finished run's model, optimizer, scheduler and loaders be freed: drop the Accelerator's references to them.
