@@ -27,3 +27,33 @@ def test_the_readme_test_snippet_runs_with_the_isolated_fixture_trainfold_instal
 
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 passed" in done.stdout
+
+
+_RUNNER = '''
+import re, sys
+from accelerate.state import AcceleratorState, GradientState
+
+text = open(sys.argv[1]).read()
+blocks = re.findall(r"```python\\n(.*?)```", text, re.S)
+namespace = {"__name__": "readme"}
+for i, block in enumerate(blocks):
+    if "the README test skips this one" in block.splitlines()[0]:
+        continue
+    if i > 0 and "Accelerator(" in block:  # a snippet that makes its own Accelerator: Accelerate's state is process-wide
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    print(f"--- snippet {i + 1}", flush=True)
+    exec(compile(block, f"README.md snippet {i + 1}", "exec"), namespace)
+print("all snippets ran", len(blocks))
+'''
+
+
+def test_every_readme_snippet_runs_in_order_as_written(tmp_path):
+    """Every ```python block of the README, in order, in one namespace (as cells of one notebook), in a fresh
+    process whose working directory is empty; the DeepSpeed one is skipped (it says so in its first line)."""
+    (tmp_path / "run_readme.py").write_text(_RUNNER)
+
+    done = subprocess.run([sys.executable, "run_readme.py", str(README)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    assert 0 == done.returncode, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "all snippets ran" in done.stdout
