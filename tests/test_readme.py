@@ -57,3 +57,31 @@ def test_every_readme_snippet_runs_in_order_as_written(tmp_path):
 
     assert 0 == done.returncode, done.stdout[-2000:] + done.stderr[-4000:]
     assert "all snippets ran" in done.stdout
+
+
+DOCS = README.parent / "docs"
+
+
+def _blocks(path):
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def test_each_snippet_of_docs_embedding_runs_on_its_own(tmp_path):
+    for i, block in enumerate(_blocks(DOCS / "embedding.md")):
+        script = tmp_path / f"snippet{i}.py"
+        script.write_text(block)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert 0 == done.returncode, f"docs/embedding.md snippet {i + 1}:\n{done.stderr[-3000:]}"
+
+
+def test_the_tests_of_docs_testing_pass_as_a_test_file(tmp_path):
+    """docs/testing.md's snippets are a user's test file: together, under pytest, every test in them passes."""
+    blocks = _blocks(DOCS / "testing.md")
+    (tmp_path / "test_from_docs.py").write_text("\n\n".join(blocks))
+    expected = sum(block.count("\ndef test_") + block.startswith("def test_") for block in blocks)
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+    assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"{expected} passed" in done.stdout
