@@ -173,6 +173,19 @@ def test_create_refuses_deepspeeds_stand_ins_where_they_stand_for_nothing():
         TrainState.create(ctx, model=model, optimizer=opt, scheduler=DummyScheduler(opt))
 
 
+def test_create_knows_megatrons_scheduler_stand_in_too():
+    """Megatron-LM's MegatronLMDummyScheduler (importable without Megatron-LM) is a stand-in as DeepSpeed's is: over a
+    real optimizer it is refused, not passed through to fail at the first step. (A Megatron-LM run needs GPUs and
+    Megatron-LM: the accepting side is tested under DeepSpeed, which takes the same path.)"""
+    from accelerate.utils.megatron_lm import MegatronLMDummyScheduler
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="MegatronLMDummyScheduler.*'optimizer' is a real one"):
+        TrainState.create(ctx, model=model, optimizer=opt, scheduler=MegatronLMDummyScheduler(opt, total_num_steps=10))
+
+
 @pytest.mark.parametrize(
     "make",
     [lambda: constant(float("nan")), lambda: warmup_cosine(float("inf"), warmup_steps=1, total_steps=10), lambda: warmup_linear(0.1, warmup_steps=1, total_steps=10, end_lr=float("nan"))],

@@ -204,9 +204,9 @@ class TrainState:
             )
         if is_config_scheduler(scheduler) and not config_optimizer:
             raise TypeError(
-                "'scheduler' is Accelerate's DummyScheduler, which stands for a scheduler in the DeepSpeed config, but "
-                "'optimizer' is a real one: pass accelerate.utils.DummyOptim as the optimizer when the config defines it, "
-                "or a real scheduler."
+                f"'scheduler' is Accelerate's {type(scheduler).__name__}, which stands for a scheduler in the DeepSpeed (or "
+                "Megatron-LM) config, but 'optimizer' is a real one: pass accelerate.utils.DummyOptim as the optimizer "
+                "when the config defines it, or a real scheduler."
             )
         if isinstance(scheduler, type):
             raise TypeError(
