@@ -37,3 +37,27 @@ def test_a_two_process_run_that_calls_end_training_with_a_background_save_in_fli
         done = _run(tmp_path / f"run{i}", "--end-training")
         assert 0 == done.returncode, done.stderr[-3000:]
         assert done.stdout.count("done") == 2  # both processes got past the block
+
+
+def _rounds_on_this_rank():
+    from accelerate import Accelerator
+
+    from trainfold import Context, make_step, run_epoch, testing
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    _, state, loader, loss_fn = testing.tiny_setup(accelerator=ctx.accelerator, n=64)
+    run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    in_flight = ctx.interrupt._pending
+    launched = in_flight is not None
+    ctx.accelerator.end_training()
+    return launched, ctx.interrupt._pending is None, in_flight is None or in_flight[0].is_completed()
+
+
+@pytest.mark.multiprocess
+def test_end_training_waits_for_the_stop_agreements_last_round_before_the_group_goes():
+    """The teardown order: the signal agreement launches a round without waiting for it, so a run ends with one in
+    flight on the control group; it is completed before Accelerate destroys the groups, never left running under them."""
+    from trainfold import testing
+
+    for launched, forgotten, completed in testing.run_distributed(_rounds_on_this_rank, nprocs=2):
+        assert launched and forgotten and completed

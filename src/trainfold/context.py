@@ -88,8 +88,10 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
     too. A save still running there would wait forever in its next collective,
     on every process, and the job would hang at exit. So the Accelerator's
     method is wrapped, on this instance: the save in flight is committed first
-    (its error raised once the group is gone), then Accelerate's own method
-    runs. The wrapper holds the Context weakly.
+    (its error raised once the group is gone) and the signal agreement's last
+    round, still in flight on the control group, is waited for (a few seconds at
+    most: a dead peer never joins it), so that no collective runs on a group being
+    destroyed; then Accelerate's own method runs. The wrapper holds the Context weakly.
     """
     accelerator = ctx.accelerator
     end_training = accelerator.end_training
@@ -102,6 +104,7 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
                 live.wait_for_checkpoints()
         finally:
             if live is not None:
+                live.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
                 live.saver.forget()  # its group is destroyed next
                 live.control.forget()
             end_training()

@@ -128,6 +128,21 @@ class Interrupt:
         self._launched = (0.0, 0)
         self.next_check = 0
 
+    def drain(self, deadline_s: float) -> None:
+        """Wait (at most ``deadline_s``) for the agreement round still in flight, then forget it.
+
+        Every process launched it, so it completes; waiting for it before the process
+        group is destroyed means no collective is left running on a group being torn
+        down. A peer that died never joins it: then the round is dropped at the deadline.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        work = pending[0]
+        until = time.monotonic() + deadline_s
+        while not work.is_completed() and time.monotonic() < until:
+            time.sleep(0.001)
+
     def seconds_per_batch(self) -> float:
         """The slowest process's seconds per micro-batch, as the last round measured it (0.0 before any)."""
         return self._speed
