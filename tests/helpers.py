@@ -150,3 +150,16 @@ def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, c
             state.local_process_index = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
             state.backend = dist.get_backend()
     return acc
+
+
+def each_fresh(*runs):
+    """Call each run in turn, Accelerate's process-wide state reset after each, so each builds its own Accelerator
+    (the Accelerate way, then the trainfold way, with other settings than the test before). Their results, in order."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    results = []
+    for run in runs:
+        results.append(run())
+        AcceleratorState._reset_state()  # keep the process group, forget the Accelerator settings
+        GradientState._reset_state()
+    return tuple(results)

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 
 from trainfold import Context, TrainState, grad_norm, log_every, loop, make_step, run_epoch, testing
 
@@ -50,13 +49,7 @@ def _trainfold_way(ga, clip):
 
 
 def _both_ways(ga, clip):
-    expected = _accelerate_way(ga, clip)
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    got = _trainfold_way(ga, clip)
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    return expected, got
+    return helpers.each_fresh(lambda: _accelerate_way(ga, clip), lambda: _trainfold_way(ga, clip))
 
 
 def _check(expected, got):

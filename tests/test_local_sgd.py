@@ -4,7 +4,6 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.local_sgd import LocalSGD
-from accelerate.state import AcceleratorState, GradientState
 from toolz import compose
 
 from trainfold import (
@@ -74,10 +73,7 @@ def _trainfold_way(root=None, epochs=EPOCHS, resume=False, stateless=False):
 
 
 def _both_ways():
-    expected = _accelerate_way()
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    return expected, _trainfold_way()
+    return helpers.each_fresh(_accelerate_way, _trainfold_way)
 
 
 @pytest.mark.multiprocess

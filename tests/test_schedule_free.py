@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from safetensors.torch import load_file
 from toolz import compose
 
@@ -83,13 +82,7 @@ def _trainfold_way():
 
 
 def _both_ways():
-    expected = _accelerate_way()
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    got = _trainfold_way()
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    return expected, got
+    return helpers.each_fresh(_accelerate_way, _trainfold_way)
 
 
 def _check(expected, got):

@@ -89,13 +89,7 @@ def _trainfold_way(trigger, end, epochs=EPOCHS, ga=1):
 
 
 def _both_ways(trigger, end, ga=1):
-    expected = _accelerate_way(trigger, end, ga=ga)
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    got = _trainfold_way(trigger, end, ga=ga)
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
-    return expected, got
+    return helpers.each_fresh(lambda: _accelerate_way(trigger, end, ga=ga), lambda: _trainfold_way(trigger, end, ga=ga))
 
 
 def _on_this_rank(end):
