@@ -51,7 +51,8 @@ def test_loop_catches_a_curried_primitive_missing_its_loader():
     ctx, state, loader, loss_fn = testing.tiny_setup()
     epoch = run_epoch(ctx, make_step(ctx, loss_fn))
 
-    with pytest.raises(TypeError, match=r"epoch function 'run_epoch' returned a curry.*missing arguments"):
+    with pytest.raises(TypeError, match=r"epoch function 'run_epoch' returned a curry.*missing arguments \(state; the "
+                       r"TrainState was taken as 'loader': an argument before it is missing\)"):
         loop(epoch, max_epochs=2)(state)
 
 

@@ -52,14 +52,23 @@ def expect_state(where: str, value: Any) -> TrainState:
 
 
 def _missing_args(c: curry) -> str:
+    """The arguments a curry still needs, and where a TrainState it holds went when it took the place of another."""
     import inspect
+
+    from toolz.functoolz import no_default
 
     try:
         params = inspect.signature(c).parameters
+        bound = list(inspect.signature(c.func).parameters)
     except (TypeError, ValueError):
         return "unknown"
-    names = [p for p, v in params.items() if v.default is inspect.Parameter.empty]
-    return ", ".join(names) or "none"
+    # toolz marks an argument still to come by its no_default sentinel, not by inspect's empty
+    names = [p for p, v in params.items() if v.default is inspect.Parameter.empty or v.default is no_default]
+    missing = ", ".join(names) or "none"
+    for name, value in zip(bound, c.args):
+        if isinstance(value, TrainState) and name != "state":
+            return f"{missing}; the TrainState was taken as {name!r}: an argument before it is missing"
+    return missing
 
 
 _NO_LOADER = object()
