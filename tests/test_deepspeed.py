@@ -29,9 +29,7 @@ from trainfold import (
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
-
-pytestmark = helpers.needs_deepspeed
+pytestmark = [helpers.needs_deepspeed, pytest.mark.multiprocess]  # spawns processes: run serially, not under pytest-xdist
 
 
 def _objects(seed=0, mixed_precision="no"):

@@ -22,9 +22,7 @@ from trainfold import (
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
-
-pytestmark = helpers.needs_cuda
+pytestmark = [helpers.needs_cuda, pytest.mark.multiprocess]  # spawns processes: run serially, not under pytest-xdist
 
 
 def _accelerator(ga: int) -> Accelerator:

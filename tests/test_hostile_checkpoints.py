@@ -156,7 +156,7 @@ def test_a_crafted_dtype_name_is_refused(ckpt):
 
 
 @pytest.mark.parametrize("field,value", [("step", float("nan")), ("epoch", float("inf")), ("micro_step", -1), ("batch_in_epoch", "3"),
-                                         ("should_stop", "no"), ("step", True)])
+                                         ("should_stop", "no"), ("end_of_epoch", 1), ("step", True)])
 def test_counters_must_be_what_they_are(ckpt, field, value):
     folder, secret = ckpt
 

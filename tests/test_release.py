@@ -62,3 +62,15 @@ def test_release_leaves_another_live_state_training():
     before = testing.parameters(live)
     live = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, live)
     assert live.step == 7 and any(not torch.equal(before[k], v) for k, v in testing.parameters(live).items())
+
+
+def test_release_takes_the_loader_of_the_states_last_epoch_without_being_told():
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model, opt, _, dl = helpers.build(0)
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(dl)
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+
+    ctx.release(state)
+
+    assert ctx.accelerator._dataloaders == [] and ctx.accelerator._models == []

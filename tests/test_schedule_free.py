@@ -168,3 +168,28 @@ def test_a_schedule_free_run_resumes_exactly_from_any_checkpoint(tmp_path):
         resumed = run(tmp_path / f"resumed{i}", ckpt)
         testing.assert_params_equal(uninterrupted, resumed)
         assert resumed.history == uninterrupted.history
+
+
+def test_evaluate_metrics_sees_the_averaged_weights_and_hands_back_train_mode():
+    from trainfold import evaluate_metrics
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    model = state.model
+    opt = schedulefree.SGDScheduleFree(model.parameters(), lr=0.1)
+    state = run_epoch(ctx, make_step(ctx, loss_fn), loader, TrainState.create(ctx, model=model, optimizer=opt))
+    modes = []
+
+    class Modes:  # records the optimizer's mode while the metric is fed
+        def update(self, *_):
+            modes.append(opt.param_groups[0]["train_mode"])
+
+        def compute(self):
+            return 0.0
+
+        def reset(self):
+            pass
+
+    evaluate_metrics(ctx, {"modes": Modes()}, lambda m, b: m(b[0]), loader, state)
+
+    assert modes and not any(modes)  # eval mode throughout
+    assert opt.param_groups[0]["train_mode"]

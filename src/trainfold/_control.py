@@ -65,16 +65,16 @@ def gather_ints(control: Control, values: list[int], *, deadline_s: float | None
     return [p.tolist() for p in parts]  # sync: none, CPU tensors of the control channel
 
 
-def any_process(control: Control, flag: bool) -> bool:
-    """Whether ``flag`` is set on any process: one blocking all-reduce of one number on the control channel.
+def max_over_processes(control: Control, value: int) -> int:
+    """The largest of every process's ``value``: one blocking all-reduce of one number on the control channel.
 
     Every process must call it at the same point. No device work: a CPU tensor of the gloo group.
     """
     import torch.distributed as dist
 
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=control.group())
-    return bool(value[0])  # sync: none, a CPU tensor
+    local = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=control.group())
+    return int(local[0])  # sync: none, a CPU tensor
 
 
 def set_timeout(timeout: datetime.timedelta) -> None:

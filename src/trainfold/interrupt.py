@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from ._control import Control
+from ._control import Control, max_over_processes
 
 log = logging.getLogger("trainfold")
 
@@ -104,13 +104,7 @@ class Interrupt:
         For the end of a phase without step boundaries (an evaluation); every
         process must call it at the same point.
         """
-        if not self.distributed:
-            return self.requested
-        import torch.distributed as dist
-
-        flag = torch.tensor([float(self.requested)], dtype=torch.float64)  # sync: none, a CPU tensor
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._control.group())
-        return int(flag[0])
+        return max_over_processes(self._control, self.requested) if self.distributed else self.requested
 
     def clear(self) -> None:
         """Forget the request once the stop has been honoured (a host that runs many trials goes on)."""

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from ._control import any_process
+from ._control import max_over_processes
 from ._types import Batch, Step, StepTransformer
 from ._validate import name_of, named, positive_int
 from .context import Context
@@ -114,7 +114,7 @@ def stop_when(
                     return new  # nothing to record: no new state made
                 return new.with_extra(name, StopWhenState(raised, new.epoch))
             local = bool(raised)  # sync: a flag on the device is read here, once per check
-            agreed = any_process(ctx.control, local) if distributed else local
+            agreed = bool(max_over_processes(ctx.control, int(local))) if distributed else local
             new = new.with_extra(name, attrs.evolve(fresh, epoch=new.epoch))
             if not agreed:
                 return new
