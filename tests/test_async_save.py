@@ -95,6 +95,53 @@ def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoi
     assert any(p.name.startswith(".tmp-ckpt-0000000001") for p in root.iterdir())  # the unfinished one: never committed
 
 
+_ENDS_WITHOUT_CLOSING = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import attrs
+    import test_async_save as t
+    from trainfold import save_checkpoint
+    ctx, state = t._big_setup()
+    if len(sys.argv) > 2:  # a complete checkpoint first, then one the disk has no room for
+        save_checkpoint(ctx, sys.argv[1], state)
+        state = attrs.evolve(state, step=1)
+    save_checkpoint(ctx, sys.argv[1], state, async_save=True)
+    print("returned", flush=True)
+    # the script ends with the save in flight: no ctx.close(), no 'with ctx:'
+""")
+
+
+@pytest.mark.multiprocess
+def test_a_background_save_in_flight_when_the_script_ends_is_committed(tmp_path):
+    """The README's first example never closes its Context: its last background save must still land (it was lost
+    about half the time: the interpreter's shutdown refused the write's thread pool and the process exited 0)."""
+    script = tmp_path / "ends.py"
+    script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
+    for attempt in range(4):  # a race: one run could pass by luck
+        root = tmp_path / f"ckpts{attempt}"
+        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
+
+        assert 0 == proc.returncode, proc.stderr[-2000:]
+        assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
+        verify_checkpoint(latest_checkpoint(root))
+
+
+@pytest.mark.multiprocess
+def test_a_background_save_that_fails_after_the_script_ended_exits_non_zero(small_disk):
+    """48 MB hold one checkpoint of 33 MB: the second fails after the script's last line, and the process says so."""
+    script = small_disk.parent / "ends.py"
+    script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
+    root = small_disk / "ckpts"
+
+    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=120)
+
+    assert "returned" in proc.stdout
+    assert 1 == proc.returncode
+    assert "the checkpoint being written in the background when the program ended failed" in proc.stderr
+    assert "No space left on device" in proc.stderr
+    assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     yield from helpers.small_disk(tmp_path / "disk", "48m")

@@ -6,8 +6,41 @@ back its outcome.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+import threading
+import traceback
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+logger = logging.getLogger("trainfold")
+
+
+def _finish_at_exit(saver: weakref.ref[Saver]) -> None:
+    """At interpreter shutdown, before ``concurrent.futures`` refuses new work: commit the save in flight, or fail loudly.
+
+    A script that ends without ``ctx.close()`` (or ``with Context(...)``) would
+    otherwise lose its last background save: Python's shutdown stops the thread
+    pools the write uses, the half-written folder is removed, and the process
+    exits 0. Registered with ``threading._register_atexit``, whose callbacks run
+    in reverse order of registration, so this one (registered at the first
+    background save, after ``concurrent.futures`` registered its own) runs first.
+    A save that fails here is printed and the process exits with status 1: a lost
+    checkpoint is never silent.
+    """
+    live = saver()
+    if live is None or live._pending is None:
+        return
+    try:
+        live.wait()
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the exit status says so
+        message = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        sys.stderr.write(f"trainfold: the checkpoint being written in the background when the program ended failed; it was not committed:\n{message}")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)  # the interpreter is shutting down with status 0: only this can still say it failed
 
 
 class Saver:
@@ -17,6 +50,7 @@ class Saver:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._group: Any = None
+        self._at_exit = False
 
     def group(self, world: int) -> Any:
         """The group background saves agree on (made at the first one, a collective: every process saves there)."""
@@ -31,6 +65,9 @@ class Saver:
             raise RuntimeError("a background save is already in flight: wait for it first")  # save_checkpoint waits: never here
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfold-save")
+        if not self._at_exit:  # once per saver: a program that ends with the save in flight waits for it
+            threading._register_atexit(_finish_at_exit, weakref.ref(self))  # type: ignore[attr-defined]  # CPython's hook for thread pools
+            self._at_exit = True
         self._pending = self._pool.submit(work)
 
     @property
