@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -108,6 +109,76 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_pa
 
     save_checkpoint(ctx, root, load_checkpoint(ctx, root, state))  # the dead writer's lock is taken over
     assert 1 == len(list_checkpoints(root))
+
+
+_PROBE = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from trainfold import CheckpointError
+    from trainfold import _lock
+    try:
+        _lock.acquire(Path(sys.argv[1]), "second-copy")
+        print("taken")
+    except CheckpointError as exc:
+        print("refused", exc)
+""")
+
+
+def _second_copy(root):
+    """What a requeued copy of the job finds: 'taken' or 'refused <why>'."""
+    return subprocess.run([sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=120).stdout.strip()
+
+
+def _state_for(ctx):
+    model = torch.nn.Linear(2, 1)
+    return TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.multiprocess
+def test_closing_one_of_two_contexts_that_write_a_root_keeps_it_locked(tmp_path):
+    """POSIX locks drop when any descriptor of the file is closed: a second Context (with_accumulation, a host's next
+    trial, a resume) that closed released the first one's lock, and a requeued copy saved beside the live run."""
+    root = tmp_path / "ckpts"
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    state = save_checkpoint(ctx, root, _state_for(ctx))
+    other = ctx.with_accumulation(2)  # the same Accelerator, a second Context writing the same run's root
+    save_checkpoint(other, root, attrs.evolve(state, step=1))
+
+    other.close()
+    assert _second_copy(root).startswith("refused")  # the first Context still writes there
+    ctx.close()
+    assert "taken" == _second_copy(root)  # the last user gave it up
+
+
+@pytest.mark.multiprocess
+def test_a_root_deleted_under_a_live_run_is_made_again_and_stays_locked(tmp_path):
+    root = tmp_path / "ckpts"
+    ctx, state, dl = _setup()
+    save_checkpoint(ctx, root, state)
+    shutil.rmtree(root)  # a clean-up script
+
+    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+
+    assert 1 == len(list_checkpoints(root))
+    verify_checkpoint(latest_checkpoint(root))
+    assert _second_copy(root).startswith("refused")
+    ctx.close()
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_lock_path_that_is_not_a_file_is_refused_by_name(kind, tmp_path):
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    if kind == "directory":
+        (root / ".trainfold.lock").mkdir()
+    else:
+        (root / ".trainfold.lock").symlink_to(tmp_path / "elsewhere")
+    ctx, state, _ = _setup()
+
+    with pytest.raises(CheckpointError, match=rf"\.trainfold\.lock is not a regular file \(a {'directory' if kind == 'directory' else 'symbolic link'}\).*Remove it") as raised:
+        save_checkpoint(ctx, root, state)
+    assert "Free space" not in str(raised.value)
+    assert not (tmp_path / "elsewhere").exists()
 
 
 # --- a full disk, and debris ---------------------------------------------------------------------

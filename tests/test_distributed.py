@@ -189,7 +189,8 @@ def _checkpoint_on_this_rank(root):
     def train(ctx, state, dl, wrap=lambda s: s):
         return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
 
-    expected = testing.parameters(train(*setup(0)))
+    uninterrupted = train(*setup(0))
+    expected = (testing.parameters(uninterrupted), uninterrupted.history)
     ctx, state, dl = setup(0)
     train(ctx, state, dl, checkpoint_every(ctx, root, 1))
     ckpts = list_checkpoints(root)
@@ -197,7 +198,7 @@ def _checkpoint_on_this_rank(root):
     for ckpt in (ckpts[1], ckpts[len(ckpts) // 2], ckpts[-1]):
         ctx, state, dl = setup(99)
         resumed = train(ctx, load_checkpoint(ctx, ckpt, state), dl)
-        results.append((ckpt.name, testing.parameters(resumed)))
+        results.append((ckpt.name, testing.parameters(resumed), resumed.history))
 
     # A checkpoint between epochs (as fit writes them): the loader's synchronized generator is kept too.
     from trainfold import save_checkpoint
@@ -206,7 +207,7 @@ def _checkpoint_on_this_rank(root):
     state = save_checkpoint(ctx, f"{root}/boundary", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
     ctx, fresh, dl = setup(99)
     resumed = train(ctx, load_checkpoint(ctx, f"{root}/boundary", fresh), dl)
-    results.append(("boundary", testing.parameters(resumed)))
+    results.append(("boundary", testing.parameters(resumed), None))
     save_checkpoint(ctx, f"{root}/gathered", resumed, sharded=False)  # the format that cannot be dealt out anew
     return expected, results, [c.name for c in ckpts]
 
@@ -217,10 +218,12 @@ def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
 
     ranks = testing.run_distributed(_checkpoint_on_this_rank, str(tmp_path), nprocs=2)
 
-    for expected, results, names in ranks:
+    for (expected, history), results, names in ranks:
         assert 6 == len(names)  # 44 samples, 2 ranks x batch 4: 6 batches each, 3 updates an epoch
-        for _name, params in results:
+        for name, params, resumed_history in results:
             testing.assert_params_equal(expected, params)
+            # the interrupted epoch's train_loss too: each rank resumes its own running sums, not rank 0's
+            assert resumed_history in (None, history), name
     assert {f"rank-{r}.safetensors" for r in (0, 1)} <= {p.name for p in (tmp_path / names[0]).iterdir()}
 
     assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path / "gathered"))["files"]

@@ -177,7 +177,8 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
 
     caught = []
     if resume:
-        state = load_checkpoint(ctx, root, state)
+        with pytest.warns(UserWarning, match="running train sums were each process's own"):
+            state = load_checkpoint(ctx, root, state)
     at_start = (_full_params(state), state.step, state.scheduler.state_dict()["last_epoch"], state.optimizer.optimizer.state_dict()["state"])
     at_start = (at_start[0], at_start[1], at_start[2], {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()} for k, per in at_start[3].items()})
     step = make_step(ctx, loss_fn)

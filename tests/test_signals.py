@@ -40,9 +40,9 @@ from trainfold import (
     save_checkpoint,
     testing,
 )
+from trainfold import interrupt
 from trainfold._launch import free_port
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -86,6 +86,7 @@ def test_a_signal_stops_at_the_next_step_boundary_and_puts_the_handlers_back(sig
 
     assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop_reason)
     assert stopped.interrupted and not stopped.finished
+    ctx.close()
     assert before is signal.getsignal(signum)
 
 
@@ -118,7 +119,8 @@ def test_the_signals_are_configurable():
         Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGKILL])
 
 
-def test_a_second_signal_acts_at_once_and_the_handlers_are_put_back():
+def test_a_second_ctrl_c_acts_at_once_and_the_handlers_are_put_back():
+    before = signal.getsignal(signal.SIGINT)
     ctx, state, dl = _setup()
     inner = make_step(ctx, helpers.ce_loss)
 
@@ -126,12 +128,54 @@ def test_a_second_signal_acts_at_once_and_the_handlers_are_put_back():
         new = inner(s, b)
         if new.batch_in_epoch == 3:
             os.kill(os.getpid(), signal.SIGINT)  # a request
+            time.sleep(interrupt.ECHO_S + 0.2)  # a person, not the launcher's forwarded copy
             os.kill(os.getpid(), signal.SIGINT)  # impatient: now
         return new
 
     with pytest.raises(KeyboardInterrupt):
         run_epoch(ctx, twice, dl, state)
-    assert signal.default_int_handler is signal.getsignal(signal.SIGINT)
+    assert before is signal.getsignal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("signum,gap", [(signal.SIGTERM, 0.3), (signal.SIGTERM, 0.0), (signal.SIGINT, 0.0)])
+def test_a_repeated_sigterm_or_an_echoed_ctrl_c_stays_a_request(signum, gap, tmp_path):
+    """SLURM signals every process of the step and torchrun forwards its own copy: the second SIGTERM (or the launcher's
+    copy of a Ctrl-C) must not turn the graceful stop into a kill; the final checkpoint is written."""
+    ctx, state, dl = _setup()
+    inner = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+
+    def twice(s, b):
+        if s.batch_in_epoch == 3:
+            os.kill(os.getpid(), signum)
+            time.sleep(gap)
+            os.kill(os.getpid(), signum)
+        return inner(s, b)
+
+    stopped = run_epoch(ctx, twice, dl, state)
+
+    assert (4, f"signal {signal.Signals(signum).name}") == (stopped.batch_in_epoch, stopped.stop_reason)
+    assert [f"ckpt-{4:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
+
+
+def test_a_signal_outside_any_trainfold_call_is_a_request_until_the_context_closes():
+    """Between two calls (your own code, a tracker's flush, the wait for a background save) a signal does not kill:
+    the next epoch of a loop is not started; after close() the process's own handlers decide again."""
+    before = signal.getsignal(signal.SIGTERM)
+    ctx, state, dl = _setup()
+    ran = []
+
+    def mine(s):  # your epoch function, after run_epoch: the signal arrives here
+        ran.append(s.epoch)
+        if s.epoch == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return s
+
+    final = loop(compose(mine, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
+
+    assert [1] == ran
+    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop_reason)
+    ctx.close()
+    assert before is signal.getsignal(signal.SIGTERM)
 
 
 def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_update(tmp_path):
@@ -275,6 +319,49 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
     assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
 
 
+def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(tmp_path):
+    """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: the loop's end
+    saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
+    ctx, state, dl = _setup()
+    sent = []
+
+    def loss_fn(model, batch):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return helpers.ce_loss(model, batch)
+
+    step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, helpers.ce_loss))
+    final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3)(state)
+
+    assert (12, 1, "signal SIGTERM") == (final.step, final.epoch, final.stop_reason)
+    assert [f"ckpt-{n:010d}" for n in (5, 10, 12)] == [p.name for p in list_checkpoints(tmp_path)]
+    ctx, fresh, dl = _setup(99)
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    assert (12, 1, 0) == (resumed.step, resumed.epoch, resumed.batch_in_epoch)
+    assert "eval_loss" in resumed.metrics
+    testing.assert_params_equal(final, resumed)
+
+
+def test_the_end_of_a_run_is_checkpointed_and_starting_the_finished_job_again_trains_nothing(tmp_path):
+    """36 updates, a checkpoint every 5: the last periodic one is update 35, the end (36) is saved too."""
+
+    def job(seed):
+        ctx, state, dl = _setup(seed)
+        if latest_checkpoint(tmp_path) is not None:
+            state = load_checkpoint(ctx, tmp_path, state)
+        step = checkpoint_every(ctx, tmp_path, 5, keep_last=2)(make_step(ctx, helpers.ce_loss))
+        return loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3)(state)
+
+    finished = job(0)
+    assert [f"ckpt-{n:010d}" for n in (35, 36)] == [p.name for p in list_checkpoints(tmp_path)]
+
+    again = job(99)
+    assert (36, 3) == (again.step, again.epoch)
+    testing.assert_params_equal(finished, again)
+    assert finished.history == again.history
+
+
 def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
     """max_steps(5) saves its stop; resumed with a larger budget, the run goes on to where one run of 20 ends."""
 
@@ -364,12 +451,14 @@ def _uneven_on_this_rank(kind):
     return "no error"
 
 
+@pytest.mark.multiprocess
 def test_processes_with_different_numbers_of_batches_fail_on_every_rank_at_the_epoch_start():
     messages = testing.run_distributed(_uneven_on_this_rank, "sized", nprocs=2, timeout=60)
     for message in messages:
         assert "different numbers of batches this epoch (rank 0: 6, rank 1: 5)" in message
 
 
+@pytest.mark.multiprocess
 def test_a_loader_of_unknown_length_that_ends_early_on_one_rank_fails_instead_of_hanging():
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"this process's loader ended after 5 batches, but the other processes had not ended"):
@@ -392,6 +481,7 @@ def _hung_rank(seconds):
     run_epoch(ctx, step, dl, state)  # rank 0's collective times out and raises; the error carries trainfold's note
 
 
+@pytest.mark.multiprocess
 def test_a_hung_rank_fails_the_run_after_the_contexts_timeout_and_the_error_says_so():
     with pytest.raises(RuntimeError) as info:
         testing.run_distributed(_hung_rank, 2, nprocs=2, timeout=60)
@@ -432,7 +522,9 @@ def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_che
                 pids[int(rank)] = int(pid)
             elif line.startswith("update"):
                 update = int(line.split()[1])
-        for pid in {"torchrun": [proc.pid], "all": list(pids.values()), "rank1": [pids[1]]}[target]:
+        # slurm: scancel and the time limit signal every process of the step, torchrun included, which then
+        # forwards its own copy to the workers milliseconds later
+        for pid in {"torchrun": [proc.pid], "all": list(pids.values()), "rank1": [pids[1]], "slurm": [*pids.values(), proc.pid]}[target]:
             os.kill(pid, signum)
         sent = time.monotonic()
         rest, _ = proc.communicate(timeout=60)
@@ -443,7 +535,8 @@ def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_che
             proc.wait()
 
 
-@pytest.mark.parametrize("target", ["torchrun", "all", "rank1"])
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["torchrun", "all", "rank1", "slurm"])
 def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_resume_is_exact(tmp_path, uninterrupted, target):
     """SLURM/Kubernetes send SIGTERM, then SIGKILL 30 s later: the job stops at a step boundary within a few
     seconds (on every rank, when only one saw it), writes its final checkpoint, and a resumed job ends bit for bit
@@ -462,6 +555,7 @@ def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_
     testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
 
 
+@pytest.mark.multiprocess
 def test_the_stop_is_agreed_within_seconds_not_updates(tmp_path):
     """Updates of 0.5 s, a signal on one rank: every rank stops within two agreement rounds (1 s each) and a
     few updates, long before 50 updates (25 s, past torchrun's 30 s grace with the save)."""

@@ -67,11 +67,8 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         "state": {
             **{f.name: enc.encode(getattr(values, f.name), f"values.{f.name}") for f in _value_fields(type(values))},
             "history": [[r.epoch, r.step, r.name, r.value] for r in values.history],
-            # as they are, not folded: a resumed run adds the same numbers in the same order
-            "loss_sum": enc.encode(sums.folded_loss, "running.loss"),
-            "aux_sums": enc.encode(dict(sums.folded_aux), "running.aux"),
-            "unsummed": enc.encode(tuple((loss, dict(aux)) for loss, aux in sums.pending), "running.unsummed"),
-            "mask_nonfinite": sums.mask_nonfinite,
+            # the main process's, as every checkpoint before 0.3 held them (each process's own are in its rank files)
+            **_encode_sums(enc, sums),
         },
         "optimizer": enc.encode(run.optimizer, "optimizer"),
         "scheduler": None if run.scheduler is None else enc.encode(run.scheduler, "scheduler"),
@@ -115,13 +112,12 @@ def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: i
         extras = values.get("extras", {})
         if not isinstance(extras, dict):
             raise TypeError(f"extras is a {type(extras).__name__}, not a mapping")
-        sums = RunningSums(
-            _codec.decode(saved["loss_sum"], shared, device=device),
-            MappingProxyType(_codec.decode(saved["aux_sums"], shared, device=device)),
-            tuple((loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), shared, device=device)),
-            # written by trainfold 0.2; before, a state under nan_guard masked
-            bool(saved.get("mask_nonfinite", "nan_guard" in extras)),
-        )
+        # this process's own sums (the shared ones are the main process's: a checkpoint before 0.3 has only those);
+        # mask_nonfinite was written from trainfold 0.2 on; before, a state under nan_guard masked
+        own = meta.get("running")
+        sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked
+        if own is not None:
+            sums = _decode_sums(own, per_rank, device, "nan_guard" in extras)
         history = History(tuple(_record(r) for r in saved["history"]))
         optimizer = _codec.decode(doc["optimizer"], shared)
         scheduler = None if doc["scheduler"] is None else _codec.decode(doc["scheduler"], shared)
@@ -174,10 +170,35 @@ def _record(r: Any) -> Record:
 # --- the per-process files: random states, the data position, partial gradients --------------
 
 
+def _encode_sums(enc: _codec.Encoder, sums: RunningSums) -> dict[str, Any]:
+    # as they are, not folded: a resumed run adds the same numbers in the same order
+    return {
+        "loss_sum": enc.encode(sums.folded_loss, "running.loss"),
+        "aux_sums": enc.encode(dict(sums.folded_aux), "running.aux"),
+        "unsummed": enc.encode(tuple((loss, dict(aux)) for loss, aux in sums.pending), "running.unsummed"),
+        "mask_nonfinite": sums.mask_nonfinite,
+    }
+
+
+def _decode_sums(saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Any, mask_default: bool) -> RunningSums:
+    return RunningSums(
+        _codec.decode(saved["loss_sum"], tensors, device=device),
+        MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
+        tuple((loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)),
+        bool(saved.get("mask_nonfinite", mask_default)),
+    )
+
+
 def encode_rank(rank: int, run: RunState, resume: Resume | None) -> dict[str, Content]:
-    """This process's random states, gradients and (mid-epoch) data position, as its files' bytes."""
+    """This process's random states, gradients, running sums and (mid-epoch) data position, as its files' bytes.
+
+    The running sums are each process's own (the epoch's train metrics reduce them
+    over every process at its end), so each process writes and reads back its own.
+    """
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {}
+    enc = _codec.Encoder()
+    meta["running"] = _encode_sums(enc, run.values.sums)
     now_t, meta["now"] = _rng.to_record(run.rng)
     tensors.update({f"now.{k}": v for k, v in now_t.items()})
     if resume is not None:
@@ -187,9 +208,8 @@ def encode_rank(rank: int, run: RunState, resume: Resume | None) -> dict[str, Co
         meta["samples_done"] = resume.samples_done
         meta["by_samples"] = resume.by_samples
         has, batch = resume.read_ahead
-        enc = _codec.Encoder()
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
-        tensors.update(enc.tensors)
+    tensors.update(enc.tensors)
     meta["grads"] = bool(run.grads)
     tensors.update({f"grad.{n}": g for n, g in run.grads.items()})
     json_name, tensors_name = rank_files(rank)

@@ -9,6 +9,7 @@ names trainfold writes), :func:`hold_lock` (one writer per root, ``_lock.py``),
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -95,10 +96,9 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
         return result
     cleanup()
     if isinstance(error, OSError):
-        raise OSError(
-            f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. "
-            "Free space (or lower keep_last) and save again."
-        ) from error
+        advice = ("Free space (or lower keep_last) and save again." if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+                  "Check that the folder exists and this process may write there, and save again.")
+        raise OSError(error.errno, f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. {advice}") from error
     if error is not None:
         raise error
     raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
@@ -109,11 +109,11 @@ def hold_lock(ctx: Context, root: Path, state: TrainState) -> None:
     key = os.path.abspath(root)
     if key in ctx.checkpoint_locks:
         held = ctx.checkpoint_locks[key]
-        # one syscall on the main process: still ours (closing a Context in this process releases it)
+        # a syscall or two on the main process: still ours, and its file still there (a removed root is made again)
         agreed(ctx, lambda: None if held is None else _lock.confirm(held, root), f"locking {root}")
         return
-    fd = agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
-    ctx.checkpoint_locks[key] = fd
+    lock = agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
+    ctx.checkpoint_locks[key] = lock
 
 
 def check_same_run(root: Path, state: TrainState) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, overload
 
@@ -50,7 +51,7 @@ from ._files import (
     verify,
 )
 from ._format import decode, encode_rank, encode_shared
-from ._modes import eval_mode
+from ._modes import eval_mode, optimizer_modes
 from ._background import SaveJob, to_host, write_and_commit
 from ._root import (
     agreed,
@@ -75,7 +76,6 @@ from ._validate import (
     positive_int,
 )
 from .context import Context
-from .interrupt import catching_signals
 from .state import TrainState
 
 logger = logging.getLogger("trainfold")
@@ -166,8 +166,9 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     if keep_last is not None:
         positive_int("keep_last", keep_last)
     _check_replicas_equal(state)
-    # a signal now is honoured after the save, not in its middle; a schedule-free optimizer saves its eval weights
-    with catching_signals(ctx.interrupt, ctx.signals), eval_mode(state.model, state.optimizer, no_grad=False):
+    # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
+    # a schedule-free optimizer saves its eval weights
+    with eval_mode(state.model, state.optimizer, no_grad=False):
         return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
 
 
@@ -250,7 +251,13 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
         ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
     else:
         write_and_commit(ctx, job)
+    ctx.saved_at[os.fspath(root)] = position_of(state)
     return state
+
+
+def position_of(state: TrainState) -> tuple[int, ...]:
+    """What tells two saves of a run apart: its counters, whether it is finished, and how many records it holds."""
+    return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
 
 
 def _check_at_update(ctx: Context, state: TrainState) -> None:
@@ -419,6 +426,10 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
 
 
 def _loaded(loaded: TrainState, resume: Resume) -> TrainState:
+    # A schedule-free optimizer was saved in eval mode (save_checkpoint switches it): back to the mode the run was in.
+    modes = optimizer_modes(loaded.optimizer)
+    if modes is not None and loaded.model.training:
+        modes.train()
     # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
     return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "")
 
@@ -477,6 +488,16 @@ def _load_sharded(ctx: Context, folder: Path, manifest: Mapping[str, Any], state
         return run, resume, metadata
 
     run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
+    if elastic and run.values.batch_in_epoch > 0:
+        warnings.warn(
+            f"load_checkpoint: {folder} was saved by {world} processes in the middle of epoch {run.values.epoch + 1}; this run "
+            f"has {acc.num_processes}. The model, optimizer and data position continue exactly, but the epoch's running "
+            "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
+            "train_loss (and train aux values) will not be exact; the next epochs' are.",
+            UserWarning,
+            stacklevel=3,
+        )
+        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
 
     def read_file(name: str) -> Mapping[str, torch.Tensor]:
         return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
@@ -542,14 +563,44 @@ def _check_resumable(state: TrainState, batch: Batch) -> None:
         raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
 
 
+@attrs.frozen
+class RunEndSave:
+    """The saving ``checkpoint_every`` composed for a run: what :func:`save_run_end` writes when its loop ends."""
+
+    root: str
+    keep_last: int | None
+    sharded: bool | None
+    async_save: bool
+
+
+def save_run_end(ctx: Context, state: TrainState) -> TrainState:
+    """Checkpoint the state a run's loop ends with, where its ``checkpoint_every`` saves, unless that root holds it already.
+
+    Called by ``loop``, ``repeat`` and ``until`` as they return (every process
+    calls them): the normal end (``max_epochs``), an early stop, a stop agreed
+    during an evaluation or between two epochs, a budget's end after the epoch
+    functions evaluated it. The save is committed before it returns.
+    """
+    end = ctx.run_end_saves.get(state.run_id)
+    if end is None or ctx.saved_at.get(end.root) == position_of(state):
+        return state
+    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
+    ctx.wait_for_checkpoints()
+    return saved
+
+
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
                      async_save: bool = False) -> StepTransformer:
-    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, and when the run stops.
+    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, when the run stops, and when it ends.
 
     A final checkpoint is written after the step at which the run stops for any
     reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
     which ``run_epoch`` turns into a stop at the next step boundary agreed by
-    every process), so an interrupted run loses nothing.
+    every process), so an interrupted run loses nothing. The state a ``loop``
+    (``repeat``, ``until``) ends with is saved there too, unless this root holds
+    it already: the normal end of the run, a stop agreed during an evaluation
+    or between epochs, and what the epoch functions after a budget's stop
+    recorded. Starting a finished job again trains nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
     ``sharded`` and ``async_save`` are ``save_checkpoint``'s; with ``async_save``
@@ -572,12 +623,13 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     interrupt = ctx.interrupt
 
     def transform(step: Step) -> Step:
-        checked = [False]
+        checked = [""]
 
         def saving(state: TrainState, batch: Batch) -> TrainState:
-            if not checked[0]:  # once: what would fail at the first save, refused at the first step
+            if checked[0] != state.run_id:  # once per run: what would fail at the first save, refused at the first step
                 _check_resumable(state, batch)
-                checked[0] = True
+                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save)
+                checked[0] = state.run_id
             new = step(state, batch)
             due = new.step != state.step and new.step % n == 0
             # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)

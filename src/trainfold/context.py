@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from ._backend import fill_deepspeed_micro_batch, loader_placement, wait_for_everyone
 from ._saver import Saver
 from ._control import Control, current_timeout, set_timeout
-from .interrupt import Interrupt
+from .interrupt import Handlers, Interrupt
 
 #: the signals a Context turns into a stop request by default: Ctrl-C, and what SLURM,
 #: Kubernetes and torchrun send before they kill a job
@@ -78,6 +78,20 @@ def _timeout(value: Any) -> datetime.timedelta | None:
 
 def _interrupt(ctx: Context) -> Interrupt:
     return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
+
+
+def _handlers(ctx: Context) -> Handlers:
+    return Handlers(ctx.interrupt, ctx.signals)
+
+
+def context_of(accelerator: Any) -> Context | None:
+    """The live Context made last over ``accelerator`` (what a loop combinator finds through ``state.accelerator``), or None.
+
+    The link is a weak reference on the Accelerator instance, set when a Context is
+    made: :meth:`Context.with_accumulation` makes the new Context the one found.
+    """
+    ref = getattr(accelerator, "_trainfold_context", None)
+    return ref() if ref is not None else None
 
 
 def _finish_saves_before_end_training(ctx: Context) -> None:
@@ -150,10 +164,13 @@ class Context:
     Args:
         accelerator: the ``accelerate.Accelerator`` that does device placement,
             mixed precision, accumulation and distribution.
-        signals: the signals that, while ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs, are a request
-            to stop at the next step boundary (a final checkpoint is written, a second
-            signal acts at once). SIGINT and SIGTERM by default; ``signals=()`` leaves
-            every signal to the host application.
+        signals: the signals that, from the Context's creation until :meth:`close`, are a request
+            to stop at the next step boundary, the end of an evaluation or the next epoch of a
+            loop, wherever they arrive (the saving you composed writes a final checkpoint; a
+            repeated SIGTERM changes nothing, a second Ctrl-C acts at once; see
+            :class:`trainfold.interrupt.Handlers`). SIGINT and SIGTERM by default; ``signals=()``
+            leaves every signal to the host application. Made outside the main thread, a
+            Context installs no handler (Python delivers signals to the main thread).
         stop_check_s: on several processes, the length of an agreement round in
             seconds: a stop requested on any process stops all of them within two
             rounds and the optimizer update in progress (see :mod:`trainfold.interrupt`).
@@ -186,18 +203,25 @@ class Context:
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=_timeout)
     #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
     control: Control = attrs.field(init=False, factory=Control, repr=False)
-    #: the stop request a signal sets while ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs (see :mod:`trainfold.interrupt`)
+    #: the stop request a signal sets (see :mod:`trainfold.interrupt`)
     interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
-    #: the checkpoint roots this run writes, by path: the lock's descriptor on the main process
-    #: (held until :meth:`close` or the process ends), None on the others
+    #: the checkpoint roots this run writes, by path: the lock's key on the main process (see
+    #: :mod:`trainfold._lock`: held until :meth:`close` or the process ends), None on the others
     checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
     #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold._saver`)
     saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
+    #: the signal handlers installed for this Context's life (see :class:`trainfold.interrupt.Handlers`)
+    handlers: Handlers = attrs.field(init=False, default=attrs.Factory(_handlers, takes_self=True), repr=False)
+    #: the saving a ``checkpoint_every`` composed for a run, by the run's id: what the end of a loop saves
+    run_end_saves: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: the position each root's last checkpoint of this process holds (so that the end of a run is not saved twice)
+    saved_at: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if self.timeout is not None and self.accelerator.num_processes > 1:
             set_timeout(self.timeout)
         _finish_saves_before_end_training(self)
+        self.accelerator._trainfold_context = weakref.ref(self)
 
     def collective_timeout(self) -> datetime.timedelta | None:
         """How long a collective waits for the other processes before it fails (None on one process)."""
@@ -222,7 +246,7 @@ class Context:
             )
 
     def close(self) -> None:
-        """End the run: release its checkpoint locks, finish Accelerate's trackers and destroy the process group.
+        """End the run: release its checkpoint locks, put its signal handlers back, finish Accelerate's trackers and destroy the process group.
 
         A distributed run that skips this aborts at exit under torchrun. It does
         not wait for the other processes: one that destroys the group while
@@ -242,11 +266,12 @@ class Context:
         except BaseException as exc:  # raised once the run is closed: a lost checkpoint is never silent
             failed = exc
         self.saver.forget()
-        for fd in self.checkpoint_locks.values():
-            if fd is not None:
-                release(fd)
+        for lock in self.checkpoint_locks.values():
+            if lock is not None:
+                release(lock)
         self.checkpoint_locks.clear()
         self.control.forget()
+        self.handlers.uninstall()
         self.accelerator.end_training()
         if failed is not None:
             raise failed

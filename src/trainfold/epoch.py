@@ -29,7 +29,7 @@ from ._loss import compute_loss
 from ._modes import eval_mode, train_mode
 from .tokens import LOSS_WEIGHT, TOKENS
 from ._control import check_same_count, check_same_length, explaining_timeouts
-from .interrupt import catching_signals, signal_name
+from .interrupt import signal_name
 from .metrics import RunningSums, weighted
 from .state import TrainState
 from .step import normalize_mode
@@ -74,9 +74,8 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     through) and a checkpoint of it continues the epoch. So does ``run_epoch``
     on it, over the same loader, once ``should_stop`` is cleared.
 
-    While it runs, the Context's signals (SIGINT, SIGTERM) are a request to
-    stop at the next step boundary, agreed by every process (see
-    :mod:`trainfold.interrupt`). On several processes it first checks, with one
+    The Context's signals (SIGINT, SIGTERM) are a request to stop at the next
+    step boundary, agreed by every process (see :mod:`trainfold.interrupt`). On several processes it first checks, with one
     all-gather on the control channel, that every process has as many batches
     (a loader of unknown length is checked at its end), so that uneven data
     fails on every process instead of hanging in a collective.
@@ -122,7 +121,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.interrupt
     acc = ctx.accelerator
-    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx):
+    with explaining_timeouts(ctx):
         for batch in iterator:
             state = step(state, batch)
             seen += 1
@@ -347,7 +346,7 @@ def evaluate(
     count = 0
     batches = 0
     interrupt = ctx.interrupt
-    with catching_signals(interrupt, ctx.signals), explaining_timeouts(ctx), eval_mode(net, state.optimizer if net is state.model else None):
+    with explaining_timeouts(ctx), eval_mode(net, state.optimizer if net is state.model else None):
         for batch in loader:
             batches += 1
             n = batch_size(batch)

@@ -1,11 +1,11 @@
 """Signals as a request to stop at the next step boundary, agreed by every process within a bounded time.
 
-While ``run_epoch``, ``evaluate`` or ``save_checkpoint`` runs, the signals the
-Context names (SIGINT and SIGTERM by default) do not kill the process: the first
-one is a request to stop, honoured at the next optimizer update (or when an
-evaluation ends), so a final checkpoint can be written; a
-second one acts at once (KeyboardInterrupt for SIGINT, the previous handler for
-the others).
+For the whole life of a Context (from its creation to ``ctx.close()``), the
+signals it names (SIGINT and SIGTERM by default) do not kill the process: the
+first one is a request to stop, honoured at the next optimizer update, when an
+evaluation ends, or before a loop's next epoch, so a final checkpoint can be
+written (see :class:`Handlers`). A repeated SIGTERM stays a request; a second
+Ctrl-C acts at once.
 
 On one process the request is seen at the next step boundary. On several, a
 signal may reach one process only (a scheduler that signals one task, a user
@@ -25,13 +25,13 @@ the ends of accumulation groups, so the run stops at an update).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
 import threading
 import time
-from typing import Any, Iterator, Sequence
+import weakref
+from typing import Any, Sequence
 
 import torch
 
@@ -172,42 +172,85 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-@contextlib.contextmanager
-def catching_signals(interrupt: Interrupt, signals: Sequence[int]) -> Iterator[None]:
-    """Turn the first of ``signals`` into ``interrupt.request``; a second one acts at once.
+#: a repeat of a signal sooner than this after the one before is its echo, not a person asking again: torchrun
+#: forwards the SIGTERM (or the terminal's SIGINT) it received to workers that already received their own
+ECHO_S = 1.0
 
-    Installed by the outermost of nested scopes (``run_epoch`` around a ``checkpoint_every`` save),
-    in the main thread only (Python delivers signals there), and the previous
-    handlers are put back on the way out.
+
+class Handlers:
+    """The signal handlers a Context installs for its whole life (main thread only), and puts back when it closes.
+
+    The first of the Context's signals is a request to stop (:meth:`Interrupt.request`),
+    honoured at the next step boundary, at the end of an evaluation, or between two
+    epochs of a loop, wherever it arrived: in a step, an evaluation, a metric, your
+    epoch functions, a tracker's flush, the wait for the last background save.
+    A repeated SIGTERM (SLURM signals every process of a job step, and torchrun
+    forwards its own copy milliseconds later) stays a request: the scheduler's
+    SIGKILL is its "now". Only a second Ctrl-C (SIGINT, at least :data:`ECHO_S` after
+    the first) acts at once: ``KeyboardInterrupt``, or the previous handler.
+
+    Handlers of several live Contexts chain: a signal is a request to each of them.
     """
-    if not signals or interrupt._scopes or threading.current_thread() is not threading.main_thread():
-        interrupt._scopes += 1
-        try:
-            yield
-        finally:
-            interrupt._scopes -= 1
-        return
-    previous = {s: signal.getsignal(s) for s in signals}
 
-    def put_back() -> None:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    def __init__(self, interrupt: Interrupt, signals: Sequence[int]) -> None:
+        self._interrupt = weakref.ref(interrupt)
+        self._previous: dict[int, Any] = {}
+        self._last = 0.0
+        self.installed = False
+        if not signals or threading.current_thread() is not threading.main_thread():
+            return  # Python delivers signals to the main thread only: a Context made elsewhere leaves them to the host
+        for s in signals:
+            self._previous[s] = signal.signal(s, self._handle)
+        self.installed = True
 
-    def handler(signum: int, frame: Any) -> None:
-        if interrupt.requested:
-            put_back()
-            if signum == signal.SIGINT and previous[signum] in (signal.default_int_handler, signal.SIG_DFL):
-                raise KeyboardInterrupt
-            signal.raise_signal(signum)  # the previous disposition: the default ends the process
+    def _handle(self, signum: int, frame: Any) -> None:
+        interrupt = self._interrupt()
+        if interrupt is None or not self.installed:  # the Context is gone or closed: what was there before decides
+            self._pass_on(signum, frame)
             return
-        interrupt.request(signum)
-        log.warning("trainfold: %s received: stopping at the next step boundary; send it again to stop at once.", signal_name(signum))
+        self._request_previous(signum)
+        now, last = time.monotonic(), self._last
+        self._last = now
+        if not interrupt.requested:
+            interrupt.request(signum)
+            log.warning("trainfold: %s received: stopping at the next step boundary (a final checkpoint is written where you "
+                        "save); %s", signal_name(signum), "press Ctrl-C again to stop at once." if signum == signal.SIGINT else
+                        "a repeated SIGTERM changes nothing; SIGKILL ends the process at once.")
+            return
+        if signum == signal.SIGINT and now - last >= ECHO_S:  # a person asking again: now
+            self.uninstall()
+            self._pass_on(signum, frame)
+            return
+        log.info("trainfold: %s received again: the stop already requested goes on.", signal_name(signum))
 
-    for s in signals:
-        signal.signal(s, handler)
-    interrupt._scopes += 1
-    try:
-        yield
-    finally:
-        interrupt._scopes -= 1
-        put_back()
+    def _request_previous(self, signum: int) -> None:
+        """Every live Context in the process sees the request: a Context's handler made before this one is asked too."""
+        previous = self._previous.get(signum)
+        owner = getattr(previous, "__self__", None)
+        if isinstance(owner, Handlers) and owner.installed:
+            earlier = owner._interrupt()
+            if earlier is not None and not earlier.requested:
+                earlier.request(signum)
+                owner._last = self._last
+            owner._request_previous(signum)
+
+    def _pass_on(self, signum: int, frame: Any) -> None:
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)  # the default disposition: ends the process
+
+    def uninstall(self) -> None:
+        """Put back the handlers found at install; a handler installed after this one keeps calling it (it passes on)."""
+        if not self.installed:
+            return
+        self.installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return  # cannot be changed from here: the handler passes every signal on
+        for s, previous in self._previous.items():
+            if signal.getsignal(s) == self._handle:
+                signal.signal(s, previous)

@@ -13,16 +13,41 @@ import attrs
 
 from ._types import EpochFn, StatePredicate
 from ._validate import expect_state, name_of, named, positive_int, returned_state
+from .checkpoint import save_run_end
+from .context import Context, context_of
+from .interrupt import signal_name
 from .state import TrainState
 
 
-def _ended(state: TrainState) -> TrainState:
-    """The state a loop combinator returns: an interrupted epoch is no longer being unwound.
+def _context(state: TrainState) -> Context | None:
+    return context_of(state.accelerator) if state.accelerator is not None else None
+
+
+def _stop_requested(ctx: Context | None, state: TrainState) -> TrainState:
+    """A signal that arrived since the last check (in an epoch function, a tracker's flush...), agreed before the next epoch.
+
+    Every process calls it at the same point (one all-reduce on the control channel on several).
+    """
+    if ctx is None or state.should_stop:
+        return state
+    signum = ctx.interrupt.agree_now()
+    if not signum:
+        return state
+    ctx.interrupt.clear()  # honoured: a later run on this Context is not stopped by it
+    return state.with_stop(f"signal {signal_name(signum)}")
+
+
+def _ended(ctx: Context | None, state: TrainState) -> TrainState:
+    """The state a loop combinator returns: an interrupted epoch is no longer being unwound, and the end is saved.
 
     The epoch functions composed after ``run_epoch`` passed it through; code after
     the loop runs as written (``evaluate`` evaluates). It stays stopped and mid-epoch.
+    Where the run's ``checkpoint_every`` saves, a checkpoint of this state is
+    committed unless one holds it already (:func:`~trainfold.checkpoint.save_run_end`).
     """
-    return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False)) if state.interrupted else state
+    if state.interrupted:
+        state = attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False))
+    return state if ctx is None else save_run_end(ctx, state)
 
 
 def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
@@ -31,7 +56,9 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
     ::
 
         while not state.should_stop and state.epoch < max_epochs:
+            stop if a signal arrived since the last check (agreed by every process)
             state = epoch_fn(state)        # must advance state.epoch
+        save the end where the run's checkpoint_every saves (unless saved already)
 
     ``max_epochs`` counts epochs of the whole run, so a state resumed at epoch
     5 runs epochs 6..max_epochs. With ``max_epochs=None`` only ``should_stop``
@@ -59,7 +86,11 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("loop", state)
+        ctx = _context(state)
         while not state.should_stop and (max_epochs is None or state.epoch < max_epochs):
+            state = _stop_requested(ctx, state)
+            if state.should_stop:
+                break
             new = returned_state(epoch_fn, epoch_fn(state))
             if new.epoch <= state.epoch and not new.should_stop:
                 raise RuntimeError(
@@ -67,7 +98,7 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
                     f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
                 )
             state = new
-        return _ended(state)
+        return _ended(ctx, state)
 
     return named(run, f"loop({name_of(epoch_fn)}, max_epochs={max_epochs})")
 
@@ -87,11 +118,13 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("repeat", state)
+        ctx = _context(state)
         for _ in range(n):
+            state = _stop_requested(ctx, state)
             if state.should_stop:
                 break
             state = returned_state(fn, fn(state))
-        return _ended(state)
+        return _ended(ctx, state)
 
     return named(run, f"repeat({n}, {name_of(fn)})")
 
@@ -110,9 +143,13 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("until", state)
+        ctx = _context(state)
         while not state.should_stop and not predicate(state):
+            state = _stop_requested(ctx, state)
+            if state.should_stop:
+                break
             state = returned_state(fn, fn(state))
-        return _ended(state)
+        return _ended(ctx, state)
 
     return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
 

@@ -65,7 +65,9 @@ def isolated_accelerate() -> Iterator[None]:
     """Run a block with fresh Accelerate process state, and reset it again after.
 
     Accelerate keeps ``AcceleratorState``/``GradientState`` per process, so tests
-    that build Accelerators with different settings must be isolated. As a
+    that build Accelerators with different settings must be isolated. The handlers
+    of SIGINT and SIGTERM are put back too: a Context installs its own for its life,
+    and a test rarely closes its Context. As a
     pytest fixture::
 
         @pytest.fixture(autouse=True)
@@ -79,11 +81,17 @@ def isolated_accelerate() -> Iterator[None]:
         ...     Accelerator(cpu=True, gradient_accumulation_steps=2).gradient_accumulation_steps
         2
     """
+    import signal
+    import threading
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
     reset_accelerate_state()
     try:
         yield
     finally:
         reset_accelerate_state()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
 
 
 class SyncCounter:
