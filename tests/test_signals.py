@@ -362,6 +362,52 @@ def test_the_end_of_a_run_is_checkpointed_and_starting_the_finished_job_again_tr
     assert finished.history == again.history
 
 
+@pytest.mark.parametrize("budget", [5, 17])
+def test_a_budget_that_ends_inside_an_epoch_is_evaluated_by_the_composed_epoch_functions(budget, tmp_path, capsys):
+    """run_clm_no_trainer's --max_train_steps: max_steps then evaluate. The budget is the run's own end, so the final model
+    is evaluated (a port crashed with KeyError: 'eval_loss' when the budget ended in epoch 1, and reported epoch 1's
+    eval_loss as final when it ended in epoch 2)."""
+    ctx, state, dl = _setup()
+    step = checkpoint_every(ctx, tmp_path, 100)(max_steps(budget)(make_step(ctx, helpers.ce_loss)))
+    epoch = compose(save_best(ctx, tmp_path / "best.safetensors", "eval_loss"), log_epoch(ctx), early_stop("eval_loss", patience=1),
+                    evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl))
+
+    final = loop(epoch, max_epochs=5)(state)
+
+    assert (budget, budget // 12, budget % 12, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.stop_reason)
+    ctx2, fresh, _ = _setup(99)
+    expected = evaluate(ctx2, helpers.ce_loss, dl, restore_params(fresh, final))
+    assert pytest.approx(expected.metrics["eval_loss"], rel=1e-6) == final.metrics["eval_loss"]  # the final model's (another batch order)
+    assert (budget // 12, budget) == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"][-1]
+    assert f"stopped in epoch {budget // 12 + 1} at update {budget} (max_steps):  eval_loss" in capsys.readouterr().out
+    assert (tmp_path / "best.safetensors").exists()
+    patience = final.extras.get("early_stop:eval_loss")  # counts completed epochs only: the budget's end is not one
+    assert (None if budget < 12 else (final.history["eval_loss"][0], 0)) == (patience and (patience.best, patience.bad_epochs))
+    resumed = load_checkpoint(ctx2, tmp_path, fresh)  # the end, with its evaluation, is the newest checkpoint
+    assert (budget, final.history) == (resumed.step, resumed.history)
+
+
+def restore_params(state, source):
+    with torch.no_grad():
+        for p, q in zip(state.model.parameters(), source.model.parameters()):
+            p.copy_(q)
+    return state
+
+
+def test_metrics_never_present_an_older_models_value_as_current():
+    ctx, state, dl = _setup()
+    train = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)
+    state = evaluate(ctx, helpers.ce_loss, dl, train(state))
+    assert {"train_loss", "eval_loss"} == set(state.metrics)
+
+    state = train(state)  # an epoch without evaluation: eval_loss is of the model 12 updates ago
+
+    assert {"train_loss"} == set(state.metrics)
+    with pytest.raises(KeyError, match=r"'eval_loss' was not recorded for the model at update 24: its last value is from update 12 \(epoch 1\)"):
+        state.metrics["eval_loss"]
+    assert state.history.latest("eval_loss") == state.history["eval_loss"][0]
+
+
 def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
     """max_steps(5) saves its stop; resumed with a larger budget, the run goes on to where one run of 20 ends."""
 

@@ -153,7 +153,7 @@ def _count(name: str, v: Any) -> int:
 def _check_counters(values: Mapping[str, Any]) -> None:
     for name in ("step", "micro_step", "epoch", "batch_in_epoch"):
         _count(name, values.get(name, 0))
-    for flag in ("should_stop", "finished", "end_of_epoch"):
+    for flag in ("should_stop", "finished", "end_of_epoch", "final_stop"):
         if not isinstance(values.get(flag, False), bool):
             raise ValueError(f"{flag} is {values[flag]!r}, not a bool")
     if not isinstance(values.get("stop_reason", ""), str):

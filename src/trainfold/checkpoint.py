@@ -431,7 +431,8 @@ def _loaded(loaded: TrainState, resume: Resume) -> TrainState:
     if modes is not None and loaded.model.training:
         modes.train()
     # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
-    return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "")
+    return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "",
+                        final_stop=loaded.final_stop and loaded.finished)
 
 
 def _check_accumulation(ctx: Context, folder: Path, saved_steps: int) -> None:

@@ -133,8 +133,9 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 break
             if state.should_stop:
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
-                # later run_epoch), and the epoch-level functions after this one pass it through.
-                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=True))
+                # later run_epoch). After a preemption (a signal, nan_guard) the epoch-level functions
+                # after this one pass it through; a final stop (a budget) is the run's own end, which they evaluate.
+                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=not state.final_stop))
         else:
             if distributed and length is None:
                 check_same_count(ctx.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))

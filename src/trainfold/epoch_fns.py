@@ -96,7 +96,7 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     """
     state = expect_state("early_stop", state)
     _check_mode(mode)
-    if state.interrupted:
+    if state.interrupted or state.ended_mid_epoch:
         return state  # no epoch ended: nothing to count
     key = f"early_stop:{metric}"
     tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "early_stop"), mode, min_delta)
@@ -219,8 +219,8 @@ def reduce_lr_on_plateau(
     _check_mode(mode)
     if not 0.0 < factor < 1.0:
         raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
-    if state.interrupted:
-        return state
+    if state.interrupted or state.ended_mid_epoch:
+        return state  # no epoch ended (a budget's end changes no learning rate)
     key = f"plateau:{metric}"
     tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta)
     if tracker.bad_epochs < patience:
@@ -260,6 +260,13 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainSta
     if state.interrupted:
         if ctx.is_main_process:
             logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
+        return state
+    if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
+        values = dict(state.metrics)
+        emit(ctx, {epoch_key(k): v for k, v in values.items()}, state.step, log=False)
+        if ctx.is_main_process:
+            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({state.stop_reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
+            print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
     emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, state.step, log=False)

@@ -70,6 +70,17 @@ class History:
         """The most recent value recorded under ``name`` (KeyError if none)."""
         return self[name][-1]
 
+    def at(self, step: int) -> Mapping[str, float]:
+        """The values recorded at update ``step`` (the newest of each name); a name recorded only earlier raises a KeyError saying so.
+
+        Example:
+            >>> h = History().add(epoch=1, step=10, values={"train_loss": 0.5, "eval_loss": 0.4})
+            >>> h = h.add(epoch=2, step=20, values={"train_loss": 0.25})
+            >>> dict(h.at(20))
+            {'train_loss': 0.25}
+        """
+        return _AtStep(self, step)
+
     def latest_values(self) -> Mapping[str, float]:
         """A read-only mapping of every name to its most recent value."""
         return MappingProxyType({r.name: r.value for r in self.records})
@@ -80,3 +91,35 @@ class History:
         for r in self.records:
             out.setdefault(r.name, []).append((r.epoch, r.step, r.value))
         return out
+
+
+class _AtStep(Mapping[str, float]):
+    """The values a History recorded at one update: a read-only mapping whose KeyError says where a name was last seen."""
+
+    def __init__(self, history: History, step: int) -> None:
+        self._values = {r.name: r.value for r in history.records if r.step == step}
+        self._history = history
+        self._step = step
+
+    def __getitem__(self, name: str) -> float:
+        try:
+            return self._values[name]
+        except KeyError:
+            older = [r for r in self._history.records if r.name == name]
+            if not older:
+                raise KeyError(f"no metric {name!r} has been recorded; recorded at update {self._step}: {list(self._values)}") from None
+            last = older[-1]
+            raise KeyError(
+                f"{name!r} was not recorded for the model at update {self._step}: its last value is from update {last.step} "
+                f"(epoch {last.epoch}), an older model. state.history.latest({name!r}) gives it; evaluate the state to "
+                "record one now."
+            ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return repr(self._values)

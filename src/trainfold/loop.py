@@ -158,7 +158,8 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` only when ``state.epoch`` is a multiple of ``n``; otherwise pass the state through.
 
     In ``compose(every_epochs(5, save), run_epoch(...))`` the checkpoint is
-    written after epochs 5, 10, 15... (For every ``n`` optimizer updates inside
+    written after epochs 5, 10, 15..., and at the final stop of a budget
+    (:attr:`~trainfold.TrainState.ended_mid_epoch`). (For every ``n`` optimizer updates inside
     an epoch, see :func:`~trainfold.every_steps`.)
 
     Example:
@@ -177,6 +178,8 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
         state = expect_state("every_epochs", state)
         if state.interrupted:  # the epoch did not end: the one before it was already counted
             return state
+        if state.ended_mid_epoch:  # a budget's end: the final model gets what the epochs get
+            return returned_state(fn, fn(state))
         return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
 
     return named(run, f"every_epochs({n}, {name_of(fn)})")

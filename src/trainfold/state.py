@@ -106,6 +106,11 @@ class TrainState:
             invocation (a budget, a signal) leaves it False, and a resumed run goes on.
         stop_reason: who stopped it: ``"max_steps"``, ``"early_stop:<metric>"``,
             ``"nan_guard"``, ``"signal SIGTERM"``... ("" for none given).
+        final_stop: the stop is where this invocation was meant to end (a step budget,
+            ``stop_when``'s condition), not a preemption: ``run_epoch`` leaves the epoch open
+            but not interrupted, so the epoch functions composed after it (``evaluate``,
+            ``save_best``, ``log_epoch``, ``save_checkpoint``) record and save the final model
+            (see :attr:`ended_mid_epoch`). A signal or ``nan_guard`` stop is not final.
         end_of_epoch: end the current epoch after this batch, as if the loader had
             ended (``stop_when(..., end="epoch")`` sets it): ``run_epoch`` records the
             epoch and clears the flag; training goes on with the next epoch.
@@ -138,6 +143,7 @@ class TrainState:
     finished: bool = False
     stop_reason: str = ""
     end_of_epoch: bool = False
+    final_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
     cursor: Any = attrs.field(default=None, repr=False, eq=False)
     run_id: str = attrs.field(default="", repr=False, eq=False)
@@ -280,8 +286,28 @@ class TrainState:
 
     @property
     def metrics(self) -> Mapping[str, float]:
-        """The latest value of every recorded metric (``{"train_loss": ..., "eval_loss": ...}``)."""
-        return self.history.latest_values()
+        """Every metric recorded for the model as it is: the values recorded at the current update (``state.step``).
+
+        ``{"train_loss": ..., "eval_loss": ...}`` after an epoch and its evaluation.
+        A value recorded at an earlier update is not in it (never a stale value as
+        current): asking for one raises a ``KeyError`` that says where it was last
+        recorded; ``state.history.latest(name)`` gives it.
+
+        .. versionchanged:: 0.3.0 only the values of the current update (was: each name's latest).
+        """
+        return self.history.at(self.step)
+
+    @property
+    def ended_mid_epoch(self) -> bool:
+        """True when a final stop (:attr:`final_stop`: a budget, ``stop_when``) ended the run in the middle of an epoch.
+
+        The epoch stays open (a checkpoint continues it), but the epoch functions run on
+        this state: the final model is evaluated. ``early_stop`` and
+        ``reduce_lr_on_plateau`` count completed epochs only and pass it through.
+
+        .. versionadded:: 0.3.0
+        """
+        return self.should_stop and self.final_stop and self.batch_in_epoch > 0
 
     @property
     def interrupted(self) -> bool:
@@ -298,15 +324,17 @@ class TrainState:
         """
         return isinstance(self.cursor, EpochCursor) and self.cursor.interrupted
 
-    def with_stop(self, reason: str, *, finished: bool = False) -> TrainState:
+    def with_stop(self, reason: str, *, finished: bool = False, final: bool = False) -> TrainState:
         """Return this state stopped: ``should_stop`` set, with its reason, ``finished`` if the run is over for good.
+
+        ``final=True``: the stop is where this invocation was meant to end (see :attr:`final_stop`).
 
         Example:
             >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None).with_stop("max_steps")
             >>> s.should_stop, s.finished, s.stop_reason
             (True, False, 'max_steps')
         """
-        return attrs.evolve(self, should_stop=True, finished=self.finished or finished, stop_reason=reason)
+        return attrs.evolve(self, should_stop=True, finished=self.finished or finished, stop_reason=reason, final_stop=final)
 
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""

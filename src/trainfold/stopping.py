@@ -120,7 +120,7 @@ def stop_when(
                 return new
             if end == "epoch":
                 return attrs.evolve(new, end_of_epoch=True)
-            return new.with_stop(name, finished=finished)
+            return new.with_stop(name, finished=finished, final=True)
 
         return named(stopping, f"stop_when({name_of(predicate)}, end={end!r})({name_of(step)})")
 

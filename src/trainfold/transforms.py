@@ -29,8 +29,10 @@ def max_steps(n: int) -> StepTransformer:
 
     A state already at ``n`` updates is returned unchanged (stopped) without
     running the step. A budget ends this invocation, not the run: the stopped
-    epoch stays open (``state.interrupted``), and a run resumed from its
-    checkpoint with a larger budget (or none) goes on from there.
+    epoch stays open, and a run resumed from its checkpoint with a larger budget
+    (or none) goes on from there. It is the run's own end (a final stop,
+    :attr:`~trainfold.TrainState.final_stop`), so the epoch functions composed after
+    ``run_epoch`` evaluate, log and save the final model.
 
     Example:
         >>> from trainfold import testing
@@ -46,9 +48,9 @@ def max_steps(n: int) -> StepTransformer:
     def transform(step: Step) -> Step:
         def limited(state: TrainState, batch: Batch) -> TrainState:
             if state.step >= n:
-                return state.with_stop("max_steps")
+                return state.with_stop("max_steps", final=True)
             new = step(state, batch)
-            return new.with_stop("max_steps") if new.step >= n else new
+            return new.with_stop("max_steps", final=True) if new.step >= n else new
 
         return named(limited, f"max_steps({n})({name_of(step)})")
 
