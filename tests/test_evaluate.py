@@ -198,3 +198,75 @@ def test_evaluate_metrics_refuses_an_object_that_is_not_a_metric_and_a_value_tha
     with pytest.raises(TypeError, match=r"metric 'f1' computed a tensor of shape \(3,\); the history holds numbers"):
         evaluate_metrics(ctx, {"f1": per_class}, lambda m, b: (m(b[0]).argmax(-1), b[1]), dl, state)
     testing.reset_accelerate_state()
+
+
+# --- outputs and loaders that would not count every sample once ----------------------------------
+
+
+class _TokenAccuracy:
+    """Correct tokens over all tokens: flattens (batch, tokens) inside the metric."""
+
+    def __init__(self):
+        self.reset()
+
+    def update(self, preds, target):
+        self.right += int((preds == target).sum())
+        self.total += target.numel()
+
+    def compute(self):
+        return self.right / self.total
+
+    def reset(self):
+        self.right, self.total = 0, 0
+
+
+def _tokens_setup(n=29, tokens=64, batch_size=8):
+    from trainfold import Context, TrainState
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 5, (n, tokens)), torch.randint(0, 5, (n, tokens))
+    model = torch.nn.Embedding(5, 5)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size))
+    expected = int((model(x).argmax(-1) == y).sum()) / y.numel()
+    return ctx, state, dl, expected
+
+
+def test_evaluate_metrics_refuses_flattened_per_token_outputs():
+    """(batch*tokens,) outputs had their last batch cut to its sample count (1856 entries to 29): a wrong accuracy."""
+    from trainfold import evaluate_metrics
+
+    ctx, state, dl, _ = _tokens_setup()
+    flat = lambda m, b: (m(b[0]).argmax(-1).reshape(-1), b[1].reshape(-1))  # noqa: E731
+
+    with pytest.raises(ValueError, match=r"tensor of shape \(512,\) for a batch of 8 samples.*first dimension"):
+        evaluate_metrics(ctx, {"acc": _TokenAccuracy()}, flat, dl, state)
+
+
+def test_evaluate_metrics_counts_every_token_of_per_sample_outputs():
+    from trainfold import evaluate_metrics
+
+    ctx, state, dl, expected = _tokens_setup()
+    per_sample = lambda m, b: (m(b[0]).argmax(-1), b[1])  # noqa: E731
+
+    state = evaluate_metrics(ctx, {"acc": _TokenAccuracy()}, per_sample, dl, state)
+
+    assert pytest.approx(expected, abs=1e-12) == state.metrics["eval_acc"]
+
+
+@pytest.mark.parametrize("which", ["evaluate", "evaluate_metrics", "predict"])
+def test_a_loader_that_drops_samples_is_refused_where_every_sample_counts(which):
+    """drop_last=True: 48 of 60 samples evaluated, with no word."""
+    from trainfold import evaluate_metrics, predict
+
+    ctx, state, _, loss_fn = testing.tiny_setup(seed=0)
+    x = torch.randn(60, 1)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=16, drop_last=True))
+    call = {
+        "evaluate": lambda: evaluate(ctx, loss_fn, dl, state),
+        "evaluate_metrics": lambda: evaluate_metrics(ctx, {"acc": _TokenAccuracy()}, lambda m, b: (m(b[0]), b[1]), dl, state),
+        "predict": lambda: predict(ctx, lambda m, b: m(b[0]), dl, state),
+    }[which]
+    with pytest.raises(ValueError, match=rf"{which}: the loader drops the last 12 of 60 samples.*drop_last=False"):
+        call()

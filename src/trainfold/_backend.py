@@ -302,6 +302,21 @@ def samples_per_batch(loader: Any) -> int | None:
     return None
 
 
+def dropped_samples(loader: Any) -> int:
+    """How many samples of the dataset a loader never yields in an epoch (``drop_last=True``), 0 if none or unknown."""
+    base = getattr(loader, "base_dataloader", loader)
+    sampler = getattr(base, "batch_sampler", None)
+    drop = bool(getattr(sampler, "drop_last", False) or getattr(getattr(sampler, "batch_sampler", None), "drop_last", False))
+    per_batch = samples_per_batch(loader)
+    if per_batch is None:  # a plain DataLoader: its own batch size
+        per_batch = getattr(sampler, "batch_size", None) if type(sampler) is torch.utils.data.BatchSampler else None
+    try:
+        total, batches = len(base.dataset), len(loader)
+    except (TypeError, AttributeError):
+        return 0
+    return max(0, total - batches * per_batch) if drop and per_batch else 0
+
+
 def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[torch.Tensor, ...], restore_epoch_start: Callable[[], None],
                        restore_now: Callable[[], None]) -> Any:
     """Iterate the rest of an interrupted epoch by its position in samples, dealt out to this run's processes.

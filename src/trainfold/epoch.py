@@ -12,6 +12,7 @@ from toolz import curry
 from . import _rng as rng
 from ._backend import (
     abandon_epoch,
+    dropped_samples,
     is_resumable_loader,
     loader_generators,
     real_samples_in_batch,
@@ -153,6 +154,32 @@ def _checked(signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any, state
     expect_shared_out(where, ctx, loader)
     ctx.check()
     return checked
+
+
+def _check_every_sample(where: str, loader: Any) -> None:
+    """Refuse a loader that drops samples (``drop_last=True``): evaluating promises every sample exactly once."""
+    dropped = dropped_samples(loader)
+    if dropped:
+        total = length_or_none(getattr(getattr(loader, "base_dataloader", loader), "dataset", None))
+        raise ValueError(
+            f"{where}: the loader drops the last {dropped} of {total} samples every epoch (drop_last=True), so the result would "
+            f"not be over the whole dataset. Build the evaluation loader with drop_last=False: trainfold counts each sample "
+            "once whatever the last batch's size (Accelerate's padding included)."
+        )
+
+
+def _check_per_sample(name: str, args: tuple[Any, ...], samples: int, batch: Any) -> None:
+    """Refuse outputs whose first dimension is not the batch's samples: the padding of the last round is dropped by sample."""
+    for i, value in enumerate(args):
+        if isinstance(value, torch.Tensor) and (value.ndim == 0 or value.shape[0] != samples):
+            shape = tuple(value.shape)
+            raise ValueError(
+                f"{name}: fn returned, as argument {i} of update, a tensor of shape {shape} for a batch of {samples} samples "
+                f"({describe_batch(batch)}): each output must have the batch's samples as its first dimension, so that the "
+                "padding Accelerate adds to the last round is dropped by sample (a flattened (batch*tokens,) tensor would be cut "
+                "to the sample count). Return per-sample tensors, such as (batch, tokens) predictions and targets, and flatten "
+                "or mask them inside the metric."
+            )
 
 
 def _check_accumulation(ctx: Context, loader: Any) -> None:
@@ -337,6 +364,7 @@ def evaluate(
     .. versionadded:: 0.1.0
     """
     state = _checked("evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader, state)
+    _check_every_sample("evaluate", loader)
     if state.interrupted:
         return state  # composed after a run_epoch that stopped mid-epoch: no epoch to evaluate
     by_tokens = normalize_mode(normalize, "evaluate") == "tokens"
@@ -412,7 +440,9 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     Args:
         ctx: the run's Context.
         metrics: the metric objects, by name.
-        fn: ``fn(model, batch)`` returning the arguments of ``update``.
+        fn: ``fn(model, batch)`` returning the arguments of ``update``: tensors whose first
+            dimension is the batch's samples (per-token outputs as ``(batch, tokens)``, not
+            flattened), or non-tensor values.
         loader: a prepared loader.
         state: the state whose model is evaluated.
         prefix: the records' prefix.
@@ -423,6 +453,8 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     Raises:
         TypeError: a metric without ``update``, ``compute`` and ``reset``, or one whose
             ``compute`` returns more than one number.
+        ValueError: an output tensor whose first dimension is not the batch's samples; a
+            loader that drops samples (``drop_last=True``).
 
     Example:
         >>> from trainfold import testing
@@ -442,6 +474,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     for name, metric in metrics.items():
         if not all(callable(getattr(metric, m, None)) for m in ("update", "compute", "reset")):
             raise TypeError(f"evaluate_metrics: metric {name!r} is a {type(metric).__name__}, which has no update, compute and reset methods.")
+    _check_every_sample("evaluate_metrics", loader)
     if state.interrupted:
         return state
     acc = ctx.accelerator
@@ -454,7 +487,9 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
             except Exception as exc:
                 add_note(exc, f"trainfold: raised by evaluate_metrics' fn on a batch of structure {describe_batch(batch)}")
                 raise
-            args = acc.gather_for_metrics(args if isinstance(args, tuple) else (args,))
+            args = args if isinstance(args, tuple) else (args,)
+            _check_per_sample("evaluate_metrics", args, batch_size(batch), batch)
+            args = acc.gather_for_metrics(args)
             for metric in metrics.values():
                 metric.update(*args)
     if batches == 0:
@@ -523,6 +558,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
     .. versionadded:: 0.1.0
     """
     state = _checked("predict(ctx, fn, loader, state)", ctx, "fn", fn, loader, state)
+    _check_every_sample("predict", loader)
     acc = ctx.accelerator
     outputs = []
     with eval_mode(state.model, state.optimizer):
