@@ -393,3 +393,31 @@ def test_arguments_in_the_wrong_order_are_named_by_place(call):
 
     with pytest.raises(TypeError, match=match):
         fn()
+
+
+_TWO_COPIES = """
+from accelerate import Accelerator
+from trainfold import Context
+Context(accelerator=Accelerator())  # no cpu=True, on a machine without GPUs
+"""
+
+
+@pytest.mark.multiprocess
+def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path):
+    """Two processes that do not form one job each trained the whole job ('1 process'), silently."""
+    import os
+    import subprocess
+    import sys
+
+    from trainfold._launch import free_port
+
+    if torch.cuda.is_available():
+        pytest.skip("with GPUs the Accelerator forms the group itself")
+    script = tmp_path / "two_copies.py"
+    script.write_text(_TWO_COPIES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+
+    assert 0 != proc.returncode
+    assert "the launcher started 2 processes (WORLD_SIZE=2), but this Accelerator runs 1 process" in proc.stderr
+    assert "Accelerator(cpu=True)" in proc.stderr

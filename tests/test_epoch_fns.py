@@ -153,3 +153,41 @@ def test_plot_history_writes_a_png(tmp_path):
 def test_plot_history_of_an_empty_history():
     with pytest.raises(ValueError, match="history is empty"):
         plot_history(_fake_state(), "x.png")
+
+
+# --- which way is better: mode="auto" -------------------------------------------------------------
+
+
+def _recorded(name, values):
+    s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
+    for i, v in enumerate(values):
+        s = early_stop(name, attrs.evolve(s, history=s.history.add(epoch=i, step=i, values={name: v})), patience=2)
+    return s
+
+
+def test_early_stop_infers_the_direction_from_the_metrics_name():
+    """A rising accuracy is improving: with the old default mode='min' this run was stopped after 2 epochs."""
+    rising = _recorded("eval_accuracy", [0.5, 0.6, 0.7, 0.8])
+    falling_loss = _recorded("eval_loss", [1.0, 0.9, 0.8, 0.7])
+    rising_loss = _recorded("eval_loss", [0.7, 0.8, 0.9, 1.0])
+
+    assert (False, False, True) == (rising.should_stop, falling_loss.should_stop, rising_loss.should_stop)
+
+
+@pytest.mark.parametrize("name,mode", [("eval_loss", "min"), ("train_error", "min"), ("eval_perplexity", "min"), ("eval_acc", "max"),
+                                       ("eval_f1", "max"), ("val_auroc", "max"), ("eval_bleu", "max"), ("eval_max_error", "min")])
+def test_auto_mode_knows_the_common_names(name, mode):
+    from trainfold.epoch_fns import resolve_mode
+
+    assert mode == resolve_mode(name, "auto", "early_stop")
+
+
+@pytest.mark.parametrize("fn", ["early_stop", "reduce_lr_on_plateau"])
+def test_a_name_that_says_no_direction_needs_an_explicit_mode(fn):
+    import trainfold
+
+    s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
+    s = attrs.evolve(s, history=s.history.add(epoch=1, step=1, values={"eval_widgets": 3.0}))
+    with pytest.raises(ValueError, match=rf"{fn}: cannot tell from the name 'eval_widgets'.*pass mode='min' or mode='max'"):
+        getattr(trainfold, fn)("eval_widgets", s)
+    assert not getattr(trainfold, fn)("eval_widgets", s, mode="max").should_stop

@@ -80,6 +80,25 @@ def _interrupt(ctx: Context) -> Interrupt:
     return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
 
 
+def _check_launcher(accelerator: Accelerator) -> None:
+    """Refuse a run whose launcher started several processes that the Accelerator does not join into one job.
+
+    Under ``torchrun --nproc_per_node 2`` on a machine without GPUs, ``Accelerator()``
+    (without ``cpu=True``) forms no process group: each process reports one
+    process and trains the whole job on its own, twice over, silently.
+    """
+    import os
+
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}), but this Accelerator runs 1 process "
+            f"(distributed type {accelerator.distributed_type}): each process would train the whole job on its own. Accelerate "
+            "joins CPU processes into one job only when told to use the CPU: build it with Accelerator(cpu=True) (or set "
+            "ACCELERATE_USE_CPU=1), use a GPU per process, or launch one process."
+        )
+
+
 def _handlers(ctx: Context) -> Handlers:
     return Handlers(ctx.interrupt, ctx.signals)
 
@@ -218,6 +237,7 @@ class Context:
     saved_at: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
 
     def __attrs_post_init__(self) -> None:
+        _check_launcher(self.accelerator)
         if self.timeout is not None and self.accelerator.num_processes > 1:
             set_timeout(self.timeout)
         _finish_saves_before_end_training(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import overload
 
 import attrs
@@ -30,12 +31,37 @@ from .transforms import LR_SCALE
 
 logger = logging.getLogger("trainfold")
 
-_MODES = ("min", "max")
+_MODES = ("auto", "min", "max")
+#: words of a metric's name that say lower is better, and higher is better (``mode="auto"``, as Keras' ``"auto"``)
+_LOWER = frozenset({"loss", "error", "err", "errors", "perplexity", "ppl", "nll", "mse", "mae", "rmse", "mape", "wer", "cer", "ter", "distance", "regret"})
+_HIGHER = frozenset({"acc", "accuracy", "f1", "fscore", "auroc", "auc", "auprc", "ap", "map", "bleu", "rouge", "rouge1", "rouge2", "rougel",
+                     "meteor", "chrf", "precision", "recall", "iou", "miou", "dice", "r2", "mcc", "matthews", "jaccard", "em",
+                     "exact", "match", "top1", "top5", "ndcg", "mrr", "psnr", "ssim", "score", "reward", "return"})
 
 
-def _check_mode(mode: str) -> None:
+def resolve_mode(metric: str, mode: str, where: str) -> str:
+    """``mode`` itself, or for ``"auto"`` the direction the metric's name says ("min" for a loss, "max" for an accuracy).
+
+    Raises:
+        ValueError: an unknown mode, or ``"auto"`` with a name that says neither (or both).
+
+    Example:
+        >>> resolve_mode("eval_loss", "auto", "early_stop"), resolve_mode("eval_accuracy", "auto", "early_stop")
+        ('min', 'max')
+    """
     if mode not in _MODES:
-        raise ValueError(f"mode must be 'min' or 'max' (got {mode!r}).")
+        raise ValueError(f"{where}: mode must be 'auto', 'min' or 'max' (got {mode!r}).")
+    if mode != "auto":
+        return mode
+    words = set(re.split(r"[^a-z0-9]+", metric.lower()))
+    lower, higher = bool(words & _LOWER), bool(words & _HIGHER)
+    if lower != higher:
+        return "min" if lower else "max"
+    raise ValueError(
+        f"{where}: cannot tell from the name {metric!r} whether it improves by going down or up (mode='auto' knows losses, "
+        "errors and perplexity as 'min', and accuracy, F1, AUROC, BLEU, precision, recall... as 'max'): pass mode='min' or "
+        "mode='max'."
+    )
 
 
 def _latest(state: TrainState, metric: str, where: str) -> float:
@@ -75,7 +101,7 @@ def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: 
 @overload
 def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "min", min_delta: float = 0.0) -> TrainState:
+def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "auto", min_delta: float = 0.0) -> TrainState:
     """Set ``should_stop`` when ``metric`` has not improved for ``patience`` epochs.
 
     Reads the latest ``state.history[metric]`` (so compose it after the
@@ -84,6 +110,12 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     sees ``should_stop`` and ends. The run is ``finished``: resumed from its
     checkpoint, it stays stopped. An interrupted epoch (``state.interrupted``)
     is passed through: no epoch ended, so none is counted.
+
+    ``mode="auto"`` (the default) takes the direction from the metric's name, as
+    Keras' ``"auto"`` does: a loss, error or perplexity improves by going down,
+    an accuracy, F1, AUROC, BLEU, precision or recall by going up; a name that
+    says neither is refused (pass ``mode="min"`` or ``mode="max"``). The same
+    holds for :func:`save_best` and :func:`reduce_lr_on_plateau`.
 
     Example:
         >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
@@ -95,7 +127,7 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     .. versionadded:: 0.1.0
     """
     state = expect_state("early_stop", state)
-    _check_mode(mode)
+    mode = resolve_mode(metric, mode, "early_stop")
     if state.interrupted or state.ended_mid_epoch:
         return state  # no epoch ended: nothing to count
     key = f"early_stop:{metric}"
@@ -120,7 +152,7 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: 
 @overload
 def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "min") -> TrainState:
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "auto") -> TrainState:
     """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
 
     The write is atomic (a temporary file renamed over ``path``) and done by the
@@ -140,7 +172,7 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     .. versionadded:: 0.1.0
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
-    _check_mode(mode)
+    mode = resolve_mode(metric, mode, "save_best")
     key = f"save_best:{metric}"
     value = _latest(state, metric, "save_best")
     best: BestState | None = state.extras.get(key)
@@ -196,7 +228,7 @@ def reduce_lr_on_plateau(metric: str, *, factor: float = ..., patience: int = ..
 def reduce_lr_on_plateau(metric: str, state: TrainState, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def reduce_lr_on_plateau(
-    metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "min", min_delta: float = 0.0, min_lr: float = 0.0
+    metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "auto", min_delta: float = 0.0, min_lr: float = 0.0
 ) -> TrainState:
     """Multiply the learning rate by ``factor`` when ``metric`` has not improved for ``patience`` epochs.
 
@@ -216,7 +248,7 @@ def reduce_lr_on_plateau(
     .. versionadded:: 0.1.0
     """
     state = expect_state("reduce_lr_on_plateau", state)
-    _check_mode(mode)
+    mode = resolve_mode(metric, mode, "reduce_lr_on_plateau")
     if not 0.0 < factor < 1.0:
         raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
     if state.interrupted or state.ended_mid_epoch:

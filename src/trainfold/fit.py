@@ -33,7 +33,7 @@ def fit(
     clip_grad_value: float | None = None,
     patience: int | None = None,
     monitor: str = "eval_loss",
-    mode: str = "min",
+    mode: str = "auto",
     checkpoint_dir: str | os.PathLike[str] | None = None,
     keep_last: int | None = 3,
     resume: bool = True,
