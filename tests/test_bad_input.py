@@ -421,3 +421,60 @@ def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path
     assert 0 != proc.returncode
     assert "the launcher started 2 processes (WORLD_SIZE=2), but this Accelerator runs 1 process" in proc.stderr
     assert "Accelerator(cpu=True)" in proc.stderr
+
+
+def test_log_with_without_init_trackers_says_that_nothing_is_sent():
+    """Accelerator(log_with='tensorboard') without init_trackers wrote nothing and said nothing."""
+    from trainfold import log_epoch
+
+    accelerator = Accelerator(cpu=True, log_with="tensorboard", project_dir="unused")
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=accelerator)
+    state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+
+    with pytest.warns(UserWarning, match=r"log_with=\['tensorboard'\] but its trackers were never started.*init_trackers"):
+        log_epoch(ctx, state, echo=False)
+
+
+def _reuse_after_close():
+    testing.reset_accelerate_state()  # this module's parametrize lists built a one-process state at import
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    ctx.close()
+    try:
+        run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    except RuntimeError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_a_closed_context_is_refused_by_name():
+    assert _reuse_after_close().startswith("this Context was closed")
+
+
+@pytest.mark.multiprocess
+def test_a_closed_context_on_two_processes_is_refused_by_name_not_deep_in_torch():
+    """It failed with 'Default process group has not been initialized' from inside torch."""
+    messages = testing.run_distributed(_reuse_after_close, nprocs=2, timeout=120)
+    assert all(m.startswith("this Context was closed") for m in messages), messages
+
+
+def test_fit_with_patience_and_nothing_to_watch_is_refused_before_training():
+    """It failed after a whole epoch, advising a composition the user never wrote."""
+    from trainfold import fit
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    with pytest.raises(ValueError, match=r"fit: patience=3 watches 'eval_loss'.*pass eval_loader=.*monitor='train_loss'"):
+        fit(ctx, loss_fn, loader, state, max_epochs=2, patience=3, progress=False)
+    assert 0 == state.step
+    assert 2 == fit(ctx, loss_fn, loader, state, max_epochs=2, patience=3, monitor="train_loss", progress=False, echo=False).epoch
+
+
+def test_a_released_state_is_refused():
+    """ctx.release(state) gave its objects back; 16 more updates were accepted."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    ctx.release(state, loader)
+    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, 1)), batch_size=2))
+
+    with pytest.raises(ValueError, match=r"run_epoch: this state's objects were given back with ctx.release\(state\)"):
+        run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    with pytest.raises(ValueError, match=r"evaluate: this state's objects were given back"):
+        evaluate(ctx, loss_fn, loader, state)

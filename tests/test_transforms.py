@@ -357,9 +357,20 @@ def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
 def test_without_nan_guard_a_nan_batch_shows_in_the_epoch_record():
     ctx, state, dl = _nan_setup(True)
 
-    final = run_epoch(ctx, make_step(ctx, _poisoned({2})), dl, state)
+    with pytest.warns(RuntimeWarning, match=r"epoch 1's train_loss is nan \(update \d+\): the run has diverged.*nan_guard"):
+        final = run_epoch(ctx, make_step(ctx, _poisoned({2})), dl, state)
 
     assert final.metrics["train_loss"] != final.metrics["train_loss"]  # nan
+
+
+def test_a_diverged_run_is_said_once_not_every_epoch():
+    import warnings
+
+    ctx, state, dl = _nan_setup(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop(run_epoch(ctx, make_step(ctx, _poisoned({2})), dl), max_epochs=3)(state)
+    assert 1 == sum("has diverged" in str(w.message) for w in caught)
 
 
 def test_log_every_reports_interval_means_to_logging(caplog):

@@ -235,6 +235,10 @@ class Context:
     run_end_saves: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
     #: the position each root's last checkpoint of this process holds (so that the end of a run is not saved twice)
     saved_at: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: what happened to this Context that changes what it may do: "closed", and the warnings already given once
+    flags: set[str] = attrs.field(init=False, factory=set, repr=False)
+    #: the models of states given back with :meth:`release` (they may not be trained or evaluated again)
+    released: weakref.WeakSet[Any] = attrs.field(init=False, factory=weakref.WeakSet, repr=False)
 
     def __attrs_post_init__(self) -> None:
         _check_launcher(self.accelerator)
@@ -251,9 +255,14 @@ class Context:
         """Raise if another Accelerator changed the process-wide settings this Context relies on.
 
         Raises:
-            RuntimeError: the accumulation steps or mixed precision now in force differ from
-                those this Context was made with.
+            RuntimeError: the Context was closed, or the accumulation steps or mixed precision
+                now in force differ from those this Context was made with.
         """
+        if "closed" in self.flags:
+            raise RuntimeError(
+                "this Context was closed (ctx.close(), or the end of 'with Context(...)'): its process group and trackers are "
+                "gone. Make a new Accelerator and Context for another run."
+            )
         now = (_accumulation_steps(self), _mixed_precision(self))
         if now != (self.gradient_accumulation_steps, self.mixed_precision):
             raise RuntimeError(
@@ -292,6 +301,7 @@ class Context:
         self.checkpoint_locks.clear()
         self.control.forget()
         self.handlers.uninstall()
+        self.flags.add("closed")
         self.accelerator.end_training()
         if failed is not None:
             raise failed
@@ -340,9 +350,9 @@ class Context:
         device's cache is emptied. Drop your own references (``del state``) for the
         memory to go.
 
-        The state is finished after this: do not train it again (under FSDP,
-        Accelerate finds the model to clip in those lists). Its values, and a
-        checkpoint of it, stay good.
+        The state is finished after this: ``run_epoch``, ``evaluate`` and the other
+        loops refuse it (under FSDP, Accelerate finds the model to clip in those
+        lists). Its values, and a checkpoint of it, stay good.
 
         Example:
             >>> from trainfold import testing
@@ -354,6 +364,8 @@ class Context:
         from ._backend import release_prepared  # what Accelerate keeps, in the module that knows its internals
 
         cursor_loader = getattr(getattr(state, "cursor", None), "loader", None)
+        if getattr(state, "model", None) is not None:
+            self.released.add(state.model)
         release_prepared(self.accelerator, state, (*loaders, cursor_loader) if cursor_loader is not None else loaders)
 
     def __enter__(self) -> Context:

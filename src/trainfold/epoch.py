@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Iterable, Mapping, cast, overload
 
@@ -153,6 +154,11 @@ def _checked(signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any, state
     checked = expect_owned(where, ctx, expect_state(where, state))
     expect_shared_out(where, ctx, loader)
     ctx.check()
+    if checked.model is not None and checked.model in ctx.released:
+        raise ValueError(
+            f"{where}: this state's objects were given back with ctx.release(state): the Accelerator no longer knows its model "
+            "and optimizer. Train a new state (TrainState.create), or load a checkpoint of this one into a new state."
+        )
     return checked
 
 
@@ -280,6 +286,7 @@ def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics, count it, reset the running sums."""
     means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
+    _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}
     )
@@ -294,6 +301,22 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         # records the state of the loader's own random generators.
         cursor=EpochCursor(None, state.cursor.loader, None) if isinstance(state.cursor, EpochCursor) else None,
     )
+
+
+def _warn_if_diverged(ctx: Context, state: TrainState, loss: float | None) -> None:
+    """A NaN or infinite epoch loss without nan_guard: said once per run (the run goes on; the user decides)."""
+    if loss is None or math.isfinite(loss) or f"diverged:{state.run_id}" in ctx.flags:
+        return
+    ctx.flags.add(f"diverged:{state.run_id}")
+    if ctx.is_main_process:
+        warnings.warn(
+            f"run_epoch: epoch {state.epoch + 1}'s train_loss is {loss} (update {state.step}): the run has diverged and every "
+            "update since is wasted. Lower the learning rate, clip (make_step(..., clip_grad_norm=1.0)), or skip such batches "
+            "with make_step(..., stages=[nan_guard(3)]); save_checkpoint's keep_last keeps the newest checkpoint of finite "
+            "weights to resume from. Said once per run.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 @overload

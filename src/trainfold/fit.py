@@ -78,6 +78,14 @@ def fit(
 
     .. versionadded:: 0.1.0
     """
+    if patience is not None and not (monitor.startswith("train_") or (eval_loader is not None and monitor.startswith(("eval_", "eval")))):
+        raise ValueError(
+            f"fit: patience={patience} watches {monitor!r}, which nothing in this fit records before early stopping: "
+            + ("pass eval_loader=... (evaluate records eval_loss and eval_<aux>), or monitor a train record such as "
+               "monitor='train_loss'." if eval_loader is None else
+               "the evaluation records 'eval_loss' and 'eval_<aux name>', the epoch 'train_loss' and 'train_<aux name>'; "
+               "epoch_fns run after early stopping, so what they record cannot be monitored here.")
+        )
     step = make_step(ctx, loss_fn, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, stages=stages)
     if transforms:
         step = compose(*transforms)(step)

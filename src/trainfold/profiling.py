@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,11 @@ def profile(
 
     Args:
         ctx: the run's Context.
-        trace_dir: where each process writes its trace; None writes none (pass a
-            ``handler`` with ``on_trace_ready`` to read the profiler yourself).
+        trace_dir: where each process writes its trace; None takes the handler's
+            ``output_trace_dir`` (Accelerate's ``ProfileKwargs(output_trace_dir=...)``), and
+            writes none without it (pass a ``handler`` with ``on_trace_ready`` to read the
+            profiler yourself). Each window keeps its record under ``extras["profile:<trace_dir>"]``
+            (``extras["profile"]`` without one): a second window in a run writes to another folder.
         wait, warmup, active: the window, in steps.
         handler: an ``accelerate.utils.ProfileKwargs`` for the profiler's other
             settings (activities, ``record_shapes``, ``profile_memory``, ``with_stack``,
@@ -93,7 +97,8 @@ def profile(
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> folder = tempfile.mkdtemp()
         >>> state = run_epoch(ctx, profile(ctx, folder, wait=0, warmup=1, active=2)(make_step(ctx, loss_fn)), loader, state)
-        >>> state.extras["profile"].done, [Path(t).name for t in state.extras["profile"].traces]
+        >>> record = state.extras[f"profile:{folder}"]
+        >>> record.done, [Path(t).name for t in record.traces]
         (True, ['profile_0.json'])
 
     .. versionadded:: 0.2.0
@@ -106,7 +111,10 @@ def profile(
 
     accelerator = ctx.accelerator
     base = handler if handler is not None else getattr(accelerator, "profile_handler", None) or ProfileKwargs()
+    if trace_dir is None and getattr(base, "output_trace_dir", None):  # ProfileKwargs(output_trace_dir=...): Accelerate's own setting
+        trace_dir = base.output_trace_dir
     folder = None if trace_dir is None else Path(trace_dir)
+    key = NAME if folder is None else f"{NAME}:{folder}"  # each window its record: a second one (another folder) profiles too
     path = None if folder is None else folder / f"profile_{accelerator.process_index}.json"
     window = wait + warmup + active
     written: list[str] = []
@@ -125,8 +133,15 @@ def profile(
             if run.over:
                 return step(state, batch)
             if run.profiler is None:
-                record = state.extras.get(NAME)
-                if record is not None and record.done:  # profiled before this checkpoint
+                record = state.extras.get(key)
+                if record is not None and record.done:  # profiled before this checkpoint (or this window already ran)
+                    warnings.warn(
+                        f"profile: the window {'writing to ' + str(folder) if folder else 'without a trace folder'} was profiled "
+                        f"already in this run ({list(record.traces)}), so it is not profiled again (a run resumed from a "
+                        "checkpoint does not repeat it); give a second window another trace_dir.",
+                        UserWarning,
+                        stacklevel=2,
+                    )
                     run.over = True
                     return step(state, batch)
                 schedule = {"wait": wait, "warmup": warmup, "active": active, "repeat": 1}
@@ -141,7 +156,7 @@ def profile(
             if run.taken < window and not new.should_stop:
                 return new
             run.close()  # a window cut short by a stop writes what it recorded
-            return new.with_extra(NAME, ProfileState(True, tuple(written)))
+            return new.with_extra(key, ProfileState(True, tuple(written)))
 
         return named(profiled, f"profile({wait}, {warmup}, {active})({name_of(step)})")
 

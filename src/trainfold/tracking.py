@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 import sys
 from typing import Any, Mapping
 
@@ -26,6 +27,16 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
     """
     if ctx.accelerator.trackers:
         ctx.accelerator.log(dict(values), step=step)
+    elif getattr(ctx.accelerator, "log_with", None) and "trackers not started" not in ctx.flags:
+        ctx.flags.add("trackers not started")
+        if ctx.is_main_process:
+            warnings.warn(
+                f"the Accelerator was made with log_with={[str(t) for t in ctx.accelerator.log_with]} but its trackers were "
+                "never started, so nothing is sent to them: call ctx.accelerator.init_trackers('project-name', config={...}) "
+                "before training. Said once.",
+                UserWarning,
+                stacklevel=3,
+            )
     if log and ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
 
