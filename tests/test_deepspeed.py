@@ -184,6 +184,13 @@ def _refusals(root, workdir):
         load_checkpoint(ctx, folder, state)
     except CheckpointError as exc:
         errors["hostile"] = str(exc)
+    save_checkpoint(ctx, f"{root}-clean", state)  # a sound checkpoint, then a file its manifest does not list
+    clean = latest_checkpoint(f"{root}-clean")
+    (clean / "mp_rank_01_model_states.pt").write_bytes((clean / "mp_rank_00_model_states.pt").read_bytes())
+    try:
+        load_checkpoint(ctx, clean, state)
+    except CheckpointError as exc:  # DeepSpeed's own loader failed on it with an AssertionError
+        errors["unlisted"] = str(exc)
     after = _full_params(acc, state.model)
     ctx.close()
     return errors, before, trained, after, state.step
@@ -200,6 +207,7 @@ def test_a_deepspeed_checkpoint_refuses_a_save_mid_group_and_a_planted_pickle(tm
     assert "at an optimizer update" in errors["mid_group"] and "accumulation group" in errors["mid_group"]
     assert "under DeepSpeed" in errors["gathered"] and "Leave sharded unset" in errors["gathered"]
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in errors["hostile"] and "restricted unpickler" in errors["hostile"]
+    assert "'mp_rank_01_model_states.pt', which its manifest does not list" in errors["unlisted"]
     assert not (work / "pwned").exists()
     assert step == 2
     testing.assert_params_equal(trained, after)  # nothing changed by the refused load

@@ -366,8 +366,8 @@ def _pickled_value(doc):
 
 @pytest.mark.parametrize("forge,match", [
     (_outside, r"stored in '../secret.bin', not a shard file of this checkpoint"),
-    (_uncovered, r"the pieces of .* cover \d+ of its \d+ elements"),
-    (_overlapping, r"two pieces of .* overlap"),
+    (_uncovered, r"the pieces of .* cover \d+ of the \d+ places along its dimension 0"),
+    (_overlapping, r"declared in 2 pieces, more than the 1 processes that wrote it"),
     (_unknown_dtype, r"KeyError: 'F128'"),
     (_pickled_value, r"tensors.json does not describe the checkpoint's shards"),
 ])
@@ -400,3 +400,104 @@ def test_a_shard_that_does_not_hold_the_piece_the_metadata_names_is_refused(shar
     _edit_json(folder, "tensors.json", lambda doc: doc["storage"][0].__setitem__(3, "nothing@0,0"))
 
     _load_refused(folder, secret, r"file shard-0.safetensors does not hold the piece of")
+
+
+
+# --- pieces, shapes and positions that cost or contradict --------------------------------------------
+
+
+def _pieces(doc, n):
+    """The first tensor (16 x 8) declared as ``n`` pieces along its first dimension... or as n one-element pieces."""
+    name = _first_tensor(doc)
+    doc["tensors"][name]["chunks"] = [[[i // 8, i % 8], [1, 1]] for i in range(n)]
+    doc["storage"] += [[name, [i // 8, i % 8], "shard-0.safetensors", f"{name}@{i}"] for i in range(n)]
+
+
+def test_a_tensor_declared_in_thousands_of_pieces_is_refused_before_any_is_checked(sharded):
+    """4,000 one-element pieces took 65 s to refuse (a pairwise overlap test); a million fit in a 16 MiB tensors.json."""
+    folder, secret, _ = sharded
+    _edit_json(folder, "tensors.json", lambda doc: _pieces(doc, 4000))
+
+    _load_refused(folder, secret, r"'model.0.weight' is declared in 4000 pieces, more than the 1 processes that wrote it")
+
+
+def _grid(rows, cols, step_r, step_c):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    return [ChunkStorageMetadata(offsets=torch.Size([r, c]), sizes=torch.Size([min(step_r, rows - r), min(step_c, cols - c)]))
+            for r in range(0, rows, step_r) for c in range(0, cols, step_c)]
+
+
+def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
+    """A 2-D mesh's pieces (a grid, the layout DTensor writes): 40,000 pieces checked in one pass, not 8*10^8 pairs."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from trainfold._sharded import _check_tiling
+
+    chunks = _grid(400, 300, 2, 3)
+    _check_tiling("w", [400, 300], chunks)  # a quadratic check would not end within the suite's time
+
+    shifted = chunks[:-1] + [ChunkStorageMetadata(offsets=torch.Size([398, 296]), sizes=torch.Size([2, 3]))]
+    with pytest.raises(ValueError, match="do not tile it"):
+        _check_tiling("w", [400, 300], shifted)  # overlaps its neighbour, leaves a gap
+    with pytest.raises(ValueError, match="cover 399 of the 400 places"):
+        _check_tiling("w", [400, 300], _grid(399, 300, 2, 3))
+    with pytest.raises(ValueError, match="overlap"):
+        _check_tiling("w", [400, 300], chunks + chunks[:1])
+    with pytest.raises(ValueError, match="do not tile it: 2 pieces for a grid of 4"):  # a diagonal: each axis covered, two cells empty
+        _check_tiling("w", [2, 2], [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 1])),
+                                    ChunkStorageMetadata(torch.Size([1, 1]), torch.Size([1, 1]))])
+    with pytest.raises(ValueError, match="do not tile it"):  # an L of two pieces
+        _check_tiling("w", [2, 2], [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 2])),
+                                    ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 1]))])
+
+
+@pytest.mark.parametrize("size", [[2**40, 2**40], [10**12], [2**63]])
+def test_declared_sizes_no_tensor_can_hold_are_a_checkpoint_error(sharded, size):
+    """torch.empty raised RuntimeError for them, outside the all-or-nothing check."""
+    folder, secret, _ = sharded
+
+    def huge(doc):
+        entry = doc["tensors"]["optim.state.0.weight.momentum_buffer"]
+        entry["size"], entry["chunks"] = size, [[[0] * len(size), size]]
+        for piece in doc["storage"]:
+            if piece[0] == "optim.state.0.weight.momentum_buffer":
+                piece[1] = [0] * len(size)
+
+    _edit_json(folder, "tensors.json", huge)
+
+    _load_refused(folder, secret, r"elements, more than any tensor can hold|below 2\*\*62|has shape \(")
+
+
+def test_an_optimizer_moment_of_another_shape_is_refused_before_anything_is_loaded(sharded):
+    """momentum of a [16, 8] weight stored as [128] (metadata and piece agreeing): it was loaded, and the next step failed."""
+    folder, secret, _ = sharded
+
+    def flatten(doc):
+        entry = doc["tensors"]["optim.state.0.weight.momentum_buffer"]
+        entry["size"], entry["chunks"] = [128], [[[0], [128]]]
+        for piece in doc["storage"]:
+            if piece[0] == "optim.state.0.weight.momentum_buffer":
+                piece[1] = [0]
+
+    _edit_json(folder, "tensors.json", flatten)
+
+    _load_refused(folder, secret, r"optimizer state 'state.0.weight.momentum_buffer' has shape \(128,\), which no optimizer keeps "
+                                  r"for the parameter '0.weight' of shape \(16, 8\)")
+
+
+def test_a_position_past_the_end_of_the_epoch_is_refused_with_both_numbers(tmp_path):
+    """batch_in_epoch 10^6 in a checkpoint of a 4-batch epoch was accepted: the epoch then ended at once."""
+    from trainfold import max_steps, run_epoch
+
+    ctx, state = _setup()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss)), dl, state))
+    folder = latest_checkpoint(tmp_path)
+    _edit_json(folder, "state.json", lambda doc: doc["state"].__setitem__("batch_in_epoch", 10**6))
+
+    ctx, fresh = _setup()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    resumed = load_checkpoint(ctx, folder, fresh)
+    with pytest.raises(ValueError, match=r"stopped at batch 1000000 of its epoch, but this loader has 4 batches per epoch"):
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, resumed)

@@ -41,6 +41,7 @@ from ._cursor import EpochCursor, Resume
 from ._files import (
     DEEPSPEED,
     FORMAT,
+    MANIFEST,
     SHARDED,
     CheckpointError,
     Content,
@@ -520,6 +521,15 @@ def _load_deepspeed(ctx: Context, folder: Path, manifest: Mapping[str, Any], sta
             f"{folder} was written by {manifest['world_size']} processes under DeepSpeed and this run has "
             f"{acc.num_processes}: ZeRO's optimizer partitions cannot be dealt out anew here. Resume it on "
             f"{manifest['world_size']} processes (DeepSpeed's ds_to_universal converts its own checkpoints for another number)."
+        )
+
+    # DeepSpeed's loader looks for its files in the folder itself, not in the manifest: a file the manifest does not list
+    # (added after the save) is refused here, as every unlisted file is never read in the other formats
+    unlisted = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in manifest["files"])
+    if unlisted:
+        raise CheckpointError(
+            f"{folder} holds {unlisted[0]!r}, which its manifest does not list: a file added after the checkpoint was "
+            "committed, which DeepSpeed's loader would read. Refused, nothing changed; remove it to load this checkpoint."
         )
 
     def read_and_check() -> tuple[Any, Resume, Any]:

@@ -232,6 +232,7 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
             "same dataset and loader settings, or finish the epoch boundary first (resume from a checkpoint "
             "taken between epochs)."
         )
+    _check_position(state, resume, loader)
     set_loader_epoch(loader, state.epoch)
     restore = rng.restore_loosely if resume.elastic else rng.restore  # another layout may hold other loader generators
     if state.end_of_epoch and state.batch_in_epoch > 0:
@@ -261,6 +262,27 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         restore_now=lambda: rng.restore(resume.now, generators),
     )
     return EpochCursor(iterator, loader, epoch_start)
+
+
+def _check_position(state: TrainState, resume: Resume, loader: Any) -> None:
+    """Refuse a checkpoint whose position in the epoch lies past the loader's end (a damaged or hostile counter)."""
+    if state.batch_in_epoch == 0:
+        return
+    if resume.elastic or resume.by_samples:
+        total = length_or_none(getattr(getattr(loader, "base_dataloader", loader), "dataset", None))
+        if resume.samples_done is not None and total is not None and resume.samples_done > total:
+            raise ValueError(
+                f"run_epoch: the checkpoint says {resume.samples_done} samples of this epoch were trained, but the dataset has "
+                f"{total}: its position does not belong to this data. Resume with the dataset it was trained on."
+            )
+        return
+    batches = length_or_none(loader)
+    if batches is not None and state.batch_in_epoch > batches:
+        raise ValueError(
+            f"run_epoch: the checkpoint stopped at batch {state.batch_in_epoch} of its epoch, but this loader has {batches} "
+            "batches per epoch: its position does not belong to this data (a damaged or altered checkpoint, or another "
+            "dataset). Resume with the data and loader it was trained on."
+        )
 
 
 def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> None:
