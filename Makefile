@@ -2,7 +2,8 @@
 #   make example   creates .venv and runs the digits example end to end
 #   make test      creates .venv, type-checks src/ (mypy --strict) and runs the whole test suite, then the DeepSpeed tests (DeepSpeed
 #                  in .deepspeed-site), then the core tests again with the oldest Accelerate
-#                  trainfold supports (in .venv-floor)
+#                  trainfold supports (in .venv-floor); every part runs, and the end says which passed
+#   make test-quick  the type check and the in-process tests only
 # TORCH pins the CPU build that lies on this project's machines; elsewhere set TORCH=torch
 # (or a build of your choice) to let pip pick one: `make test TORCH=torch`.
 
@@ -21,7 +22,7 @@ DS_SITE := .deepspeed-site
 DS_STAMP := $(DS_SITE)/.trainfold-installed
 FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
-.PHONY: example test test-deepspeed test-floor bench clean
+.PHONY: example test test-quick test-types test-inprocess test-multiprocess test-deepspeed test-floor bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,12 +54,21 @@ example: $(STAMP)
 # marked multiprocess (they spawn torchrun jobs and gloo process groups, or time a stop), one at a time.
 XDIST ?= -n auto --maxprocesses 4
 
+# Every part runs even when one before it failed; the end says which ran and passed (tests/suite.sh).
 test: $(STAMP)
+	MAKE="$(MAKE)" bash tests/suite.sh
+
+# The type check and the in-process tests: what to run after a change, in about a minute.
+test-quick: test-types test-inprocess
+
+test-types: $(STAMP)
 	$(PY) -m mypy src/trainfold
+
+test-inprocess: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
+
+test-multiprocess: $(STAMP)
 	$(PY) -m pytest -m multiprocess
-	$(MAKE) test-deepspeed
-	$(MAKE) test-floor
 
 test-deepspeed: $(DS_STAMP)
 	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" tests/test_deepspeed.py

@@ -478,3 +478,22 @@ def test_a_released_state_is_refused():
         run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
     with pytest.raises(ValueError, match=r"evaluate: this state's objects were given back"):
         evaluate(ctx, loss_fn, loader, state)
+
+
+def test_a_checkpoint_path_of_none_says_where_the_none_came_from():
+    """verify_checkpoint(latest_checkpoint(root)) of an empty root failed inside pathlib."""
+    from trainfold import verify_checkpoint
+
+    ctx, state, _, _ = testing.tiny_setup(seed=0)
+    with pytest.raises(TypeError, match=r"verify_checkpoint needs the path of a checkpoint folder or root \(got None: latest_checkpoint"):
+        verify_checkpoint(None)
+    with pytest.raises(TypeError, match=r"load_checkpoint needs the path .* \(got None"):
+        load_checkpoint(ctx, None, state)
+
+
+def test_checkpoint_error_is_defined_where_users_import_it_from():
+    import trainfold
+    from trainfold.errors import CheckpointError
+
+    assert trainfold.CheckpointError is CheckpointError
+    assert "trainfold.errors" == CheckpointError.__module__

@@ -12,7 +12,6 @@ from trainfold import ema, log_every, make_step, nan_guard, run_epoch, testing, 
 import helpers
 from helpers import needs_cuda
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 
 ON_GPU_WITH_INDUCTOR = pytest.param(
@@ -20,6 +19,7 @@ ON_GPU_WITH_INDUCTOR = pytest.param(
 )
 
 
+@pytest.mark.multiprocess  # torch.compile starts worker processes
 @pytest.mark.parametrize("cpu, backend", [pytest.param(True, "eager", id="cpu-eager"), ON_GPU_WITH_INDUCTOR])
 def test_a_compiled_model_is_not_recompiled_after_the_first_steps(cpu, backend):
     """torch.compile keeps working inside make_step: the graph count stops growing after warm-up."""
@@ -84,6 +84,7 @@ def _growth_over_20000_steps_kb():
     return _allocated_kb() - before
 
 
+@pytest.mark.multiprocess  # a fresh interpreter, 20,000 steps
 def test_memory_is_flat_over_20000_steps_with_transformers_on():
     """The state accumulates nothing per step: allocated memory grows by less than 1 MB over 20,000 steps.
 

@@ -236,3 +236,52 @@ def test_a_step_function_keeps_no_model_alive_once_its_state_is_gone():
     gc.collect()
 
     assert weight() is None
+
+
+def _clip_setup():
+    """Linear(2, 1) from zero, SGD with lr 1, 2 accumulation steps: the update is minus the clipped gradient."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+    return ctx, state
+
+
+def _summed(model, batch):
+    return model(batch).sum()  # the gradient of the weight is the sum of the inputs
+
+
+@pytest.mark.parametrize("option,second,expected", [
+    # norm: the group's gradient (2, 1) / sqrt(5); clipped after each micro-batch it would be (0.707, 0.707)
+    ({"clip_grad_norm": 1.0}, [0.0, 2.0], [-2 / 5 ** 0.5, -1 / 5 ** 0.5]),
+    # value: the group's gradient (1, 0) is inside [-1.5, 1.5]; clipped after each micro-batch it would be (0.5, 0)
+    ({"clip_grad_value": 1.5}, [-2.0, 0.0], [-1.0, 0.0]),
+])
+def test_clipping_acts_once_on_the_accumulated_gradient_of_an_update(option, second, expected):
+    """The first micro-batch's partial gradient, (2, 0) after Accelerate's division by 2, already exceeds the limit:
+    clipping it (and not the update's whole gradient) gives another update. The accumulation tests' partial
+    gradients never reached their limit, so a per-micro-batch clip passed them."""
+    ctx, state = _clip_setup()
+    step = make_step(ctx, _summed, **option)
+
+    new = step(step(state, torch.tensor([[4.0, 0.0]])), torch.tensor([second]))
+
+    assert 1 == new.step
+    torch.testing.assert_close(new.model.weight.detach(), torch.tensor([expected]), rtol=0, atol=1e-6)
+
+
+def test_an_aux_value_with_a_weight_is_averaged_by_its_weights():
+    """acc 0 over 1 sample, then acc 1 over 3 samples: 3/4, not the mean of the two batch values (1/2)."""
+    from trainfold import run_epoch
+
+    ctx, state = _setup()
+    values = iter([(0.0, 1.0), (1.0, 3.0)])
+
+    def loss_fn(model, batch):
+        acc, weight = next(values)
+        return testing.mse_loss(model, batch), {"acc": torch.tensor(acc), "acc@weight": torch.tensor(weight)}
+
+    final = run_epoch(ctx, make_step(ctx, loss_fn), [BATCH, BATCH], state)
+
+    assert 0.75 == final.metrics["train_acc"]

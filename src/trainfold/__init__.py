@@ -6,7 +6,7 @@ from ._types import LossFn as LossFn
 from ._types import Step as Step
 from ._types import StepTransformer as StepTransformer
 from .batch_size import find_batch_size as find_batch_size
-from .checkpoint import CheckpointError as CheckpointError
+from .errors import CheckpointError as CheckpointError
 from .checkpoint import checkpoint_every as checkpoint_every
 from .checkpoint import latest_checkpoint as latest_checkpoint
 from .checkpoint import list_checkpoints as list_checkpoints

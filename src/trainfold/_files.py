@@ -22,6 +22,7 @@ from typing import Any, Mapping, Union
 import torch
 
 from . import _safetensors
+from .errors import CheckpointError as CheckpointError  # re-exported: the format's modules raise it from here
 
 #: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
 #: process writes its own pieces of them (``_sharded.py``), and they can be read back on another number of processes.
@@ -54,10 +55,6 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_JSON_BYTES = 64 << 20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is damaged, incomplete, or does not fit the run it is loaded into."""
 
 
 def rank_files(rank: int) -> tuple[str, str]:

@@ -25,7 +25,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: how long the processes may take to start (a fresh interpreter importing torch and the function's module: seconds on a
+#: quiet machine, minutes on a loaded one) before ``timeout`` starts counting
+STARTUP_S = 600.0
+
+
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    Path(out, f"ready-{rank}").touch()  # started: the function's module (and torch) imported
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
@@ -61,10 +67,15 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
     Returns:
         Each rank's return value, in rank order.
 
+    ``timeout`` counts from the moment every process has started (its interpreter
+    up, the function's module imported), so a loaded machine's slow start-up
+    (up to :data:`STARTUP_S`) does not eat into it.
+
     Raises:
         RuntimeError: a rank raised (its error and traceback are in the message;
             the other ranks are stopped rather than left hanging).
-        TimeoutError: the ranks did not finish within ``timeout`` seconds.
+        TimeoutError: the ranks did not start within ``STARTUP_S`` seconds, or did not
+            finish within ``timeout`` seconds of starting.
 
     Example (``fn`` must be importable, so it lives in a module)::
 
@@ -84,10 +95,13 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         procs = [context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs), daemon=True) for r in range(nprocs)]
         for p in procs:
             p.start()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + STARTUP_S + timeout
+        started = False
         failed_at: float | None = None
         while any(p.is_alive() for p in procs):
             now = time.monotonic()
+            if not started and all(Path(out, f"ready-{r}").exists() for r in range(nprocs)):
+                started, deadline = True, now + timeout  # the time asked for counts from here
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now  # give the others a moment, then stop them rather than wait on a hang
             if now > deadline or (failed_at is not None and now - failed_at > 5.0):
@@ -103,7 +117,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         raise RuntimeError("\n".join(f"{e['error']}\n{e['traceback']}" for e in errors))
     if any(r is None for r in results):
         missing = [i for i, r in enumerate(results) if r is None]
-        raise TimeoutError(f"ranks {missing} did not finish within {timeout}s (killed)")
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout}s of starting (killed)" if started else
+                           f"ranks {missing} did not start within {STARTUP_S:.0f}s (killed)")
     return [r["ok"] for r in results]  # type: ignore[index]
 
 

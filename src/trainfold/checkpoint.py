@@ -321,6 +321,13 @@ def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:
 # --- load -----------------------------------------------------------------------------------
 
 
+def _folder(where: str, path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
+        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
+    return Path(path)
+
+
 def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest and return the manifest.
 
@@ -332,8 +339,10 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
     Raises:
         CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
             manifest, a newer format, or a missing, truncated, altered or linked file (named).
+        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
+            root without a complete checkpoint).
     """
-    return verify(Path(path), rank=rank, version=_version())
+    return verify(_folder("verify_checkpoint", path), rank=rank, version=_version())
 
 
 @overload
@@ -393,7 +402,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
     acc = ctx.accelerator
-    folder = resolve(path)
+    folder = resolve(_folder("load_checkpoint", path))
     manifest = read_manifest(folder, version=_version())
     if (manifest["format"] == DEEPSPEED) != is_deepspeed(acc):
         raise CheckpointError(
