@@ -139,7 +139,7 @@ def main() -> None:
     )(make_step(ctx, loss_fn, clip_grad_norm=1.0, normalize="tokens"))
 
     def report(s: TrainState) -> TrainState:
-        if s.interrupted:  # max_steps (or Ctrl-C) stopped it mid-epoch: no epoch ended to report
+        if s.interrupted or s.ended_mid_epoch:  # Ctrl-C or max_steps stopped it mid-epoch: no epoch ended to report
             ctx.accelerator.print(f"stopped at update {s.step} in epoch {s.epoch + 1} ({s.stop_reason})")
             return s
         loss = s.metrics["train_loss"]

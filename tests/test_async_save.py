@@ -195,3 +195,19 @@ def test_async_checkpoints_on_two_processes_resume_exactly(tmp_path):
     testing.assert_params_equal(full[0][0], resumed[0][0])
     testing.assert_params_equal(resumed[0][0], resumed[1][0])
     assert full[0][1] == resumed[0][1]
+
+
+def test_a_signal_during_the_wait_for_the_last_background_save_lets_it_land(tmp_path):
+    """with ctx:'s wait for the last save: a SIGTERM there killed the process with the save half-written."""
+    import os
+    import threading
+
+    ctx, state = _big_setup()
+    save_checkpoint(ctx, tmp_path, state, async_save=True)
+    threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # arrives while the main thread waits
+    with ctx:
+        pass  # waits for the save, then closes
+
+    assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(tmp_path)]
+    verify_checkpoint(latest_checkpoint(tmp_path))
+    assert 0 != ctx.interrupt.requested  # recorded as a stop request, nothing more

@@ -153,7 +153,7 @@ def _early_stop_on_rank_one_data():
         state_box[0] = s
         return s
 
-    epoch = compose(early_stop("eval_bad", patience=1), evaluate(ctx, eval_fn, loader), remember, run_epoch(ctx, make_step(ctx, loss_fn), loader))
+    epoch = compose(early_stop("eval_bad", patience=1, mode="min"), evaluate(ctx, eval_fn, loader), remember, run_epoch(ctx, make_step(ctx, loss_fn), loader))
     final = loop(epoch, max_epochs=10)(state)
     ctx.close()
     return final.epoch, final.should_stop, final.history["eval_bad"]

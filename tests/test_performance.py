@@ -186,3 +186,54 @@ def test_a_gpu_loader_moves_its_batches_to_the_gpu():
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=8))
 
     assert {t.device.type for batch in dl for t in batch} == {"cuda"}
+
+
+@needs_cuda
+def test_a_composed_epoch_synchronises_only_at_its_log_intervals_saves_and_end(tmp_path):
+    """A whole composed epoch on the GPU (log_every, a progress bar, background checkpoints, nan_guard, EMA, clipping,
+    accumulation, bf16): every synchronising CUDA call (set_sync_debug_mode('warn')) falls in a step that logs, saves or
+    ends the epoch, never in another."""
+    from accelerate import Accelerator
+
+    from trainfold import checkpoint_every, progress_bar, run_epoch
+
+    ctx = Context(accelerator=Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(480), batch_size=8))
+    import threading
+
+    synced_at: list[int] = []
+    caught: list[str] = []  # the training thread's synchronising calls (the saver's thread copies to the host on its own)
+
+    def where(step):  # outermost: which micro-batch each synchronising call fell in
+        def marking(s, b):
+            seen = len(caught)
+            new = step(s, b)
+            if len(caught) > seen:
+                synced_at.append(new.micro_step)
+            return new
+        return marking
+
+    log_n, save_n = 5, 7  # updates
+    step = compose(where, progress_bar(ctx, total=len(dl)), log_every(ctx, log_n), checkpoint_every(ctx, tmp_path, save_n, async_save=True),
+                   ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=log_n)]))
+    state = step(state, next(iter(dl)))  # the first step builds what it needs
+    torch.cuda.synchronize()
+    def seen(message, category, *args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            caught.append(str(message))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            state = run_epoch(ctx, step, dl, state)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    ctx.wait_for_checkpoints()
+
+    allowed = {m for m in range(2, 2 * len(dl) + 2, 2) if (m // 2) % log_n == 0 or (m // 2) % save_n == 0}  # updates that log or save
+    assert synced_at and set(synced_at) <= allowed, (sorted(set(synced_at) - allowed), caught[:3])
