@@ -87,7 +87,7 @@ def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoi
     script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
     root = tmp_path / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=600)
 
     assert -signal.SIGKILL == proc.returncode, proc.stderr[-2000:]
     assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -119,7 +119,7 @@ def test_a_background_save_in_flight_when_the_script_ends_is_committed(tmp_path)
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     for attempt in range(4):  # a race: one run could pass by luck
         root = tmp_path / f"ckpts{attempt}"
-        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=600)
 
         assert 0 == proc.returncode, proc.stderr[-2000:]
         assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -133,7 +133,7 @@ def test_a_background_save_that_fails_after_the_script_ended_exits_non_zero(smal
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     root = small_disk / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=600)
 
     assert "returned" in proc.stdout
     assert 1 == proc.returncode

@@ -380,3 +380,50 @@ def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     buf = bytearray(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(_safetensors.FormatError):
         _safetensors.parse(buf)
+
+
+# --- digests ---------------------------------------------------------------------------------------
+
+
+def test_a_new_checkpoint_records_xxh3_128_and_one_written_with_sha256_still_loads(tmp_path):
+    """XXH3-128 (a fast digest: the manifest guards against damage, not forgery) for new checkpoints; a checkpoint
+    whose manifest records SHA-256 (every checkpoint before 0.3) verifies and loads as before."""
+    import hashlib
+    import json
+
+    import xxhash
+
+    from trainfold import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    trained = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    save_checkpoint(ctx, tmp_path, trained)
+    folder = latest_checkpoint(tmp_path)
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        assert {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()} == entry
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}  # as 0.2 wrote it
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+
+    verify_checkpoint(folder)
+    ctx, fresh, _, _ = testing.tiny_setup(seed=1)
+    testing.assert_params_equal(trained, load_checkpoint(ctx, folder, fresh))
+
+
+@pytest.mark.parametrize("entry", [{"size": 1}, {"size": 1, "md5": "0" * 32}, {"size": 1, "xxh3_128": "0" * 64},
+                                   {"size": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64}])
+def test_a_manifest_entry_without_exactly_one_known_digest_is_refused(entry, tmp_path):
+    import json
+
+    from trainfold import CheckpointError, latest_checkpoint, save_checkpoint, verify_checkpoint
+
+    ctx, state, _, _ = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path, state)
+    folder = latest_checkpoint(tmp_path)
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    manifest["files"]["state.json"] = entry
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+
+    with pytest.raises(CheckpointError, match=r"the entry of state.json needs a size and one digest \(xxh3_128 or sha256\)"):
+        verify_checkpoint(folder)

@@ -20,7 +20,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run_to_end(root, out):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out)], capture_output=True, text=True, timeout=120, env=ENV)
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out)], capture_output=True, text=True, timeout=600, env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out))
 
@@ -58,7 +58,7 @@ def _torchrun(root, out, *extra):
 
 
 def _fsdp2_to_end(root, out, *extra):
-    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=180, env=ENV)
+    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=600, env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out))
 

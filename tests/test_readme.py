@@ -23,7 +23,7 @@ def test_the_readme_test_snippet_runs_with_the_isolated_fixture_trainfold_instal
     (tmp_path / "test_from_readme.py").write_text(_snippet_after("## Testing your own steps"))
 
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_from_readme.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert "1 passed" in done.stdout
@@ -70,7 +70,7 @@ def test_each_snippet_of_docs_embedding_runs_on_its_own(tmp_path):
     for i, block in enumerate(_blocks(DOCS / "embedding.md")):
         script = tmp_path / f"snippet{i}.py"
         script.write_text(block)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert 0 == done.returncode, f"docs/embedding.md snippet {i + 1}:\n{done.stderr[-3000:]}"
 
 
@@ -81,7 +81,7 @@ def test_the_tests_of_docs_testing_pass_as_a_test_file(tmp_path):
     expected = sum(block.count("\ndef test_") + block.startswith("def test_") for block in blocks)
 
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{expected} passed" in done.stdout

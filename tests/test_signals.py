@@ -547,7 +547,7 @@ def _torchrun(root, out, *extra):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
-    done = subprocess.run(_torchrun(tmp / "ckpt", tmp / "clean.st", "--step-s", "0"), capture_output=True, text=True, timeout=180, env=ENV)
+    done = subprocess.run(_torchrun(tmp / "ckpt", tmp / "clean.st", "--step-s", "0"), capture_output=True, text=True, timeout=600, env=ENV)
     assert 0 == done.returncode, done.stderr[-3000:]
     return tmp / "clean.st"
 
@@ -558,7 +558,7 @@ def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_che
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
     pids, lines, update = {}, [], 0
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # waits for an event; this only bounds a hang
         while update < after_updates or len(pids) < 2:
             line = proc.stdout.readline()
             assert line and time.monotonic() < deadline, "".join(lines)[-3000:]
@@ -596,7 +596,7 @@ def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_
     assert "stopped" in output and "signal SIGTERM" in output, output[-3000:]
     assert [f"ckpt-{int(output.split('stopped', 1)[1].split()[0]):010d}"] == [p.name for p in list_checkpoints(root)], output[-3000:]
 
-    resumed = subprocess.run(_torchrun(root, tmp_path / "resumed.st"), capture_output=True, text=True, timeout=180, env=ENV)
+    resumed = subprocess.run(_torchrun(root, tmp_path / "resumed.st"), capture_output=True, text=True, timeout=600, env=ENV)
     assert 0 == resumed.returncode, resumed.stderr[-3000:]
     testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
 

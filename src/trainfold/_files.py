@@ -9,7 +9,6 @@ once each, verified as they are read, inside the folder only (:func:`read_verifi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -21,7 +20,7 @@ from typing import Any, Mapping, Union
 
 import torch
 
-from . import _safetensors
+from . import _digest, _safetensors
 from .errors import CheckpointError as CheckpointError  # re-exported: the format's modules raise it from here
 
 #: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
@@ -51,7 +50,6 @@ def allowed_name(name: Any, fmt: int) -> bool:
 def is_engine_file(name: str) -> bool:
     """A DeepSpeed engine file of a format-3 checkpoint."""
     return _ENGINE_NAME.fullmatch(name) is not None
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_JSON_BYTES = 64 << 20
@@ -71,10 +69,6 @@ def required_files(world_size: int, fmt: int = FORMAT) -> list[str]:
     return [*SHARED[fmt], *(name for r in range(world_size) for name in process_files(r, fmt))]
 
 
-def sha256_bytes(data: bytes | bytearray | memoryview | mmap.mmap) -> str:  # hashlib releases the GIL for large buffers
-    return hashlib.sha256(data).hexdigest()
-
-
 #: A file's content before it is written: JSON bytes, or the tensors of a safetensors file.
 Content = Union[bytes, Mapping[str, torch.Tensor]]
 
@@ -89,7 +83,9 @@ def write_file(path: Path, data: bytes) -> dict[str, Any]:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": len(data), "sha256": sha256_bytes(data)}
+    h = _digest.new()
+    h.update(data)
+    return _digest.entry(len(data), h)
 
 
 def _write(path: Path, content: Content) -> dict[str, Any]:
@@ -138,7 +134,8 @@ def _regular(folder: Path, name: str) -> os.stat_result:
 
 
 def _read_checked(folder: Path, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
-    """Read ``name`` once, checking its size and SHA-256 against the manifest as it is read."""
+    """Read ``name`` once, checking its size and digest (the algorithm its entry names) against the manifest as it is read."""
+    algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry
     st = _regular(folder, name)
     if st.st_size != expected["size"]:
         raise CheckpointError(f"{folder}: file {name} has {st.st_size} bytes, the manifest says {expected['size']}: truncated or altered.")
@@ -148,15 +145,15 @@ def _read_checked(folder: Path, name: str, expected: Mapping[str, Any], keep: bo
             data = _safetensors.read_into(folder / name, expected["size"])
         except _safetensors.FormatError:
             raise CheckpointError(f"{folder}: file {name} changed size while it was read: altered.") from None
-        digest = sha256_bytes(data)
+        digest = _digest.of(data, algorithm)
     else:
-        h = hashlib.sha256()
+        h = _digest.new(algorithm)
         with os.fdopen(os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
         digest = h.hexdigest()
-    if digest != expected["sha256"]:
-        raise CheckpointError(f"{folder}: file {name} does not match its SHA-256 in the manifest: altered or corrupted.")
+    if digest != want:
+        raise CheckpointError(f"{folder}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
     return data
 
 
@@ -229,9 +226,9 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
     for name, entry in files.items():
         if not allowed_name(name, fmt):
             raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")
-        size, digest = (entry.get("size"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and a SHA-256.")
+        size, digest = (entry.get("size"), _digest.recorded(entry)) if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or digest is None:
+            raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256).")
     missing = [name for name in required_files(world, fmt) if name not in files]
     if missing:
         raise CheckpointError(f"{path} does not list {missing[0]}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
@@ -242,7 +239,7 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
 
 
 def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], fmt: int, **fields: Any) -> None:
-    """Write the manifest last: every file's size and SHA-256 (``files``), and ``fields`` (position...)."""
+    """Write the manifest last: every file's size and digest (``files``), and ``fields`` (position...)."""
     write_file(tmp / MANIFEST, json_bytes({"format": fmt, **fields, "files": dict(sorted(files.items()))}))
 
 
@@ -251,11 +248,11 @@ def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
     entries = {}
     for name in names:
         st = _regular(folder, name)
-        h = hashlib.sha256()
+        h = _digest.new()
         with open(folder / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
-        entries[name] = {"size": st.st_size, "sha256": h.hexdigest()}
+        entries[name] = _digest.entry(st.st_size, h)
     return entries
 
 

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder holding::
 
-    MANIFEST.json          format, versions, world size, position; size and SHA-256 of every file
+    MANIFEST.json          format, versions, world size, position; size and digest (XXH3-128) of every file
     state.json             the TrainState's values, optimizer/scheduler/scaler structure, Accelerate's counter
     state.safetensors      every tensor of those (optimizer moments, running sums, EMA weights...)
     model.safetensors      the model's weights

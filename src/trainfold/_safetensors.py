@@ -11,7 +11,6 @@ in the header: names, dtypes, shapes and offsets are checked against the buffer.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -19,6 +18,8 @@ import struct
 from typing import Any, Mapping
 
 import torch
+
+from . import _digest
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -43,7 +44,7 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Write ``tensors`` to ``path`` as safetensors, fsynced; return its manifest entry (size, SHA-256).
+    """Write ``tensors`` to ``path`` as safetensors, fsynced; return its manifest entry (size, digest).
 
     Raises:
         TypeError: a tensor of a dtype safetensors has no name for.
@@ -63,7 +64,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    digest = hashlib.sha256()
+    digest = _digest.new()
     with open(path, "wb") as f:
         for chunk in (struct.pack("<Q", len(head)), head):
             f.write(chunk)
@@ -74,7 +75,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
             digest.update(raw)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": 8 + len(head) + offset, "sha256": digest.hexdigest()}
+    return _digest.entry(8 + len(head) + offset, digest)
 
 
 def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:

@@ -334,7 +334,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
     The manifest must list every file the format needs, and only plain names
     inside the folder; every file it lists (or, with ``rank``, the shared files
     and that process's) must be a regular file (a symbolic link is refused,
-    never followed) with the recorded size and SHA-256.
+    never followed) with the recorded size and digest (XXH3-128; SHA-256 in checkpoints before 0.3).
 
     Raises:
         CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
