@@ -6,7 +6,6 @@ back its outcome.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -14,9 +13,6 @@ import traceback
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
-
-logger = logging.getLogger("trainfold")
-
 
 def _finish_at_exit(saver: weakref.ref[Saver]) -> None:
     """At interpreter shutdown, before ``concurrent.futures`` refuses new work: commit the save in flight, or fail loudly.
@@ -35,7 +31,7 @@ def _finish_at_exit(saver: weakref.ref[Saver]) -> None:
         return
     try:
         live.wait()
-    except BaseException as exc:  # noqa: BLE001 - every failure is reported, then the exit status says so
+    except BaseException as exc:  # every failure is reported, then the exit status says so
         message = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         sys.stderr.write(f"trainfold: the checkpoint being written in the background when the program ended failed; it was not committed:\n{message}")
         sys.stderr.flush()

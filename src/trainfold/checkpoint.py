@@ -252,7 +252,7 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
         ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
     else:
         write_and_commit(ctx, job)
-    ctx.saved_at[os.fspath(root)] = position_of(state)
+    ctx.saved_at[os.path.abspath(root)] = position_of(state)
     return state
 
 
@@ -602,7 +602,7 @@ def save_run_end(ctx: Context, state: TrainState) -> TrainState:
     functions evaluated it. The save is committed before it returns.
     """
     end = ctx.run_end_saves.get(state.run_id)
-    if end is None or ctx.saved_at.get(end.root) == position_of(state):
+    if end is None or ctx.saved_at.get(os.path.abspath(end.root)) == position_of(state):
         return state
     saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
     ctx.wait_for_checkpoints()

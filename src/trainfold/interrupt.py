@@ -208,9 +208,9 @@ class Handlers:
         if interrupt is None or not self.installed:  # the Context is gone or closed: what was there before decides
             self._pass_on(signum, frame)
             return
-        self._request_previous(signum)
         now, last = time.monotonic(), self._last
         self._last = now
+        self._request_previous(signum)
         if not interrupt.requested:
             interrupt.request(signum)
             log.warning("trainfold: %s received: stopping at the next step boundary (a final checkpoint is written where you "
