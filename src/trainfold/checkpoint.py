@@ -8,17 +8,18 @@ place: a crash leaves no checkpoint that looks complete. The main process holds
 an exclusive lock on the root for the run's lifetime (``_lock.py``) and cleans
 the debris of crashed saves when it commits. A load reads each file once,
 verifies it while reading, decodes and checks everything, and only then changes
-the live objects. What goes into which file is ``_format.py``'s; what a run
-state is, ``_runstate.py``'s.
+the live objects. The three checkpoint formats (gathered, sharded, DeepSpeed)
+are one interface in ``_formats.py``, chosen once per save and per load, so
+nothing here branches on the engine. What goes into which file is ``_format.py``'s;
+what a run state is, ``_runstate.py``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
-from typing import Any, Mapping, overload
+from typing import Any, overload
 
 import attrs
 import torch
@@ -26,34 +27,24 @@ from toolz import curry
 
 from . import _codec, _rng
 from ._backend import (
-    accumulation_counter,
-    inner_optimizer,
     is_deepspeed,
     is_resumable_loader,
     loader_generators,
-    local,
     read_ahead_batch,
     samples_per_batch,
     shards_parameters,
-    unwrap,
 )
 from ._cursor import EpochCursor, Resume
 from ._files import (
-    DEEPSPEED,
-    FORMAT,
-    MANIFEST,
-    SHARDED,
     CheckpointError,
     Content,
-    parse_tensors,
-    rank_files,
     read_manifest,
-    read_verified,
     verify,
 )
-from ._format import decode, encode_rank, encode_shared
-from ._modes import eval_mode, optimizer_modes
-from ._background import SaveJob, to_host, write_and_commit
+from ._format import encode_rank, encode_shared
+from ._formats import for_load, for_save
+from ._modes import eval_mode
+from ._background import SaveJob, write_and_commit
 from ._root import (
     agreed,
     check_same_run,
@@ -65,7 +56,7 @@ from ._root import (
     resolve,
     root_path,
 )
-from ._runstate import StateMismatch, capture, check_fits, put_back, values_of
+from ._runstate import values_of
 from ._types import Batch, Step, StepTransformer
 from ._validate import (
     expect_context,
@@ -218,35 +209,11 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
     name = checkpoint_name(ctx, state)
     tmp = root / f".tmp-{name}"
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
-    shards: dict[str, torch.Tensor] | None = None
-    engine_files: dict[str, bytes] = {}
-    fmt = SHARDED if sharded else FORMAT
-    if is_deepspeed(acc):  # the engine's own files, taken as bytes: each process its ZeRO partition
-        from . import _deepspeed  # imports deepspeed
-
-        _check_at_update(ctx, state)
-        engine_files = agreed(ctx, lambda: _deepspeed.capture(state.model), "reading DeepSpeed's engine state")
-        run = capture(state, copied=async_save, rng=now, sharded_optimizer={})
-        weights = _deepspeed.local_weights(state.model)
-        if async_save:
-            weights = to_host(weights)
-        fmt = DEEPSPEED
-    elif sharded:  # each process keeps its own pieces: nothing is gathered
-        from . import _sharded  # torch.distributed.checkpoint: imported by the first sharded save, not with trainfold
-
-        shards, rest = agreed(ctx, lambda: _sharded.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
-        if async_save:
-            shards = to_host(shards)
-        run = capture(state, copied=async_save, rng=now, sharded_optimizer=rest)
-        weights = {k: local(v) for k, v in shards.items() if k.startswith(_sharded.MODEL)}
-    else:
-        weights = acc.get_state_dict(state.model)  # every process takes part (sharded engines gather)
-        if async_save:
-            weights = to_host(weights)
-        run = attrs.evolve(capture(state, copied=async_save, weights={}, rng=now), weights=weights)
-    files = {**agreed(ctx, lambda: _encode(ctx, state, run, main), "encoding the checkpoint"), **engine_files}
+    fmt = for_save(ctx, sharded)
+    captured = fmt.capture(ctx, state, now, async_save)
+    files = {**agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"), **captured.files}
     agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
-    job = SaveJob(root, name, files, shards, weights, values_of(state), keep_last, fmt)
+    job = SaveJob(root, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt.code)
     if async_save:
         group = ctx.saver.group(acc.num_processes)
         ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
@@ -259,17 +226,6 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
 def position_of(state: TrainState) -> tuple[int, ...]:
     """What tells two saves of a run apart: its counters, whether it is finished, and how many records it holds."""
     return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
-
-
-def _check_at_update(ctx: Context, state: TrainState) -> None:
-    """Under DeepSpeed, refuse a save inside an accumulation group: the engine's partial gradients are not in its checkpoint."""
-    if accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps:
-        raise ValueError(
-            f"save_checkpoint: under DeepSpeed a checkpoint is taken at an optimizer update, and this state is inside an "
-            f"accumulation group (micro-batch {state.micro_step}, {ctx.gradient_accumulation_steps} per update): DeepSpeed "
-            "keeps the group's partial gradients in its own buffers, which its checkpoint does not hold. Save after the "
-            "update (checkpoint_every, fit and a stop by signal all save there)."
-        )
 
 
 def _start(root: Path, tmp: Path, state: TrainState) -> None:
@@ -401,163 +357,9 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    acc = ctx.accelerator
     folder = resolve(_folder("load_checkpoint", path))
     manifest = read_manifest(folder, version=_version())
-    if (manifest["format"] == DEEPSPEED) != is_deepspeed(acc):
-        raise CheckpointError(
-            f"{folder} was written by a run under DeepSpeed and this run does not use it: its model and optimizer are "
-            "DeepSpeed's engine files. Resume it under the same DeepSpeed config." if manifest["format"] == DEEPSPEED else
-            f"{folder} was written by a run without DeepSpeed and this run uses it: resume it without DeepSpeed (then "
-            "save there under DeepSpeed to continue with it)."
-        )
-    if manifest["format"] == DEEPSPEED:
-        return _load_deepspeed(ctx, folder, manifest, state)
-    if manifest["format"] == SHARDED:
-        return _load_sharded(ctx, folder, manifest, state)
-    if manifest["world_size"] != acc.num_processes:
-        raise CheckpointError(
-            f"{folder} was written by {manifest['world_size']} processes but this run has {acc.num_processes}, and its "
-            "format (the model gathered into one file, the data position per process) cannot be dealt out anew: resume "
-            f"it on {manifest['world_size']} processes, and save there with save_checkpoint(..., sharded=True) (the default "
-            "on several processes); a sharded checkpoint resumes on any number of processes."
-        )
-    files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(acc.process_index)])
-    run, resume, saved_steps = decode(folder, files, state, acc.process_index)
-    del files
-    _check_accumulation(ctx, folder, saved_steps)
-    try:
-        check_fits(run, state)
-    except StateMismatch as exc:
-        raise CheckpointError(f"{folder} {exc}") from None
-
-    # Everything read and checked: now change things.
-    return _loaded(put_back(run, state, keep_run=False), resume)
-
-
-def _loaded(loaded: TrainState, resume: Resume) -> TrainState:
-    # A schedule-free optimizer was saved in eval mode (save_checkpoint switches it): back to the mode the run was in.
-    modes = optimizer_modes(loaded.optimizer)
-    if modes is not None and loaded.model.training:
-        modes.train()
-    # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
-    return attrs.evolve(loaded, cursor=resume, should_stop=loaded.finished, stop_reason=loaded.stop_reason if loaded.finished else "",
-                        final_stop=loaded.final_stop and loaded.finished)
-
-
-def _check_accumulation(ctx: Context, folder: Path, saved_steps: int) -> None:
-    if saved_steps != ctx.gradient_accumulation_steps:
-        raise CheckpointError(
-            f"{folder} was saved with gradient_accumulation_steps={saved_steps}, this run "
-            f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
-            "Resume with the same Accelerator settings."
-        )
-
-
-def _check_elastic(folder: Path, run: Any, resume: Resume, saved_steps: int, saved: int, now: int) -> None:
-    """A checkpoint of ``saved`` processes continues on ``now`` only at an optimizer update, with its position in samples."""
-    if run.accelerate_step % saved_steps or run.grads:
-        raise CheckpointError(
-            f"{folder} was saved by {saved} processes in the middle of an accumulation group (their partial gradients "
-            f"cannot be dealt out to {now}): resume it on {saved} processes, or from a checkpoint at an optimizer update "
-            "(checkpoint_every saves at updates)."
-        )
-    if run.values.batch_in_epoch > 0 and resume.samples_done is None:
-        raise CheckpointError(
-            f"{folder} was saved by {saved} processes in the middle of an epoch over a loader whose position in samples "
-            f"is unknown (an iterable dataset): resume it on {saved} processes, or from a checkpoint between epochs."
-        )
-
-
-def _load_sharded(ctx: Context, folder: Path, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
-    """Load a sharded checkpoint: every process reads the pieces of its own layout (a collective: every process calls it)."""
-    from . import _sharded
-
-    acc = ctx.accelerator
-    rank = acc.process_index
-    model, optimizer = unwrap(acc, state.model), inner_optimizer(state.optimizer)
-
-    world = manifest["world_size"]
-    elastic = world != acc.num_processes
-    source = 0 if elastic else rank  # another number of processes: every process continues from the first one's states
-
-    def read_and_check() -> tuple[Any, Resume, Any]:
-        files = read_verified(folder, manifest, ["state.json", "state.safetensors", _sharded.METADATA, *rank_files(source)])
-        run, resume, saved_steps = decode(folder, files, state, source)
-        if elastic:
-            _check_elastic(folder, run, resume, saved_steps, world, acc.num_processes)
-            run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
-            resume = attrs.evolve(resume, elastic=True)
-        else:
-            _check_accumulation(ctx, folder, saved_steps)
-        metadata = _sharded.parse_metadata(folder, files[_sharded.METADATA], world)
-        try:
-            check_fits(run, state)
-            _sharded.check_layout(metadata, model, optimizer, run.optimizer)
-        except ValueError as exc:  # StateMismatch, and check_layout's predicates
-            raise CheckpointError(f"{folder} {exc}") from None
-        return run, resume, metadata
-
-    run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
-    if elastic and run.values.batch_in_epoch > 0:
-        warnings.warn(
-            f"load_checkpoint: {folder} was saved by {world} processes in the middle of epoch {run.values.epoch + 1}; this run "
-            f"has {acc.num_processes}. The model, optimizer and data position continue exactly, but the epoch's running "
-            "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
-            "train_loss (and train aux values) will not be exact; the next epochs' are.",
-            UserWarning,
-            stacklevel=3,
-        )
-        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
-
-    def read_file(name: str) -> Mapping[str, torch.Tensor]:
-        return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
-
-    tensors = _sharded.load_shards(metadata, read_file, model, optimizer)
-    # Everything read and checked, on every process: now change things.
-    _sharded.apply(model, optimizer, tensors, run.optimizer)
-    return _loaded(put_back(run, state, keep_run=False), resume)
-
-
-def _load_deepspeed(ctx: Context, folder: Path, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
-    """Load a DeepSpeed checkpoint: every engine file read, verified and parsed safely, then given to the engine (a collective)."""
-    from . import _deepspeed  # imports deepspeed
-
-    acc = ctx.accelerator
-    rank = acc.process_index
-    if manifest["world_size"] != acc.num_processes:
-        raise CheckpointError(
-            f"{folder} was written by {manifest['world_size']} processes under DeepSpeed and this run has "
-            f"{acc.num_processes}: ZeRO's optimizer partitions cannot be dealt out anew here. Resume it on "
-            f"{manifest['world_size']} processes (DeepSpeed's ds_to_universal converts its own checkpoints for another number)."
-        )
-
-    # DeepSpeed's loader looks for its files in the folder itself, not in the manifest: a file the manifest does not list
-    # (added after the save) is refused here, as every unlisted file is never read in the other formats
-    unlisted = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and p.name not in manifest["files"])
-    if unlisted:
-        raise CheckpointError(
-            f"{folder} holds {unlisted[0]!r}, which its manifest does not list: a file added after the checkpoint was "
-            "committed, which DeepSpeed's loader would read. Refused, nothing changed; remove it to load this checkpoint."
-        )
-
-    def read_and_check() -> tuple[Any, Resume, Any]:
-        engine_names = _deepspeed.files_to_read(manifest, rank)
-        files = read_verified(folder, manifest, ["state.json", "state.safetensors", *rank_files(rank), *engine_names])
-        run, resume, saved_steps = decode(folder, files, state, rank)
-        _check_accumulation(ctx, folder, saved_steps)
-        try:
-            parsed = _deepspeed.parse({n: files[n] for n in engine_names})
-            _deepspeed.check(parsed, state.model, acc.num_processes)
-            check_fits(run, state)
-        except ValueError as exc:  # StateMismatch, and _deepspeed's predicates
-            raise CheckpointError(f"{folder} {exc}") from None
-        return run, resume, parsed
-
-    run, resume, parsed = agreed(ctx, read_and_check, f"reading {folder}")
-    # Everything read, verified, parsed and checked, on every process: now change things.
-    _deepspeed.load(state.model, folder, parsed)
-    return _loaded(put_back(run, state, keep_run=False), resume)
+    return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
 
 
 # --- periodic saving ------------------------------------------------------------------------
