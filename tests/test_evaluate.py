@@ -189,7 +189,7 @@ def test_evaluate_metrics_refuses_an_object_that_is_not_a_metric_and_a_value_tha
     testing.reset_accelerate_state()
     ctx, state, dl, _ = _f1_setup()
 
-    with pytest.raises(TypeError, match=r"metric 'f1' is a function, which has no update, compute and reset methods"):
+    with pytest.raises(TypeError, match=r"metric 'f1' is a function, which has neither update, compute and reset \(torchmetrics\) nor add_batch and compute"):
         evaluate_metrics(ctx, {"f1": lambda p, t: 0.0}, lambda m, b: (m(b[0]), b[1]), dl, state)
 
     from torchmetrics.classification import MulticlassF1Score
@@ -270,3 +270,43 @@ def test_a_loader_that_drops_samples_is_refused_where_every_sample_counts(which)
     }[which]
     with pytest.raises(ValueError, match=rf"{which}: the loader drops the last 12 of 60 samples.*drop_last=False"):
         call()
+
+
+class _HfAccuracyF1:
+    """What Hugging Face evaluate's metrics look like to a loop (evaluate.load('glue', 'mrpc')): add_batch with keywords,
+    and a compute() that returns a dict of values and empties the metric. Made here: nothing can be downloaded."""
+
+    def __init__(self):
+        self.predictions, self.references, self.computes = [], [], 0
+
+    def add_batch(self, *, predictions, references):
+        self.predictions += predictions.tolist()
+        self.references += references.tolist()
+
+    def compute(self):
+        pairs = list(zip(self.predictions, self.references))
+        self.predictions, self.references, self.computes = [], [], self.computes + 1
+        tp = sum(p == r == 1 for p, r in pairs)
+        precision, recall = tp / max(1, sum(p == 1 for p, _ in pairs)), tp / max(1, sum(r == 1 for _, r in pairs))
+        return {"accuracy": sum(p == r for p, r in pairs) / len(pairs), "f1": 2 * precision * recall / (precision + recall), "n": len(pairs)}
+
+
+def test_evaluate_metrics_takes_hugging_face_evaluate_metrics_one_record_per_key():
+    """Accelerate's examples port as written: the metric's add_batch/compute, each key of its result a record."""
+    from sklearn.metrics import accuracy_score, f1_score
+
+    from trainfold import evaluate_metrics
+
+    ctx, state, dl, data = _setup(n=50)
+    metric = _HfAccuracyF1()
+    preds = lambda m, b: ((m(b[0]).argmax(-1) == 1).long(), (b[1] == 1).long())  # noqa: E731 - a binary task, as MRPC
+
+    state = evaluate_metrics(ctx, {"glue": metric}, preds, dl, state)
+
+    x, y = data.tensors
+    state.model.eval()  # as evaluate_metrics ran it (the model has dropout)
+    with torch.no_grad():
+        expected_p, expected_r = (state.model(x).argmax(-1) == 1).long().tolist(), (y == 1).long().tolist()
+    assert pytest.approx(accuracy_score(expected_r, expected_p)) == state.metrics["eval_accuracy"]
+    assert pytest.approx(f1_score(expected_r, expected_p)) == state.metrics["eval_f1"]
+    assert (50.0, 1) == (state.metrics["eval_n"], metric.computes)  # every sample once, the padding dropped

@@ -600,3 +600,22 @@ def test_ema_against_a_fake_step_updates_only_when_the_inner_step_updates():
 
     assert 2.0 == ema_model(s).weight.item()
     assert 1 == s.extras["ema"].updates
+
+
+@pytest.mark.parametrize("axis,expected", [("update", [4, 8]), ("epoch", [1, 2])])
+def test_log_epoch_sends_its_records_on_the_axis_asked_for(axis, expected, tmp_path):
+    """By update (the axis log_every reports on) by default; by epoch, as Accelerate's examples log them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainfold import log_epoch
+
+    acc = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    acc.init_trackers("run")
+    ctx, state, loader, loss_fn = testing.tiny_setup(accelerator=acc)
+    loop(compose(log_epoch(ctx, echo=False, axis=axis), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=2)(state)
+    ctx.close()
+
+    (events,) = tmp_path.rglob("events.out.tfevents.*")
+    assert expected == [e.step for e in EventAccumulator(str(events)).Reload().Scalars("train/loss_epoch")]
+    with pytest.raises(ValueError, match="axis must be 'update'"):
+        log_epoch(ctx, state, axis="time")

@@ -470,15 +470,19 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
                      state: TrainState, *, prefix: str = "eval") -> TrainState:
     """Metrics that are not batch means (F1, AUROC, BLEU...): update metric objects over ``loader`` and record their values.
 
-    A metric is a torchmetrics ``Metric``, or any object with ``update(...)``,
-    ``compute()`` and ``reset()``. For each batch ``fn(model, batch)`` returns
+    A metric is a torchmetrics ``Metric``, any object with ``update(...)``,
+    ``compute()`` and ``reset()``, or a Hugging Face ``evaluate`` metric (what
+    Accelerate's examples use: ``add_batch(predictions=..., references=...)`` and
+    ``compute()``, which resets it). For each batch ``fn(model, batch)`` returns
     the arguments of ``update``: a tuple (``(preds, target)``) or one tensor.
     They are gathered from every process with ``gather_for_metrics`` (the
     padding of the last round dropped), and every process updates its metrics
     with all of them: each process computes each metric over every sample of the
     dataset exactly once, and a torchmetrics metric's own sync is turned off for
     the ``compute`` (its inputs are already everyone's). Each value is recorded
-    in the history as ``<prefix>_<name>`` (a float), then the metric is reset.
+    in the history as ``<prefix>_<name>`` (a float), or, when ``compute`` returns a
+    dict (``evaluate``'s ``{"accuracy": ..., "f1": ...}``, a ``MetricCollection``), one
+    record per key, ``<prefix>_<key>``; then the metric is reset.
     In eval mode under ``torch.no_grad()``; a state stopped in the middle of an
     epoch is passed through, as by :func:`evaluate`.
 
@@ -517,8 +521,11 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     """
     state = _checked("evaluate_metrics(ctx, metrics, fn, loader, state)", ctx, "fn", fn, loader, state)
     for name, metric in metrics.items():
-        if not all(callable(getattr(metric, m, None)) for m in ("update", "compute", "reset")):
-            raise TypeError(f"evaluate_metrics: metric {name!r} is a {type(metric).__name__}, which has no update, compute and reset methods.")
+        if not (_has(metric, "update", "compute", "reset") or _has(metric, "add_batch", "compute")):
+            raise TypeError(
+                f"evaluate_metrics: metric {name!r} is a {type(metric).__name__}, which has neither update, compute and reset "
+                "(torchmetrics) nor add_batch and compute (Hugging Face evaluate)."
+            )
     _check_every_sample("evaluate_metrics", loader)
     if state.interrupted:
         return state
@@ -535,16 +542,37 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
             args = args if isinstance(args, tuple) else (args,)
             _check_per_sample("evaluate_metrics", args, batch_size(batch), batch)
             args = acc.gather_for_metrics(args)
-            for metric in metrics.values():
-                metric.update(*args)
+            for name, metric in metrics.items():
+                _feed(name, metric, args)
     if batches == 0:
         raise _empty_loader("evaluate_metrics", loader)
-    values = {f"{prefix}_{name}": _computed(name, metric) for name, metric in metrics.items()}
+    values: dict[str, float] = {}
+    for name, metric in metrics.items():
+        computed = _computed(name, metric)
+        named_values = {f"{prefix}_{name}": computed} if isinstance(computed, float) else {f"{prefix}_{k}": v for k, v in computed.items()}
+        clash = sorted(values.keys() & named_values.keys())
+        if clash:
+            raise ValueError(f"evaluate_metrics: two metrics record {clash[0]!r}; give them other names (a dict result's keys name its records).")
+        values.update(named_values)
     return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
 
 
-def _computed(name: str, metric: Any) -> float:
-    """``metric.compute()`` as a float, without a torchmetrics metric syncing inputs every process already holds; then reset.
+def _has(metric: Any, *methods: str) -> bool:
+    return all(callable(getattr(metric, m, None)) for m in methods)
+
+
+def _feed(name: str, metric: Any, args: tuple[Any, ...]) -> None:
+    """``metric.update(*args)`` (torchmetrics and the like), or Hugging Face evaluate's ``add_batch(predictions=, references=)``."""
+    if _has(metric, "update"):
+        metric.update(*args)
+        return
+    if len(args) != 2:
+        raise TypeError(f"evaluate_metrics: metric {name!r} takes add_batch(predictions=..., references=...): fn must return (predictions, references), not {len(args)} values.")
+    metric.add_batch(predictions=args[0], references=args[1])
+
+
+def _computed(name: str, metric: Any) -> float | dict[str, float]:
+    """``metric.compute()`` as a float (or a dict of them, by name), without a torchmetrics metric syncing inputs every process already holds; then reset.
 
     torchmetrics decides whether ``compute`` syncs from ``_to_sync``, set from
     ``sync_on_compute`` when the metric is built and after each ``forward``
@@ -560,13 +588,20 @@ def _computed(name: str, metric: Any) -> float:
     finally:
         for attribute, flag in saved.items():
             setattr(metric, attribute, flag)
-    metric.reset()
+    if _has(metric, "reset"):  # Hugging Face evaluate's compute() empties the metric itself
+        metric.reset()
+    if isinstance(value, Mapping):  # Hugging Face evaluate, a torchmetrics MetricCollection: one record per key
+        return {str(k): _number(f"{name!r}[{k!r}]", v) for k, v in value.items()}
+    return _number(repr(name), value)
+
+
+def _number(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"evaluate_metrics: metric {name!r} computed a tensor of shape {tuple(value.shape)}; the history holds numbers (average it, e.g. average='macro').")
+            raise TypeError(f"evaluate_metrics: metric {name} computed a tensor of shape {tuple(value.shape)}; the history holds numbers (average it, e.g. average='macro').")
         return float(value)  # sync: once per metric per evaluation
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"evaluate_metrics: metric {name!r} computed a {type(value).__name__}, not a number.")
+        raise TypeError(f"evaluate_metrics: metric {name} computed a {type(value).__name__}, not a number.")
     return float(value)
 
 

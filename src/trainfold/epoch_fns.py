@@ -263,11 +263,11 @@ def reduce_lr_on_plateau(
 
 
 @overload
-def log_epoch(ctx: Context, *, echo: bool = ...) -> EpochFn: ...
+def log_epoch(ctx: Context, *, echo: bool = ..., axis: str = ...) -> EpochFn: ...
 @overload
-def log_epoch(ctx: Context, state: TrainState, *, echo: bool = ...) -> TrainState: ...
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = ..., axis: str = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainState:
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str = "update") -> TrainState:
     """Print the epoch's records, and send them to the trackers, on the main process.
 
     The printed line names the records as the history does (``train_loss``,
@@ -276,6 +276,11 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainSta
     between its reports; see :func:`trainfold.tracking.epoch_key`). With
     ``echo=False`` nothing is printed and the line goes to the ``trainfold``
     logger at INFO instead, for a host that configures logging.
+
+    The trackers' step axis is the optimizer update (``state.step``, ``axis="update"``,
+    the default: the axis ``log_every`` reports on too, so both share one x axis);
+    ``axis="epoch"`` sends the epoch records at the epoch number instead (one point
+    per epoch, as Accelerate's examples log them).
 
     Example:
         >>> from trainfold import testing
@@ -289,19 +294,22 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True) -> TrainSta
     .. versionchanged:: 0.2.0 prints by default (``echo=True``); tracker keys ``<prefix>/<name>``.
     """
     state = expect_state("log_epoch", state)
+    if axis not in ("update", "epoch"):
+        raise ValueError(f"log_epoch: axis must be 'update' (the records at state.step) or 'epoch' (at state.epoch), not {axis!r}.")
+    at = state.step if axis == "update" else state.epoch
     if state.interrupted:
         if ctx.is_main_process:
             logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
         return state
     if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
         values = dict(state.metrics)
-        emit(ctx, {epoch_key(k): v for k, v in values.items()}, state.step, log=False)
+        emit(ctx, {epoch_key(k): v for k, v in values.items()}, at, log=False)
         if ctx.is_main_process:
             line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({state.stop_reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
             print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
-    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, state.step, log=False)
+    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False)
     if ctx.is_main_process:
         if echo:
             print(summary_line(state, values), flush=True)
