@@ -42,7 +42,9 @@ def _train(attempts):
 def _found_and_canonical():
     ctx = Context(accelerator=Accelerator(cpu=True))
     attempts = []
-    params, losses = find_batch_size(ctx, _train(attempts), global_batch=GLOBAL)
+    found = find_batch_size(ctx, _train(attempts), global_batch=GLOBAL)
+    params, losses = found.result
+    found.ctx.check()  # the Context it trained with is live, and handed back
     gc.collect()
     freed = [model() is None and opt() is None for _, _, model, opt in attempts[:-1]]
     prepared = len(ctx.accelerator._models), len(ctx.accelerator._optimizers), len(ctx.accelerator._dataloaders)
@@ -111,3 +113,24 @@ def test_batch_sizes_divide_the_per_process_batch():
     ctx = Context(accelerator=Accelerator(cpu=True))
     with pytest.raises(ValueError, match="global_batch must be a positive int"):
         find_batch_size(ctx, lambda c, b: None, global_batch=0)
+
+
+def test_the_halve_policy_is_accelerates_and_hands_back_the_context_it_used():
+    """Accelerate's finder halves the batch and leaves the accumulation alone: the global batch shrinks."""
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    tried = []
+
+    def train(ctx, batch_size):
+        tried.append((batch_size, ctx.gradient_accumulation_steps))
+        if batch_size > 5:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return batch_size * ctx.gradient_accumulation_steps
+
+    found = find_batch_size(ctx, train, global_batch=24, policy="halve")
+
+    assert [(24, 2), (12, 2), (6, 2), (3, 2)] == tried
+    assert (6, 3, 2) == (found.result, found.batch_size, found.gradient_accumulation_steps)
+    found.ctx.check()
+    assert found.ctx.accelerator is ctx.accelerator
+    with pytest.raises(ValueError, match="policy must be one of"):
+        find_batch_size(found.ctx, train, global_batch=24, policy="shrink")

@@ -5,6 +5,7 @@ from ._types import EpochFn as EpochFn
 from ._types import LossFn as LossFn
 from ._types import Step as Step
 from ._types import StepTransformer as StepTransformer
+from .batch_size import BatchSizeFound as BatchSizeFound
 from .batch_size import find_batch_size as find_batch_size
 from .errors import CheckpointError as CheckpointError
 from .checkpoint import checkpoint_every as checkpoint_every
@@ -66,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "BatchSizeFound",
     "CheckpointError",
     "Context",
     "EpochFn",

@@ -8,12 +8,32 @@ recognises it (``accelerate.utils.should_reduce_batch_size``).
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Generic, TypeVar
+
+import attrs
 
 from ._validate import positive_int
 from .context import Context
 
 _T = TypeVar("_T")
+
+#: the policies: keep the global batch by accumulation (trainfold's), or halve the batch and let the global one shrink (Accelerate's)
+POLICIES = ("keep_global_batch", "halve")
+
+
+@attrs.frozen
+class BatchSizeFound(Generic[_T]):
+    """What :func:`find_batch_size` found: ``train``'s result, and the Context, batch size and accumulation it ran with.
+
+    Continue the run on ``ctx``: the Context passed to ``find_batch_size`` was retired by its first attempt.
+
+    .. versionadded:: 0.2.0
+    """
+
+    result: _T
+    ctx: Context = attrs.field(repr=False)
+    batch_size: int
+    gradient_accumulation_steps: int
 
 #: What Accelerate keeps of every object it prepares: emptied back to its length before a failed attempt.
 _PREPARED = ("_models", "_optimizers", "_schedulers", "_dataloaders")
@@ -34,7 +54,21 @@ def batch_sizes(per_process: int, start: int | None = None) -> list[int]:
     return [b for b in range(top, 0, -1) if per_process % b == 0]
 
 
-def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global_batch: int, start: int | None = None) -> _T:
+def halvings(start: int) -> list[int]:
+    """The batch sizes Accelerate's ``find_executable_batch_size`` tries: ``start`` halved down to 1.
+
+    Example:
+        >>> halvings(24)
+        [24, 12, 6, 3, 1]
+    """
+    sizes = [start]
+    while sizes[-1] > 1:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global_batch: int, start: int | None = None,
+                    policy: str = "keep_global_batch") -> BatchSizeFound[_T]:
     """Run ``train(ctx, batch_size)`` with the largest per-process batch that fits, keeping the global batch by accumulation.
 
     ``global_batch`` is the number of samples per optimizer update over every
@@ -52,6 +86,11 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
     size fits: the run is the one a hand-written loop with that batch size and
     accumulation gives.
 
+    ``policy="halve"`` is Accelerate's instead: the per-process batch is halved from
+    ``start`` (or ``global_batch / num_processes``) on each out-of-memory, with the
+    accumulation steps the Context has: the global batch shrinks with it, and the
+    optimisation changes (scale the learning rate yourself).
+
     On several processes every process must fail at the same attempt (the same
     model on the same devices does); one that fails alone leaves the others in a
     collective until the process group's timeout.
@@ -61,12 +100,14 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
         train: ``train(ctx, batch_size) -> result``.
         global_batch: samples per update over all processes (a multiple of ``num_processes``).
         start: the largest per-process batch to try.
+        policy: ``"keep_global_batch"`` (the default) or ``"halve"`` (Accelerate's).
 
     Returns:
-        What the first attempt that fitted returned.
+        A :class:`BatchSizeFound`: what the first attempt that fitted returned (``result``), and the
+        Context (``ctx``: continue on it), batch size and accumulation steps it ran with.
 
     Raises:
-        ValueError: ``global_batch`` is not a positive multiple of the number of processes.
+        ValueError: ``global_batch`` is not a positive multiple of the number of processes, or an unknown policy.
         RuntimeError: even a batch of one sample per process ran out of memory (the last error chained).
 
     Example:
@@ -76,8 +117,9 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
         ...     if batch_size > 4:
         ...         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")  # as a GPU would
         ...     return batch_size, ctx.gradient_accumulation_steps
-        >>> find_batch_size(ctx, train, global_batch=16)
-        (4, 4)
+        >>> found = find_batch_size(ctx, train, global_batch=16)
+        >>> found.result, found.batch_size, found.gradient_accumulation_steps, found.ctx.gradient_accumulation_steps
+        ((4, 4), 4, 4, 4)
 
     .. versionadded:: 0.2.0
     """
@@ -86,18 +128,24 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
     positive_int("global_batch", global_batch)
     if start is not None:
         positive_int("start", start)
+    if policy not in POLICIES:
+        raise ValueError(f"find_batch_size: policy must be one of {POLICIES} (got {policy!r}).")
+    ctx.check()  # a retired (or closed) Context is refused here, not in the middle of an attempt
     accelerator = ctx.accelerator
     processes = accelerator.num_processes
     if global_batch % processes:
         raise ValueError(f"find_batch_size: global_batch={global_batch} is not a multiple of the {processes} processes.")
     per_process = global_batch // processes
+    keep = policy == "keep_global_batch"
+    sizes = batch_sizes(per_process, start) if keep else halvings(start or per_process)
     last: BaseException | None = None
-    for batch_size in batch_sizes(per_process, start):
+    for batch_size in sizes:
         prepared = {name: len(getattr(accelerator, name, ())) for name in _PREPARED}
         micro_batches = accelerator.step  # Accelerate's accumulation phase, advanced by the failed attempt's batches
-        attempt = ctx.with_accumulation(per_process // batch_size)
+        steps = per_process // batch_size if keep else ctx.gradient_accumulation_steps
+        attempt = ctx.with_accumulation(steps)
         try:
-            return train(attempt, batch_size)
+            return BatchSizeFound(train(attempt, batch_size), attempt, batch_size, steps)
         except Exception as exc:
             if not should_reduce_batch_size(exc):
                 raise
