@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, make_step, testing
+from trainfold import Context, TrainState, make_step, run_epoch, testing
 
 V, D = 11, 6
 
@@ -130,3 +130,17 @@ def test_evaluate_in_token_mode_weights_by_tokens_and_counts_every_token_once():
         evaluate(ctx, mean_loss, loader, state, normalize="tokens")
     with pytest.raises(ValueError, match="normalize must be 'mean' or 'tokens'"):
         evaluate(ctx, summed_loss, loader, state, normalize="sum")
+
+
+def test_the_token_count_is_the_losss_weight_not_a_metric():
+    """Token mode sent 'tokens' to the history and the trackers as if it were a metric (train_tokens 6.5)."""
+    from trainfold import evaluate
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = _lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = ctx.own_shards(_token_batches())[0]
+    state = evaluate(ctx, summed_loss, batches, run_epoch(ctx, make_step(ctx, summed_loss, normalize="tokens"), batches, state), normalize="tokens")
+
+    assert {"train_loss", "eval_loss"} == set(state.metrics)

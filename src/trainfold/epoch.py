@@ -428,7 +428,7 @@ def evaluate(
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
             # matched, and adds zeros under the same names, so every process reduces the same shape.
-            recorded = {k: weighted(v, real, precision) for k, v in aux.items()}
+            recorded = {k: weighted(v, real, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
             if by_tokens:  # the loss is a sum over the batch's tokens: a per-token mean weighted by them
                 tokens = weighted(_tokens_of(aux), 1 if real else 0, precision)
                 loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if real else 0, precision) / tokens.clamp(min=1), tokens

@@ -45,7 +45,8 @@ class _NormalizeTokens:
             tokens = tokens.detach().float()
             mb.extras = MappingProxyType({**mb.extras, TOKENS: tokens if group is None else group + tokens})
             mb.loss = mb.loss.detach() / tokens.clamp(min=1)  # the per-token mean, recorded weighted by the tokens:
-            mb.aux = {**mb.aux, LOSS_WEIGHT: tokens}  # train_loss is then (all token losses) / (all tokens)
+            # train_loss is then (all token losses) / (all tokens); the count is the loss's weight, not a metric of its own
+            mb.aux = {**{k: v for k, v in mb.aux.items() if k != TOKENS}, LOSS_WEIGHT: tokens}
 
         def scale(mb: MicroBatch) -> None:
             group = mb.extras[TOKENS]
