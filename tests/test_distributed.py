@@ -208,7 +208,7 @@ def _checkpoint_on_this_rank(root):
     ctx, fresh, dl = setup(99)
     resumed = train(ctx, load_checkpoint(ctx, f"{root}/boundary", fresh), dl)
     results.append(("boundary", testing.parameters(resumed), None))
-    save_checkpoint(ctx, f"{root}/gathered", resumed, sharded=False)  # the format that cannot be dealt out anew
+    save_checkpoint(ctx, f"{root}/gathered", resumed, sharded=False)  # the gathered format: dealt out to replicas on resume
     return expected, results, [c.name for c in ckpts]
 
 
@@ -227,9 +227,16 @@ def test_checkpoints_on_two_processes_resume_exactly(tmp_path):
     assert {f"rank-{r}.safetensors" for r in (0, 1)} <= {p.name for p in (tmp_path / names[0]).iterdir()}
 
     assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path / "gathered"))["files"]
-    ctx, state, _, _ = testing.tiny_setup()
-    with pytest.raises(CheckpointError, match=r"written by 2 processes but this run has 1.*resume it on 2 processes.*sharded=True"):
-        load_checkpoint(ctx, tmp_path / "gathered", state)
+    # the gathered format holds the whole model and optimizer: it continues on one process too (a replica)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    torch.manual_seed(5)
+    model = helpers.mlp(dropout=0.3)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    resumed = load_checkpoint(ctx, tmp_path / "gathered", state)
+    testing.assert_params_equal(ranks[0][1][-1][1], resumed)
+    other_ctx, other_model_state, _, _ = testing.tiny_setup()
+    with pytest.raises(CheckpointError, match=r"another model"):
+        load_checkpoint(other_ctx, tmp_path / "gathered", other_model_state)
 
 
 def _token_step_on_this_rank():

@@ -156,7 +156,7 @@ def _ids_data(n=48):
     return torch.utils.data.TensorDataset(x, y, torch.arange(n))
 
 
-def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, ga=1):
+def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, ga=1, sharded=True):
     """One epoch over 48 numbered samples; returns the ids this process trained on, and the model at the start and end."""
     import warnings
 
@@ -184,7 +184,7 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
     step = make_step(ctx, loss_fn)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    step = checkpoint_every(ctx, root, 1, keep_last=1, sharded=True)(step)
+    step = checkpoint_every(ctx, root, 1, keep_last=1, sharded=sharded)(step)
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
         state = run_epoch(ctx, step, dl, state)
@@ -227,6 +227,49 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
     assert all(epoch == 1 for *_, epoch, _ in second)
     warned = second[0][4]
     assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("saved,resumed,stop_after", [(1, 2, 4), (2, 1, 3), (1, 3, 3)])  # the rest divides evenly: no padding
+def test_a_gathered_checkpoint_resumes_on_another_number_of_processes(saved, resumed, stop_after, tmp_path):
+    """A one-process run (the gathered format, the default there) scales out, and a gathered checkpoint of several
+    processes continues on one: the whole model and optimizer are in it, and the data position in samples. Every sample
+    of the epoch once over the two runs; model, optimizer and scheduler exact (it was refused: 'cannot be dealt out')."""
+    first = _run("ddp", saved, str(tmp_path), stop_after=stop_after, sharded=False)
+    second = _run("ddp", resumed, str(tmp_path), resume=True, sharded=False)
+
+    assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path))["files"]  # still gathered: one file
+    trained = sorted(i for seen, *_ in first + second for i in seen)
+    assert trained == list(range(48))
+    stopped, started = first[0][2], second[0][1]
+    testing.assert_params_equal(stopped[0], started[0])
+    assert stopped[1] == started[1] == stop_after and stopped[2] == started[2]
+    for k, per in stopped[3].items():
+        for name, value in per.items():
+            assert torch.equal(value, started[3][k][name]), (k, name)
+
+
+def _gathered_into_fsdp2(root):
+    ctx, state, _ = _setup("fsdp2")
+    try:
+        load_checkpoint(ctx, root, state)
+        return "loaded"
+    except ValueError as exc:  # CheckpointError
+        return str(exc)
+    finally:
+        ctx.close()
+
+
+@pytest.mark.multiprocess
+def test_a_gathered_checkpoint_is_not_dealt_out_to_fsdp_shards_and_says_the_way(tmp_path):
+    """FSDP2 over 2 processes from a one-process gathered checkpoint: refused by name, nothing changed (a sharded one reshards)."""
+    ctx, state, _ = _setup("ddp")
+    save_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+
+    for message in testing.run_distributed(_gathered_into_fsdp2, str(tmp_path), nprocs=2):
+        assert "in the gathered format and this run shards its parameters (FSDP) over 2" in message
+        assert "save_checkpoint(..., sharded=True)" in message
 
 
 def _gathered_under_fsdp2(root):

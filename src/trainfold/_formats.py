@@ -5,7 +5,8 @@ and once per load (:func:`for_load`), so that ``save_checkpoint`` and
 ``load_checkpoint`` hold no engine branches:
 
 - :class:`Gathered` (format 1): the model gathered into the main process's
-  ``model.safetensors``, the optimizer into the shared ``state.*`` files;
+  ``model.safetensors``, the optimizer into the shared ``state.*`` files; it
+  resumes on any number of replicas (DDP, one process);
 - :class:`Sharded` (format 2): every process writes its own pieces of the model and
   optimizer (``_sharded.py``, torch.distributed.checkpoint on trainfold's files); it
   resumes on any number of processes;
@@ -28,7 +29,7 @@ import attrs
 import torch
 
 from . import _rng
-from ._backend import accumulation_counter, inner_optimizer, is_deepspeed, local, unwrap
+from ._backend import accumulation_counter, inner_optimizer, is_deepspeed, local, shards_parameters, unwrap
 from ._background import to_host
 from ._cursor import Resume
 from ._files import DEEPSPEED, FORMAT, MANIFEST, SHARDED, CheckpointError, parse_tensors, rank_files, read_verified
@@ -69,7 +70,7 @@ class Format(Protocol):
 
 
 class Gathered:
-    """Format 1: the model and optimizer gathered into the main process's files; resumed on as many processes."""
+    """Format 1: the model and optimizer gathered into the main process's files; resumed on any number of replicas."""
 
     code = FORMAT
 
@@ -80,18 +81,26 @@ class Gathered:
         return Captured(attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights), weights)
 
     def load(self, ctx: Context, folder: Path, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
+        """The whole model and optimizer are in the shared files, so a checkpoint of N processes continues on M
+        replicas (DDP, one process): every process reads them, and the data position of the first process, in samples."""
         acc = ctx.accelerator
-        if manifest["world_size"] != acc.num_processes:
+        world = manifest["world_size"]
+        elastic = world != acc.num_processes
+        if elastic and shards_parameters(acc):
             raise CheckpointError(
-                f"{folder} was written by {manifest['world_size']} processes but this run has {acc.num_processes}, and its "
-                "format (the model gathered into one file, the data position per process) cannot be dealt out anew: resume "
-                f"it on {manifest['world_size']} processes, and save there with save_checkpoint(..., sharded=True) (the default "
-                "on several processes); a sharded checkpoint resumes on any number of processes."
+                f"{folder} was written by {world} process(es) in the gathered format and this run shards its parameters "
+                f"(FSDP) over {acc.num_processes}: a gathered checkpoint is dealt out to replicas (DDP, one process) only. "
+                f"Resume it on {world} process(es), or on {acc.num_processes} without FSDP, and save there with "
+                "save_checkpoint(..., sharded=True), which resumes under FSDP on any number of processes."
             )
-        files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(acc.process_index)])
-        run, resume, saved_steps = decode(folder, files, state, acc.process_index)
+        source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
+        files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
+        run, resume, saved_steps = decode(folder, files, state, source)
         del files
-        _check_accumulation(ctx, folder, saved_steps)
+        if elastic:
+            run, resume = _elastic(folder, run, resume, saved_steps, world, acc)
+        else:
+            _check_accumulation(ctx, folder, saved_steps)
         try:
             check_fits(run, state)
         except StateMismatch as exc:
@@ -99,8 +108,6 @@ class Gathered:
 
         # Everything read and checked: now change things.
         return _loaded(put_back(run, state, keep_run=False), resume)
-
-
 
 
 class Sharded:
@@ -134,9 +141,7 @@ class Sharded:
             files = read_verified(folder, manifest, ["state.json", "state.safetensors", _sharded.METADATA, *rank_files(source)])
             run, resume, saved_steps = decode(folder, files, state, source)
             if elastic:
-                _check_elastic(folder, run, resume, saved_steps, world, acc.num_processes)
-                run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
-                resume = attrs.evolve(resume, elastic=True)
+                run, resume = _elastic(folder, run, resume, saved_steps, world, acc)
             else:
                 _check_accumulation(ctx, folder, saved_steps)
             metadata = _sharded.parse_metadata(folder, files[_sharded.METADATA], world)
@@ -148,17 +153,6 @@ class Sharded:
             return run, resume, metadata
 
         run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
-        if elastic and run.values.batch_in_epoch > 0:
-            warnings.warn(
-                f"load_checkpoint: {folder} was saved by {world} processes in the middle of epoch {run.values.epoch + 1}; this run "
-                f"has {acc.num_processes}. The model, optimizer and data position continue exactly, but the epoch's running "
-                "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
-                "train_loss (and train aux values) will not be exact; the next epochs' are.",
-                UserWarning,
-                stacklevel=3,
-            )
-            run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
-
         def read_file(name: str) -> Mapping[str, torch.Tensor]:
             return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
 
@@ -278,6 +272,27 @@ def _check_accumulation(ctx: Context, folder: Path, saved_steps: int) -> None:
             f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
             "Resume with the same Accelerator settings."
         )
+
+
+def _elastic(folder: Path, run: RunState, resume: Resume, saved_steps: int, saved: int, acc: Any) -> tuple[RunState, Resume]:
+    """A checkpoint of ``saved`` processes, continued on this run's: checked, at a new accumulation group, by its position in samples.
+
+    The epoch's running train sums were each process's own and cannot be dealt out
+    anew: they restart empty, with a warning (the next epochs' train values are exact).
+    """
+    _check_elastic(folder, run, resume, saved_steps, saved, acc.num_processes)
+    run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
+    if run.values.batch_in_epoch > 0:
+        warnings.warn(
+            f"load_checkpoint: {folder} was saved by {saved} processes in the middle of epoch {run.values.epoch + 1}; this run "
+            f"has {acc.num_processes}. The model, optimizer and data position continue exactly, but the epoch's running "
+            "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
+            "train_loss (and train aux values) will not be exact; the next epochs' are.",
+            UserWarning,
+            stacklevel=4,
+        )
+        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
+    return run, attrs.evolve(resume, elastic=True)
 
 
 def _check_elastic(folder: Path, run: Any, resume: Resume, saved_steps: int, saved: int, now: int) -> None:
