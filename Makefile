@@ -22,7 +22,7 @@ DS_SITE := .deepspeed-site
 DS_STAMP := $(DS_SITE)/.trainfold-installed
 FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
-.PHONY: example test test-quick test-types test-inprocess test-multiprocess test-deepspeed test-floor bench clean
+.PHONY: example test test-quick test-types test-inprocess test-multiprocess test-deepspeed test-floor test-wheel bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -78,8 +78,22 @@ test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(XDIST) -m "not multiprocess" $(FLOOR_TESTS)
 	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" -m multiprocess tests/test_distributed.py -k "not digits_example"
 
+# The wheel a user installs, not the editable tree: built (sdist and wheel, into dist/), installed into a fresh
+# .venv-wheel, and used from outside the source tree: the digits example, the pytest plugin, the version it reports.
+WHEEL_VENV ?= .venv-wheel
+test-wheel: $(STAMP)
+	rm -rf dist $(WHEEL_VENV)
+	$(PY) -m build --no-isolation --outdir dist . > /dev/null
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls dist/trainfold-*.whl)[examples]" pytest
+	WHEEL_PY=$(abspath $(WHEEL_VENV))/bin/python SRC=$(CURDIR) bash tests/wheel_check.sh
+
+# The peers (pytorch-accelerated, Lightning) come with the bench extra; bench.py names any it has to skip.
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE)
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist

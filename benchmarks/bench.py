@@ -282,6 +282,9 @@ def bench_model(name: str, rounds: int, seed: int = 0) -> dict[str, list[float]]
     ds = make_data(sizes, batch, batches)
     order = random.Random(seed)
     names = [c for c in CONTENDERS if available(c)]
+    skipped = [c for c in CONTENDERS if c not in names]
+    if skipped:  # said, not silent: the table would otherwise just lack them
+        print(f"skipped (not installed; `make bench` installs them with pip install -e '.[bench]'): {', '.join(skipped)}", file=sys.stderr)
     build = names[:]
     order.shuffle(build)
     epochs = {}
