@@ -24,4 +24,5 @@ def test_the_plugin_gives_the_isolated_fixture(isolated):
     assert 2 == Accelerator(cpu=True, gradient_accumulation_steps=2).gradient_accumulation_steps
 PY
 "$WHEEL_PY" -m pytest -q -p no:cacheprovider test_with_the_plugin.py
-echo "test-wheel: trainfold $version from $where: the digits example and the pytest plugin ran"
+"$(dirname "$WHEEL_PY")/trainfold" ls . | grep -q "(no checkpoints)"  # the console script the wheel installs
+echo "test-wheel: trainfold $version from $where: the digits example, the pytest plugin and the trainfold command ran"

@@ -1,0 +1,188 @@
+"""``python -m trainfold`` (and the ``trainfold`` command): what people do with checkpoints outside training.
+
+    trainfold ls ROOT          each checkpoint under ROOT: update, epoch, position, format, processes, finite, size
+    trainfold verify PATH      the manifest check of a checkpoint (exit 1 when it fails, naming the file and why)
+    trainfold inspect PATH     counters, stop, the last records, accumulation and precision, layout, versions
+
+``--json`` prints one JSON document instead, for scripts. A path that is not a
+checkpoint (or, for ``inspect``, a damaged one) is one line on stderr and exit
+status 2; nothing here loads a model or needs a process group, and nothing is
+unpickled: the manifest and ``state.json`` are read as JSON, verified first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from ._files import DEEPSPEED, FORMAT, SHARDED, CheckpointError, parse_json, read_manifest_json, read_verified
+from ._root import _DEBRIS, latest_checkpoint, list_checkpoints
+
+FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
+
+
+class _Refused(Exception):
+    """Bad input: one line on stderr, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return its exit status (0 done, 1 a checkpoint failed verification, 2 bad input)."""
+    parser = argparse.ArgumentParser(prog="trainfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, what, arg in (("ls", "list the checkpoints under a root", "root"), ("verify", "check a checkpoint against its manifest", "path"),
+                            ("inspect", "what a checkpoint holds, besides its tensors", "path")):
+        sub = commands.add_parser(name, help=what)
+        sub.add_argument(arg)
+        sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "ls":
+            return _print(_ls(Path(args.root)), args.json, _ls_text)
+        if args.command == "verify":
+            return _verify(Path(args.path), args.json)
+        return _print(_inspect(Path(args.path)), args.json, _inspect_text)
+    except _Refused as exc:
+        print(f"trainfold {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _print(doc: Any, as_json: bool, text: Any) -> int:
+    print(json.dumps(doc, indent=2) if as_json else text(doc))
+    return 0
+
+
+def _folder(path: Path) -> Path:
+    """``path`` itself if it is a checkpoint, else the newest checkpoint of the root it names."""
+    if (path / "MANIFEST.json").exists():
+        return path
+    if not path.is_dir():
+        raise _Refused(f"{path} does not exist or is not a folder: give a checkpoint folder (ckpt-...) or the root that holds them.")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise _Refused(f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside).")
+    return latest
+
+
+def _summary(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    files = manifest.get("files", {})
+    return {
+        "name": folder.name,
+        "update": manifest.get("step"),
+        "epoch": manifest.get("epoch"),
+        "micro_step": manifest.get("micro_step"),
+        "format": FORMAT_NAMES.get(manifest.get("format", -1), f"unknown ({manifest.get('format')})"),
+        "processes": manifest.get("world_size"),
+        "finite": manifest.get("finite", True),
+        "bytes": sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)),
+    }
+
+
+def _ls(root: Path) -> dict[str, Any]:
+    if not root.is_dir():
+        raise _Refused(f"{root} is not a folder: give the root that holds the checkpoints (what save_checkpoint was given).")
+    latest = latest_checkpoint(root)
+    entries = []
+    for folder in list_checkpoints(root):
+        entry = {**_summary(folder, read_manifest_json(folder)), "complete": True, "latest": folder == latest}
+        try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
+            entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
+        except (CheckpointError, KeyError, TypeError):
+            entry["batch_in_epoch"] = None
+        entries.append(entry)
+    for debris in sorted(p for p in root.iterdir() if _DEBRIS.fullmatch(p.name)):
+        entries.append({"name": debris.name, "complete": False, "latest": False})
+    return {"root": str(root), "checkpoints": entries}
+
+
+def _ls_text(doc: dict[str, Any]) -> str:
+    lines = [f"{doc['root']}:"]
+    for e in doc["checkpoints"]:
+        if not e["complete"]:
+            lines.append(f"    {e['name']:<28} debris of an unfinished save (removed at the next commit)")
+            continue
+        where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" if e.get("batch_in_epoch") else f"after epoch {e['epoch']}"
+        lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
+                     f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {_size(e['bytes'])}")
+    if len(lines) == 1:
+        lines.append("    (no checkpoints)")
+    elif any(e.get("latest") for e in doc["checkpoints"]):
+        lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
+
+
+def _verify(path: Path, as_json: bool) -> int:
+    from .checkpoint import verify_checkpoint
+
+    folder = _folder(path)
+    try:
+        manifest = verify_checkpoint(folder)
+    except CheckpointError as exc:
+        print(json.dumps({"checkpoint": str(folder), "ok": False, "error": str(exc)}) if as_json else f"{folder}: FAILED: {exc}")
+        return 1
+    files = manifest["files"]
+    print(json.dumps({"checkpoint": str(folder), "ok": True, "files": len(files)}) if as_json else
+          f"{folder}: OK ({len(files)} files, {_size(sum(e['size'] for e in files.values()))}, every one of the size and digest its manifest records)")
+    return 0
+
+
+def _state(folder: Path) -> dict[str, Any]:
+    """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
+    from ._files import read_manifest
+
+    manifest = read_manifest(folder)
+    data = read_verified(folder, manifest, ["state.json"])["state.json"]
+    doc = parse_json(folder, "state.json", data)
+    if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
+        raise CheckpointError(f"{folder}: state.json is not a trainfold run state.")
+    return doc
+
+
+def _inspect(path: Path) -> dict[str, Any]:
+    folder = _folder(path)
+    try:
+        manifest = read_manifest_json(folder)
+        doc = _state(folder)
+    except CheckpointError as exc:
+        raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
+    state, acc = doc["state"], doc.get("accelerate", {})
+    history = state.get("history", [])
+    return {
+        **_summary(folder, manifest),
+        "checkpoint": str(folder),
+        "batch_in_epoch": state.get("batch_in_epoch"),
+        "stop": {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")},
+        "last_records": [{"epoch": r[0], "update": r[1], "name": r[2], "value": r[3]} for r in history[-8:] if isinstance(r, list) and len(r) == 4],
+        "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
+        "mixed_precision": acc.get("mixed_precision"),
+        "layout": doc.get("layout", {}),
+        "run_id": manifest.get("run_id"),
+        "trainfold_version": manifest.get("trainfold_version"),
+        "torch_version": manifest.get("torch_version"),
+    }
+
+
+def _inspect_text(d: dict[str, Any]) -> str:
+    stop = d["stop"]
+    lines = [
+        f"{d['checkpoint']}",
+        f"  update {d['update']}, epoch {d['epoch']} done, batch {d['batch_in_epoch']} of the next, micro-batch {d['micro_step']}",
+        f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'running'}" + (f" ({stop['reason']})" if stop["reason"] else ""),
+        f"  {d['format']} format, {d['processes']} process(es), {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {_size(d['bytes'])}",
+        f"  gradient_accumulation_steps {d['gradient_accumulation_steps']}, mixed_precision {d['mixed_precision']}, layout {d['layout']}",
+        f"  run {d['run_id']}, written by trainfold {d['trainfold_version']} with torch {d['torch_version']}",
+    ]
+    if d["last_records"]:
+        lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
+    return "\n".join(lines)

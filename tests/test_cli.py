@@ -1,0 +1,92 @@
+"""The checkpoint command line: `python -m trainfold ls | verify | inspect`, on checkpoints of each format."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trainfold import cli, latest_checkpoint, make_step, max_steps, run_epoch, save_checkpoint, testing
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A root with a gathered checkpoint between epochs, a sharded one mid-epoch (stopped by a budget), and debris."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader, state), sharded=True)
+    (tmp_path / ".tmp-ckpt-0000000009").mkdir()
+    return tmp_path
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_lists_each_checkpoint_with_its_position_format_and_the_newest_marked(root, capsys):
+    code, out, _ = _run(capsys, "ls", str(root), "--json")
+    doc = json.loads(out)
+
+    assert 0 == code
+    first, second, debris = doc["checkpoints"]
+    assert ("ckpt-0000000004", 4, 1, 0, "gathered", 1, True, False) == (
+        first["name"], first["update"], first["epoch"], first["batch_in_epoch"], first["format"], first["processes"], first["finite"], first["latest"])
+    assert ("ckpt-0000000006", 6, 1, 2, "sharded", True) == (
+        second["name"], second["update"], second["epoch"], second["batch_in_epoch"], second["format"], second["latest"])
+    assert second["bytes"] > 0
+    assert (".tmp-ckpt-0000000009", False) == (debris["name"], debris["complete"])
+    code, text, _ = _run(capsys, "ls", str(root))
+    assert "* ckpt-0000000006" in text and "epoch 2 batch 2" in text and "debris of an unfinished save" in text
+
+
+def test_verify_says_ok_or_names_the_damaged_file_with_exit_status_1(root, capsys):
+    folder = latest_checkpoint(root)
+    assert 0 == _run(capsys, "verify", str(folder))[0]
+
+    shard = folder / "shard-0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "verify", str(root), "--json")  # a root: its newest checkpoint
+
+    assert 1 == code
+    doc = json.loads(out)
+    assert not doc["ok"] and "shard-0.safetensors does not match its digest" in doc["error"]
+
+
+def test_inspect_shows_counters_stop_records_settings_and_versions(root, capsys):
+    code, out, _ = _run(capsys, "inspect", str(root), "--json")
+    doc = json.loads(out)
+
+    assert 0 == code
+    assert (6, 1, 2, 6) == (doc["update"], doc["epoch"], doc["batch_in_epoch"], doc["micro_step"])
+    assert {"should_stop": True, "finished": False, "reason": "max_steps"} == doc["stop"]
+    assert [("train_loss", 1, 4)] == [(r["name"], r["epoch"], r["update"]) for r in doc["last_records"]]
+    assert (1, "no", "sharded") == (doc["gradient_accumulation_steps"], doc["mixed_precision"], doc["format"])
+    assert doc["trainfold_version"] and doc["torch_version"] and doc["run_id"]
+    assert "stop: stopped (max_steps)" in _run(capsys, "inspect", str(root))[1]
+
+
+@pytest.mark.parametrize("command", ["ls", "verify", "inspect"])
+def test_a_path_that_is_no_checkpoint_is_one_line_and_exit_status_2(command, tmp_path, capsys):
+    target = tmp_path / "nothing" if command != "inspect" else tmp_path
+    code, out, err = _run(capsys, command, str(target))
+
+    assert 2 == code and "" == out
+    assert 1 == len(err.strip().splitlines()) and err.startswith(f"trainfold {command}: ") and "Traceback" not in err
+
+
+def test_inspect_of_a_damaged_state_refuses_with_status_2(root, capsys):
+    folder = latest_checkpoint(root)
+    (folder / "state.json").write_text("{}")
+    code, _, err = _run(capsys, "inspect", str(folder))
+    assert 2 == code and "state.json" in err and "trainfold verify" in err
+
+
+@pytest.mark.multiprocess
+def test_python_dash_m_trainfold_runs_the_same_command_line(root):
+    done = subprocess.run([sys.executable, "-m", "trainfold", "ls", str(root)], capture_output=True, text=True, timeout=600)
+    assert 0 == done.returncode, done.stderr
+    assert "* ckpt-0000000006" in done.stdout
