@@ -304,8 +304,8 @@ def test_fit_interrupted_mid_epoch_resumes_to_the_same_end(tmp_path):
     assert expected.history == final.history
 
 
-def test_a_signal_during_evaluation_stops_the_run_after_it():
-    ctx, state, dl = _setup()
+def _sigterm_in_first_loss():
+    """A loss function that sends this process SIGTERM at its first call (an evaluation's first batch)."""
     sent = []
 
     def loss_fn(model, batch):
@@ -313,6 +313,13 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
             sent.append(1)
             os.kill(os.getpid(), signal.SIGTERM)
         return helpers.ce_loss(model, batch)
+
+    return loss_fn
+
+
+def test_a_signal_during_evaluation_stops_the_run_after_it():
+    ctx, state, dl = _setup()
+    loss_fn = _sigterm_in_first_loss()
 
     final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
     assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop_reason)
@@ -323,13 +330,7 @@ def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(t
     """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: the loop's end
     saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
     ctx, state, dl = _setup()
-    sent = []
-
-    def loss_fn(model, batch):
-        if not sent:
-            sent.append(1)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return helpers.ce_loss(model, batch)
+    loss_fn = _sigterm_in_first_loss()
 
     step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, helpers.ce_loss))
     final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3)(state)
