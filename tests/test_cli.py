@@ -90,3 +90,70 @@ def test_python_dash_m_trainfold_runs_the_same_command_line(root):
     done = subprocess.run([sys.executable, "-m", "trainfold", "ls", str(root)], capture_output=True, text=True, timeout=600)
     assert 0 == done.returncode, done.stderr
     assert "* ckpt-0000000006" in done.stdout
+
+
+# --- export and diff ---------------------------------------------------------------------------------
+
+
+def test_export_writes_the_models_weights_of_each_format_bit_for_bit(tmp_path, capsys):
+    from trainfold import checkpoint_weights, export_checkpoint
+    from trainfold._safetensors import parse, read_into
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    save_checkpoint(ctx, tmp_path / "gathered", state)
+    save_checkpoint(ctx, tmp_path / "sharded", state, sharded=True)
+    expected = testing.parameters(state)
+
+    for fmt in ("gathered", "sharded"):
+        testing.assert_params_equal(expected, checkpoint_weights(tmp_path / fmt))
+        code, out, _ = _run(capsys, "export", str(tmp_path / fmt), str(tmp_path / f"{fmt}.safetensors"))
+        assert 0 == code and "wrote" in out
+        written = tmp_path / f"{fmt}.safetensors"
+        testing.assert_params_equal(expected, dict(parse(read_into(written, written.stat().st_size))))
+    with pytest.raises(FileExistsError, match="exists: export writes a new file"):
+        export_checkpoint(tmp_path / "gathered", tmp_path / "gathered.safetensors")
+    code, _, err = _run(capsys, "export", str(tmp_path / "gathered"), str(tmp_path / "gathered.safetensors"))
+    assert 2 == code and "exists" in err
+
+
+def _fsdp2_saved(root):
+    import helpers
+    import test_sharded as ts
+
+    ctx, state, dl = ts._setup("fsdp2")
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, root, state)
+    full = ts._full_params(state)
+    ctx.close()
+    return full
+
+
+@pytest.mark.multiprocess
+def test_export_puts_together_the_pieces_of_an_fsdp2_checkpoint_offline(tmp_path):
+    """2 processes under FSDP2 write each their rows of every weight; export assembles them, with no process group."""
+    from trainfold import checkpoint_weights
+
+    full, _ = testing.run_distributed(_fsdp2_saved, str(tmp_path), nprocs=2)
+
+    testing.assert_params_equal(full, checkpoint_weights(tmp_path))
+
+
+def test_diff_says_equal_or_which_tensors_differ_and_by_how_much(tmp_path, capsys):
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path / "before", state)
+    save_checkpoint(ctx, tmp_path / "copy", state)
+    trained = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+    save_checkpoint(ctx, tmp_path / "after", trained)
+    cli.main(["export", str(tmp_path / "before"), str(tmp_path / "before.safetensors")])
+    capsys.readouterr()
+
+    assert (0, "equal: 2 tensors, bit for bit\n") == _run(capsys, "diff", str(tmp_path / "before"), str(tmp_path / "before.safetensors"))[:2]
+    code, out, _ = _run(capsys, "diff", str(tmp_path / "before"), str(tmp_path / "after"), "--json")
+    doc = json.loads(out)
+    assert 1 == code and not doc["equal"]
+    deltas = {r["name"]: r["max_abs_diff"] for r in doc["different"]}
+    assert {"bias", "weight"} == set(deltas) and all(d > 0 for d in deltas.values())
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    code, _, err = _run(capsys, "diff", str(tmp_path / "junk.safetensors"), str(tmp_path / "copy"))
+    assert 2 == code and "is not a safetensors file" in err

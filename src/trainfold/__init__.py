@@ -8,6 +8,8 @@ from ._types import StepTransformer as StepTransformer
 from .batch_size import BatchSizeFound as BatchSizeFound
 from .batch_size import find_batch_size as find_batch_size
 from .errors import CheckpointError as CheckpointError
+from .export import checkpoint_weights as checkpoint_weights
+from .export import export_checkpoint as export_checkpoint
 from .checkpoint import checkpoint_every as checkpoint_every
 from .checkpoint import latest_checkpoint as latest_checkpoint
 from .checkpoint import list_checkpoints as list_checkpoints
@@ -85,6 +87,7 @@ __all__ = [
     "__version__",
     "average_parameters",
     "checkpoint_every",
+    "checkpoint_weights",
     "clip_by_norm",
     "clip_by_value",
     "constant",
@@ -96,6 +99,7 @@ __all__ = [
     "every",
     "every_epochs",
     "every_steps",
+    "export_checkpoint",
     "find_batch_size",
     "fit",
     "grad_norm",

@@ -3,6 +3,8 @@
     trainfold ls ROOT          each checkpoint under ROOT: update, epoch, position, format, processes, finite, size
     trainfold verify PATH      the manifest check of a checkpoint (exit 1 when it fails, naming the file and why)
     trainfold inspect PATH     counters, stop, the last records, accumulation and precision, layout, versions
+    trainfold export PATH OUT  the model's weights as one safetensors file (gathered or sharded, any number of processes)
+    trainfold diff A B         per-tensor max |difference| of two checkpoints or weight files (exit 0 when bit-equal)
 
 ``--json`` prints one JSON document instead, for scripts. A path that is not a
 checkpoint (or, for ``inspect``, a damaged one) is one line on stderr and exit
@@ -18,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import _safetensors
 from ._files import DEEPSPEED, FORMAT, SHARDED, CheckpointError, parse_json, read_manifest_json, read_verified
 from ._root import _DEBRIS, latest_checkpoint, list_checkpoints
 
@@ -32,10 +35,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return its exit status (0 done, 1 a checkpoint failed verification, 2 bad input)."""
     parser = argparse.ArgumentParser(prog="trainfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, what, arg in (("ls", "list the checkpoints under a root", "root"), ("verify", "check a checkpoint against its manifest", "path"),
-                            ("inspect", "what a checkpoint holds, besides its tensors", "path")):
+    for name, what, places in (("ls", "list the checkpoints under a root", ("root",)), ("verify", "check a checkpoint against its manifest", ("path",)),
+                               ("inspect", "what a checkpoint holds, besides its tensors", ("path",)),
+                               ("export", "the model's weights as one safetensors file", ("path", "out")),
+                               ("diff", "compare the weights of two checkpoints or safetensors files", ("a", "b"))):
         sub = commands.add_parser(name, help=what)
-        sub.add_argument(arg)
+        for place in places:
+            sub.add_argument(place)
         sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
     args = parser.parse_args(argv)
     try:
@@ -43,6 +49,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _print(_ls(Path(args.root)), args.json, _ls_text)
         if args.command == "verify":
             return _verify(Path(args.path), args.json)
+        if args.command == "export":
+            return _print(_export(Path(args.path), Path(args.out)), args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
+        if args.command == "diff":
+            doc = _diff(Path(args.a), Path(args.b))
+            _print(doc, args.json, _diff_text)
+            return 0 if doc["equal"] else 1
         return _print(_inspect(Path(args.path)), args.json, _inspect_text)
     except _Refused as exc:
         print(f"trainfold {args.command}: {exc}", file=sys.stderr)
@@ -185,4 +197,60 @@ def _inspect_text(d: dict[str, Any]) -> str:
     ]
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
+    return "\n".join(lines)
+
+
+def _export(path: Path, out: Path) -> dict[str, Any]:
+    from .export import export_checkpoint
+
+    folder = _folder(path)
+    try:
+        written = export_checkpoint(folder, out)
+    except FileExistsError as exc:
+        raise _Refused(str(exc)) from None
+    except CheckpointError as exc:
+        raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
+    header = _safetensors.parse(_safetensors.read_into(written, written.stat().st_size))
+    return {"checkpoint": str(folder), "out": str(written), "tensors": len(header), "bytes": written.stat().st_size}
+
+
+def _weights(path: Path) -> dict[str, Any]:
+    """A safetensors file's tensors, or a checkpoint's (a folder or a root) model weights."""
+    from .export import checkpoint_weights
+
+    try:
+        if path.is_file():
+            return dict(_safetensors.parse(_safetensors.read_into(path, path.stat().st_size)))
+        return checkpoint_weights(_folder(path))
+    except _safetensors.FormatError as exc:
+        raise _Refused(f"{path} is not a safetensors file ({exc}).") from None
+    except CheckpointError as exc:
+        raise _Refused(str(exc)) from None
+
+
+def _diff(a: Path, b: Path) -> dict[str, Any]:
+    import torch
+
+    left, right = _weights(a), _weights(b)
+    rows: list[dict[str, Any]] = []
+    for name in sorted(left.keys() & right.keys()):
+        x, y = left[name], right[name]
+        if tuple(x.shape) != tuple(y.shape):
+            rows.append({"name": name, "shapes": [list(x.shape), list(y.shape)], "max_abs_diff": None})
+        elif not torch.equal(x, y):
+            rows.append({"name": name, "max_abs_diff": float((x.double() - y.double()).abs().max())})  # sync: none, CPU tensors
+    only = {"a": sorted(left.keys() - right.keys()), "b": sorted(right.keys() - left.keys())}
+    return {"a": str(a), "b": str(b), "compared": len(left.keys() & right.keys()), "different": rows, "only_in": only,
+            "equal": not rows and not only["a"] and not only["b"]}
+
+
+def _diff_text(d: dict[str, Any]) -> str:
+    if d["equal"]:
+        return f"equal: {d['compared']} tensors, bit for bit"
+    lines = [f"{len(d['different'])} of {d['compared']} tensors differ:"]
+    for r in d["different"]:
+        lines.append(f"  {r['name']}: " + (f"shape {r['shapes'][0]} vs {r['shapes'][1]}" if r["max_abs_diff"] is None else f"max |a - b| {r['max_abs_diff']:.6g}"))
+    for side in ("a", "b"):
+        if d["only_in"][side]:
+            lines.append(f"  only in {side}: {', '.join(d['only_in'][side])}")
     return "\n".join(lines)
