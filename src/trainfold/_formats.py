@@ -153,6 +153,7 @@ class Sharded:
             return run, resume, metadata
 
         run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
+
         def read_file(name: str) -> Mapping[str, torch.Tensor]:
             return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
 
@@ -160,7 +161,6 @@ class Sharded:
         # Everything read and checked, on every process: now change things.
         _sharded.apply(model, optimizer, tensors, run.optimizer)
         return _loaded(put_back(run, state, keep_run=False), resume)
-
 
 
 class DeepSpeedFormat:
