@@ -38,7 +38,7 @@ def _breakdown(folder: Path, results: dict[str, list[float]]) -> None:
 
     import xxhash
 
-    from trainfold import _safetensors
+    from trainfold.checkpoint import safetensors as _safetensors
 
     files = [p for p in folder.iterdir() if p.name != "MANIFEST.json"]
     t = time.perf_counter()

@@ -409,7 +409,7 @@ def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path
     import subprocess
     import sys
 
-    from trainfold._launch import free_port
+    from trainfold.distributed.launch import free_port
 
     if torch.cuda.is_available():
         pytest.skip("with GPUs the Accelerator forms the group itself")

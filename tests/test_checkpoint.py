@@ -338,7 +338,7 @@ def test_register_record_refuses_what_it_cannot_keep_apart():
 
 def test_a_dtype_name_is_looked_up_in_a_fixed_list_not_on_the_torch_module(tmp_path):
     """A crafted {"__dtype__": "seed"} once decoded to torch.seed; now only real dtypes decode."""
-    from trainfold._codec import decode
+    from trainfold.checkpoint.codec import decode
 
     assert torch.bfloat16 is decode({"__dtype__": "bfloat16"}, {})
     for name in ("seed", "load", "__builtins__", ["float32"]):
@@ -351,7 +351,7 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
     """The streaming writer and the one-buffer reader speak the safetensors library's format."""
     from safetensors.torch import load_file, save_file
 
-    from trainfold import _safetensors
+    from trainfold.checkpoint import safetensors as _safetensors
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": (torch.randn(3, 5, generator=g) * 10).to(dtype), "b": torch.ones((), dtype=dtype), "empty": torch.zeros(0, 2, dtype=dtype),
@@ -375,7 +375,7 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
 def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     import struct
 
-    from trainfold import _safetensors
+    from trainfold.checkpoint import safetensors as _safetensors
 
     buf = bytearray(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(_safetensors.FormatError):

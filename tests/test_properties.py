@@ -74,7 +74,7 @@ def test_schedules_rise_then_fall_within_their_bounds(args, kind):
 @given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=150), mask=st.booleans())
 def test_running_sums_equal_the_sum_of_what_was_added_however_often_they_fold(values, mask):
     """RunningSums holds up to FOLD_EVERY batches before adding them; its sums are the plain sums all the same."""
-    from trainfold.metrics import FOLD_EVERY, RunningSums
+    from trainfold.base.metrics import FOLD_EVERY, RunningSums
 
     sums = RunningSums.zero("cpu", mask_nonfinite=mask)
     for v in values:
@@ -102,7 +102,7 @@ def test_the_steps_generated_copier_is_attrs_evolve(changes):
     """The copier the step builds its new state with gives what attrs.evolve gives, for any set of changed fields."""
     import attrs
 
-    from trainfold._copier import copier
+    from trainfold.base.copier import copier
 
     _, state, _ = _setup(4, 2, 1)
 
@@ -116,7 +116,7 @@ def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_on
     """The generated code's own names cannot clash with a field's; attrs' kw_only fields go by keyword."""
     import attrs
 
-    from trainfold._copier import copier
+    from trainfold.base.copier import copier
 
     @attrs.frozen
     class Record:

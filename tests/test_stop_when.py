@@ -20,7 +20,7 @@ from trainfold import (
     stop_when,
     testing,
 )
-from trainfold._validate import named
+from trainfold.base.checks import named
 
 import helpers
 

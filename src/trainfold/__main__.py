@@ -1,5 +1,5 @@
 """``python -m trainfold``: the checkpoint command line (:mod:`trainfold.cli`)."""
 
-from .cli import main
+from trainfold.cli import main
 
 raise SystemExit(main())

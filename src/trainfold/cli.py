@@ -20,9 +20,17 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import _safetensors
-from ._files import DEEPSPEED, FORMAT, SHARDED, CheckpointError, parse_json, read_manifest_json, read_verified
-from ._root import _DEBRIS, latest_checkpoint, list_checkpoints
+from trainfold.checkpoint import safetensors as _safetensors
+from trainfold.checkpoint.manifest import (
+    DEEPSPEED,
+    FORMAT,
+    SHARDED,
+    parse_json,
+    read_manifest_json,
+    read_verified,
+)
+from trainfold.checkpoint.root import _DEBRIS, latest_checkpoint, list_checkpoints
+from trainfold.errors import CheckpointError
 
 FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
 
@@ -135,7 +143,7 @@ def _size(n: int) -> str:
 
 
 def _verify(path: Path, as_json: bool) -> int:
-    from .checkpoint import verify_checkpoint
+    from trainfold.checkpoint.save import verify_checkpoint
 
     folder = _folder(path)
     try:
@@ -151,7 +159,7 @@ def _verify(path: Path, as_json: bool) -> int:
 
 def _state(folder: Path) -> dict[str, Any]:
     """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
-    from ._files import read_manifest
+    from trainfold.checkpoint.manifest import read_manifest
 
     manifest = read_manifest(folder)
     data = read_verified(folder, manifest, ["state.json"])["state.json"]
@@ -201,7 +209,7 @@ def _inspect_text(d: dict[str, Any]) -> str:
 
 
 def _export(path: Path, out: Path) -> dict[str, Any]:
-    from .export import export_checkpoint
+    from trainfold.checkpoint.export import export_checkpoint
 
     folder = _folder(path)
     try:
@@ -216,7 +224,7 @@ def _export(path: Path, out: Path) -> dict[str, Any]:
 
 def _weights(path: Path) -> dict[str, Any]:
     """A safetensors file's tensors, or a checkpoint's (a folder or a root) model weights."""
-    from .export import checkpoint_weights
+    from trainfold.checkpoint.export import checkpoint_weights
 
     try:
         if path.is_file():

@@ -19,7 +19,7 @@ def isolated() -> Iterator[None]:
     other settings than an earlier test's needs it. Use it by name, or make it
     apply to every test of a module with ``pytestmark = pytest.mark.usefixtures("isolated")``.
     """
-    from .testing import isolated_accelerate
+    from trainfold.testing import isolated_accelerate
 
     with isolated_accelerate():
         yield

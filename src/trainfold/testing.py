@@ -20,11 +20,12 @@ from typing import Any, Iterable, Iterator
 import torch
 from accelerate import Accelerator
 
-from ._backend import reset_process_state
-from ._launch import free_port, run_distributed
-from ._types import Batch, Step
-from .context import Context
-from .state import TrainState
+from trainfold.backend.engine import reset_process_state
+from trainfold.base.types import Batch
+from trainfold.core.context import Context
+from trainfold.core.state import TrainState
+from trainfold.core.types import Step
+from trainfold.distributed.launch import free_port, run_distributed
 
 __all__ = [
     "SYNC_METHODS",

@@ -1,0 +1,40 @@
+"""Argument checks and names that know nothing of the run: positive ints, lengths, readable names of functions, notes on errors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def name_of(fn: Any) -> str:
+    """A readable name for a function, a curry (its function's name) or a callable object."""
+    fn = getattr(fn, "func", fn)
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def named(fn: _F, name: str) -> _F:
+    """Give a composed function a readable ``__name__`` and ``__qualname__`` (like toolz's Compose)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach context to an exception without changing its type (PEP 678 where available)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def positive_int(name: str, n: Any) -> int:
+    """Return ``n`` if it is a positive int, else raise a ValueError naming ``name``."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"{name} must be a positive int (got {n!r}).")
+    return n
+
+
+def length_or_none(x: Any) -> int | None:
+    """``len(x)``, or None for an object without a length (an iterable loader)."""
+    try:
+        return len(x)
+    except TypeError:
+        return None

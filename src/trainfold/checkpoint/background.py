@@ -1,0 +1,113 @@
+"""The second half of a save: writing a checkpoint's files, agreeing that every process wrote them, committing.
+
+``save_checkpoint`` reads and encodes everything on the calling thread, so
+that nothing here touches a live object, and hands a :class:`SaveJob` to
+:func:`write_and_commit`: on the same thread for a blocking save, on the
+Context's saver thread (``_saver.py``) for ``async_save=True``, while training goes on.
+A background save agrees and commits over a gloo group of its own (collectives
+of one group are never issued from two threads). At most one save is in
+flight: the next save, a load, and closing the Context wait for it first, and
+raise its error if it failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import attrs
+import torch
+
+from trainfold.checkpoint.manifest import FORMAT, Content, write_files
+from trainfold.checkpoint.root import agreed, commit
+from trainfold.distributed.control import gather_objects
+
+if TYPE_CHECKING:
+    from trainfold.core.context import Context
+    from trainfold.core.state import TrainState
+
+logger = logging.getLogger("trainfold")
+
+
+@attrs.frozen(eq=False)
+class SaveJob:
+    """What one process writes for a checkpoint, read and copied already: nothing in it is live."""
+
+    root: Path
+    name: str
+    #: this process's files (the main process's include the shared ones)
+    files: Mapping[str, Content] = attrs.field(repr=False)
+    #: a sharded checkpoint's tensors, for ``_sharded.write_shards``; None for the gathered format
+    shards: Mapping[str, torch.Tensor] | None = attrs.field(repr=False)
+    #: the weights whose finiteness the manifest records (this process's part)
+    weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
+    #: the saved state's values: the manifest's run id and position
+    state: TrainState = attrs.field(repr=False)
+    keep_last: int | None
+    fmt: int
+
+    @property
+    def tmp(self) -> Path:
+        return self.root / f".tmp-{self.name}"
+
+
+def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
+    """Write this process's files, agree that every process did, and commit on the main process (every process calls it).
+
+    Raises:
+        OSError: a write failed on this process (a full disk); nothing was committed.
+        CheckpointError: a write failed on another process, or the commit failed.
+    """
+    main = ctx.is_main_process
+    world = ctx.accelerator.num_processes
+
+    def cleanup() -> None:
+        if main:
+            shutil.rmtree(job.tmp, ignore_errors=True)
+
+    entries = agreed(ctx, lambda: write_files(job.tmp, job.files), f"writing {job.tmp}", cleanup, group=group)
+    if job.shards is not None:
+        from trainfold.checkpoint.formats import dcp as _sharded
+
+        shards = job.shards
+        entries.update(agreed(ctx, lambda: _sharded.write_shards(job.tmp, shards, ctx.accelerator.process_index, group), f"writing the shards of {job.tmp}", cleanup, group=group))
+    if job.fmt != FORMAT:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
+        finite = _finite(job.weights)
+        if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
+            reports = gather_objects(ctx.control.group() if group is None else group, (entries, finite))
+            entries = {k: v for files_of, _ in reports for k, v in files_of.items()}
+            finite = all(f for _, f in reports)
+    else:
+        finite = _finite(job.weights) if main else True
+    if main and not finite:
+        _report_nonfinite(job.name)
+    agreed(ctx, lambda: commit(job.root, job.tmp, job.root / job.name, ctx, job.state, entries, job.keep_last, finite=finite, fmt=job.fmt) if main else None,
+           f"committing {job.name}", cleanup, group=group)
+
+
+def _finite(weights: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every floating-point weight is finite (one host sync, at a save)."""
+    checks = [torch.isfinite(t).all() for t in weights.values() if t.is_floating_point() and t.numel()]
+    return bool(torch.stack(checks).all()) if checks else True  # sync: once per save
+
+
+def _report_nonfinite(name: str) -> None:
+    logger.error(
+        "trainfold: checkpoint %s holds non-finite weights (NaN or inf): the run has diverged. It is kept, but "
+        "keep_last never removes the newest checkpoint of finite weights because of it; resume from that one "
+        "(see list_checkpoints) with a lower learning rate, clipping, or make_step(..., stages=[nan_guard()]).",
+        name,
+    )
+
+
+def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` in host memory (a DTensor's local shard copied, its layout kept): what a background save writes."""
+    from torch.distributed._state_dict_utils import (
+        _copy_state_dict,
+        _create_cpu_state_dict,
+    )
+
+    tensors = dict(tensors)
+    return _copy_state_dict(tensors, _create_cpu_state_dict(tensors))

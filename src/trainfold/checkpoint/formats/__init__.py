@@ -1,0 +1,1 @@
+"""Checkpoint formats: gathered, sharded (DCP) and DeepSpeed, three implementations of one interface."""

@@ -1,0 +1,266 @@
+"""The checkpoint folder on disk: its file names, the manifest, fsynced writes and verified reads.
+
+Owned here: which names a checkpoint may hold (:func:`required_files`, the
+manifest's checks in :func:`read_manifest`), writing files durably with their
+digests (:func:`write_files`, :func:`write_manifest`), and reading them back
+once each, verified as they are read, inside the folder only (:func:`read_verified`,
+:func:`verify`). What the files contain is ``_format.py``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import torch
+
+from trainfold.checkpoint import digest as _digest
+from trainfold.checkpoint import safetensors as _safetensors
+from trainfold.errors import CheckpointError
+
+#: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
+#: process writes its own pieces of them (``_sharded.py``), and they can be read back on another number of processes.
+#: Format 3 (DeepSpeed): the engine's own files for the model and ZeRO optimizer partitions (``_deepspeed.py``).
+FORMAT = 1
+SHARDED = 2
+DEEPSPEED = 3
+FORMATS = (FORMAT, SHARDED, DEEPSPEED)
+MANIFEST = "MANIFEST.json"
+SHARED = {
+    FORMAT: ("model.safetensors", "state.safetensors", "state.json"),
+    SHARDED: ("tensors.json", "state.safetensors", "state.json"),
+    DEEPSPEED: ("state.safetensors", "state.json"),
+}
+#: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
+_NAME = re.compile(r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
+#: And in format 3, the names DeepSpeed gives its files (read by ``_deepspeed.py``; here, so that no deepspeed import is needed).
+_ENGINE_NAME = re.compile(r"(?:bf16_)?(?:zero_pp_rank_(?:0|[1-9][0-9]{0,5})_)?mp_rank_00_(?:model|optim)_states\.pt")
+
+
+def allowed_name(name: Any, fmt: int) -> bool:
+    """Whether a manifest of format ``fmt`` may list ``name``: one of the format's plain file names."""
+    return isinstance(name, str) and (_NAME.fullmatch(name) is not None or (fmt == DEEPSPEED and _ENGINE_NAME.fullmatch(name) is not None))
+
+
+def is_engine_file(name: str) -> bool:
+    """A DeepSpeed engine file of a format-3 checkpoint."""
+    return _ENGINE_NAME.fullmatch(name) is not None
+#: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_JSON_BYTES = 64 << 20
+
+
+def rank_files(rank: int) -> tuple[str, str]:
+    return f"rank-{rank}.json", f"rank-{rank}.safetensors"
+
+
+def process_files(rank: int, fmt: int = FORMAT) -> tuple[str, ...]:
+    """The files process ``rank`` writes: its random states and data position; in a sharded checkpoint, its pieces too."""
+    return (*rank_files(rank), f"shard-{rank}.safetensors") if fmt == SHARDED else rank_files(rank)
+
+
+def required_files(world_size: int, fmt: int = FORMAT) -> list[str]:
+    """Every file a checkpoint of ``world_size`` processes must have, besides its manifest."""
+    return [*SHARED[fmt], *(name for r in range(world_size) for name in process_files(r, fmt))]
+
+
+#: A file's content before it is written: JSON bytes, or the tensors of a safetensors file.
+Content = Union[bytes, Mapping[str, torch.Tensor]]
+
+
+def json_bytes(value: Any) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
+def write_file(path: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` to ``path``, fsynced (a full disk raises OSError, ENOSPC); return its manifest entry."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    h = _digest.new()
+    h.update(data)
+    return _digest.entry(len(data), h)
+
+
+def _write(path: Path, content: Content) -> dict[str, Any]:
+    return write_file(path, content) if isinstance(content, bytes) else _safetensors.write(path, content)
+
+
+def write_files(folder: Path, files: Mapping[str, Content]) -> dict[str, dict[str, Any]]:
+    """Write every file (fsynced, two at a time) and return their manifest entries, hashed as written."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(_write, folder / name, content) for name, content in files.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def parse_tensors(folder: Path, name: str, data: Any) -> dict[str, torch.Tensor]:
+    try:
+        return _safetensors.parse(data)
+    except _safetensors.FormatError as exc:
+        raise CheckpointError(f"{folder}: file {name} is not a readable safetensors file ({exc}).") from None
+
+
+def parse_json(folder: Path, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:
+    if len(data) > limit:
+        raise CheckpointError(f"{folder}: file {name} has {len(data)} bytes, more than the {limit} a trainfold checkpoint writes: refused unread.")
+    try:
+        return json.loads(bytes(data))
+    except RecursionError:
+        raise CheckpointError(f"{folder}: file {name} is nested too deeply to be a trainfold checkpoint: refused.") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{folder}: file {name} is not valid JSON ({exc}).") from None
+
+
+# --- reading files: inside the folder, regular, verified while read ---------------------------
+
+
+def _regular(folder: Path, name: str) -> os.stat_result:
+    """``lstat`` of a file the manifest lists: it must be a regular file in the folder, not a link."""
+    try:
+        st = os.lstat(folder / name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: file {name} is missing; the checkpoint is damaged.") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{folder}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed.")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{folder}: file {name} is not a regular file: refused.")
+    return st
+
+
+def _read_checked(folder: Path, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
+    """Read ``name`` once, checking its size and digest (the algorithm its entry names) against the manifest as it is read."""
+    algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry
+    st = _regular(folder, name)
+    if st.st_size != expected["size"]:
+        raise CheckpointError(f"{folder}: file {name} has {st.st_size} bytes, the manifest says {expected['size']}: truncated or altered.")
+    data = None
+    if keep:
+        try:
+            data = _safetensors.read_into(folder / name, expected["size"])
+        except _safetensors.FormatError:
+            raise CheckpointError(f"{folder}: file {name} changed size while it was read: altered.") from None
+        digest = _digest.of(data, algorithm)
+    else:
+        h = _digest.new(algorithm)
+        with os.fdopen(os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        digest = h.hexdigest()
+    if digest != want:
+        raise CheckpointError(f"{folder}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
+    return data
+
+
+def read_verified(folder: Path, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True) -> dict[str, Any]:
+    """The files ``names`` of a checkpoint, each read once and verified against the manifest (in parallel).
+
+    Raises:
+        CheckpointError: a file missing, not a regular file (a symbolic link is
+            refused, never followed), or of another size or digest.
+    """
+    files = manifest["files"]
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
+        futures = {name: pool.submit(_read_checked, folder, name, files[name], keep) for name in names}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def read_manifest_json(folder: Path) -> dict[str, Any]:
+    """The manifest as parsed JSON: a regular file in a real folder, at most ``MAX_MANIFEST_BYTES``, not nested too deeply.
+
+    Raises:
+        CheckpointError: no manifest, or one that is a link, too large or not a JSON object.
+    """
+    if folder.is_symlink() or not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a checkpoint folder (a checkpoint is a directory, not a link).")
+    path = folder / MANIFEST
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{folder} is not a trainfold checkpoint: it has no {MANIFEST} (an interrupted save leaves only "
+            "a .tmp-* folder). Pass a checkpoint folder or the root that holds them."
+        ) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{folder}: {MANIFEST} is not a regular file (a link or a special file): refused, not followed.")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path} is damaged: {st.st_size} bytes, more than a manifest can be; refused unread.")
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted.") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path} is damaged: not a JSON object; the checkpoint cannot be trusted.")
+    return manifest
+
+
+def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
+    """The checkpoint's manifest, checked: its format, its world size, and that it lists every file the format needs and no other.
+
+    Raises:
+        CheckpointError: no manifest; a manifest that is damaged, too large,
+            nested too deeply, of a newer format, or lists a name that is not a
+            plain file of the format (``../x``, ``/etc/...``) or misses one.
+    """
+    manifest = read_manifest_json(folder)
+    path = folder / MANIFEST
+    try:
+        files, fmt = manifest["files"], manifest["format"]
+    except KeyError as exc:
+        raise CheckpointError(f"{path} is damaged (no {exc}); the checkpoint cannot be trusted.") from None
+    if fmt not in FORMATS:
+        raise CheckpointError(
+            f"{folder} was written by trainfold {manifest.get('trainfold_version')} in checkpoint format {fmt}; "
+            f"this trainfold ({version}) reads formats {', '.join(map(str, FORMATS))}. Use the trainfold version that wrote it."
+        )
+    world = manifest.get("world_size")
+    if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
+    for name, entry in files.items():
+        if not allowed_name(name, fmt):
+            raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")
+        size, digest = (entry.get("size"), _digest.recorded(entry)) if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or digest is None:
+            raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256).")
+    missing = [name for name in required_files(world, fmt) if name not in files]
+    if missing:
+        raise CheckpointError(f"{path} does not list {missing[0]}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
+    return manifest
+
+
+# --- the manifest ---------------------------------------------------------------------------
+
+
+def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], fmt: int, **fields: Any) -> None:
+    """Write the manifest last: every file's size and digest (``files``), and ``fields`` (position...)."""
+    write_file(tmp / MANIFEST, json_bytes({"format": fmt, **fields, "files": dict(sorted(files.items()))}))
+
+
+def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries of files another process wrote (read back and hashed)."""
+    entries = {}
+    for name in names:
+        st = _regular(folder, name)
+        h = _digest.new()
+        with open(folder / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        entries[name] = _digest.entry(st.st_size, h)
+    return entries
+
+
+def verify(folder: Path, *, rank: int | None = None, version: str = "") -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest and return the manifest (see ``verify_checkpoint``)."""
+    manifest = read_manifest(folder, version=version)
+    mine = process_files(rank, manifest["format"]) if rank is not None else ()
+    names = [n for n in manifest["files"] if rank is None or not n.startswith(("rank-", "shard-")) or n in mine]
+    read_verified(folder, manifest, names, keep=False)
+    return manifest

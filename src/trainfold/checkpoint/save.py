@@ -1,0 +1,457 @@
+"""Checkpoints that cannot lie: atomic save, verified load, exact resume (mid-epoch too).
+
+Owned here: the save and load protocol, finding checkpoints again, and
+``checkpoint_every``. A save encodes everything first (a value that cannot be
+written fails before any file exists), writes into ``<root>/.tmp-<name>``
+(every file fsynced), writes the manifest last and renames the folder into
+place: a crash leaves no checkpoint that looks complete. The main process holds
+an exclusive lock on the root for the run's lifetime (``_lock.py``) and cleans
+the debris of crashed saves when it commits. A load reads each file once,
+verifies it while reading, decodes and checks everything, and only then changes
+the live objects. The three checkpoint formats (gathered, sharded, DeepSpeed)
+are one interface in ``_formats.py``, chosen once per save and per load, so
+nothing here branches on the engine. What goes into which file is ``_format.py``'s;
+what a run state is, ``_runstate.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, overload
+
+import attrs
+import torch
+from toolz import curry
+
+from trainfold._version import __version__
+from trainfold.backend.engine import (
+    is_deepspeed,
+    is_resumable_loader,
+    loader_generators,
+    read_ahead_batch,
+    samples_per_batch,
+    shards_parameters,
+)
+from trainfold.base import rng as _rng
+from trainfold.base.checks import length_or_none, name_of, named, positive_int
+from trainfold.base.types import Batch
+from trainfold.checkpoint import codec as _codec
+from trainfold.checkpoint.background import SaveJob, write_and_commit
+from trainfold.checkpoint.encoding import encode_rank, encode_shared
+from trainfold.checkpoint.formats.common import for_load, for_save
+from trainfold.checkpoint.manifest import Content, read_manifest, verify
+from trainfold.checkpoint.root import (
+    agreed,
+    check_same_run,
+    checkpoint_name,
+    fresh,
+    hold_lock,
+    latest_checkpoint,
+    list_checkpoints,
+    resolve,
+    root_path,
+)
+from trainfold.core.checks import expect_context, expect_owned, expect_state
+from trainfold.core.context import Context
+from trainfold.core.cursor import EpochCursor, Resume
+from trainfold.core.modes import eval_mode
+from trainfold.core.runstate import values_of
+from trainfold.core.state import TrainState
+from trainfold.core.types import Step, StepTransformer
+from trainfold.errors import CheckpointError
+
+logger = logging.getLogger("trainfold")
+
+__all__ = ["CheckpointError", "checkpoint_every", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
+
+
+# --- save -----------------------------------------------------------------------------------
+
+
+@overload
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...) -> Any: ...
+@overload
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
+                    async_save: bool = ...) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
+                    async_save: bool = False) -> TrainState:
+    """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
+
+    Everything needed to continue exactly is written: the model, optimizer,
+    scheduler and loss-scaler states, Accelerate's accumulation counter, the
+    whole TrainState (counters, history, the states of step transformers and
+    epoch functions, running sums), every process's random states, and the data
+    position: the epoch, the batch inside it, the random state the epoch began
+    with (to replay its shuffle order) and the batch the loader has read ahead.
+    Mid-accumulation, the partial gradients are kept too.
+
+    The checkpoint is named by optimizer update (``ckpt-<update>``;
+    ``ckpt-<update>-<micro_step>`` in the middle of an accumulation group) and
+    becomes visible only when complete; with ``keep_last=N`` older ones are
+    removed only after it is committed. The first save takes an exclusive
+    lock on ``root`` for the rest of the run (until ``ctx.close()`` or the
+    process ends): a second run writing there gets a ``CheckpointError``. On
+    several processes, the main process writes the shared files and each
+    process its own.
+
+    A sharded checkpoint (the default on several processes) writes the model's
+    and optimizer's tensors through ``torch.distributed.checkpoint``, each
+    process its own pieces, and resumes on any number of processes; a gathered
+    one (the default on one process) writes them into the main process's
+    ``model.safetensors`` and ``state.safetensors``. Under DeepSpeed, the
+    checkpoint holds the engine's own files (its model states and each
+    process's ZeRO optimizer partition), taken at an optimizer update.
+
+    Args:
+        ctx: the run's Context.
+        root: the folder that holds the run's checkpoints.
+        state: the state to save.
+        keep_last: keep only the newest N checkpoints under ``root``.
+        sharded: True for a sharded checkpoint, False for a gathered one (refused
+            under FSDP), None (the default) for sharded on several processes.
+        async_save: copy the state to host memory and return; a background thread
+            writes and commits the checkpoint while training goes on (at most one
+            in flight; ``ctx.wait_for_checkpoints()``, the next save, a load and
+            ``ctx.close()`` wait for it and raise its error).
+
+    Returns:
+        ``state``, unchanged (so it composes as an epoch function).
+
+    Raises:
+        CheckpointError: ``root`` holds another run's checkpoints, or another
+            process is writing there.
+        TypeError: a value that cannot be written (an unregistered record in
+            ``extras``, a batch of a type a checkpoint cannot hold); nothing is written.
+        OSError: the disk is full (or another write failed); nothing is committed,
+            the unfinished save is removed and earlier checkpoints are intact.
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+        >>> latest_checkpoint(root).name
+        'ckpt-0000000004'
+
+    .. versionadded:: 0.1.0
+    """
+    expect_context("save_checkpoint", "save_checkpoint(ctx, root, state)", ctx)
+    state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
+    if keep_last is not None:
+        positive_int("keep_last", keep_last)
+    _check_replicas_equal(state)
+    # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
+    # a schedule-free optimizer saves its eval weights
+    with eval_mode(state.model, state.optimizer, no_grad=False):
+        return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
+
+
+def _check_replicas_equal(state: TrainState) -> None:
+    """Refuse a state whose processes hold different parameters (a record of its extras says ``replicas_differ``,
+    as ``local_sgd``'s does between two averages): a checkpoint holds one copy of the model."""
+    for name, record in state.extras.items():
+        if getattr(record, "replicas_differ", False):
+            raise ValueError(
+                f"save_checkpoint: the processes' parameters differ ({name}: {record!r}), and a checkpoint holds one "
+                "copy of the model. Save where they were just averaged: at an epoch's end, with save_checkpoint composed "
+                "after average_parameters(ctx), or at a stop (local_sgd averages there)."
+            )
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"save_checkpoint: {name} must be True or False, not {value!r}.")
+    return value
+
+
+def _sharded_layout(ctx: Context, sharded: bool | None) -> bool:
+    """Sharded on several processes (and whenever asked); gathered into the main process's files on one, unless asked."""
+    if sharded is not None and not isinstance(sharded, bool):
+        raise TypeError(f"save_checkpoint: sharded must be True, False or None (automatic), not {sharded!r}.")
+    if sharded is False and is_deepspeed(ctx.accelerator):
+        raise ValueError(
+            "save_checkpoint: sharded=False gathers the whole model into one process's files; under DeepSpeed a checkpoint "
+            "holds the engine's own files, one ZeRO partition per process. Leave sharded unset."
+        )
+    if sharded is False and shards_parameters(ctx.accelerator):
+        raise ValueError(
+            "save_checkpoint: sharded=False gathers the whole model into one process's files, which FSDP's sharded "
+            "parameters do not allow here; leave sharded unset (a sharded checkpoint) under FSDP."
+        )
+    return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
+
+
+def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
+    ctx.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
+    acc = ctx.accelerator
+    main = ctx.is_main_process
+    now = _rng.capture(_generators(state))  # first: nothing below may draw before this
+    root = root_path(root)
+    hold_lock(ctx, root, state)
+    name = checkpoint_name(ctx, state)
+    tmp = root / f".tmp-{name}"
+    # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
+    fmt = for_save(ctx, sharded)
+    captured = fmt.capture(ctx, state, now, async_save)
+    files = {**agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"), **captured.files}
+    agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
+    job = SaveJob(root, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt.code)
+    if async_save:
+        group = ctx.saver.group(acc.num_processes)
+        ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
+    else:
+        write_and_commit(ctx, job)
+    ctx.saved_at[os.path.abspath(root)] = position_of(state)
+    return state
+
+
+def position_of(state: TrainState) -> tuple[int, ...]:
+    """What tells two saves of a run apart: its counters, whether it is finished, and how many records it holds."""
+    return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
+
+
+def _start(root: Path, tmp: Path, state: TrainState) -> None:
+    check_same_run(root, state)
+    fresh(tmp)
+
+
+def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
+    files = encode_rank(ctx.accelerator.process_index, run, _position(state))
+    if main:
+        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state)))
+    return files
+
+
+def _generators(state: TrainState) -> list[torch.Generator]:
+    cursor = state.cursor
+    return loader_generators(cursor.loader) if isinstance(cursor, EpochCursor) else []
+
+
+def _position(state: TrainState) -> Resume | None:
+    """Where an interrupted epoch stands (for this process, and in samples over every process), or None between epochs."""
+    cursor = state.cursor
+    if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
+        return None
+    if not is_resumable_loader(cursor.loader):
+        raise TypeError(
+            "save_checkpoint: a checkpoint in the middle of an epoch needs a loader prepared with ctx.prepare_loaders "
+            f"(the epoch runs over a {type(cursor.loader).__name__}), so that it can continue where it stopped."
+        )
+    read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
+    per_batch = samples_per_batch(cursor.loader)
+    samples_before, batches_before = cursor.resumed_at or (0, 0)
+    done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
+    # ``now`` is not written from here: the run state's random states are the moment of the save
+    return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader),
+                  samples_done=done, by_samples=cursor.resumed_at is not None)
+
+
+def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:
+    """The global batch this run trains with: processes, samples per batch over all of them, accumulation."""
+    cursor = state.cursor
+    return {
+        "processes": ctx.accelerator.num_processes,
+        "batch_samples": samples_per_batch(cursor.loader) if isinstance(cursor, EpochCursor) else None,
+        "gradient_accumulation_steps": ctx.gradient_accumulation_steps,
+    }
+
+
+# --- load -----------------------------------------------------------------------------------
+
+
+def _folder(where: str, path: Any) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
+        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
+    return Path(path)
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest and return the manifest.
+
+    The manifest must list every file the format needs, and only plain names
+    inside the folder; every file it lists (or, with ``rank``, the shared files
+    and that process's) must be a regular file (a symbolic link is refused,
+    never followed) with the recorded size and digest (XXH3-128; SHA-256 in checkpoints before 0.3).
+
+    Raises:
+        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
+            manifest, a newer format, or a missing, truncated, altered or linked file (named).
+        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
+            root without a complete checkpoint).
+    """
+    return verify(_folder("verify_checkpoint", path), rank=rank, version=__version__)
+
+
+@overload
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Any: ...
+@overload
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+    """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
+
+    ``path`` is a checkpoint folder, or a root of them (then the newest complete
+    one, by the position it records). All or nothing: every file is read once
+    and verified against the manifest while it is read, every value is decoded
+    and the checkpoint is checked against the run (the same parameters, names and
+    shapes, the same optimizer layout, a scheduler on both sides or neither; for a
+    gathered checkpoint, the same number of processes) before anything is changed.
+    A sharded checkpoint written by another number of processes is resharded into
+    this run's layout, and its interrupted epoch continues by its position in
+    samples (see the README's "Sharded, elastic and background checkpoints"). A DeepSpeed
+    checkpoint's engine files are parsed with torch's restricted unpickler and checked against
+    the live engine (processes, ZeRO stage, parameter shapes) before DeepSpeed is given them.
+    Then the weights, optimizer,
+    scheduler, scaler and Accelerate's accumulation counter are restored in
+    place, the random states are restored, and a state is returned whose next
+    ``run_epoch`` continues the interrupted epoch from the next batch, in the
+    same order. Call ``run_epoch`` next: anything that draws random numbers in
+    between changes what follows.
+
+    Raises:
+        CheckpointError: a damaged or hostile checkpoint (naming the file), another model
+            (naming the first parameter that differs), another optimizer layout,
+            another world size, another accumulation setting, DeepSpeed on one side only.
+            Nothing is changed.
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> trained = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+        >>> resumed = load_checkpoint(ctx, root, state)
+        >>> resumed.step, resumed.epoch
+        (4, 1)
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> sorted(verify_checkpoint(latest_checkpoint(root))["files"])[:2]
+        ['model.safetensors', 'rank-0.json']
+
+    .. versionadded:: 0.1.0
+    """
+    expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
+    state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
+    ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
+    folder = resolve(_folder("load_checkpoint", path))
+    manifest = read_manifest(folder, version=__version__)
+    return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+
+
+# --- periodic saving ------------------------------------------------------------------------
+
+
+def _check_resumable(state: TrainState, batch: Batch) -> None:
+    """Refuse, at the first step, an epoch that a mid-epoch checkpoint could not record.
+
+    Raises:
+        TypeError: the loader is not prepared (``ctx.prepare_loaders``), or the batch holds
+            a value a checkpoint cannot hold (a custom object), named.
+    """
+    cursor = state.cursor
+    if isinstance(cursor, EpochCursor) and not is_resumable_loader(cursor.loader):
+        raise TypeError(
+            "checkpoint_every: the epoch runs over a loader that was not prepared "
+            f"(a {type(cursor.loader).__name__}); a checkpoint inside the epoch could not continue it. "
+            "Prepare it with ctx.prepare_loaders(loader)."
+        )
+    try:
+        _codec.Encoder().encode(batch, "batch")
+    except TypeError as exc:
+        raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
+
+
+@attrs.frozen
+class RunEndSave:
+    """The saving ``checkpoint_every`` composed for a run: what :func:`save_run_end` writes when its loop ends."""
+
+    root: str
+    keep_last: int | None
+    sharded: bool | None
+    async_save: bool
+
+
+def save_run_end(ctx: Context, state: TrainState) -> TrainState:
+    """Checkpoint the state a run's loop ends with, where its ``checkpoint_every`` saves, unless that root holds it already.
+
+    Called by ``loop``, ``repeat`` and ``until`` as they return (every process
+    calls them): the normal end (``max_epochs``), an early stop, a stop agreed
+    during an evaluation or between two epochs, a budget's end after the epoch
+    functions evaluated it. The save is committed before it returns.
+    """
+    end = ctx.run_end_saves.get(state.run_id)
+    if end is None or ctx.saved_at.get(os.path.abspath(end.root)) == position_of(state):
+        return state
+    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
+    ctx.wait_for_checkpoints()
+    return saved
+
+
+def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
+                     async_save: bool = False) -> StepTransformer:
+    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, when the run stops, and when it ends.
+
+    A final checkpoint is written after the step at which the run stops for any
+    reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
+    which ``run_epoch`` turns into a stop at the next step boundary agreed by
+    every process), so an interrupted run loses nothing. The state a ``loop``
+    (``repeat``, ``until``) ends with is saved there too, unless this root holds
+    it already: the normal end of the run, a stop agreed during an evaluation
+    or between epochs, and what the epoch functions after a budget's stop
+    recorded. Starting a finished job again trains nothing.
+    For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
+    after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
+    ``sharded`` and ``async_save`` are ``save_checkpoint``'s; with ``async_save``
+    the final checkpoint at a stop is committed before the step returns.
+
+    Example:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> state = run_epoch(ctx, checkpoint_every(ctx, root, 2, keep_last=1)(make_step(ctx, loss_fn)), loader, state)
+        >>> [p.name for p in list_checkpoints(root)]
+        ['ckpt-0000000004']
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("checkpoint_every", n)
+    _sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
+    _flag("async_save", async_save)
+    interrupt = ctx.interrupt
+
+    def transform(step: Step) -> Step:
+        checked = [""]
+
+        def saving(state: TrainState, batch: Batch) -> TrainState:
+            if checked[0] != state.run_id:  # once per run: what would fail at the first save, refused at the first step
+                _check_resumable(state, batch)
+                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save)
+                checked[0] = state.run_id
+            new = step(state, batch)
+            due = new.step != state.step and new.step % n == 0
+            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
+            stopping = (new.should_stop and not state.should_stop) or (
+                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+            )
+            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
+                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
+                ctx.wait_for_checkpoints()
+                return saved
+            if due:
+                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
+            return new
+
+        return named(saving, f"checkpoint_every({n})({name_of(step)})")
+
+    return transform

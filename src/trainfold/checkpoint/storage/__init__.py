@@ -1,0 +1,1 @@
+"""Checkpoint storages: where a checkpoint's bytes go, and how a commit and one writer are made sure of."""

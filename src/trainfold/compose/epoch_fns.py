@@ -1,0 +1,320 @@
+"""Epoch functions (``state -> state``): early stopping, save-best, LR on plateau, epoch logging.
+
+Each is curried with the state last and keeps its state in
+``state.extras`` under its name, so it is checkpointed with the run. Every
+decision reads values from ``state.history``, which ``run_epoch`` and
+``evaluate`` reduce over all processes: every process decides the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from typing import overload
+
+import attrs
+from safetensors.torch import load_file, save_file
+from toolz import curry
+
+from trainfold.backend.engine import inner_optimizer
+from trainfold.base.io import atomic_write
+from trainfold.base.records import register_record
+from trainfold.compose.tracking import emit, epoch_key, summary_line
+from trainfold.compose.transforms import LR_SCALE
+from trainfold.core.checks import expect_owned, expect_state
+from trainfold.core.context import Context
+from trainfold.core.modes import eval_mode
+from trainfold.core.state import TrainState
+from trainfold.core.types import EpochFn
+
+logger = logging.getLogger("trainfold")
+
+_MODES = ("auto", "min", "max")
+#: words of a metric's name that say lower is better, and higher is better (``mode="auto"``, as Keras' ``"auto"``)
+_LOWER = frozenset({"loss", "error", "err", "errors", "perplexity", "ppl", "nll", "mse", "mae", "rmse", "mape", "wer", "cer", "ter", "distance", "regret"})
+_HIGHER = frozenset({"acc", "accuracy", "f1", "fscore", "auroc", "auc", "auprc", "ap", "map", "bleu", "rouge", "rouge1", "rouge2", "rougel",
+                     "meteor", "chrf", "precision", "recall", "iou", "miou", "dice", "r2", "mcc", "matthews", "jaccard", "em",
+                     "exact", "match", "top1", "top5", "ndcg", "mrr", "psnr", "ssim", "score", "reward", "return"})
+
+
+def resolve_mode(metric: str, mode: str, where: str) -> str:
+    """``mode`` itself, or for ``"auto"`` the direction the metric's name says ("min" for a loss, "max" for an accuracy).
+
+    Raises:
+        ValueError: an unknown mode, or ``"auto"`` with a name that says neither (or both).
+
+    Example:
+        >>> resolve_mode("eval_loss", "auto", "early_stop"), resolve_mode("eval_accuracy", "auto", "early_stop")
+        ('min', 'max')
+    """
+    if mode not in _MODES:
+        raise ValueError(f"{where}: mode must be 'auto', 'min' or 'max' (got {mode!r}).")
+    if mode != "auto":
+        return mode
+    words = set(re.split(r"[^a-z0-9]+", metric.lower()))
+    lower, higher = bool(words & _LOWER), bool(words & _HIGHER)
+    if lower != higher:
+        return "min" if lower else "max"
+    raise ValueError(
+        f"{where}: cannot tell from the name {metric!r} whether it improves by going down or up (mode='auto' knows losses, "
+        "errors and perplexity as 'min', and accuracy, F1, AUROC, BLEU, precision, recall... as 'max'): pass mode='min' or "
+        "mode='max'."
+    )
+
+
+def _latest(state: TrainState, metric: str, where: str) -> float:
+    if metric not in state.history:
+        raise KeyError(
+            f"{where}: no {metric!r} has been recorded (recorded: {list(state.history.names)}). Compose "
+            f"it after the function that records it, e.g. compose({where}(...), evaluate(...), run_epoch(...))."
+        )
+    return state.history.latest(metric)
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` (a NaN never does)."""
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+@register_record
+@attrs.frozen
+class PatienceState:
+    """Best value so far and epochs since it (``extras["early_stop:<metric>"]``, ``extras["plateau:<metric>"]``)."""
+
+    best: float | None = None
+    bad_epochs: int = 0
+
+    def update(self, value: float, mode: str, min_delta: float) -> PatienceState:
+        if improved(value, self.best, mode, min_delta):
+            return PatienceState(value, 0)
+        return PatienceState(self.best, self.bad_epochs + 1)
+
+
+@overload
+def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> EpochFn: ...
+@overload
+def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "auto", min_delta: float = 0.0) -> TrainState:
+    """Set ``should_stop`` when ``metric`` has not improved for ``patience`` epochs.
+
+    Reads the latest ``state.history[metric]`` (so compose it after the
+    ``evaluate`` that records it); keeps its best value and count in
+    ``state.extras["early_stop:<metric>"]``. No exception is raised: ``loop``
+    sees ``should_stop`` and ends. The run is ``finished``: resumed from its
+    checkpoint, it stays stopped. An interrupted epoch (``state.interrupted``)
+    is passed through: no epoch ended, so none is counted.
+
+    ``mode="auto"`` (the default) takes the direction from the metric's name, as
+    Keras' ``"auto"`` does: a loss, error or perplexity improves by going down,
+    an accuracy, F1, AUROC, BLEU, precision or recall by going up; a name that
+    says neither is refused (pass ``mode="min"`` or ``mode="max"``). The same
+    holds for :func:`save_best` and :func:`reduce_lr_on_plateau`.
+
+    Example:
+        >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
+        >>> for v in (1.0, 0.5, 0.6, 0.7):
+        ...     s = early_stop("eval_loss", attrs.evolve(s, history=s.history.add(epoch=0, step=0, values={"eval_loss": v})), patience=2)
+        >>> s.should_stop, s.finished, s.stop_reason, s.extras["early_stop:eval_loss"]
+        (True, True, 'early_stop:eval_loss', PatienceState(best=0.5, bad_epochs=2))
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_state("early_stop", state)
+    mode = resolve_mode(metric, mode, "early_stop")
+    if state.interrupted or state.ended_mid_epoch:
+        return state  # no epoch ended: nothing to count
+    key = f"early_stop:{metric}"
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "early_stop"), mode, min_delta)
+    state = state.with_extra(key, tracker)
+    return state.with_stop(key, finished=True) if tracker.bad_epochs >= patience else state
+
+
+@register_record
+@attrs.frozen
+class BestState:
+    """``extras["save_best:<metric>"]``: the best value, when it was reached, and where the weights are."""
+
+    value: float
+    epoch: int
+    step: int
+    path: str
+
+
+@overload
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ...) -> EpochFn: ...
+@overload
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "auto") -> TrainState:
+    """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
+
+    The write is atomic (a temporary file renamed over ``path``) and done by the
+    main process; every process waits for it. ``state.extras["save_best:<metric>"]``
+    records the best value, epoch and step. Put the weights back with
+    :func:`restore_best`.
+
+    Example:
+        >>> import os, tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "best.safetensors")
+        >>> state = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, state))
+        >>> state.extras["save_best:eval_loss"].epoch, os.path.exists(path)
+        (0, True)
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("save_best", ctx, expect_state("save_best", state))
+    mode = resolve_mode(metric, mode, "save_best")
+    key = f"save_best:{metric}"
+    value = _latest(state, metric, "save_best")
+    best: BestState | None = state.extras.get(key)
+    if not improved(value, None if best is None else best.value, mode):
+        return state
+    with eval_mode(state.model, state.optimizer, no_grad=False):  # a schedule-free optimizer's eval weights
+        weights = ctx.accelerator.get_state_dict(state.model)  # gathers sharded weights on every process
+        cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()} if ctx.is_main_process else {}
+    if ctx.is_main_process:
+        atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata={"metric": metric, "value": repr(value)}))
+    ctx.wait_for_everyone()
+    return state.with_extra(key, BestState(value, state.epoch, state.step, os.fspath(path)))
+
+
+@overload
+def restore_best(ctx: Context, path: str | os.PathLike[str]) -> EpochFn: ...
+@overload
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+    """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
+
+    Raises:
+        FileNotFoundError: nothing was saved at ``path``.
+        RuntimeError: the file's tensors do not match the model (names or shapes).
+
+    Example:
+        >>> import os, tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> path = os.path.join(tempfile.mkdtemp(), "best.safetensors")
+        >>> best = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, state))
+        >>> weight = best.model.weight.detach().clone()
+        >>> later = run_epoch(ctx, make_step(ctx, loss_fn), loader, best)
+        >>> torch.equal(restore_best(ctx, path, later).model.weight, weight)
+        True
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.")
+    # Read to the CPU (a device string such as "cpu:0", which Accelerate gives CPU processes,
+    # is not one safetensors takes); load_state_dict copies into the parameters where they are.
+    weights = load_file(os.fspath(path), device="cpu")
+    ctx.accelerator.unwrap_model(state.model).load_state_dict(weights, strict=True)
+    return state
+
+
+@overload
+def reduce_lr_on_plateau(metric: str, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> EpochFn: ...
+@overload
+def reduce_lr_on_plateau(metric: str, state: TrainState, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def reduce_lr_on_plateau(
+    metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "auto", min_delta: float = 0.0, min_lr: float = 0.0
+) -> TrainState:
+    """Multiply the learning rate by ``factor`` when ``metric`` has not improved for ``patience`` epochs.
+
+    Changes the optimizer's parameter groups in place (as a torch scheduler
+    does) and records the accumulated factor in ``state.extras["lr_scale"]``,
+    which :func:`~trainfold.lr_schedule` applies on top of its schedule.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(lr=0.1)
+        >>> for loss in (1.0, 1.0, 1.0):
+        ...     state = attrs.evolve(state, history=state.history.add(epoch=0, step=0, values={"eval_loss": loss}))
+        ...     state = reduce_lr_on_plateau("eval_loss", state, factor=0.5, patience=2)
+        >>> state.optimizer.param_groups[0]["lr"], state.extras["lr_scale"]
+        (0.05, 0.5)
+
+    .. versionadded:: 0.1.0
+    """
+    state = expect_state("reduce_lr_on_plateau", state)
+    mode = resolve_mode(metric, mode, "reduce_lr_on_plateau")
+    if not 0.0 < factor < 1.0:
+        raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
+    if state.interrupted or state.ended_mid_epoch:
+        return state  # no epoch ended (a budget's end changes no learning rate)
+    key = f"plateau:{metric}"
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta)
+    if tracker.bad_epochs < patience:
+        return state.with_extra(key, tracker)
+    for group in inner_optimizer(state.optimizer).param_groups:
+        group["lr"] = max(group["lr"] * factor, min_lr)
+    return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor)
+
+
+@overload
+def log_epoch(ctx: Context, *, echo: bool = ..., axis: str = ...) -> EpochFn: ...
+@overload
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = ..., axis: str = ...) -> TrainState: ...
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str = "update") -> TrainState:
+    """Print the epoch's records, and send them to the trackers, on the main process.
+
+    The printed line names the records as the history does (``train_loss``,
+    ``eval_loss``); the trackers get them as ``train/loss_epoch``, ``eval/loss``
+    (the ``train/loss`` of :func:`~trainfold.log_every` is the running value
+    between its reports; see :func:`trainfold.tracking.epoch_key`). With
+    ``echo=False`` nothing is printed and the line goes to the ``trainfold``
+    logger at INFO instead, for a host that configures logging.
+
+    The trackers' step axis is the optimizer update (``state.step``, ``axis="update"``,
+    the default: the axis ``log_every`` reports on too, so both share one x axis);
+    ``axis="epoch"`` sends the epoch records at the epoch number instead (one point
+    per epoch, as Accelerate's examples log them).
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
+        >>> log_epoch(ctx, state).epoch
+        epoch 1 (update 4): train_loss 2.37973
+        1
+
+    .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0 prints by default (``echo=True``); tracker keys ``<prefix>/<name>``.
+    """
+    state = expect_state("log_epoch", state)
+    if axis not in ("update", "epoch"):
+        raise ValueError(f"log_epoch: axis must be 'update' (the records at state.step) or 'epoch' (at state.epoch), not {axis!r}.")
+    at = state.step if axis == "update" else state.epoch
+    if state.interrupted:
+        if ctx.is_main_process:
+            logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
+        return state
+    if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
+        values = dict(state.metrics)
+        emit(ctx, {epoch_key(k): v for k, v in values.items()}, at, log=False)
+        if ctx.is_main_process:
+            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({state.stop_reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
+            print(line, flush=True) if echo else logger.info("%s", line)
+        return state
+    values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
+    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False)
+    if ctx.is_main_process:
+        if echo:
+            print(summary_line(state, values), flush=True)
+        else:
+            logger.info("%s", summary_line(state, values))
+    return state
+
+

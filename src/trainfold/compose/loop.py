@@ -1,0 +1,195 @@
+"""Loop combinators: they decide when to stop, and check what each epoch function returns.
+
+One argument order for all of them: what decides *when* comes first, the epoch
+function last (``repeat(n, fn)``, ``until(predicate, fn)``, ``every_epochs(n, fn)``,
+like ``every_steps(n, fn)``); ``loop(fn, max_epochs=...)`` takes its limit by keyword.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+
+from trainfold.base.checks import name_of, named, positive_int
+from trainfold.checkpoint.save import save_run_end
+from trainfold.core.checks import expect_state, returned_state
+from trainfold.core.context import Context, context_of
+from trainfold.core.state import TrainState
+from trainfold.core.types import EpochFn, StatePredicate
+from trainfold.distributed.interrupt import signal_name
+
+
+def _context(state: TrainState) -> Context | None:
+    return context_of(state.accelerator) if state.accelerator is not None else None
+
+
+def _stop_requested(ctx: Context | None, state: TrainState) -> TrainState:
+    """A signal that arrived since the last check (in an epoch function, a tracker's flush...), agreed before the next epoch.
+
+    Every process calls it at the same point (one all-reduce on the control channel on several).
+    """
+    if ctx is None or state.should_stop:
+        return state
+    signum = ctx.interrupt.agree_now()
+    if not signum:
+        return state
+    ctx.interrupt.clear()  # honoured: a later run on this Context is not stopped by it
+    return state.with_stop(f"signal {signal_name(signum)}")
+
+
+def _ended(ctx: Context | None, state: TrainState) -> TrainState:
+    """The state a loop combinator returns: an interrupted epoch is no longer being unwound, and the end is saved.
+
+    The epoch functions composed after ``run_epoch`` passed it through; code after
+    the loop runs as written (``evaluate`` evaluates). It stays stopped and mid-epoch.
+    Where the run's ``checkpoint_every`` saves, a checkpoint of this state is
+    committed unless one holds it already (:func:`~trainfold.checkpoint.save_run_end`).
+    """
+    if state.interrupted:
+        state = attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False))
+    return state if ctx is None else save_run_end(ctx, state)
+
+
+def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
+    """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
+
+    ::
+
+        while not state.should_stop and state.epoch < max_epochs:
+            stop if a signal arrived since the last check (agreed by every process)
+            state = epoch_fn(state)        # must advance state.epoch
+        save the end where the run's checkpoint_every saves (unless saved already)
+
+    ``max_epochs`` counts epochs of the whole run, so a state resumed at epoch
+    5 runs epochs 6..max_epochs. With ``max_epochs=None`` only ``should_stop``
+    ends the loop. A stop in the middle of an epoch (``state.interrupted``) is
+    returned as it is, mid-epoch and stopped, with the interrupted flag
+    cleared: code after the loop (an ``evaluate``...) runs as written.
+
+    Raises:
+        TypeError: ``epoch_fn`` returned something other than a TrainState.
+        RuntimeError: ``epoch_fn`` did not advance ``state.epoch`` (it would loop
+            forever): it must contain a ``run_epoch``.
+
+    Example:
+        >>> from trainfold import testing, make_step, run_epoch
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = loop(run_epoch(ctx, make_step(ctx, loss_fn), loader), max_epochs=3)(state)
+        >>> state.epoch
+        3
+
+    .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0 ``max_epochs`` is keyword-only.
+    """
+    if max_epochs is not None:
+        positive_int("max_epochs", max_epochs)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("loop", state)
+        ctx = _context(state)
+        while not state.should_stop and (max_epochs is None or state.epoch < max_epochs):
+            state = _stop_requested(ctx, state)
+            if state.should_stop:
+                break
+            new = returned_state(epoch_fn, epoch_fn(state))
+            if new.epoch <= state.epoch and not new.should_stop:
+                raise RuntimeError(
+                    f"loop: epoch function {name_of(epoch_fn)!r} did not advance state.epoch "
+                    f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
+                )
+            state = new
+        return _ended(ctx, state)
+
+    return named(run, f"loop({name_of(epoch_fn)}, max_epochs={max_epochs})")
+
+
+def repeat(n: int, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` ``n`` times (fewer if the state says stop).
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> repeat(2, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).epoch
+        2
+
+    .. versionadded:: 0.1.0
+    """
+    positive_int("n", n)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("repeat", state)
+        ctx = _context(state)
+        for _ in range(n):
+            state = _stop_requested(ctx, state)
+            if state.should_stop:
+                break
+            state = returned_state(fn, fn(state))
+        return _ended(ctx, state)
+
+    return named(run, f"repeat({n}, {name_of(fn)})")
+
+
+def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` while ``predicate(state)`` is false (checked before each call) and not stopped.
+
+    Example:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> until(lambda s: s.step >= 6, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).step
+        8
+
+    .. versionadded:: 0.1.0
+    """
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("until", state)
+        ctx = _context(state)
+        while not state.should_stop and not predicate(state):
+            state = _stop_requested(ctx, state)
+            if state.should_stop:
+                break
+            state = returned_state(fn, fn(state))
+        return _ended(ctx, state)
+
+    return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
+
+
+def every_epochs(n: int, fn: EpochFn) -> EpochFn:
+    """Apply ``fn`` only when ``state.epoch`` is a multiple of ``n``; otherwise pass the state through.
+
+    In ``compose(every_epochs(5, save), run_epoch(...))`` the checkpoint is
+    written after epochs 5, 10, 15..., and at the final stop of a budget
+    (:attr:`~trainfold.TrainState.ended_mid_epoch`). (For every ``n`` optimizer updates inside
+    an epoch, see :func:`~trainfold.every_steps`.)
+
+    Example:
+        >>> from toolz import compose
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> epoch = compose(every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, make_step(ctx, loss_fn), loader))
+        >>> [r.epoch for r in loop(epoch, max_epochs=4)(state).history if r.name == "eval_loss"]
+        [2, 4]
+
+    .. versionadded:: 0.2.0 (was ``every``)
+    """
+    positive_int("n", n)
+
+    def run(state: TrainState) -> TrainState:
+        state = expect_state("every_epochs", state)
+        if state.interrupted:  # the epoch did not end: the one before it was already counted
+            return state
+        if state.ended_mid_epoch:  # a budget's end: the final model gets what the epochs get
+            return returned_state(fn, fn(state))
+        return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
+
+    return named(run, f"every_epochs({n}, {name_of(fn)})")
+
+
+def every(n: int, fn: EpochFn) -> EpochFn:
+    """Deprecated name of :func:`every_epochs` (easily confused with :func:`~trainfold.every_steps`).
+
+    .. deprecated:: 0.2.0 use ``every_epochs(n, fn)``.
+    """
+    warnings.warn("trainfold.every is renamed every_epochs (every_steps counts updates); use every_epochs(n, fn).", DeprecationWarning, stacklevel=2)
+    return every_epochs(n, fn)

@@ -1,0 +1,475 @@
+"""Context: the Accelerator and the run-wide settings, as one frozen value."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import signal
+import weakref
+from typing import Any
+
+import attrs
+from accelerate import Accelerator
+
+from trainfold.backend.engine import (
+    fill_deepspeed_micro_batch,
+    loader_placement,
+    wait_for_everyone,
+)
+from trainfold.distributed.control import Control, current_timeout, set_timeout
+from trainfold.distributed.interrupt import Handlers, Interrupt
+from trainfold.distributed.saver import Saver
+
+#: the signals a Context turns into a stop request by default: Ctrl-C, and what SLURM,
+#: Kubernetes and torchrun send before they kill a job
+DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
+
+
+def _require_accelerator(value: Any) -> Accelerator:
+    if not isinstance(value, Accelerator):
+        raise TypeError(
+            f"'accelerator' must be an accelerate.Accelerator (got {value!r} that is a "
+            f"{type(value).__name__}): build one with Accelerator(...) and pass it as "
+            "Context(accelerator=...)."
+        )
+    return value
+
+
+def _accumulation_steps(ctx: Context) -> int:
+    # attrs runs factories before validators, so the type is checked here.
+    return int(_require_accelerator(ctx.accelerator).gradient_accumulation_steps)
+
+
+def _mixed_precision(ctx: Context) -> str:
+    return str(ctx.accelerator.mixed_precision)
+
+
+def _is_main_process(ctx: Context) -> bool:
+    return bool(ctx.accelerator.is_main_process)
+
+
+def _signals(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    found = tuple(value) if isinstance(value, (tuple, list, set, frozenset)) else (value,)
+    out = []
+    for s in found:
+        try:
+            sig = signal.Signals(s)
+        except (ValueError, TypeError):
+            raise TypeError(f"'signals' must be signal numbers such as signal.SIGTERM (got {s!r}); pass signals=() to turn handling off.") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(f"{sig.name} cannot be caught by any process: it cannot be a stop request. Use SIGTERM or SIGUSR1.")
+        out.append(int(sig))
+    return tuple(out)
+
+
+def _positive_seconds(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise ValueError(f"'{attribute.name}' must be a positive, finite number of seconds (got {value!r}).")
+
+
+def _timeout(value: Any) -> datetime.timedelta | None:
+    if value is None or isinstance(value, datetime.timedelta):
+        if value is not None and value.total_seconds() <= 0:
+            raise ValueError(f"'timeout' must be positive (got {value}).")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive, finite number of seconds (got {value!r}).")
+    return datetime.timedelta(seconds=value)
+
+
+def _interrupt(ctx: Context) -> Interrupt:
+    return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
+
+
+def _check_launcher(accelerator: Accelerator) -> None:
+    """Refuse a run whose launcher started several processes that the Accelerator does not join into one job.
+
+    Under ``torchrun --nproc_per_node 2`` on a machine without GPUs, ``Accelerator()``
+    (without ``cpu=True``) forms no process group: each process reports one
+    process and trains the whole job on its own, twice over, silently.
+    """
+    import os
+
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"the launcher started {launched} processes (WORLD_SIZE={launched}), but this Accelerator runs 1 process "
+            f"(distributed type {accelerator.distributed_type}): each process would train the whole job on its own. Accelerate "
+            "joins CPU processes into one job only when told to use the CPU: build it with Accelerator(cpu=True) (or set "
+            "ACCELERATE_USE_CPU=1), use a GPU per process, or launch one process."
+        )
+
+
+def _handlers(ctx: Context) -> Handlers:
+    return Handlers(ctx.interrupt, ctx.signals)
+
+
+def context_of(accelerator: Any) -> Context | None:
+    """The live Context made last over ``accelerator`` (what a loop combinator finds through ``state.accelerator``), or None.
+
+    The link is a weak reference on the Accelerator instance, set when a Context is
+    made: :meth:`Context.with_accumulation` makes the new Context the one found.
+    """
+    ref = getattr(accelerator, "_trainfold_context", None)
+    return ref() if ref is not None else None
+
+
+def _finish_saves_before_end_training(ctx: Context) -> None:
+    """Make ``ctx.accelerator.end_training()`` wait for this Context's background save before it destroys the process group.
+
+    ``end_training`` (the usual last line of an Accelerate script, often inside
+    ``with Context(...)``) destroys every process group, the background saver's
+    too. A save still running there would wait forever in its next collective,
+    on every process, and the job would hang at exit. So the Accelerator's
+    method is wrapped, on this instance: the save in flight is committed first
+    (its error raised once the group is gone) and the signal agreement's last
+    round, still in flight on the control group, is waited for (a few seconds at
+    most: a dead peer never joins it), so that no collective runs on a group being
+    destroyed; then Accelerate's own method runs. The wrapper holds the Context weakly.
+    """
+    accelerator = ctx.accelerator
+    end_training = accelerator.end_training
+    context = weakref.ref(ctx)
+
+    def finishing_saves_first() -> None:
+        live = context()
+        try:
+            if live is not None:
+                live.wait_for_checkpoints()
+        finally:
+            if live is not None:
+                live.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
+                live.saver.forget()  # its group is destroyed next
+                live.control.forget()
+            end_training()
+
+    finishing_saves_first.__doc__ = end_training.__doc__
+    accelerator.end_training = finishing_saves_first
+
+
+class _OwnShard:
+    """A loader that takes no attribute (a list of batches), marked by wrapping: iterates and measures as it does."""
+
+    _trainfold_own_shard = True
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Any:
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def _marked(loader: Any) -> Any:
+    try:
+        loader._trainfold_own_shard = True
+        return loader
+    except (AttributeError, TypeError):
+        return _OwnShard(loader)
+
+
+@attrs.frozen(eq=False)
+class Context:
+    """The Accelerator and the run-wide settings trainfold reads.
+
+    trainfold keeps no global state of its own, but Accelerate does: its
+    ``AcceleratorState`` and ``GradientState`` are shared by every Accelerator in
+    a process. A second ``Accelerator(gradient_accumulation_steps=2)`` silently
+    changes the first one's accumulation. A Context records the precision and
+    accumulation it was made with, and every primitive that uses it checks them
+    (:meth:`check`), so such a conflict is an error, not a wrong result.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that does device placement,
+            mixed precision, accumulation and distribution.
+        signals: the signals that, from the Context's creation until :meth:`close`, are a request
+            to stop at the next step boundary, the end of an evaluation or the next epoch of a
+            loop, wherever they arrive (the saving you composed writes a final checkpoint; a
+            repeated SIGTERM changes nothing, a second Ctrl-C acts at once; see
+            :class:`trainfold.interrupt.Handlers`). SIGINT and SIGTERM by default; ``signals=()``
+            leaves every signal to the host application. Made outside the main thread, a
+            Context installs no handler (Python delivers signals to the main thread).
+        stop_check_s: on several processes, the length of an agreement round in
+            seconds: a stop requested on any process stops all of them within two
+            rounds and the optimizer update in progress (see :mod:`trainfold.interrupt`).
+        timeout: how long a collective waits for the other processes before it fails
+            (a ``datetime.timedelta`` or seconds), set on the process group now. By
+            default the group keeps what it was made with: torch's 30 minutes for
+            gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
+
+    Example:
+        >>> from accelerate import Accelerator
+        >>> ctx = Context(accelerator=Accelerator(cpu=True))
+        >>> ctx.gradient_accumulation_steps, ctx.mixed_precision
+        (1, 'no')
+
+    .. versionadded:: 0.1.0
+    """
+
+    accelerator: Accelerator
+    gradient_accumulation_steps: int = attrs.field(
+        init=False, default=attrs.Factory(_accumulation_steps, takes_self=True)
+    )
+    mixed_precision: str = attrs.field(
+        init=False, default=attrs.Factory(_mixed_precision, takes_self=True)
+    )
+    #: True on the process that should log, print and write shared files. Read once: Accelerate's
+    #: own property builds a ``PartialState`` on every read (~2.5 us, 10 times that in a cold cache).
+    is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
+    signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=_signals)
+    stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=_positive_seconds)
+    timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=_timeout)
+    #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
+    control: Control = attrs.field(init=False, factory=Control, repr=False)
+    #: the stop request a signal sets (see :mod:`trainfold.interrupt`)
+    interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
+    #: the checkpoint roots this run writes, by path: the lock's key on the main process (see
+    #: :mod:`trainfold._lock`: held until :meth:`close` or the process ends), None on the others
+    checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold._saver`)
+    saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
+    #: the signal handlers installed for this Context's life (see :class:`trainfold.interrupt.Handlers`)
+    handlers: Handlers = attrs.field(init=False, default=attrs.Factory(_handlers, takes_self=True), repr=False)
+    #: the saving a ``checkpoint_every`` composed for a run, by the run's id: what the end of a loop saves
+    run_end_saves: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: the position each root's last checkpoint of this process holds (so that the end of a run is not saved twice)
+    saved_at: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
+    #: what happened to this Context that changes what it may do: "closed", and the warnings already given once
+    flags: set[str] = attrs.field(init=False, factory=set, repr=False)
+    #: the models of states given back with :meth:`release` (they may not be trained or evaluated again)
+    released: weakref.WeakSet[Any] = attrs.field(init=False, factory=weakref.WeakSet, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_launcher(self.accelerator)
+        if self.timeout is not None and self.accelerator.num_processes > 1:
+            set_timeout(self.timeout)
+        _finish_saves_before_end_training(self)
+        self.accelerator._trainfold_context = weakref.ref(self)
+
+    def collective_timeout(self) -> datetime.timedelta | None:
+        """How long a collective waits for the other processes before it fails (None on one process)."""
+        return current_timeout() if self.accelerator.num_processes > 1 else None
+
+    def check(self) -> None:
+        """Raise if another Accelerator changed the process-wide settings this Context relies on.
+
+        Raises:
+            RuntimeError: the Context was closed, or the accumulation steps or mixed precision
+                now in force differ from those this Context was made with.
+        """
+        if "closed" in self.flags:
+            raise RuntimeError(
+                "this Context was closed (ctx.close(), or the end of 'with Context(...)'): its process group and trackers are "
+                "gone. Make a new Accelerator and Context for another run."
+            )
+        now = (_accumulation_steps(self), _mixed_precision(self))
+        if now != (self.gradient_accumulation_steps, self.mixed_precision):
+            raise RuntimeError(
+                "Accelerate's state is process-wide and another Accelerator has changed it: this "
+                f"Context was made with gradient_accumulation_steps={self.gradient_accumulation_steps}"
+                f" and mixed_precision={self.mixed_precision!r}, but now "
+                f"gradient_accumulation_steps={now[0]} and mixed_precision={now[1]!r} are in force. "
+                "Use one Accelerator per process (share one Context), or give both the same settings; after "
+                "ctx.with_accumulation(n) (or inside find_batch_size), use the Context it returned."
+            )
+
+    def close(self) -> None:
+        """End the run: release its checkpoint locks, put its signal handlers back, finish Accelerate's trackers and destroy the process group.
+
+        A distributed run that skips this aborts at exit under torchrun. It does
+        not wait for the other processes: one that destroys the group while
+        another still uses it can abort too. Prefer
+        ``with Context(accelerator=...) as ctx:``, which waits for every process
+        (when the block ended without an exception) and closes on the way out.
+        Calling it after ``accelerator.end_training()`` (the usual Accelerate
+        ending, inside the ``with`` block too) is harmless. A checkpoint being
+        written in the background is waited for first; if it failed, its error
+        is raised once the run is closed.
+        """
+        from trainfold.checkpoint.storage.lock import release
+
+        failed: BaseException | None = None
+        try:
+            self.wait_for_checkpoints()
+        except BaseException as exc:  # raised once the run is closed: a lost checkpoint is never silent
+            failed = exc
+        self.saver.forget()
+        for lock in self.checkpoint_locks.values():
+            if lock is not None:
+                release(lock)
+        self.checkpoint_locks.clear()
+        self.control.forget()
+        self.handlers.uninstall()
+        self.flags.add("closed")
+        self.accelerator.end_training()
+        if failed is not None:
+            raise failed
+
+    def with_accumulation(self, steps: int) -> Context:
+        """A Context for the same Accelerator with ``steps`` gradient accumulation steps; this one is retired.
+
+        Accelerate keeps the accumulation steps process-wide, so this sets them on
+        the Accelerator (``accelerator.gradient_accumulation_steps = steps``) and
+        returns a new Context that records them, with this one's settings. This
+        Context then refuses to work (its :meth:`check` sees another accumulation):
+        use the new one from here on. Build states and steps after the change
+        (``make_step`` reads the accumulation when it builds the step).
+        :func:`~trainfold.find_batch_size` uses it for each attempt.
+
+        Raises:
+            ValueError: ``steps`` is not a positive int, or the run is under DeepSpeed,
+                whose accumulation is in its config.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> ctx.with_accumulation(4).gradient_accumulation_steps
+            4
+        """
+        from trainfold.backend.engine import is_deepspeed
+        from trainfold.base.checks import positive_int
+
+        positive_int("gradient_accumulation_steps", steps)
+        if is_deepspeed(self.accelerator):
+            raise ValueError("under DeepSpeed the accumulation steps are the DeepSpeed config's (gradient_accumulation_steps there).")
+        self.accelerator.gradient_accumulation_steps = steps
+        return Context(accelerator=self.accelerator, signals=self.signals, stop_check_s=self.stop_check_s, timeout=self.timeout)
+
+    def release(self, state: Any, *loaders: Any) -> None:
+        """Let a finished run's model, optimizer, scheduler and loaders be freed: drop the Accelerator's references to them.
+
+        ``accelerator.prepare`` keeps every object it prepared in lists on the
+        Accelerator, so a host that trains many states on one Context (folds of a
+        cross-validation, trials of a search) keeps every one of them alive, with
+        its parameters and optimizer moments. This removes this state's objects
+        and the given loaders (and the loader of the state's last epoch) from those
+        lists, and only those: unlike Accelerate's ``free_memory()``, which forgets
+        everything it prepared, other live states keep working. A DeepSpeed engine
+        of this state is destroyed. Then Python's garbage collector runs and the
+        device's cache is emptied. Drop your own references (``del state``) for the
+        memory to go.
+
+        The state is finished after this: ``run_epoch``, ``evaluate`` and the other
+        loops refuse it (under FSDP, Accelerate finds the model to clip in those
+        lists). Its values, and a checkpoint of it, stay good.
+
+        Example:
+            >>> from trainfold import testing
+            >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+            >>> ctx.release(state, loader)
+            >>> state.model in ctx.accelerator._models
+            False
+        """
+        from trainfold.backend.engine import (
+            release_prepared,  # what Accelerate keeps, in the module that knows its internals
+        )
+
+        cursor_loader = getattr(getattr(state, "cursor", None), "loader", None)
+        if getattr(state, "model", None) is not None:
+            self.released.add(state.model)
+        release_prepared(self.accelerator, state, (*loaders, cursor_loader) if cursor_loader is not None else loaders)
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:  # the block's own error is the one raised; a failed background save is logged
+            try:
+                self.wait_for_checkpoints()
+            except Exception:
+                logging.getLogger("trainfold").exception("trainfold: the checkpoint being written in the background failed")
+            self.close()
+            return
+        try:
+            self.wait_for_checkpoints()
+            if self._group_alive():
+                self.wait_for_everyone()  # no rank tears down while another still works
+        finally:
+            self.close()
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until the checkpoint being written in the background (``async_save=True``) is committed.
+
+        At most one is in flight: the next save, ``load_checkpoint`` and
+        :meth:`close` wait for it too; call this where a run must know its last
+        checkpoint is on disk (before it reports being done, say).
+
+        Raises:
+            OSError, CheckpointError: that save failed (nothing was committed; the
+                previous checkpoints are intact).
+        """
+        self.saver.wait()
+
+    def _group_alive(self) -> bool:
+        """Whether the processes can still meet (False once ``accelerator.end_training()`` destroyed the group)."""
+        import torch.distributed as dist
+
+        return self.accelerator.num_processes == 1 or (dist.is_available() and dist.is_initialized())
+
+    def wait_for_everyone(self) -> None:
+        """Block until every process reaches this point (a no-op on one process).
+
+        ``accelerator.wait_for_everyone()``, except across CPU processes, where
+        it calls torch's gloo barrier directly: Accelerate's asks for a GPU per
+        process, which fails on a machine with fewer GPUs than processes.
+
+        Example:
+            >>> from accelerate import Accelerator
+            >>> Context(accelerator=Accelerator(cpu=True)).wait_for_everyone()  # one process: returns at once
+        """
+        wait_for_everyone(self.accelerator)
+
+    def prepare_loaders(self, *loaders: Any) -> tuple[Any, ...]:
+        """Prepare data loaders for the Accelerator (device placement, sharding across processes).
+
+        ``accelerator.prepare(*loaders)``, except on a CPU device, where the
+        batches are left where the ``DataLoader`` put them (on the CPU already)
+        instead of being walked and moved to the CPU on every batch.
+
+        Args:
+            *loaders: ``torch.utils.data.DataLoader`` objects.
+
+        Returns:
+            A tuple of prepared loaders, in the order given (a 1-tuple for one loader).
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> (train_dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(range(4), batch_size=2))
+            >>> [b.tolist() for b in train_dl]
+            [[0, 1], [2, 3]]
+        """
+        if not loaders:
+            raise TypeError("prepare_loaders() needs at least one DataLoader.")
+        self.check()
+        fill_deepspeed_micro_batch(self.accelerator, loaders)  # before TrainState.create, which prepares the model alone
+        prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
+        return prepared if isinstance(prepared, tuple) else (prepared,)
+
+    def own_shards(self, *loaders: Any) -> tuple[Any, ...]:
+        """Mark loaders that already yield only this process's share of the data, and return them.
+
+        On several processes ``run_epoch``, ``evaluate`` and ``predict`` refuse a
+        loader that was not prepared (``prepare_loaders``): each process would
+        read the whole dataset. A loader that shards itself (its own sampler per
+        process, a stream per rank) is marked with this instead; one whose
+        sampler is torch's ``DistributedSampler`` needs no mark. The loaders are
+        returned unchanged (the mark is an attribute on each).
+
+        Example:
+            >>> import torch
+            >>> from accelerate import Accelerator
+            >>> ctx = Context(accelerator=Accelerator(cpu=True))
+            >>> (mine,) = ctx.own_shards(torch.utils.data.DataLoader(range(4), batch_size=2))
+            >>> [b.tolist() for b in mine]
+            [[0, 1], [2, 3]]
+        """
+        if not loaders:
+            raise TypeError("own_shards() needs at least one loader.")
+        return tuple(_marked(loader) for loader in loaders)
