@@ -9,7 +9,7 @@ each file once, verifying it as it is read, before anything is changed. Accelera
 model as safetensors and the optimizer with torch.save, without verification. Each round runs
 the four operations in turn, each into a fresh folder; reported: the medians over --repeats
 rounds, the ratios of the medians, and where a verified load's time goes: reading the files
-(``_safetensors.read_into``), digesting them (XXH3-128, and SHA-256 for comparison), and the rest
+(``base/io.read_into``), digesting them (XXH3-128, and SHA-256 for comparison), and the rest
 (decoding, checking and copying into the live model).
 """
 
@@ -38,11 +38,11 @@ def _breakdown(folder: Path, results: dict[str, list[float]]) -> None:
 
     import xxhash
 
-    from trainfold.checkpoint import safetensors as _safetensors
+    from trainfold.base.io import read_into
 
     files = [p for p in folder.iterdir() if p.name != "MANIFEST.json"]
     t = time.perf_counter()
-    data = [_safetensors.read_into(p, p.stat().st_size) for p in files]
+    data = [read_into(p, p.stat().st_size) for p in files]
     results.setdefault("load: read the files", []).append(time.perf_counter() - t)
     for name, new in (("XXH3-128", xxhash.xxh3_128), ("SHA-256", hashlib.sha256)):
         t = time.perf_counter()

@@ -4,16 +4,29 @@ import json
 import pickle
 import shutil
 
+import helpers
 import pytest
 import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError, Context, TrainState, checkpoint_every, ema, latest_checkpoint, list_checkpoints, load_checkpoint,
-    log_every, loop, make_step, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    ema,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    log_every,
+    loop,
+    make_step,
+    nan_guard,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
 )
-
-import helpers
 
 
 class NoisyData(torch.utils.data.Dataset):
@@ -351,6 +364,7 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
     """The streaming writer and the one-buffer reader speak the safetensors library's format."""
     from safetensors.torch import load_file, save_file
 
+    from trainfold.base.io import read_into
     from trainfold.checkpoint import safetensors as _safetensors
 
     g = torch.Generator().manual_seed(0)
@@ -359,7 +373,7 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
 
     entry = _safetensors.write(tmp_path / "ours.safetensors", tensors)
     save_file(tensors, str(tmp_path / "theirs.safetensors"))
-    theirs = _safetensors.parse(_safetensors.read_into(tmp_path / "theirs.safetensors", (tmp_path / "theirs.safetensors").stat().st_size))
+    theirs = _safetensors.parse(read_into(tmp_path / "theirs.safetensors", (tmp_path / "theirs.safetensors").stat().st_size))
     ours = load_file(str(tmp_path / "ours.safetensors"))
 
     assert entry["size"] == (tmp_path / "ours.safetensors").stat().st_size

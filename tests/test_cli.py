@@ -97,7 +97,8 @@ def test_python_dash_m_trainfold_runs_the_same_command_line(root):
 
 def test_export_writes_the_models_weights_of_each_format_bit_for_bit(tmp_path, capsys):
     from trainfold import checkpoint_weights, export_checkpoint
-    from trainfold.checkpoint.safetensors import parse, read_into
+    from trainfold.base.io import read_into
+    from trainfold.checkpoint.safetensors import parse
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)

@@ -432,7 +432,7 @@ def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
     """A 2-D mesh's pieces (a grid, the layout DTensor writes): 40,000 pieces checked in one pass, not 8*10^8 pairs."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from trainfold.checkpoint.formats.dcp import _check_tiling
+    from trainfold.checkpoint.formats.dcp_metadata import _check_tiling
 
     chunks = _grid(400, 300, 2, 3)
     _check_tiling("w", [400, 300], chunks)  # a quadratic check would not end within the suite's time

@@ -1,14 +1,12 @@
 """trainfold: functional, composable PyTorch training primitives on Hugging Face Accelerate."""
 
 from trainfold._version import __version__ as __version__
+from trainfold.base.history import History as History
+from trainfold.base.history import Record as Record
+from trainfold.base.metrics import RunningSums as RunningSums
+from trainfold.base.records import register_record as register_record
 from trainfold.base.types import Batch as Batch
-from trainfold.core.types import EpochFn as EpochFn
 from trainfold.base.types import LossFn as LossFn
-from trainfold.core.types import Step as Step
-from trainfold.core.types import StepTransformer as StepTransformer
-from trainfold.compose.batch_size import BatchSizeFound as BatchSizeFound
-from trainfold.compose.batch_size import find_batch_size as find_batch_size
-from trainfold.errors import CheckpointError as CheckpointError
 from trainfold.checkpoint.export import checkpoint_weights as checkpoint_weights
 from trainfold.checkpoint.export import export_checkpoint as export_checkpoint
 from trainfold.checkpoint.save import checkpoint_every as checkpoint_every
@@ -17,7 +15,8 @@ from trainfold.checkpoint.save import list_checkpoints as list_checkpoints
 from trainfold.checkpoint.save import load_checkpoint as load_checkpoint
 from trainfold.checkpoint.save import save_checkpoint as save_checkpoint
 from trainfold.checkpoint.save import verify_checkpoint as verify_checkpoint
-from trainfold.core.context import Context as Context
+from trainfold.compose.batch_size import BatchSizeFound as BatchSizeFound
+from trainfold.compose.batch_size import find_batch_size as find_batch_size
 from trainfold.compose.epoch import evaluate as evaluate
 from trainfold.compose.epoch import evaluate_metrics as evaluate_metrics
 from trainfold.compose.epoch import predict as predict
@@ -28,9 +27,6 @@ from trainfold.compose.epoch_fns import reduce_lr_on_plateau as reduce_lr_on_pla
 from trainfold.compose.epoch_fns import restore_best as restore_best
 from trainfold.compose.epoch_fns import save_best as save_best
 from trainfold.compose.fit import fit as fit
-from trainfold.core.guard import nan_guard as nan_guard
-from trainfold.base.history import History as History
-from trainfold.base.history import Record as Record
 from trainfold.compose.local_sgd import average_parameters as average_parameters
 from trainfold.compose.local_sgd import local_sgd as local_sgd
 from trainfold.compose.loop import every as every
@@ -38,13 +34,21 @@ from trainfold.compose.loop import every_epochs as every_epochs
 from trainfold.compose.loop import loop as loop
 from trainfold.compose.loop import repeat as repeat
 from trainfold.compose.loop import until as until
-from trainfold.base.metrics import RunningSums as RunningSums
 from trainfold.compose.plot import plot_history as plot_history
 from trainfold.compose.profiling import profile as profile
-from trainfold.base.records import register_record as register_record
 from trainfold.compose.schedules import constant as constant
 from trainfold.compose.schedules import warmup_cosine as warmup_cosine
 from trainfold.compose.schedules import warmup_linear as warmup_linear
+from trainfold.compose.stopping import stop_when as stop_when
+from trainfold.compose.tracking import progress_bar as progress_bar
+from trainfold.compose.transforms import ema as ema
+from trainfold.compose.transforms import ema_model as ema_model
+from trainfold.compose.transforms import every_steps as every_steps
+from trainfold.compose.transforms import log_every as log_every
+from trainfold.compose.transforms import lr_schedule as lr_schedule
+from trainfold.compose.transforms import max_steps as max_steps
+from trainfold.core.context import Context as Context
+from trainfold.core.guard import nan_guard as nan_guard
 from trainfold.core.snapshot import Snapshot as Snapshot
 from trainfold.core.snapshot import restore as restore
 from trainfold.core.snapshot import snapshot as snapshot
@@ -54,18 +58,13 @@ from trainfold.core.stages import StageSpec as StageSpec
 from trainfold.core.stages import clip_by_norm as clip_by_norm
 from trainfold.core.stages import clip_by_value as clip_by_value
 from trainfold.core.stages import grad_norm as grad_norm
-from trainfold.compose.stopping import stop_when as stop_when
 from trainfold.core.state import TrainState as TrainState
 from trainfold.core.step import make_step as make_step
 from trainfold.core.tokens import normalize_tokens as normalize_tokens
-from trainfold.compose.tracking import progress_bar as progress_bar
-from trainfold.compose.transforms import ema as ema
-from trainfold.compose.transforms import ema_model as ema_model
-from trainfold.compose.transforms import every_steps as every_steps
-from trainfold.compose.transforms import log_every as log_every
-from trainfold.compose.transforms import lr_schedule as lr_schedule
-from trainfold.compose.transforms import max_steps as max_steps
-
+from trainfold.core.types import EpochFn as EpochFn
+from trainfold.core.types import Step as Step
+from trainfold.core.types import StepTransformer as StepTransformer
+from trainfold.errors import CheckpointError as CheckpointError
 
 __all__ = [
     "Batch",

@@ -20,16 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from trainfold.base.io import read_into
 from trainfold.checkpoint import safetensors as _safetensors
-from trainfold.checkpoint.manifest import (
-    DEEPSPEED,
-    FORMAT,
-    SHARDED,
-    parse_json,
-    read_manifest_json,
-    read_verified,
-)
-from trainfold.checkpoint.root import _DEBRIS, latest_checkpoint, list_checkpoints
+from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, parse_json, read_manifest_json, read_verified
+from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints
+from trainfold.checkpoint.storage import checkpoint_at, open_root
 from trainfold.errors import CheckpointError
 
 FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
@@ -106,14 +101,14 @@ def _ls(root: Path) -> dict[str, Any]:
     latest = latest_checkpoint(root)
     entries = []
     for folder in list_checkpoints(root):
-        entry = {**_summary(folder, read_manifest_json(folder)), "complete": True, "latest": folder == latest}
+        entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
         try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
             entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
         except (CheckpointError, KeyError, TypeError):
             entry["batch_in_epoch"] = None
         entries.append(entry)
-    for debris in sorted(p for p in root.iterdir() if _DEBRIS.fullmatch(p.name)):
-        entries.append({"name": debris.name, "complete": False, "latest": False})
+    for debris in open_root(root).unfinished():
+        entries.append({"name": debris, "complete": False, "latest": False})
     return {"root": str(root), "checkpoints": entries}
 
 
@@ -161,8 +156,9 @@ def _state(folder: Path) -> dict[str, Any]:
     """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
     from trainfold.checkpoint.manifest import read_manifest
 
-    manifest = read_manifest(folder)
-    data = read_verified(folder, manifest, ["state.json"])["state.json"]
+    stored = checkpoint_at(folder)
+    manifest = read_manifest(stored)
+    data = read_verified(stored, manifest, ["state.json"])["state.json"]
     doc = parse_json(folder, "state.json", data)
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
         raise CheckpointError(f"{folder}: state.json is not a trainfold run state.")
@@ -172,7 +168,7 @@ def _state(folder: Path) -> dict[str, Any]:
 def _inspect(path: Path) -> dict[str, Any]:
     folder = _folder(path)
     try:
-        manifest = read_manifest_json(folder)
+        manifest = read_manifest_json(checkpoint_at(folder))
         doc = _state(folder)
     except CheckpointError as exc:
         raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
@@ -218,7 +214,7 @@ def _export(path: Path, out: Path) -> dict[str, Any]:
         raise _Refused(str(exc)) from None
     except CheckpointError as exc:
         raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
-    header = _safetensors.parse(_safetensors.read_into(written, written.stat().st_size))
+    header = _safetensors.parse(read_into(written, written.stat().st_size))
     return {"checkpoint": str(folder), "out": str(written), "tensors": len(header), "bytes": written.stat().st_size}
 
 
@@ -228,7 +224,7 @@ def _weights(path: Path) -> dict[str, Any]:
 
     try:
         if path.is_file():
-            return dict(_safetensors.parse(_safetensors.read_into(path, path.stat().st_size)))
+            return dict(_safetensors.parse(read_into(path, path.stat().st_size)))
         return checkpoint_weights(_folder(path))
     except _safetensors.FormatError as exc:
         raise _Refused(f"{path} is not a safetensors file ({exc}).") from None

@@ -1,11 +1,12 @@
-"""Atomic file writes: a file or folder becomes visible only when complete."""
+"""Durable file writes and mapped reads: fsynced files, atomic replacement, a file as one private map."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 
 def fsync_dir(path: Path) -> None:
@@ -47,3 +48,38 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
         raise
     fsync_dir(target.parent)
     return target
+
+
+def write_durably(path: str | os.PathLike[str], chunks: Iterable[Any], seen: Callable[[Any], Any] = lambda chunk: None) -> int:
+    """Write ``chunks`` (buffers) to ``path`` and fsync it; ``seen`` is given each chunk as it is written (a hasher's update).
+
+    Returns the number of bytes written. Raises OSError when a write fails (a full disk: ENOSPC).
+    """
+    size = 0
+    with open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            seen(chunk)
+            size += memoryview(chunk).nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    return size
+
+
+def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
+    """The file's ``size`` bytes as one buffer: a private (copy-on-write) map of it, no link followed.
+
+    Nothing is copied: hashing the buffer and viewing tensors in it read the
+    file's pages where the kernel has them; a page is copied only if something
+    writes to it. The map stays open while a tensor viewing it lives.
+
+    Raises:
+        ValueError: the file does not have ``size`` bytes (it changed since it was measured).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path} has another size than {size} bytes")
+        return bytearray() if size == 0 else mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)

@@ -13,18 +13,18 @@ raise its error if it failed.
 from __future__ import annotations
 
 import logging
-import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 import torch
 
-from trainfold.checkpoint.manifest import FORMAT, Content, write_files
+from trainfold.checkpoint.manifest import Content, write_files
 from trainfold.checkpoint.root import agreed, commit
+from trainfold.checkpoint.storage.protocol import Storage
 from trainfold.distributed.control import gather_objects
 
 if TYPE_CHECKING:
+    from trainfold.checkpoint.formats.common import Format
     from trainfold.core.context import Context
     from trainfold.core.state import TrainState
 
@@ -35,22 +35,18 @@ logger = logging.getLogger("trainfold")
 class SaveJob:
     """What one process writes for a checkpoint, read and copied already: nothing in it is live."""
 
-    root: Path
+    storage: Storage
     name: str
     #: this process's files (the main process's include the shared ones)
     files: Mapping[str, Content] = attrs.field(repr=False)
-    #: a sharded checkpoint's tensors, for ``_sharded.write_shards``; None for the gathered format
+    #: a sharded checkpoint's tensors, which its format writes (a collective); None for the other formats
     shards: Mapping[str, torch.Tensor] | None = attrs.field(repr=False)
     #: the weights whose finiteness the manifest records (this process's part)
     weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
     #: the saved state's values: the manifest's run id and position
     state: TrainState = attrs.field(repr=False)
     keep_last: int | None
-    fmt: int
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / f".tmp-{self.name}"
+    format: Format
 
 
 def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
@@ -62,18 +58,18 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
     """
     main = ctx.is_main_process
     world = ctx.accelerator.num_processes
+    staging = job.storage.stage(job.name, fresh=False)  # the main process made it fresh before the job began
 
     def cleanup() -> None:
         if main:
-            shutil.rmtree(job.tmp, ignore_errors=True)
+            staging.discard()
 
-    entries = agreed(ctx, lambda: write_files(job.tmp, job.files), f"writing {job.tmp}", cleanup, group=group)
+    entries = agreed(ctx, lambda: write_files(staging, job.files), f"writing {staging}", cleanup, group=group)
     if job.shards is not None:
-        from trainfold.checkpoint.formats import dcp as _sharded
-
         shards = job.shards
-        entries.update(agreed(ctx, lambda: _sharded.write_shards(job.tmp, shards, ctx.accelerator.process_index, group), f"writing the shards of {job.tmp}", cleanup, group=group))
-    if job.fmt != FORMAT:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
+        entries.update(agreed(ctx, lambda: job.format.write_pieces(staging, shards, ctx.accelerator.process_index, group),
+                              f"writing the shards of {staging}", cleanup, group=group))
+    if job.format.partitioned:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
         finite = _finite(job.weights)
         if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
             reports = gather_objects(ctx.control.group() if group is None else group, (entries, finite))
@@ -83,7 +79,7 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
         finite = _finite(job.weights) if main else True
     if main and not finite:
         _report_nonfinite(job.name)
-    agreed(ctx, lambda: commit(job.root, job.tmp, job.root / job.name, ctx, job.state, entries, job.keep_last, finite=finite, fmt=job.fmt) if main else None,
+    agreed(ctx, lambda: commit(job.storage, staging, ctx, job.state, entries, job.keep_last, finite=finite, fmt=job.format.code) if main else None,
            f"committing {job.name}", cleanup, group=group)
 
 
@@ -100,14 +96,3 @@ def _report_nonfinite(name: str) -> None:
         "(see list_checkpoints) with a lower learning rate, clipping, or make_step(..., stages=[nan_guard()]).",
         name,
     )
-
-
-def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` in host memory (a DTensor's local shard copied, its layout kept): what a background save writes."""
-    from torch.distributed._state_dict_utils import (
-        _copy_state_dict,
-        _create_cpu_state_dict,
-    )
-
-    tensors = dict(tensors)
-    return _copy_state_dict(tensors, _create_cpu_state_dict(tensors))

@@ -22,7 +22,6 @@ found again, ``checkpoint.py``'s and ``_root.py``'s.
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -33,13 +32,7 @@ from trainfold.base import rng as _rng
 from trainfold.base.history import History, Record
 from trainfold.base.metrics import RunningSums
 from trainfold.checkpoint import codec as _codec
-from trainfold.checkpoint.manifest import (
-    Content,
-    json_bytes,
-    parse_json,
-    parse_tensors,
-    rank_files,
-)
+from trainfold.checkpoint.manifest import Content, json_bytes, parse_json, parse_tensors, rank_files
 from trainfold.core.cursor import Resume
 from trainfold.core.runstate import NO_HANDLES, RunState
 from trainfold.core.state import TrainState
@@ -87,7 +80,7 @@ def _value_fields(cls: type) -> list[attrs.Attribute]:  # type: ignore[type-arg]
     return [f for f in attrs.fields(cls) if f.init and f.name not in _HANDLES + _OWN]
 
 
-def decode(folder: Path, files: Mapping[str, Any], template: TrainState, rank: int) -> tuple[RunState, Resume, int]:
+def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank: int) -> tuple[RunState, Resume, int]:
     """The run state, this process's data position and the accumulation steps saved, decoded from the verified files' bytes.
 
     Every value is decoded and checked here, before anything live is changed.

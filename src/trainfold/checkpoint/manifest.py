@@ -1,22 +1,19 @@
-"""The checkpoint folder on disk: its file names, the manifest, fsynced writes and verified reads.
+"""A checkpoint's names and its manifest: which files it holds, their sizes and digests, read back verified.
 
-Owned here: which names a checkpoint may hold (:func:`required_files`, the
-manifest's checks in :func:`read_manifest`), writing files durably with their
-digests (:func:`write_files`, :func:`write_manifest`), and reading them back
-once each, verified as they are read, inside the folder only (:func:`read_verified`,
-:func:`verify`). What the files contain is ``_format.py``'s.
+Owned here: the names (a checkpoint's, :data:`NAME`; its files', :func:`required_files`
+and :func:`allowed_name`), the manifest (made by :func:`manifest_bytes`, read and
+checked by :func:`read_manifest`), writing a save's files into a staging
+(:func:`write_files`) and reading them back once each, verified as they are read
+(:func:`read_verified`, :func:`verify`). Where the bytes are is a storage's
+(``storage/``); what the files contain, ``encoding.py``'s and the formats'.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
-import os
 import re
-import stat
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import TYPE_CHECKING, Any, Mapping, Union
 
 import torch
 
@@ -24,14 +21,23 @@ from trainfold.checkpoint import digest as _digest
 from trainfold.checkpoint import safetensors as _safetensors
 from trainfold.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from trainfold.checkpoint.storage.protocol import Staging, Stored
+
+#: The manifest: written last, it is what makes a checkpoint exist.
+MANIFEST = "MANIFEST.json"
+PREFIX = "ckpt-"
+#: The names trainfold gives checkpoints: ``ckpt-<update>``, and ``ckpt-<update>-<micro_step>`` mid-accumulation.
+NAME = re.compile(r"ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
+#: What crashed saves leave behind: cleaned (under the lock) when a save commits.
+DEBRIS = re.compile(r"\.(?:tmp|del|old)-ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
 #: Format 1: the model and optimizer gathered into the main process's files. Format 2 (sharded): every
-#: process writes its own pieces of them (``_sharded.py``), and they can be read back on another number of processes.
-#: Format 3 (DeepSpeed): the engine's own files for the model and ZeRO optimizer partitions (``_deepspeed.py``).
+#: process writes its own pieces of them (``formats/dcp.py``), and they can be read back on another number of processes.
+#: Format 3 (DeepSpeed): the engine's own files for the model and ZeRO optimizer partitions (``formats/engine_files.py``).
 FORMAT = 1
 SHARDED = 2
 DEEPSPEED = 3
 FORMATS = (FORMAT, SHARDED, DEEPSPEED)
-MANIFEST = "MANIFEST.json"
 SHARED = {
     FORMAT: ("model.safetensors", "state.safetensors", "state.json"),
     SHARDED: ("tensors.json", "state.safetensors", "state.json"),
@@ -39,7 +45,7 @@ SHARED = {
 }
 #: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
 _NAME = re.compile(r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
-#: And in format 3, the names DeepSpeed gives its files (read by ``_deepspeed.py``; here, so that no deepspeed import is needed).
+#: And in format 3, the names DeepSpeed gives its files (read by ``formats/engine_files.py``; here, so that no deepspeed import is needed).
 _ENGINE_NAME = re.compile(r"(?:bf16_)?(?:zero_pp_rank_(?:0|[1-9][0-9]{0,5})_)?mp_rank_00_(?:model|optim)_states\.pt")
 
 
@@ -78,36 +84,26 @@ def json_bytes(value: Any) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
-def write_file(path: Path, data: bytes) -> dict[str, Any]:
-    """Write ``data`` to ``path``, fsynced (a full disk raises OSError, ENOSPC); return its manifest entry."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    h = _digest.new()
-    h.update(data)
-    return _digest.entry(len(data), h)
+def chunks_of(content: Content) -> list[Any]:
+    """The buffers a file is written from: JSON bytes as they are, tensors as a safetensors file (from their own memory)."""
+    return [content] if isinstance(content, bytes) else _safetensors.encode(content)
 
 
-def _write(path: Path, content: Content) -> dict[str, Any]:
-    return write_file(path, content) if isinstance(content, bytes) else _safetensors.write(path, content)
-
-
-def write_files(folder: Path, files: Mapping[str, Content]) -> dict[str, dict[str, Any]]:
-    """Write every file (fsynced, two at a time) and return their manifest entries, hashed as written."""
+def write_files(staging: Staging, files: Mapping[str, Content]) -> dict[str, dict[str, Any]]:
+    """Write every file (durably, two at a time) and return their manifest entries, hashed as written."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(_write, folder / name, content) for name, content in files.items()}
+        futures = {name: pool.submit(staging.write, name, chunks_of(content)) for name, content in files.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
-def parse_tensors(folder: Path, name: str, data: Any) -> dict[str, torch.Tensor]:
+def parse_tensors(folder: object, name: str, data: Any) -> dict[str, torch.Tensor]:
     try:
         return _safetensors.parse(data)
     except _safetensors.FormatError as exc:
         raise CheckpointError(f"{folder}: file {name} is not a readable safetensors file ({exc}).") from None
 
 
-def parse_json(folder: Path, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:
+def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:
     if len(data) > limit:
         raise CheckpointError(f"{folder}: file {name} has {len(data)} bytes, more than the {limit} a trainfold checkpoint writes: refused unread.")
     try:
@@ -118,47 +114,30 @@ def parse_json(folder: Path, name: str, data: Any, limit: int = MAX_JSON_BYTES) 
         raise CheckpointError(f"{folder}: file {name} is not valid JSON ({exc}).") from None
 
 
-# --- reading files: inside the folder, regular, verified while read ---------------------------
+# --- reading files: each once, verified while read ------------------------------------------
 
 
-def _regular(folder: Path, name: str) -> os.stat_result:
-    """``lstat`` of a file the manifest lists: it must be a regular file in the folder, not a link."""
-    try:
-        st = os.lstat(folder / name)
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder}: file {name} is missing; the checkpoint is damaged.") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise CheckpointError(f"{folder}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed.")
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{folder}: file {name} is not a regular file: refused.")
-    return st
-
-
-def _read_checked(folder: Path, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
+def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
     """Read ``name`` once, checking its size and digest (the algorithm its entry names) against the manifest as it is read."""
     algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry
-    st = _regular(folder, name)
-    if st.st_size != expected["size"]:
-        raise CheckpointError(f"{folder}: file {name} has {st.st_size} bytes, the manifest says {expected['size']}: truncated or altered.")
+    size = stored.size(name)
+    if size != expected["size"]:
+        raise CheckpointError(f"{stored}: file {name} has {size} bytes, the manifest says {expected['size']}: truncated or altered.")
     data = None
     if keep:
-        try:
-            data = _safetensors.read_into(folder / name, expected["size"])
-        except _safetensors.FormatError:
-            raise CheckpointError(f"{folder}: file {name} changed size while it was read: altered.") from None
+        data = stored.read(name, size)
         digest = _digest.of(data, algorithm)
     else:
         h = _digest.new(algorithm)
-        with os.fdopen(os.open(folder / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
+        for chunk in stored.chunks(name):
+            h.update(chunk)
         digest = h.hexdigest()
     if digest != want:
-        raise CheckpointError(f"{folder}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
+        raise CheckpointError(f"{stored}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
     return data
 
 
-def read_verified(folder: Path, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True) -> dict[str, Any]:
+def read_verified(stored: Stored, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True) -> dict[str, Any]:
     """The files ``names`` of a checkpoint, each read once and verified against the manifest (in parallel).
 
     Raises:
@@ -167,32 +146,18 @@ def read_verified(folder: Path, manifest: Mapping[str, Any], names: list[str], *
     """
     files = manifest["files"]
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
-        futures = {name: pool.submit(_read_checked, folder, name, files[name], keep) for name in names}
+        futures = {name: pool.submit(_read_checked, stored, name, files[name], keep) for name in names}
         return {name: future.result() for name, future in futures.items()}
 
 
-def read_manifest_json(folder: Path) -> dict[str, Any]:
-    """The manifest as parsed JSON: a regular file in a real folder, at most ``MAX_MANIFEST_BYTES``, not nested too deeply.
+def read_manifest_json(stored: Stored) -> dict[str, Any]:
+    """The manifest as parsed JSON: at most ``MAX_MANIFEST_BYTES``, not nested too deeply, an object.
 
     Raises:
         CheckpointError: no manifest, or one that is a link, too large or not a JSON object.
     """
-    if folder.is_symlink() or not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a checkpoint folder (a checkpoint is a directory, not a link).")
-    path = folder / MANIFEST
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{folder} is not a trainfold checkpoint: it has no {MANIFEST} (an interrupted save leaves only "
-            "a .tmp-* folder). Pass a checkpoint folder or the root that holds them."
-        ) from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{folder}: {MANIFEST} is not a regular file (a link or a special file): refused, not followed.")
-    if st.st_size > MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{path} is damaged: {st.st_size} bytes, more than a manifest can be; refused unread.")
-    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)), "rb") as f:
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    raw = stored.manifest_bytes(MAX_MANIFEST_BYTES)
+    path = f"{stored}/{MANIFEST}"
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -202,7 +167,7 @@ def read_manifest_json(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
+def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
     """The checkpoint's manifest, checked: its format, its world size, and that it lists every file the format needs and no other.
 
     Raises:
@@ -210,8 +175,8 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
             nested too deeply, of a newer format, or lists a name that is not a
             plain file of the format (``../x``, ``/etc/...``) or misses one.
     """
-    manifest = read_manifest_json(folder)
-    path = folder / MANIFEST
+    manifest = read_manifest_json(stored)
+    folder, path = stored, f"{stored}/{MANIFEST}"
     try:
         files, fmt = manifest["files"], manifest["format"]
     except KeyError as exc:
@@ -239,28 +204,15 @@ def read_manifest(folder: Path, *, version: str = "") -> dict[str, Any]:
 # --- the manifest ---------------------------------------------------------------------------
 
 
-def write_manifest(tmp: Path, files: Mapping[str, Mapping[str, Any]], fmt: int, **fields: Any) -> None:
-    """Write the manifest last: every file's size and digest (``files``), and ``fields`` (position...)."""
-    write_file(tmp / MANIFEST, json_bytes({"format": fmt, **fields, "files": dict(sorted(files.items()))}))
+def manifest_bytes(files: Mapping[str, Mapping[str, Any]], fmt: int, **fields: Any) -> bytes:
+    """The manifest, written last: every file's size and digest (``files``), and ``fields`` (position...)."""
+    return json_bytes({"format": fmt, **fields, "files": dict(sorted(files.items()))})
 
 
-def digest_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Manifest entries of files another process wrote (read back and hashed)."""
-    entries = {}
-    for name in names:
-        st = _regular(folder, name)
-        h = _digest.new()
-        with open(folder / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        entries[name] = _digest.entry(st.st_size, h)
-    return entries
-
-
-def verify(folder: Path, *, rank: int | None = None, version: str = "") -> dict[str, Any]:
-    """Check a checkpoint folder against its manifest and return the manifest (see ``verify_checkpoint``)."""
-    manifest = read_manifest(folder, version=version)
+def verify(stored: Stored, *, rank: int | None = None, version: str = "") -> dict[str, Any]:
+    """Check a checkpoint against its manifest and return the manifest (see ``verify_checkpoint``)."""
+    manifest = read_manifest(stored, version=version)
     mine = process_files(rank, manifest["format"]) if rank is not None else ()
     names = [n for n in manifest["files"] if rank is None or not n.startswith(("rank-", "shard-")) or n in mine]
-    read_verified(folder, manifest, names, keep=False)
+    read_verified(stored, manifest, names, keep=False)
     return manifest

@@ -1,10 +1,11 @@
-"""A run's checkpoint root: the names checkpoints get, their order, the lock, and the commit.
+"""A run's checkpoint root, over any storage: the names checkpoints get, their order, the lock, and the commit.
 
 Owned here: :func:`checkpoint_name`, :func:`list_checkpoints` and
 :func:`latest_checkpoint` (order by the position each manifest records, only
-names trainfold writes), :func:`hold_lock` (one writer per root, ``_lock.py``),
-:func:`commit` (the manifest last, the rename, the debris of crashed saves,
-``keep_last``) and :func:`resolve` (a folder or a root, to one checkpoint).
+names trainfold writes), :func:`hold_lock` (one writer per root),
+:func:`commit` (the manifest last, the debris of crashed saves, ``keep_last``)
+and :func:`resolve` (a folder or a root, to one checkpoint). How a commit is made
+atomic and a lock exclusive is the storage's (``storage/``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,25 +20,12 @@ import torch
 
 from trainfold._version import __version__
 from trainfold.backend.engine import accumulation_counter
-from trainfold.base.io import fsync_dir
-from trainfold.checkpoint.manifest import (
-    FORMAT,
-    MANIFEST,
-    digest_files,
-    read_manifest_json,
-    required_files,
-    write_manifest,
-)
-from trainfold.checkpoint.storage import lock as _lock
+from trainfold.checkpoint.manifest import FORMAT, PREFIX, manifest_bytes, read_manifest_json, required_files
+from trainfold.checkpoint.storage import checkpoint_at, open_root
+from trainfold.checkpoint.storage.protocol import Staging, Storage, Stored
 from trainfold.core.context import Context
 from trainfold.core.state import TrainState
 from trainfold.errors import CheckpointError
-
-PREFIX = "ckpt-"
-#: The names trainfold gives checkpoints: ``ckpt-<update>``, and ``ckpt-<update>-<micro_step>`` mid-accumulation.
-_NAME = re.compile(r"ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
-#: What crashed saves leave behind: cleaned (under the lock) when a save commits.
-_DEBRIS = re.compile(r"\.(?:tmp|del|old)-ckpt-[0-9]{1,20}(?:-[0-9]{1,20})?")
 
 logger = logging.getLogger("trainfold")
 
@@ -52,18 +38,6 @@ def checkpoint_name(ctx: Context, state: TrainState) -> str:
     """
     mid_group = accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps
     return f"{PREFIX}{state.step:010d}" + (f"-{state.micro_step}" if mid_group else "")
-
-
-def root_path(root: str | os.PathLike[str]) -> Path:
-    if os.fspath(root) == "":
-        raise ValueError("save_checkpoint needs a folder for its checkpoints (got ''): pass a path such as 'checkpoints'.")
-    return Path(root)
-
-
-def fresh(tmp: Path) -> None:
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a save of this position that died half-way (ours: we hold the lock)
-    tmp.mkdir()
 
 
 def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None, *, group: Any = None) -> Any:
@@ -99,41 +73,39 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
     raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
 
 
-def hold_lock(ctx: Context, root: Path, state: TrainState) -> None:
+def hold_lock(ctx: Context, storage: Storage, state: TrainState) -> None:
     """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
-    key = os.path.abspath(root)
+    key = storage.key
     if key in ctx.checkpoint_locks:
         held = ctx.checkpoint_locks[key]
-        # a syscall or two on the main process: still ours, and its file still there (a removed root is made again)
-        agreed(ctx, lambda: None if held is None else _lock.confirm(held, root), f"locking {root}")
+        # a call or two on the main process: still ours (a removed lock is taken again)
+        agreed(ctx, lambda: None if held is None else held.confirm(), f"locking {storage}")
         return
-    lock = agreed(ctx, lambda: _lock.acquire(root, state.run_id) if ctx.is_main_process else None, f"locking {root}")
+    lock = agreed(ctx, lambda: storage.lock(state.run_id) if ctx.is_main_process else None, f"locking {storage}")
     ctx.checkpoint_locks[key] = lock
 
 
-def check_same_run(root: Path, state: TrainState) -> None:
-    """Refuse to mix two runs' checkpoints in one folder (the newest would silently win on resume)."""
-    latest = latest_checkpoint(root)
-    if latest is None or not state.run_id:
+def check_same_run(storage: Storage, state: TrainState) -> None:
+    """Refuse to mix two runs' checkpoints in one root (the newest would silently win on resume)."""
+    found = _ordered(storage)
+    if not found or not state.run_id:
         return
+    latest = found[-1]
     other = read_manifest_json(latest).get("run_id")  # any format: the run id is what matters here
     if other and other != state.run_id:
         raise CheckpointError(
-            f"{root} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
+            f"{storage} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
             "Use one folder per run, or resume that run with load_checkpoint(ctx, root, state) before saving."
         )
 
 
-def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
+def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
            *, finite: bool = True, fmt: int = FORMAT, fields: dict[str, Any] | None = None) -> None:
+    """Write the manifest (every file's entry; the other processes' files not reported are read back) and commit."""
     world = ctx.accelerator.num_processes
     others = [n for n in required_files(world, fmt) if n not in entries]
-    entries = {**entries, **digest_files(tmp, others)}  # the other processes' files (not already reported): read back
-    missing = [n for n in required_files(world, fmt) if n not in entries]
-    if missing:
-        raise CheckpointError(f"{tmp}: {missing[0]} was not written; a checkpoint missing a file is never committed.")
-    write_manifest(
-        tmp,
+    entries = {**entries, **{n: staging.digest(n) for n in others}}
+    manifest = manifest_bytes(
         entries,
         fmt,
         trainfold_version=__version__,
@@ -146,53 +118,49 @@ def commit(root: Path, tmp: Path, final: Path, ctx: Context, state: TrainState, 
         finite=finite,
         **(fields or {}),
     )
-    fsync_dir(tmp)
-    if final.exists():  # the same position saved again: swap, then drop the old one
-        old = final.with_name(f".old-{final.name}")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(root)
-    _clean_debris(root)
+    staging.commit(manifest)
+    storage.clean()
     if keep_last is not None:
-        _prune(root, keep_last)
+        _prune(storage, keep_last)
 
 
-def _clean_debris(root: Path) -> None:
-    """Remove what crashed saves left (``.tmp-``, ``.del-``, ``.old-`` folders): ours, since we hold the lock."""
-    for p in root.iterdir():
-        if _DEBRIS.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _prune(root: Path, keep_last: int) -> None:
+def _prune(storage: Storage, keep_last: int) -> None:
     """Remove all but the newest ``keep_last`` checkpoints, and never the newest one of finite weights.
 
     A run that went non-finite (a NaN on one process, no ``nan_guard``) goes on
     writing checkpoints of NaN weights: ``keep_last`` alone would push out the
     last one worth resuming from.
     """
-    found = list_checkpoints(root)
-    finite = [p for p in found if _is_finite(p)]
-    keep = set(found[-keep_last:]) | set(finite[-1:])
+    found = _ordered(storage)
+    finite = [c for c in found if _is_finite(c)]
+    keep = {c.name for c in found[-keep_last:]} | {c.name for c in finite[-1:]}
     for old in found:
-        if old in keep:
-            continue
-        doomed = old.with_name(f".del-{old.name}")
-        os.replace(old, doomed)  # never a half-deleted folder that still looks committed
-        shutil.rmtree(doomed, ignore_errors=True)
+        if old.name not in keep:
+            storage.remove(old.name)
 
 
-def _is_finite(folder: Path) -> bool:
+def _is_finite(stored: Stored) -> bool:
     """What the manifest says of the weights (a checkpoint written before trainfold recorded it: finite)."""
     try:
-        return read_manifest_json(folder).get("finite", True) is not False
+        return read_manifest_json(stored).get("finite", True) is not False
     except CheckpointError:
         return False
+
+
+def _ordered(storage: Storage) -> list[Stored]:
+    """The committed checkpoints of ``storage``, oldest first by the position their manifests record; damaged ones left out."""
+    found = []
+    for stored in storage.checkpoints():
+        try:
+            manifest = read_manifest_json(stored)  # any format: a newer one is ordered, and refused when loaded
+            position = (manifest["micro_step"], manifest["step"])
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
+                raise CheckpointError(f"{stored}/MANIFEST.json is damaged: its position is not a pair of ints.")
+        except (CheckpointError, KeyError) as exc:
+            logger.warning("skipping %s: %s", stored, exc)
+            continue
+        found.append((position, stored.name, stored))
+    return [c for *_, c in sorted(found, key=lambda f: f[:2])]
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
@@ -204,23 +172,7 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     checkpoint whose manifest is damaged is left out, with a warning on the
     ``trainfold`` logger.
     """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if not _NAME.fullmatch(p.name) or p.is_symlink() or not p.is_dir() or not (p / MANIFEST).exists():
-            continue
-        try:
-            manifest = read_manifest_json(p)  # any format: a newer one is ordered, and refused when loaded
-            position = (manifest["micro_step"], manifest["step"])
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in position):
-                raise CheckpointError(f"{p / MANIFEST} is damaged: its position is not a pair of ints.")
-        except (CheckpointError, KeyError) as exc:
-            logger.warning("skipping %s: %s", p, exc)
-            continue
-        found.append((position, p.name, p))
-    return [p for *_, p in sorted(found)]
+    return [c.path for c in _ordered(open_root(root))]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
@@ -240,15 +192,19 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return found[-1] if found else None
 
 
-def resolve(path: str | os.PathLike[str]) -> Path:
-    folder = Path(path)
-    if (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink():
-        return folder
-    latest = latest_checkpoint(folder)
-    if latest is None:
-        if folder.is_dir() and any(p.name.startswith(f".tmp-{PREFIX}") for p in folder.iterdir()):
-            raise CheckpointError(f"{folder} holds only unfinished checkpoints (.tmp-*): no save completed.")
-        raise CheckpointError(f"{folder} is neither a trainfold checkpoint nor a folder of checkpoints.")
-    return latest
+def resolve(path: str | os.PathLike[str]) -> Stored:
+    """The checkpoint at ``path``, or the newest one under it.
 
-
+    Raises:
+        CheckpointError: neither (saying so when only unfinished saves are there).
+    """
+    stored = checkpoint_at(path)
+    if stored.committed():
+        return stored
+    storage = open_root(path)
+    found = _ordered(storage)
+    if not found:
+        if any(name.startswith(f".tmp-{PREFIX}") for name in storage.unfinished()):
+            raise CheckpointError(f"{storage} holds only unfinished checkpoints (.tmp-*): no save completed.")
+        raise CheckpointError(f"{storage} is neither a trainfold checkpoint nor a folder of checkpoints.")
+    return found[-1]

@@ -1,9 +1,9 @@
 """The safetensors file format, written from the tensors' own memory and read into one buffer.
 
-Owned here: :func:`write` (a header, then every tensor's bytes straight from its
-memory, hashed as they are written: no serialised copy of the file in memory),
-:func:`read_into` (the file as one buffer, mapped, not copied) and :func:`parse`
-(every tensor a view into that buffer: no copy per tensor). The files are the format the
+Owned here: :func:`encode` (a header, then every tensor's bytes straight from its
+memory: no serialised copy of the file in memory; a storage writes and hashes
+them), :func:`write` (that, into a local file) and :func:`parse` (every tensor a
+view into one buffer, such as a mapped file: no copy per tensor). The files are the format the
 ``safetensors`` library writes and reads (tensors ordered by alignment, the
 header padded to 8 bytes); a test checks both ways. The reader trusts nothing
 in the header: names, dtypes, shapes and offsets are checked against the buffer.
@@ -12,13 +12,13 @@ in the header: names, dtypes, shapes and offsets are checked against the buffer.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from typing import Any, Mapping
 
 import torch
 
+from trainfold.base.io import write_durably
 from trainfold.checkpoint import digest as _digest
 
 DTYPES: dict[torch.dtype, str] = {
@@ -43,12 +43,11 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Write ``tensors`` to ``path`` as safetensors, fsynced; return its manifest entry (size, digest).
+def encode(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
+    """The buffers of a safetensors file of ``tensors``: its header, then every tensor's bytes as a view of its memory.
 
     Raises:
         TypeError: a tensor of a dtype safetensors has no name for.
-        OSError: the write failed (a full disk: ENOSPC).
     """
     for name, t in tensors.items():
         if t.dtype not in DTYPES:
@@ -64,37 +63,21 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    digest = _digest.new()
-    with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(head)), head):
-            f.write(chunk)
-            digest.update(chunk)
-        for name in order:
-            raw = _raw(tensors[name])
-            f.write(raw)
-            digest.update(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    return _digest.entry(8 + len(head) + offset, digest)
+    return [struct.pack("<Q", len(head)), head, *(_raw(tensors[name]) for name in order)]
 
 
-def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
-    """The file's ``size`` bytes as one buffer: a private (copy-on-write) map of it, no link followed.
+def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write ``tensors`` to the file ``path`` as safetensors, fsynced; return its manifest entry (size, digest).
 
-    Nothing is copied: hashing the buffer and viewing tensors in it read the
-    file's pages where the kernel has them; a tensor's page is copied only if
-    something writes to it. The map stays open while a tensor viewing it lives.
+    Raises:
+        TypeError: a tensor of a dtype safetensors has no name for.
+        OSError: the write failed (a full disk: ENOSPC).
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    try:
-        if os.fstat(fd).st_size != size:
-            raise FormatError(f"the file has another size than {size} bytes")
-        return bytearray() if size == 0 else mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
+    digest = _digest.new()
+    return _digest.entry(write_durably(path, encode(tensors), digest.update), digest)
 
 
-def parse(buf: bytearray | mmap.mmap) -> dict[str, torch.Tensor]:
+def parse(buf: Any) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them).
 
     Raises:

@@ -40,19 +40,10 @@ from trainfold.base.types import Batch
 from trainfold.checkpoint import codec as _codec
 from trainfold.checkpoint.background import SaveJob, write_and_commit
 from trainfold.checkpoint.encoding import encode_rank, encode_shared
-from trainfold.checkpoint.formats.common import for_load, for_save
+from trainfold.checkpoint.formats import for_load, for_save
 from trainfold.checkpoint.manifest import Content, read_manifest, verify
-from trainfold.checkpoint.root import (
-    agreed,
-    check_same_run,
-    checkpoint_name,
-    fresh,
-    hold_lock,
-    latest_checkpoint,
-    list_checkpoints,
-    resolve,
-    root_path,
-)
+from trainfold.checkpoint.root import agreed, check_same_run, checkpoint_name, hold_lock, latest_checkpoint, list_checkpoints, resolve
+from trainfold.checkpoint.storage import Storage, checkpoint_at, open_root
 from trainfold.core.checks import expect_context, expect_owned, expect_state
 from trainfold.core.context import Context
 from trainfold.core.cursor import EpochCursor, Resume
@@ -190,22 +181,21 @@ def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_la
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
-    root = root_path(root)
-    hold_lock(ctx, root, state)
+    storage = _storage(root)
+    hold_lock(ctx, storage, state)
     name = checkpoint_name(ctx, state)
-    tmp = root / f".tmp-{name}"
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
     fmt = for_save(ctx, sharded)
     captured = fmt.capture(ctx, state, now, async_save)
     files = {**agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"), **captured.files}
-    agreed(ctx, lambda: _start(root, tmp, state) if main else None, f"creating {tmp}")
-    job = SaveJob(root, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt.code)
+    agreed(ctx, lambda: _start(storage, name, state) if main else None, f"creating {name} in {storage}")
+    job = SaveJob(storage, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt)
     if async_save:
         group = ctx.saver.group(acc.num_processes)
         ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
     else:
         write_and_commit(ctx, job)
-    ctx.saved_at[os.path.abspath(root)] = position_of(state)
+    ctx.saved_at[storage.key] = position_of(state)
     return state
 
 
@@ -214,9 +204,15 @@ def position_of(state: TrainState) -> tuple[int, ...]:
     return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
 
 
-def _start(root: Path, tmp: Path, state: TrainState) -> None:
-    check_same_run(root, state)
-    fresh(tmp)
+def _storage(root: str | os.PathLike[str]) -> Storage:
+    if os.fspath(root) == "":
+        raise ValueError("save_checkpoint needs a folder for its checkpoints (got ''): pass a path such as 'checkpoints'.")
+    return open_root(root)
+
+
+def _start(storage: Storage, name: str, state: TrainState) -> None:
+    check_same_run(storage, state)
+    storage.stage(name, fresh=True)
 
 
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
@@ -284,7 +280,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
         TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
             root without a complete checkpoint).
     """
-    return verify(_folder("verify_checkpoint", path), rank=rank, version=__version__)
+    return verify(checkpoint_at(_folder("verify_checkpoint", path)), rank=rank, version=__version__)
 
 
 @overload
@@ -390,7 +386,7 @@ def save_run_end(ctx: Context, state: TrainState) -> TrainState:
     functions evaluated it. The save is committed before it returns.
     """
     end = ctx.run_end_saves.get(state.run_id)
-    if end is None or ctx.saved_at.get(os.path.abspath(end.root)) == position_of(state):
+    if end is None or ctx.saved_at.get(open_root(end.root).key) == position_of(state):
         return state
     saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
     ctx.wait_for_checkpoints()

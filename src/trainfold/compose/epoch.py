@@ -26,12 +26,7 @@ from trainfold.base.batch import batch_size, describe_batch, slice_batch
 from trainfold.base.checks import add_note, length_or_none
 from trainfold.base.metrics import RunningSums, weighted
 from trainfold.base.types import Batch, LossFn
-from trainfold.core.checks import (
-    expect_args,
-    expect_owned,
-    expect_shared_out,
-    expect_state,
-)
+from trainfold.core.checks import expect_args, expect_owned, expect_shared_out, expect_state
 from trainfold.core.context import Context
 from trainfold.core.cursor import EpochCursor, Resume
 from trainfold.core.loss import compute_loss
@@ -40,11 +35,7 @@ from trainfold.core.state import TrainState
 from trainfold.core.step import normalize_mode
 from trainfold.core.tokens import LOSS_WEIGHT, TOKENS
 from trainfold.core.types import EpochFn, Step
-from trainfold.distributed.control import (
-    check_same_count,
-    check_same_length,
-    explaining_timeouts,
-)
+from trainfold.distributed.control import check_same_count, check_same_length, explaining_timeouts
 from trainfold.distributed.interrupt import signal_name
 
 

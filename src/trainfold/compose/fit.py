@@ -9,11 +9,7 @@ from toolz import compose
 
 from trainfold.base.checks import length_or_none
 from trainfold.base.types import Batch, LossFn
-from trainfold.checkpoint.save import (
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from trainfold.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainfold.compose.epoch import evaluate, run_epoch
 from trainfold.compose.epoch_fns import early_stop, log_epoch
 from trainfold.compose.loop import loop

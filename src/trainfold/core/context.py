@@ -12,11 +12,7 @@ from typing import Any
 import attrs
 from accelerate import Accelerator
 
-from trainfold.backend.engine import (
-    fill_deepspeed_micro_batch,
-    loader_placement,
-    wait_for_everyone,
-)
+from trainfold.backend.engine import fill_deepspeed_micro_batch, loader_placement, wait_for_everyone
 from trainfold.distributed.control import Control, current_timeout, set_timeout
 from trainfold.distributed.interrupt import Handlers, Interrupt
 from trainfold.distributed.saver import Saver
@@ -229,7 +225,7 @@ class Context:
     #: the stop request a signal sets (see :mod:`trainfold.interrupt`)
     interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
     #: the checkpoint roots this run writes, by path: the lock's key on the main process (see
-    #: :mod:`trainfold._lock`: held until :meth:`close` or the process ends), None on the others
+    #: the storage's lock: held until :meth:`close` or the process ends), None on the others
     checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
     #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold._saver`)
     saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
@@ -291,8 +287,6 @@ class Context:
         written in the background is waited for first; if it failed, its error
         is raised once the run is closed.
         """
-        from trainfold.checkpoint.storage.lock import release
-
         failed: BaseException | None = None
         try:
             self.wait_for_checkpoints()
@@ -301,7 +295,7 @@ class Context:
         self.saver.forget()
         for lock in self.checkpoint_locks.values():
             if lock is not None:
-                release(lock)
+                lock.release()
         self.checkpoint_locks.clear()
         self.control.forget()
         self.handlers.uninstall()

@@ -8,13 +8,7 @@ from toolz import curry
 
 from trainfold.core.checks import expect_owned, expect_state
 from trainfold.core.context import Context
-from trainfold.core.runstate import (
-    RunState,
-    StateMismatch,
-    capture,
-    check_fits,
-    put_back,
-)
+from trainfold.core.runstate import RunState, StateMismatch, capture, check_fits, put_back
 from trainfold.core.state import TrainState
 
 #: A detached copy of a run at one moment (see :func:`snapshot`): the same

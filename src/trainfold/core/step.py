@@ -13,15 +13,7 @@ from trainfold.base.types import Batch, LossFn
 from trainfold.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold.core.context import Context
 from trainfold.core.loss import compute_loss
-from trainfold.core.stages import (
-    MicroBatch,
-    Stage,
-    StageSpec,
-    bind_all,
-    clip_by_norm,
-    clip_by_value,
-    grad_norm,
-)
+from trainfold.core.stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, grad_norm
 from trainfold.core.state import TrainState
 from trainfold.core.types import Step
 from trainfold.core.update import Updates

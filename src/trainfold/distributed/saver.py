@@ -14,6 +14,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+
 def _finish_at_exit(saver: weakref.ref[Saver]) -> None:
     """At interpreter shutdown, before ``concurrent.futures`` refuses new work: commit the save in flight, or fail loudly.
 

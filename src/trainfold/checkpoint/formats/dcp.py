@@ -16,58 +16,34 @@ values JSON holds (:func:`split_state`), writing the pieces
 (:func:`write_shards`), reading and checking the metadata
 (:func:`parse_metadata`, :func:`check_layout`), and reading the pieces into
 the live layout (:func:`load_shards`). What else a checkpoint holds is
-``_format.py``'s.
+``encoding.py``'s.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import warnings
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.storage import (
-    StorageReader,
-    StorageWriter,
-    WriteResult,
-)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from trainfold.backend.engine import local
 from trainfold.checkpoint import safetensors as _safetensors
-from trainfold.checkpoint.manifest import json_bytes, parse_json, write_file
+from trainfold.checkpoint.formats.dcp_metadata import METADATA, metadata_json
+from trainfold.checkpoint.storage.protocol import Staging
 from trainfold.errors import CheckpointError
 
-METADATA = "tensors.json"
 MODEL, OPTIM = "model.", "optim."
-_SHARD = re.compile(r"shard-(0|[1-9][0-9]{0,5})\.safetensors")
+
+
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -87,9 +63,6 @@ def _one_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-# --- what goes through DCP ------------------------------------------------------------------
 
 
 def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -127,15 +100,12 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-# --- writing --------------------------------------------------------------------------------
-
-
 class _Writer(StorageWriter):
     """Writes this process's pieces into ``shard-<rank>.safetensors``; the coordinator writes ``tensors.json``."""
 
-    def __init__(self, folder: Path, rank: int) -> None:
+    def __init__(self, staging: Staging, rank: int) -> None:
         super().__init__()
-        self.folder, self.rank = folder, rank
+        self.staging, self.rank = staging, rank
         self.entries: dict[str, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -163,14 +133,14 @@ class _Writer(StorageWriter):
             key = _key(item.index)
             tensors[key] = t
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=(name, key)))
-        self.entries[name] = _safetensors.write(self.folder / name, tensors)
+        self.entries[name] = self.staging.write(name, _safetensors.encode(tensors))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stored = {r.index: r.storage_data for per_rank in results for r in per_rank}
-        self.entries[METADATA] = write_file(self.folder / METADATA, metadata_json(metadata, stored))
+        self.entries[METADATA] = self.staging.write(METADATA, [metadata_json(metadata, stored)])
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -182,12 +152,12 @@ def _key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{offset}"
 
 
-def write_shards(folder: Path, tensors: Mapping[str, torch.Tensor], rank: int, group: Any = None) -> dict[str, dict[str, Any]]:
+def write_shards(staging: Staging, tensors: Mapping[str, torch.Tensor], rank: int, group: Any = None) -> dict[str, dict[str, Any]]:
     """Write this process's pieces of ``tensors`` (a collective over ``group``: every process calls it) and return their manifest entries.
 
     The coordinator's entries include ``tensors.json``.
     """
-    writer = _Writer(folder, rank)
+    writer = _Writer(staging, rank)
     try:
         with _one_process_quiet():
             dcp_save(dict(tensors), storage_writer=writer, process_group=group, no_dist=not _distributed())
@@ -211,108 +181,6 @@ def _unwrapped(exc: CheckpointException) -> Exception:
     if isinstance(first, TypeError):
         return TypeError(text)
     return RuntimeError(text)
-
-
-def metadata_json(metadata: Metadata, stored: Mapping[MetadataIndex, Any]) -> bytes:
-    tensors = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise TypeError(f"a sharded checkpoint holds tensors only; {fqn!r} is not one.")
-        tensors[fqn] = {
-            "dtype": _safetensors.DTYPES[md.properties.dtype],
-            "size": list(md.size),
-            "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
-        }
-    storage = [[i.fqn, None if i.offset is None else list(i.offset), file, key] for i, (file, key) in stored.items()]
-    return json_bytes({"tensors": tensors, "storage": sorted(storage, key=lambda s: (s[0], s[1] or []))})
-
-
-# --- reading --------------------------------------------------------------------------------
-
-
-def parse_metadata(folder: Path, data: Any, world_size: int) -> Metadata:
-    """DCP's metadata from ``tensors.json``, every field checked: dtypes, shapes, chunks that tile each tensor, files of the checkpoint.
-
-    Raises:
-        CheckpointError: a value that is not what trainfold writes, chunks that
-            overlap or leave part of a tensor uncovered, a piece stored in a file
-            that is not one of the checkpoint's shard files.
-    """
-    doc = parse_json(folder, METADATA, data)
-    try:
-        tensors = {}
-        for fqn, entry in doc["tensors"].items():
-            dtype = _safetensors._BY_NAME[entry["dtype"]]
-            size = _dims(entry["size"])
-            if not isinstance(entry["chunks"], list) or len(entry["chunks"]) > world_size:  # one piece per process at most
-                raise ValueError(f"{fqn!r} is declared in {len(entry['chunks'])} pieces, more than the {world_size} processes that wrote it")
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(_dims(o)), sizes=torch.Size(_dims(s))) for o, s in entry["chunks"]]
-            _check_tiling(fqn, size, chunks)
-            tensors[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
-        storage = {}
-        for fqn, offset, file, key in doc["storage"]:
-            match = _SHARD.fullmatch(file) if isinstance(file, str) else None
-            if match is None or int(match.group(1)) >= world_size or not isinstance(key, str) or fqn not in tensors:
-                raise ValueError(f"the piece {fqn!r} is stored in {file!r}, not a shard file of this checkpoint")
-            storage[MetadataIndex(fqn, None if offset is None else torch.Size(_dims(offset)))] = (file, key)
-        for fqn, md in tensors.items():
-            for c in md.chunks:
-                if MetadataIndex(fqn, c.offsets) not in storage:
-                    raise ValueError(f"the piece of {fqn!r} at {list(c.offsets)} is stored nowhere")
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as exc:
-        raise CheckpointError(f"{folder}: file {METADATA} does not describe the checkpoint's shards ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
-    return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
-
-
-#: the largest dimension, and number of elements, a saved tensor may declare (torch indexes with int64)
-MAX_ELEMENTS = 1 << 62
-
-
-def _dims(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_ELEMENTS for v in value):
-        raise ValueError(f"{str(value)[:80]} is not a list of non-negative ints below 2**62")
-    if math.prod(value) >= MAX_ELEMENTS:
-        raise ValueError(f"{value!r} declares {math.prod(value)} elements, more than any tensor can hold")
-    return value
-
-
-def _check_tiling(fqn: str, size: list[int], chunks: list[ChunkStorageMetadata]) -> None:
-    """The chunks lie inside the tensor and tile it exactly, as a grid: O(N log N) in the number of pieces.
-
-    Every layout torch's DTensor and FSDP write is a grid: along each dimension the
-    pieces' intervals partition it, and each non-empty piece is one cell of the
-    product of those partitions. Checking that is what makes "no overlap, nothing
-    uncovered" cheap (a pairwise overlap test was quadratic: 65 s for 4,000 pieces).
-    Empty pieces (a process whose shard is empty) only need to lie inside the tensor.
-    """
-    rank = len(size)
-    cells = set()
-    axes: list[set[tuple[int, int]]] = [set() for _ in range(rank)]
-    for c in chunks:
-        if len(c.offsets) != rank or len(c.sizes) != rank or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size)):
-            raise ValueError(f"a piece of {fqn!r} lies outside its shape {size}")
-        if math.prod(c.sizes) == 0:
-            continue
-        cell = tuple(zip(c.offsets, c.sizes))
-        if cell in cells:
-            raise ValueError(f"two pieces of {fqn!r} overlap")
-        cells.add(cell)
-        for axis, interval in zip(axes, cell):
-            axis.add(interval)
-    if math.prod(size) == 0:
-        if cells:
-            raise ValueError(f"the pieces of {fqn!r} cover elements of an empty tensor")
-        return
-    for d, (axis, length) in enumerate(zip(axes, size)):
-        at = 0
-        for offset, extent in sorted(axis):
-            if offset != at:  # a gap (offset > at) or two intervals that overlap (offset < at)
-                raise ValueError(f"the pieces of {fqn!r} do not tile it: along dimension {d}, a piece starts at {offset}, not at {at}")
-            at = offset + extent
-        if at != length:
-            raise ValueError(f"the pieces of {fqn!r} cover {at} of the {length} places along its dimension {d}")
-    if len(cells) != math.prod(len(axis) for axis in axes):
-        raise ValueError(f"the pieces of {fqn!r} do not tile it: {len(cells)} pieces for a grid of {math.prod(len(a) for a in axes)}")
 
 
 class _Reader(StorageReader):
@@ -472,4 +340,3 @@ def apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Map
     weights = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
     optim = {**rest, **{k[len(OPTIM):]: v for k, v in tensors.items() if k.startswith(OPTIM)}}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=_OPTIONS)  # type: ignore[arg-type]
-

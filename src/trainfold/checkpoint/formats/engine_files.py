@@ -25,7 +25,6 @@ import io
 import os
 import re
 import tempfile
-from pathlib import Path
 from typing import Any, Callable, Mapping, cast
 
 import torch
@@ -57,9 +56,7 @@ def _records() -> list[Any]:
 
 def _capturing() -> Any:
     """A checkpoint engine that keeps what DeepSpeed saves, by file name, as ``torch.save`` bytes in memory (``.files``)."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-        TorchCheckpointEngine,
-    )
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class Capture(TorchCheckpointEngine):  # type: ignore[misc]
         def __init__(self) -> None:
@@ -79,9 +76,7 @@ def _capturing() -> Any:
 
 def _serving(parsed: Mapping[str, Any]) -> Any:
     """A checkpoint engine that gives DeepSpeed the values trainfold already read, verified and parsed."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
-        TorchCheckpointEngine,
-    )
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class Serve(TorchCheckpointEngine):  # type: ignore[misc]
         def load(self, path: str, map_location: Any = None) -> Any:
@@ -194,7 +189,7 @@ def _check_shapes(states: Mapping[str, Any], engine: Any) -> None:
         )
 
 
-def load(engine: Any, folder: Path, parsed: Mapping[str, Any]) -> None:
+def load(engine: Any, folder: str, parsed: Mapping[str, Any]) -> None:
     """Give the engine its saved states (a collective: every process calls it). Call :func:`check` first."""
     _swapped(engine, _serving(parsed), lambda: engine.load_checkpoint(
-        str(folder), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True))
+        folder, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True))

@@ -1,6 +1,7 @@
 """One writer per checkpoint root: an exclusive lock held for the run's lifetime.
 
-Owned here: :func:`acquire`, :func:`confirm` and :func:`release`. The lock is
+Owned here: :func:`acquire`, which returns a :class:`PosixLock` (``confirm``,
+``release``). The lock is
 a POSIX record lock (``lockf``) on ``<root>/.trainfold.lock``, which records the
 owner (host, pid, run id). It belongs to the process: Contexts in one process
 (trials run one after another, a resume in the same process, the Context of
@@ -30,6 +31,8 @@ import socket
 import stat
 from pathlib import Path
 
+import attrs
+
 from trainfold.errors import CheckpointError
 
 LOCK_NAME = ".trainfold.lock"
@@ -40,8 +43,22 @@ logger = logging.getLogger("trainfold")
 _HELD: dict[str, list[object]] = {}
 
 
-def acquire(root: Path, run_id: str) -> str:
-    """Lock ``root`` for this process (or count one more user of the lock it holds) and return the lock's key.
+@attrs.frozen
+class PosixLock:
+    """This process's hold on a root's lock, for one Context (the storage's :class:`~trainfold.checkpoint.storage.Lock`)."""
+
+    key: str
+    root: Path
+
+    def confirm(self) -> None:
+        confirm(self.key, self.root)
+
+    def release(self) -> None:
+        release(self.key)
+
+
+def acquire(root: Path, run_id: str) -> PosixLock:
+    """Lock ``root`` for this process (or count one more user of the lock it holds).
 
     Raises:
         CheckpointError: another live process holds the lock (named in the message), or the
@@ -53,9 +70,9 @@ def acquire(root: Path, run_id: str) -> str:
         confirm(key, root)
         held = _HELD[key]
         held[1] = int(held[1]) + 1  # type: ignore[call-overload]
-        return key
+        return PosixLock(key, root)
     _HELD[key] = [_take(root, run_id), 1, run_id]
-    return key
+    return PosixLock(key, root)
 
 
 def _take(root: Path, run_id: str) -> int:

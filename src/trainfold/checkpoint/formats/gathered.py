@@ -1,0 +1,73 @@
+"""Format 1, gathered: the model in the main process's ``model.safetensors``, the optimizer in the shared ``state.*`` files.
+
+Every process reads the whole model and optimizer back, so a checkpoint of N
+processes resumes on M replicas (DDP, one process); into FSDP's shards it is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+from trainfold.backend.engine import shards_parameters
+from trainfold.base import rng as _rng
+from trainfold.checkpoint.encoding import decode
+from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, to_host
+from trainfold.checkpoint.manifest import FORMAT, parse_tensors, rank_files, read_verified
+from trainfold.checkpoint.storage.protocol import Staging, Stored
+from trainfold.core.context import Context
+from trainfold.core.runstate import StateMismatch, capture, check_fits, put_back
+from trainfold.core.state import TrainState
+from trainfold.errors import CheckpointError
+
+
+class Gathered:
+    """Format 1: the model and optimizer gathered into the main process's files; resumed on any number of replicas."""
+
+    code = FORMAT
+    partitioned = False
+
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
+        weights = ctx.accelerator.get_state_dict(state.model)  # every process takes part (sharded engines gather)
+        if copied:
+            weights = to_host(weights)
+        return Captured(attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights), weights)
+
+    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+        return {}  # every tensor is in the shared files
+
+    def load(self, ctx: Context, folder: Stored, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
+        """The whole model and optimizer are in the shared files, so a checkpoint of N processes continues on M
+        replicas (DDP, one process): every process reads them, and the data position of the first process, in samples."""
+        acc = ctx.accelerator
+        world = manifest["world_size"]
+        elastic = world != acc.num_processes
+        if elastic and shards_parameters(acc):
+            raise CheckpointError(
+                f"{folder} was written by {world} process(es) in the gathered format and this run shards its parameters "
+                f"(FSDP) over {acc.num_processes}: a gathered checkpoint is dealt out to replicas (DDP, one process) only. "
+                f"Resume it on {world} process(es), or on {acc.num_processes} without FSDP, and save there with "
+                "save_checkpoint(..., sharded=True), which resumes under FSDP on any number of processes."
+            )
+        source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
+        files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
+        run, resume, saved_steps = decode(folder, files, state, source)
+        del files
+        if elastic:
+            run, resume = elastic_resume(folder, run, resume, saved_steps, world, acc)
+        else:
+            check_accumulation(ctx, folder, saved_steps)
+        try:
+            check_fits(run, state)
+        except StateMismatch as exc:
+            raise CheckpointError(f"{folder} {exc}") from None
+
+        # Everything read and checked: now change things.
+        return loaded(put_back(run, state, keep_run=False), resume)
+
+    def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The model's ``model.safetensors``, verified, as tensors of their own."""
+        data = read_verified(folder, manifest, ["model.safetensors"])["model.safetensors"]
+        return {k: v.clone() for k, v in parse_tensors(folder, "model.safetensors", data).items()}

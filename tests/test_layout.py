@@ -1,0 +1,83 @@
+"""The package's shape is part of its design: folders by concept, imports that point one way, no circle.
+
+Each folder may import only the folders below it in ``LAYERS`` (and itself);
+``errors`` and ``_version`` are leaves every module may use. Imports inside
+functions and under ``TYPE_CHECKING`` count: a layer that needs a higher one
+only for a type annotation still depends on it.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trainfold"
+#: bottom to top; the package's top-level modules (the API, the command line, testing) sit above all of them
+LAYERS = ("base", "backend", "distributed", "core", "checkpoint", "compose")
+LEAVES = ("trainfold.errors", "trainfold._version")
+MAX_LINES = 400
+
+
+def _module(path: Path) -> str:
+    parts = ["trainfold", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The trainfold modules ``path`` imports, anywhere in it (resolved to the module, not the name)."""
+    module = _module(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("trainfold")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            if base.startswith("trainfold"):
+                found |= {f"{base}.{a.name}" if _exists(f"{base}.{a.name}") else base for a in node.names}
+    return found - {module}
+
+
+def _exists(module: str) -> bool:
+    rel = PACKAGE.parent.joinpath(*module.split("."))
+    return rel.with_suffix(".py").exists() or (rel / "__init__.py").exists()
+
+
+GRAPH = {_module(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 2 and parts[1] in LAYERS else len(LAYERS)
+
+
+def test_every_folder_imports_only_the_folders_below_it():
+    upward = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+              if t not in LEAVES and t != "trainfold" and _layer(t) > _layer(m)]
+    assert upward == []
+
+
+def test_nothing_inside_the_package_imports_the_package_itself():
+    """``trainfold/__init__.py`` imports every public module: importing it from inside would close a circle."""
+    assert [m for m, targets in GRAPH.items() if "trainfold" in targets and m != "trainfold"] == []
+
+
+def test_no_import_circle():
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for t in GRAPH.get(todo.pop(), ()):
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return seen
+
+    assert [m for m in GRAPH if m in reach(m)] == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path):
+    assert len(path.read_text().splitlines()) <= MAX_LINES
