@@ -138,7 +138,7 @@ def _size(n: int) -> str:
 
 
 def _verify(path: Path, as_json: bool) -> int:
-    from trainfold.checkpoint.save import verify_checkpoint
+    from trainfold.checkpoint.load import verify_checkpoint
 
     folder = _folder(path)
     try:

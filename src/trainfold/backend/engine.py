@@ -1,84 +1,18 @@
-"""The only module that reads Accelerate's internals or branches on the backend.
+"""Which engine runs the model (DDP, FSDP, DeepSpeed), and what that changes: unwrapping, clipping, sharded tensors, process state.
 
 Decisions here are taken once, when a step or an evaluation is built, never per
-batch.
+batch. How the step calls the optimizer is ``optim.py``'s; Accelerate's loaders
+from inside, ``loaders.py``'s.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, cast
+from typing import Any, cast
 
-import attrs
 import torch
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
-
-
-@attrs.frozen
-class OptimizerOps:
-    """How a step updates parameters: ``step()``, ``zero_grad()``, ``was_skipped()``.
-
-    Each is called only on a synchronising micro-batch (the end of an
-    accumulation group); off those, the step calls none of them.
-    """
-
-    step: Callable[[], Any]
-    zero_grad: Callable[[], Any]
-    was_skipped: Callable[[], bool]
-    #: the step calls the torch optimizer itself (only on the micro-batches that update)
-    fast: bool
-    #: the torch optimizer the fast path steps (None on Accelerate's path)
-    raw: Any = None
-    #: a loss scaler already skips non-finite updates (fp16)
-    scaled: bool = False
-    #: Accelerate's optimizer wrapper must see every micro-batch (it gates on ``sync_gradients`` itself)
-    every_batch: bool = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "every_batch", not self.fast)
-
-
-def _never_skipped() -> bool:
-    return False
-
-
-def _needs_accelerate_optimizer(accelerator: Accelerator, optimizer: Any) -> bool:
-    """True when AcceleratedOptimizer.step does real work: loss scaling, XLA, DeepSpeed, Megatron..."""
-    if not isinstance(optimizer, AcceleratedOptimizer) or type(optimizer) is not AcceleratedOptimizer:
-        return True  # DeepSpeed's and other engines' wrappers, or a user's subclass
-    if optimizer.scaler is not None:
-        return True
-    if accelerator.distributed_type not in (
-        DistributedType.NO,
-        DistributedType.MULTI_CPU,
-        DistributedType.MULTI_GPU,
-        DistributedType.FSDP,
-    ):
-        return True
-    inner = optimizer.optimizer
-    return type(inner).__module__.startswith("lomo_optim")
-
-
-def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
-    """Choose, once, how the step calls the optimizer.
-
-    ``AcceleratedOptimizer.step`` and ``zero_grad`` gate on ``sync_gradients``
-    and add loss scaling (fp16), XLA gradient reduction and the LOMO special
-    case. Where none of that applies they do nothing the step does not already
-    do (it calls them only when synchronising), so the step calls the inner
-    torch optimizer directly and skips ~200 us of Python per update
-    (an uncached ``is_lomo_available()`` twice and ``inspect.signature``).
-    """
-    if _needs_accelerate_optimizer(accelerator, optimizer):
-        skipped = getattr(optimizer, "step_was_skipped", None)
-        was_skipped = (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped
-        scaled = getattr(optimizer, "scaler", None) is not None
-        return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
-    inner = optimizer.optimizer
-    # AcceleratedOptimizer.zero_grad passes set_to_none=True; so does torch's default.
-    return OptimizerOps(inner.step, inner.zero_grad, _never_skipped, fast=True, raw=inner)
 
 
 def wait_for_everyone(accelerator: Accelerator) -> None:
@@ -96,20 +30,6 @@ def wait_for_everyone(accelerator: Accelerator) -> None:
         accelerator.wait_for_everyone()
 
 
-def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
-    """``device_placement`` for ``accelerator.prepare(*loaders)``: off where batches have nowhere to go.
-
-    On a CPU device a batch from a ``DataLoader`` is already where the model is;
-    Accelerate's ``send_to_device`` would still walk it and call ``.to("cpu")``
-    on every tensor of every batch (~25,000 instructions a batch, 1.4% of a
-    tiny step). Everywhere else (and under DeepSpeed or Megatron-LM, which
-    refuse a custom placement) ``None``: Accelerate's own setting.
-    """
-    if accelerator.device.type != "cpu" or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
-        return None
-    return [False] * count
-
-
 def grads_whole_in_params(accelerator: Accelerator) -> bool:
     """True when, at the update, every process holds each parameter's whole gradient in ``param.grad``.
 
@@ -117,339 +37,6 @@ def grads_whole_in_params(accelerator: Accelerator) -> bool:
     engine holds the gradients).
     """
     return accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM)
-
-
-def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:
-    """How many samples of the batch being processed are real, not padding.
-
-    Under ``even_batches`` (Accelerate's default), a dataset that does not fill
-    the last round of batches on every process is padded with samples from its
-    start. The padding sits at the tail, in process order: the gathered last
-    round holds the ``remainder`` real samples first. This is what
-    ``gather_for_metrics`` relies on; here each process computes its own share
-    so that sums over samples are exact without gathering per-sample values.
-    """
-    state = accelerator.gradient_state
-    if accelerator.num_processes == 1 or not state.end_of_dataloader:
-        return batch_size
-    remainder = state.remainder
-    if remainder is None or remainder <= 0:
-        return batch_size  # no padding (exact multiple, drop_last, or unknown length)
-    before_me = accelerator.process_index * batch_size
-    return int(max(0, min(batch_size, remainder - before_me)))
-
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's wrapper (for reading lr and state)."""
-    return cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))
-
-
-# --- The data position: what a checkpoint needs to continue an epoch exactly -----------------
-
-
-def loader_generators(loader: Any) -> list[torch.Generator]:
-    """The torch Generators that decide a loader's shuffle order (deduplicated, in a stable order)."""
-    from accelerate.data_loader import get_sampler
-
-    found: list[torch.Generator] = []
-    base = getattr(loader, "base_dataloader", loader)
-    try:
-        sampler = get_sampler(loader)
-    except Exception:
-        sampler = None
-    for g in (getattr(loader, "synchronized_generator", None), getattr(sampler, "generator", None), getattr(base, "generator", None)):
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-    return found
-
-
-def shares_out_data(loader: Any) -> bool:
-    """Whether each process reads only its share of ``loader``'s data: prepared by Accelerate, marked with
-    ``Context.own_shards``, or over torch's ``DistributedSampler``."""
-    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard
-
-    return (
-        isinstance(loader, (DataLoaderShard, DataLoaderDispatcher))
-        or getattr(loader, "_is_accelerate_prepared", False)
-        or getattr(loader, "_trainfold_own_shard", False)
-        or isinstance(getattr(loader, "sampler", None), torch.utils.data.distributed.DistributedSampler)
-    )
-
-
-def is_resumable_loader(loader: Any) -> bool:
-    from accelerate.data_loader import DataLoaderShard
-
-    return isinstance(loader, DataLoaderShard)
-
-
-def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
-    """The batch a prepared loader has already read but not yet yielded: ``(True, batch)`` or ``(False, None)``.
-
-    ``DataLoaderShard.__iter__`` (and :func:`resumed_epoch`) read one batch
-    ahead, so after the step on batch ``k`` the loader holds batch ``k + 1``,
-    drawn with the random state of that moment. A checkpoint stores it, because
-    re-reading it later would draw different random numbers (augmentation).
-    """
-    if loader.end_of_dataloader:
-        return False, None
-    while getattr(iterator, "gi_yieldfrom", None) is not None:  # resumed epochs delegate to _look_ahead
-        iterator = iterator.gi_yieldfrom
-    frame = getattr(iterator, "gi_frame", None)
-    if frame is None or "next_batch" not in frame.f_locals:
-        raise RuntimeError(
-            "cannot find the batch the loader has read ahead: the epoch is not being iterated by run_epoch "
-            "over a loader prepared with ctx.prepare_loaders (or this Accelerate version iterates differently)."
-        )
-    return True, frame.f_locals["next_batch"]
-
-
-def _begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callable[[Any], Any]:
-    """Begin an interrupted epoch again as ``DataLoaderShard.__iter__`` begins one; return how it sends a batch to the device.
-
-    The random state of the epoch's start is restored and synchronised across
-    processes, the loader is registered as Accelerate's active one and told its epoch.
-    """
-    from accelerate.utils import send_to_device, synchronize_rng_states
-
-    def to_device(batch: Any) -> Any:
-        return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
-
-    restore_epoch_start()
-    if loader.rng_types is not None:
-        synchronize_rng_states(loader.rng_types, loader.synchronized_generator)
-    loader.begin()
-    loader.set_epoch(loader.iteration)
-    return to_device
-
-
-def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
-    """Iterate the rest of an interrupted epoch exactly as ``DataLoaderShard.__iter__`` would have.
-
-    ``consumed`` batches were stepped on and, if ``read_ahead[0]``, one more was
-    read ahead. The sampler's permutation is drawn again under the epoch's
-    starting random state, the consumed and read-ahead index batches are skipped
-    without loading their data (with ``num_workers=0``), then the random state of
-    the checkpoint is restored and iteration continues with the same one-batch
-    look-ahead, so every later batch is read with the same random numbers.
-    """
-    from trainfold.base.batch import like
-
-    to_device = _begin_again(loader, restore_epoch_start)
-    base_iter = iter(loader.base_dataloader)
-    has_ahead, ahead = read_ahead
-    skip = consumed + (1 if has_ahead else 0)
-    sampler_iter = getattr(base_iter, "_sampler_iter", None)
-    template = None
-    if has_ahead and skip:
-        # One consumed batch loaded again (its random draws are undone by restore_now): the
-        # container types the checkpoint could not keep (namedtuple, BatchEncoding...).
-        template = next(base_iter)
-        skip -= 1
-    if sampler_iter is not None and loader.base_dataloader.num_workers == 0:
-        for _ in range(skip):  # draws the permutation, loads nothing
-            next(sampler_iter)
-    else:
-        for _ in range(skip):  # workers or an iterable dataset: load and drop (order exact)
-            next(base_iter)
-    restore_now()
-    if template is not None:
-        ahead = like(template, ahead)
-    if not has_ahead:
-        loader.end_of_dataloader = True
-        loader.iteration += 1
-        loader.end()
-        return
-    yield from _look_ahead(loader, base_iter, to_device(ahead), to_device)
-
-
-def _look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Callable[[Any], Any]) -> Any:
-    """Yield the epoch's batches as ``DataLoaderShard.__iter__`` does: one read ahead, the last one flagged, then the epoch closed.
-
-    The batch read ahead is the local ``next_batch`` (``read_ahead_batch`` finds it there).
-    """
-    while True:
-        try:
-            next_batch = next(base_iter)
-        except StopIteration:
-            loader.end_of_dataloader = True
-            yield current_batch
-            break
-        yield current_batch
-        current_batch = to_device(next_batch)
-    loader.iteration += 1
-    loader.end()
-
-
-def samples_per_batch(loader: Any) -> int | None:
-    """How many samples of the epoch's order one batch of every process covers together (None where unknown).
-
-    A loader prepared for N processes deals the batches of its sampler's order
-    out in turn (batch ``i`` to process ``i % N``), so after ``k`` batches each,
-    the first ``k * N * batch_size`` samples are done (``k * batch_size`` with
-    ``split_batches``). An iterable dataset has no such order: None.
-    """
-    from accelerate.data_loader import BatchSamplerShard
-
-    base = getattr(loader, "base_dataloader", None)
-    if isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset):
-        return None
-    sampler = getattr(base, "batch_sampler", None)
-    if isinstance(sampler, BatchSamplerShard):
-        size = getattr(sampler, "batch_size", None)
-        return None if size is None else size if sampler.split_batches else size * sampler.num_processes
-    if type(sampler) is torch.utils.data.BatchSampler:
-        return int(sampler.batch_size)
-    return None
-
-
-def dropped_samples(loader: Any) -> int:
-    """How many samples of the dataset a loader never yields in an epoch (``drop_last=True``), 0 if none or unknown."""
-    base = getattr(loader, "base_dataloader", loader)
-    sampler = getattr(base, "batch_sampler", None)
-    drop = bool(getattr(sampler, "drop_last", False) or getattr(getattr(sampler, "batch_sampler", None), "drop_last", False))
-    per_batch = samples_per_batch(loader)
-    if per_batch is None:  # a plain DataLoader: its own batch size
-        per_batch = getattr(sampler, "batch_size", None) if type(sampler) is torch.utils.data.BatchSampler else None
-    try:
-        total, batches = len(base.dataset), len(loader)
-    except (TypeError, AttributeError):
-        return 0
-    return max(0, total - batches * per_batch) if drop and per_batch else 0
-
-
-def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[torch.Tensor, ...], restore_epoch_start: Callable[[], None],
-                       restore_now: Callable[[], None]) -> Any:
-    """Iterate the rest of an interrupted epoch by its position in samples, dealt out to this run's processes.
-
-    For an epoch saved on another number of processes: the epoch's order is
-    drawn again under its starting random state exactly as its first batch drew
-    it, the first ``samples_done`` samples are dropped, and the rest are batched
-    and dealt out as the prepared loader deals a whole epoch (same batch size,
-    ``drop_last`` and ``even_batches``), so that every sample of the epoch is
-    trained on once over the two runs. Batches are read again (a random
-    augmentation of them draws anew), through a ``DataLoader`` with the loader's
-    dataset, collate function and workers.
-
-    The order is drawn by the sampler's generator as it was saved
-    (``saved_generators``: the loader's generators at the epoch's start). On one
-    process Accelerate leaves a shuffling sampler without a generator of its own
-    (it draws from torch's global one), on several it gives it one: when the
-    two layouts differ so, the sampler draws with the saved one for this.
-
-    Raises:
-        ValueError: the loader has no order to continue (an iterable dataset).
-    """
-    from accelerate.data_loader import BatchSamplerShard
-
-    base = loader.base_dataloader
-    shard = base.batch_sampler
-    inner = shard.batch_sampler if isinstance(shard, BatchSamplerShard) else shard
-    if samples_per_batch(loader) is None or not isinstance(getattr(inner, "sampler", None), torch.utils.data.Sampler):
-        raise ValueError(
-            "run_epoch: the checkpoint stopped in the middle of an epoch and this run has another number of processes, "
-            "but the loader deals no sampler's order (an iterable dataset, or a custom batch sampler), so the rest of the "
-            "epoch cannot be dealt out anew. Resume on the number of processes that saved it, or from a checkpoint "
-            "taken between epochs."
-        )
-
-    to_device = _begin_again(loader, restore_epoch_start)
-    whole = iter(base)  # draws what the epoch's own iteration draws before its order (the workers' seed)
-    sampler = inner.sampler
-    live = len(loader_generators(loader))
-    if live != len(saved_generators) and hasattr(sampler, "generator"):
-        own = sampler.generator
-        # the synchronized generator, which is the sampler's, comes first among a loader's generators
-        sampler.generator = torch.Generator().set_state(saved_generators[0]) if saved_generators else None
-        try:
-            order = list(sampler)
-        finally:
-            sampler.generator = own
-    else:
-        order = list(sampler)  # the epoch's order, drawn as its first batch drew it
-    del whole
-    batches: Any = torch.utils.data.BatchSampler(order[samples_done:], inner.batch_size, inner.drop_last)
-    if isinstance(shard, BatchSamplerShard):
-        batches = BatchSamplerShard(batches, shard.num_processes, shard.process_index, split_batches=shard.split_batches, even_batches=shard.even_batches)
-    rest = torch.utils.data.DataLoader(
-        base.dataset, batch_sampler=batches, collate_fn=base.collate_fn, num_workers=base.num_workers, pin_memory=base.pin_memory,
-        worker_init_fn=base.worker_init_fn, timeout=base.timeout, multiprocessing_context=base.multiprocessing_context,
-    )
-    restore_now()
-    base_iter = iter(rest)
-    try:
-        first = next(base_iter)
-    except StopIteration:
-        loader.end_of_dataloader = True
-        loader.iteration += 1
-        loader.end()
-        return
-    yield from _look_ahead(loader, base_iter, to_device(first), to_device)
-
-
-def abandon_epoch(iterator: Any, loader: Any) -> None:
-    """Close an epoch left before the loader's end (a stop flag, ``max_batches``).
-
-    A prepared loader registers itself as Accelerate's active dataloader when
-    iteration starts and unregisters at its end, which an abandoned iteration
-    never reaches; without this its stale entry would stay in ``GradientState``.
-    """
-    close = getattr(iterator, "close", None)
-    if close is not None:
-        close()
-    references = getattr(getattr(loader, "gradient_state", None), "dataloader_references", ())
-    if any(ref is loader for ref in references):
-        loader.end()
-
-
-# --- The micro-step plumbing: accumulate() and backward(), decided once ----------------------
-
-
-def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:
-    """What ``accelerator.accumulate(model)`` does for a micro-batch on one process, or None on several.
-
-    On one process ``accumulate`` enters no ``no_sync`` context (that is for
-    DDP): it only calls ``_do_sync()``, which sets ``sync_gradients`` and
-    advances Accelerate's micro-batch counter. The step calls this instead,
-    without a generator-based context manager and an ExitStack per micro-batch.
-    With one accumulation step ``sync_gradients`` is always True and the
-    counter's phase always 0, so the call is made only if something else left
-    ``sync_gradients`` False. Under several processes, and under FSDP even on one
-    (Accelerate turns FSDP2's gradient sync off inside an accumulation group, which
-    with bf16 parameters changes the arithmetic), the step enters
-    ``accelerator.accumulate`` itself (None).
-    """
-    if accelerator.use_distributed or shards_parameters(accelerator):
-        return None
-    if accelerator.gradient_accumulation_steps > 1:
-        return cast("Callable[[], None]", accelerator._do_sync)
-    gradient_state, do_sync = accelerator.gradient_state, accelerator._do_sync
-
-    def keep_synced() -> None:
-        if not gradient_state.sync_gradients:
-            do_sync()
-
-    return keep_synced
-
-
-def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:
-    """``accelerator.backward``, or the same computation without its wrapper where it only divides.
-
-    Without DeepSpeed, Megatron, a loss scaler or a LOMO optimizer,
-    ``accelerator.backward(loss)`` is ``(loss / accumulation_steps).backward()``;
-    with one accumulation step the division is skipped (``x / 1`` is ``x``, bit
-    for bit).
-    """
-    plain = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) and accelerator.scaler is None
-    if not plain or getattr(accelerator, "has_lomo_optimizer", False):
-        return cast("Callable[[torch.Tensor], Any]", accelerator.backward)
-    steps = accelerator.gradient_accumulation_steps
-    if steps == 1:
-        return torch.Tensor.backward
-
-    def divided(loss: torch.Tensor) -> None:
-        (loss / steps).backward()
-
-    return divided
 
 
 def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -502,31 +89,6 @@ def unwrap(accelerator: Accelerator | None, model: torch.nn.Module) -> torch.nn.
     return accelerator.unwrap_model(model) if accelerator is not None else model
 
 
-def loss_scaler(accelerator: Accelerator | None) -> Any:
-    """Accelerate's fp16 ``GradScaler``, or None."""
-    return getattr(accelerator, "scaler", None)
-
-
-def accumulation_counter(accelerator: Accelerator | None) -> int:
-    """Accelerate's count of micro-batches (``accelerator.step``): its phase decides the next sync."""
-    return int(getattr(accelerator, "step", 0))
-
-
-def set_accumulation_counter(accelerator: Accelerator, value: int) -> None:
-    """Put Accelerate's micro-batch count back (a resumed run continues its accumulation group)."""
-    accelerator.step = value
-
-
-def set_loader_epoch(loader: Any, epoch: int) -> None:
-    """Tell a prepared loader which epoch it is in (a new loader counts from 0; its sampler's ``set_epoch`` needs the real one)."""
-    loader.iteration = epoch
-
-
-def gradient_sync(accelerator: Accelerator) -> Any:
-    """Accelerate's process-wide ``GradientState``; its ``sync_gradients`` says whether this micro-batch updates."""
-    return accelerator.gradient_state
-
-
 def reset_process_state() -> None:
     """Forget Accelerate's process-wide state, as Accelerate's own tests do between tests."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -539,36 +101,6 @@ def reset_process_state() -> None:
 def is_deepspeed(accelerator: Accelerator | None) -> bool:
     """True where Accelerate hands the model and optimizer to a DeepSpeed engine."""
     return bool(getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED)
-
-
-def deepspeed_micro_batch_unset(accelerator: Accelerator) -> bool:
-    """True under DeepSpeed while its config's ``train_micro_batch_size_per_gpu`` is still ``auto``.
-
-    Accelerate fills it from the loaders passed to the same ``prepare`` call as the
-    model; ``TrainState.create`` prepares the model alone, so it must be known first.
-    """
-    plugin = accelerator.state.deepspeed_plugin if is_deepspeed(accelerator) else None
-    return plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu")
-
-
-def fill_deepspeed_micro_batch(accelerator: Accelerator, loaders: tuple[Any, ...]) -> None:
-    """Under DeepSpeed, set an ``auto`` micro-batch size from ``loaders`` as a joint ``prepare`` would.
-
-    Accelerate's rule: the smallest (``is_train_batch_min``, the default) or largest
-    of the loaders' batch sizes, per process (divided by the processes under
-    ``split_batches``). It only labels DeepSpeed's throughput figures and checks
-    its config; the step does not depend on it.
-    """
-    if not deepspeed_micro_batch_unset(accelerator):
-        return
-    found = [getattr(dl, "batch_size", None) for dl in loaders]
-    sizes = [s for s in found if isinstance(s, int)]
-    if not sizes or len(sizes) != len(found):
-        return  # Accelerate's own prepare names the problem (a loader with no batch size)
-    if accelerator.split_batches:
-        sizes = [s // accelerator.num_processes for s in sizes]
-    plugin = accelerator.state.deepspeed_plugin
-    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = min(sizes) if plugin.is_train_batch_min else max(sizes)
 
 
 def is_config_optimizer(optimizer: Any) -> bool:
@@ -593,9 +125,6 @@ def is_config_scheduler(scheduler: Any) -> bool:
 def engine_builds_optimizers(accelerator: Accelerator) -> bool:
     """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
     return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))
-
-
-# --- Releasing a finished run's objects ------------------------------------------------------
 
 
 def release_prepared(accelerator: Accelerator, state: Any, loaders: tuple[Any, ...]) -> None:

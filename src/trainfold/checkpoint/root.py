@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from trainfold._version import __version__
-from trainfold.backend.engine import accumulation_counter
+from trainfold.backend.optim import accumulation_counter
 from trainfold.checkpoint.manifest import FORMAT, PREFIX, manifest_bytes, read_manifest_json, required_files
 from trainfold.checkpoint.storage import checkpoint_at, open_root
 from trainfold.checkpoint.storage.protocol import Staging, Storage, Stored

@@ -18,54 +18,42 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any, overload
 
-import attrs
 import torch
 from toolz import curry
 
-from trainfold._version import __version__
-from trainfold.backend.engine import (
-    is_deepspeed,
-    is_resumable_loader,
-    loader_generators,
-    read_ahead_batch,
-    samples_per_batch,
-    shards_parameters,
-)
+from trainfold.backend.engine import is_deepspeed, shards_parameters
+from trainfold.backend.loaders import is_resumable_loader, loader_generators, read_ahead_batch, samples_per_batch
 from trainfold.base import rng as _rng
-from trainfold.base.checks import length_or_none, name_of, named, positive_int
-from trainfold.base.types import Batch
-from trainfold.checkpoint import codec as _codec
+from trainfold.base.checks import length_or_none, positive_int
 from trainfold.checkpoint.background import SaveJob, write_and_commit
 from trainfold.checkpoint.encoding import encode_rank, encode_shared
-from trainfold.checkpoint.formats import for_load, for_save
-from trainfold.checkpoint.manifest import Content, read_manifest, verify
-from trainfold.checkpoint.root import agreed, check_same_run, checkpoint_name, hold_lock, latest_checkpoint, list_checkpoints, resolve
-from trainfold.checkpoint.storage import Storage, checkpoint_at, open_root
+from trainfold.checkpoint.formats import for_save
+from trainfold.checkpoint.manifest import Content
+from trainfold.checkpoint.root import agreed, check_same_run, checkpoint_name, hold_lock
+from trainfold.checkpoint.storage import Storage, open_root
 from trainfold.core.checks import expect_context, expect_owned, expect_state
 from trainfold.core.context import Context
 from trainfold.core.cursor import EpochCursor, Resume
 from trainfold.core.modes import eval_mode
 from trainfold.core.runstate import values_of
 from trainfold.core.state import TrainState
-from trainfold.core.types import Step, StepTransformer
-from trainfold.errors import CheckpointError
 
 logger = logging.getLogger("trainfold")
 
-__all__ = ["CheckpointError", "checkpoint_every", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
-
-# --- save -----------------------------------------------------------------------------------
 
 
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...) -> Any: ...
+
+
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
                     async_save: bool = ...) -> TrainState: ...
+
+
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
                     async_save: bool = False) -> TrainState:
@@ -138,7 +126,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
     # a schedule-free optimizer saves its eval weights
     with eval_mode(state.model, state.optimizer, no_grad=False):
-        return _save(ctx, root, state, keep_last, _sharded_layout(ctx, sharded), _flag("async_save", async_save))
+        return _save(ctx, root, state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save))
 
 
 def _check_replicas_equal(state: TrainState) -> None:
@@ -153,13 +141,13 @@ def _check_replicas_equal(state: TrainState) -> None:
             )
 
 
-def _flag(name: str, value: Any) -> bool:
+def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"save_checkpoint: {name} must be True or False, not {value!r}.")
     return value
 
 
-def _sharded_layout(ctx: Context, sharded: bool | None) -> bool:
+def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
     """Sharded on several processes (and whenever asked); gathered into the main process's files on one, unless asked."""
     if sharded is not None and not isinstance(sharded, bool):
         raise TypeError(f"save_checkpoint: sharded must be True, False or None (automatic), not {sharded!r}.")
@@ -254,200 +242,3 @@ def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:
         "batch_samples": samples_per_batch(cursor.loader) if isinstance(cursor, EpochCursor) else None,
         "gradient_accumulation_steps": ctx.gradient_accumulation_steps,
     }
-
-
-# --- load -----------------------------------------------------------------------------------
-
-
-def _folder(where: str, path: Any) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
-        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
-    return Path(path)
-
-
-def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) -> dict[str, Any]:
-    """Check a checkpoint folder against its manifest and return the manifest.
-
-    The manifest must list every file the format needs, and only plain names
-    inside the folder; every file it lists (or, with ``rank``, the shared files
-    and that process's) must be a regular file (a symbolic link is refused,
-    never followed) with the recorded size and digest (XXH3-128; SHA-256 in checkpoints before 0.3).
-
-    Raises:
-        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
-            manifest, a newer format, or a missing, truncated, altered or linked file (named).
-        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
-            root without a complete checkpoint).
-    """
-    return verify(checkpoint_at(_folder("verify_checkpoint", path)), rank=rank, version=__version__)
-
-
-@overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Any: ...
-@overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
-@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
-    """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
-
-    ``path`` is a checkpoint folder, or a root of them (then the newest complete
-    one, by the position it records). All or nothing: every file is read once
-    and verified against the manifest while it is read, every value is decoded
-    and the checkpoint is checked against the run (the same parameters, names and
-    shapes, the same optimizer layout, a scheduler on both sides or neither; for a
-    gathered checkpoint, the same number of processes) before anything is changed.
-    A sharded checkpoint written by another number of processes is resharded into
-    this run's layout, and its interrupted epoch continues by its position in
-    samples (see the README's "Sharded, elastic and background checkpoints"). A DeepSpeed
-    checkpoint's engine files are parsed with torch's restricted unpickler and checked against
-    the live engine (processes, ZeRO stage, parameter shapes) before DeepSpeed is given them.
-    Then the weights, optimizer,
-    scheduler, scaler and Accelerate's accumulation counter are restored in
-    place, the random states are restored, and a state is returned whose next
-    ``run_epoch`` continues the interrupted epoch from the next batch, in the
-    same order. Call ``run_epoch`` next: anything that draws random numbers in
-    between changes what follows.
-
-    Raises:
-        CheckpointError: a damaged or hostile checkpoint (naming the file), another model
-            (naming the first parameter that differs), another optimizer layout,
-            another world size, another accumulation setting, DeepSpeed on one side only.
-            Nothing is changed.
-
-    Example:
-        >>> import tempfile
-        >>> from trainfold import testing
-        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> root = tempfile.mkdtemp()
-        >>> trained = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
-        >>> resumed = load_checkpoint(ctx, root, state)
-        >>> resumed.step, resumed.epoch
-        (4, 1)
-
-    Example:
-        >>> import tempfile
-        >>> from trainfold import testing
-        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
-        >>> root = tempfile.mkdtemp()
-        >>> _ = save_checkpoint(ctx, root, state)
-        >>> sorted(verify_checkpoint(latest_checkpoint(root))["files"])[:2]
-        ['model.safetensors', 'rank-0.json']
-
-    .. versionadded:: 0.1.0
-    """
-    expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
-    state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
-    ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    folder = resolve(_folder("load_checkpoint", path))
-    manifest = read_manifest(folder, version=__version__)
-    return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
-
-
-# --- periodic saving ------------------------------------------------------------------------
-
-
-def _check_resumable(state: TrainState, batch: Batch) -> None:
-    """Refuse, at the first step, an epoch that a mid-epoch checkpoint could not record.
-
-    Raises:
-        TypeError: the loader is not prepared (``ctx.prepare_loaders``), or the batch holds
-            a value a checkpoint cannot hold (a custom object), named.
-    """
-    cursor = state.cursor
-    if isinstance(cursor, EpochCursor) and not is_resumable_loader(cursor.loader):
-        raise TypeError(
-            "checkpoint_every: the epoch runs over a loader that was not prepared "
-            f"(a {type(cursor.loader).__name__}); a checkpoint inside the epoch could not continue it. "
-            "Prepare it with ctx.prepare_loaders(loader)."
-        )
-    try:
-        _codec.Encoder().encode(batch, "batch")
-    except TypeError as exc:
-        raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
-
-
-@attrs.frozen
-class RunEndSave:
-    """The saving ``checkpoint_every`` composed for a run: what :func:`save_run_end` writes when its loop ends."""
-
-    root: str
-    keep_last: int | None
-    sharded: bool | None
-    async_save: bool
-
-
-def save_run_end(ctx: Context, state: TrainState) -> TrainState:
-    """Checkpoint the state a run's loop ends with, where its ``checkpoint_every`` saves, unless that root holds it already.
-
-    Called by ``loop``, ``repeat`` and ``until`` as they return (every process
-    calls them): the normal end (``max_epochs``), an early stop, a stop agreed
-    during an evaluation or between two epochs, a budget's end after the epoch
-    functions evaluated it. The save is committed before it returns.
-    """
-    end = ctx.run_end_saves.get(state.run_id)
-    if end is None or ctx.saved_at.get(open_root(end.root).key) == position_of(state):
-        return state
-    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
-    ctx.wait_for_checkpoints()
-    return saved
-
-
-def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
-                     async_save: bool = False) -> StepTransformer:
-    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, when the run stops, and when it ends.
-
-    A final checkpoint is written after the step at which the run stops for any
-    reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
-    which ``run_epoch`` turns into a stop at the next step boundary agreed by
-    every process), so an interrupted run loses nothing. The state a ``loop``
-    (``repeat``, ``until``) ends with is saved there too, unless this root holds
-    it already: the normal end of the run, a stop agreed during an evaluation
-    or between epochs, and what the epoch functions after a budget's stop
-    recorded. Starting a finished job again trains nothing.
-    For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
-    after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
-    ``sharded`` and ``async_save`` are ``save_checkpoint``'s; with ``async_save``
-    the final checkpoint at a stop is committed before the step returns.
-
-    Example:
-        >>> import tempfile
-        >>> from trainfold import testing
-        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> root = tempfile.mkdtemp()
-        >>> state = run_epoch(ctx, checkpoint_every(ctx, root, 2, keep_last=1)(make_step(ctx, loss_fn)), loader, state)
-        >>> [p.name for p in list_checkpoints(root)]
-        ['ckpt-0000000004']
-
-    .. versionadded:: 0.1.0
-    """
-    positive_int("checkpoint_every", n)
-    _sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
-    _flag("async_save", async_save)
-    interrupt = ctx.interrupt
-
-    def transform(step: Step) -> Step:
-        checked = [""]
-
-        def saving(state: TrainState, batch: Batch) -> TrainState:
-            if checked[0] != state.run_id:  # once per run: what would fail at the first save, refused at the first step
-                _check_resumable(state, batch)
-                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save)
-                checked[0] = state.run_id
-            new = step(state, batch)
-            due = new.step != state.step and new.step % n == 0
-            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
-            stopping = (new.should_stop and not state.should_stop) or (
-                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
-            )
-            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
-                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
-                ctx.wait_for_checkpoints()
-                return saved
-            if due:
-                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
-            return new
-
-        return named(saving, f"checkpoint_every({n})({name_of(step)})")
-
-    return transform

@@ -18,7 +18,7 @@ import attrs
 from safetensors.torch import load_file, save_file
 from toolz import curry
 
-from trainfold.backend.engine import inner_optimizer
+from trainfold.backend.optim import inner_optimizer
 from trainfold.base.io import atomic_write
 from trainfold.base.records import register_record
 from trainfold.compose.tracking import emit, epoch_key, summary_line

@@ -9,9 +9,12 @@ from toolz import compose
 
 from trainfold.base.checks import length_or_none
 from trainfold.base.types import Batch, LossFn
-from trainfold.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainfold.compose.epoch import evaluate, run_epoch
+from trainfold.checkpoint.load import load_checkpoint
+from trainfold.checkpoint.root import latest_checkpoint
+from trainfold.checkpoint.save import save_checkpoint
+from trainfold.compose.epoch import run_epoch
 from trainfold.compose.epoch_fns import early_stop, log_epoch
+from trainfold.compose.evaluate import evaluate
 from trainfold.compose.loop import loop
 from trainfold.compose.tracking import progress_bar
 from trainfold.compose.transforms import log_every

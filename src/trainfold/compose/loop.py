@@ -12,7 +12,7 @@ import warnings
 import attrs
 
 from trainfold.base.checks import name_of, named, positive_int
-from trainfold.checkpoint.save import save_run_end
+from trainfold.checkpoint.every import save_run_end
 from trainfold.core.checks import expect_state, returned_state
 from trainfold.core.context import Context, context_of
 from trainfold.core.state import TrainState
@@ -44,7 +44,7 @@ def _ended(ctx: Context | None, state: TrainState) -> TrainState:
     The epoch functions composed after ``run_epoch`` passed it through; code after
     the loop runs as written (``evaluate`` evaluates). It stays stopped and mid-epoch.
     Where the run's ``checkpoint_every`` saves, a checkpoint of this state is
-    committed unless one holds it already (:func:`~trainfold.checkpoint.save_run_end`).
+    committed unless one holds it already (:func:`~trainfold.checkpoint.every.save_run_end`).
     """
     if state.interrupted:
         state = attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False))

@@ -15,7 +15,8 @@ from typing import Callable, Mapping, cast
 import attrs
 import torch
 
-from trainfold.backend.engine import inner_optimizer, unwrap
+from trainfold.backend.engine import unwrap
+from trainfold.backend.optim import inner_optimizer
 from trainfold.base.checks import name_of, named, positive_int
 from trainfold.base.records import register_record
 from trainfold.base.types import Batch

@@ -112,7 +112,7 @@ def expect_shared_out(where: str, ctx: Context, loader: Any) -> None:
         ValueError: the loader was not prepared, not marked with ``ctx.own_shards`` and not
             over a ``DistributedSampler``.
     """
-    from trainfold.backend.engine import shares_out_data
+    from trainfold.backend.loaders import shares_out_data
 
     n = ctx.accelerator.num_processes
     if n > 1 and not shares_out_data(loader):

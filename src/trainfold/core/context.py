@@ -4,37 +4,23 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
-import signal
 import weakref
 from typing import Any
 
 import attrs
 from accelerate import Accelerator
 
-from trainfold.backend.engine import fill_deepspeed_micro_batch, loader_placement, wait_for_everyone
+from trainfold.backend.engine import wait_for_everyone
+from trainfold.backend.loaders import fill_deepspeed_micro_batch, loader_placement, mark_own_shard
+from trainfold.core.settings import DEFAULT_SIGNALS, check_launcher, positive_seconds, require_accelerator, signals_of, timeout_of
 from trainfold.distributed.control import Control, current_timeout, set_timeout
 from trainfold.distributed.interrupt import Handlers, Interrupt
 from trainfold.distributed.saver import Saver
 
-#: the signals a Context turns into a stop request by default: Ctrl-C, and what SLURM,
-#: Kubernetes and torchrun send before they kill a job
-DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)
-
-
-def _require_accelerator(value: Any) -> Accelerator:
-    if not isinstance(value, Accelerator):
-        raise TypeError(
-            f"'accelerator' must be an accelerate.Accelerator (got {value!r} that is a "
-            f"{type(value).__name__}): build one with Accelerator(...) and pass it as "
-            "Context(accelerator=...)."
-        )
-    return value
-
 
 def _accumulation_steps(ctx: Context) -> int:
     # attrs runs factories before validators, so the type is checked here.
-    return int(_require_accelerator(ctx.accelerator).gradient_accumulation_steps)
+    return int(require_accelerator(ctx.accelerator).gradient_accumulation_steps)
 
 
 def _mixed_precision(ctx: Context) -> str:
@@ -45,58 +31,8 @@ def _is_main_process(ctx: Context) -> bool:
     return bool(ctx.accelerator.is_main_process)
 
 
-def _signals(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    found = tuple(value) if isinstance(value, (tuple, list, set, frozenset)) else (value,)
-    out = []
-    for s in found:
-        try:
-            sig = signal.Signals(s)
-        except (ValueError, TypeError):
-            raise TypeError(f"'signals' must be signal numbers such as signal.SIGTERM (got {s!r}); pass signals=() to turn handling off.") from None
-        if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"{sig.name} cannot be caught by any process: it cannot be a stop request. Use SIGTERM or SIGUSR1.")
-        out.append(int(sig))
-    return tuple(out)
-
-
-def _positive_seconds(instance: Any, attribute: Any, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
-        raise ValueError(f"'{attribute.name}' must be a positive, finite number of seconds (got {value!r}).")
-
-
-def _timeout(value: Any) -> datetime.timedelta | None:
-    if value is None or isinstance(value, datetime.timedelta):
-        if value is not None and value.total_seconds() <= 0:
-            raise ValueError(f"'timeout' must be positive (got {value}).")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
-        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive, finite number of seconds (got {value!r}).")
-    return datetime.timedelta(seconds=value)
-
-
 def _interrupt(ctx: Context) -> Interrupt:
     return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
-
-
-def _check_launcher(accelerator: Accelerator) -> None:
-    """Refuse a run whose launcher started several processes that the Accelerator does not join into one job.
-
-    Under ``torchrun --nproc_per_node 2`` on a machine without GPUs, ``Accelerator()``
-    (without ``cpu=True``) forms no process group: each process reports one
-    process and trains the whole job on its own, twice over, silently.
-    """
-    import os
-
-    launched = os.environ.get("WORLD_SIZE", "")
-    if launched.isdigit() and int(launched) > 1 and accelerator.num_processes == 1:
-        raise RuntimeError(
-            f"the launcher started {launched} processes (WORLD_SIZE={launched}), but this Accelerator runs 1 process "
-            f"(distributed type {accelerator.distributed_type}): each process would train the whole job on its own. Accelerate "
-            "joins CPU processes into one job only when told to use the CPU: build it with Accelerator(cpu=True) (or set "
-            "ACCELERATE_USE_CPU=1), use a GPU per process, or launch one process."
-        )
 
 
 def _handlers(ctx: Context) -> Handlers:
@@ -144,29 +80,6 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
 
     finishing_saves_first.__doc__ = end_training.__doc__
     accelerator.end_training = finishing_saves_first
-
-
-class _OwnShard:
-    """A loader that takes no attribute (a list of batches), marked by wrapping: iterates and measures as it does."""
-
-    _trainfold_own_shard = True
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def __iter__(self) -> Any:
-        return iter(self.loader)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-
-def _marked(loader: Any) -> Any:
-    try:
-        loader._trainfold_own_shard = True
-        return loader
-    except (AttributeError, TypeError):
-        return _OwnShard(loader)
 
 
 @attrs.frozen(eq=False)
@@ -217,9 +130,9 @@ class Context:
     #: True on the process that should log, print and write shared files. Read once: Accelerate's
     #: own property builds a ``PartialState`` on every read (~2.5 us, 10 times that in a cold cache).
     is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
-    signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=_signals)
-    stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=_positive_seconds)
-    timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=_timeout)
+    signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=signals_of)
+    stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=positive_seconds)
+    timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=timeout_of)
     #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
     control: Control = attrs.field(init=False, factory=Control, repr=False)
     #: the stop request a signal sets (see :mod:`trainfold.interrupt`)
@@ -241,7 +154,7 @@ class Context:
     released: weakref.WeakSet[Any] = attrs.field(init=False, factory=weakref.WeakSet, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        _check_launcher(self.accelerator)
+        check_launcher(self.accelerator)
         if self.timeout is not None and self.accelerator.num_processes > 1:
             set_timeout(self.timeout)
         _finish_saves_before_end_training(self)
@@ -466,4 +379,4 @@ class Context:
         """
         if not loaders:
             raise TypeError("own_shards() needs at least one loader.")
-        return tuple(_marked(loader) for loader in loaders)
+        return tuple(mark_own_shard(loader) for loader in loaders)

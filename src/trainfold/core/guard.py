@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import torch
 
-from trainfold.backend.engine import grads_whole_in_params, inner_optimizer
+from trainfold.backend.engine import grads_whole_in_params
+from trainfold.backend.optim import inner_optimizer
 from trainfold.base.checks import positive_int
 from trainfold.base.records import register_record
 from trainfold.core.stages import MicroBatch, Stage

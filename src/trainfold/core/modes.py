@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from trainfold.backend.engine import inner_optimizer
+from trainfold.backend.optim import inner_optimizer
 
 
 def optimizer_modes(optimizer: Any) -> Any:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 import attrs
 import torch
 
-from trainfold.backend.engine import accumulation_counter, inner_optimizer, like_param, local, loss_scaler, set_accumulation_counter, unwrap
+from trainfold.backend.engine import like_param, local, unwrap
+from trainfold.backend.optim import accumulation_counter, inner_optimizer, loss_scaler, set_accumulation_counter
 from trainfold.base import rng as _rng
 from trainfold.core.state import TrainState
 

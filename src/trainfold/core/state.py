@@ -11,13 +11,8 @@ import attrs
 import torch
 from accelerate import Accelerator
 
-from trainfold.backend.engine import (
-    convert_sync_batchnorm,
-    deepspeed_micro_batch_unset,
-    engine_builds_optimizers,
-    is_config_optimizer,
-    is_config_scheduler,
-)
+from trainfold.backend.engine import convert_sync_batchnorm, engine_builds_optimizers, is_config_optimizer, is_config_scheduler
+from trainfold.backend.loaders import deepspeed_micro_batch_unset
 from trainfold.base.history import History
 from trainfold.base.metrics import RunningSums
 from trainfold.core.context import Context

@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from trainfold.backend.engine import backward_fn, gradient_sync, micro_batch_start
+from trainfold.backend.optim import backward_fn, gradient_sync, micro_batch_start
 from trainfold.base.copier import copier
 from trainfold.base.metrics import RunningSums
 from trainfold.base.types import Batch, LossFn

@@ -16,7 +16,7 @@ import attrs
 import torch
 from accelerate import Accelerator
 
-from trainfold.backend.engine import OptimizerOps, optimizer_ops
+from trainfold.backend.optim import OptimizerOps, optimizer_ops
 
 #: ``apply(skip)``: step and zero the gradients; where the 0-d ``skip`` flag is non-zero, leave the weights.
 Apply = Callable[["torch.Tensor | None"], None]

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from trainfold.backend.engine import accumulation_counter
+from trainfold.backend.optim import accumulation_counter
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
 from trainfold.checkpoint.formats.common import Captured, check_accumulation, loaded, to_host

@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 import torch
 
-from trainfold.backend.engine import inner_optimizer, local, unwrap
+from trainfold.backend.engine import local, unwrap
+from trainfold.backend.optim import inner_optimizer
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
 from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, to_host
