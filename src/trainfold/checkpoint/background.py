@@ -3,7 +3,7 @@
 ``save_checkpoint`` reads and encodes everything on the calling thread, so
 that nothing here touches a live object, and hands a :class:`SaveJob` to
 :func:`write_and_commit`: on the same thread for a blocking save, on the
-Context's saver thread (``_saver.py``) for ``async_save=True``, while training goes on.
+Context's saver thread (``distributed/saver.py``) for ``async_save=True``, while training goes on.
 A background save agrees and commits over a gloo group of its own (collectives
 of one group are never issued from two threads). At most one save is in
 flight: the next save, a load, and closing the Context wait for it first, and

@@ -11,13 +11,13 @@ A checkpoint is a folder holding::
 
 A sharded checkpoint (format 2) has no ``model.safetensors`` and keeps no
 optimizer tensor in ``state.*``: the model's and optimizer's tensors are in
-``tensors.json`` and every process's ``shard-<r>.safetensors`` (``_sharded.py``).
+``tensors.json`` and every process's ``shard-<r>.safetensors`` (``formats/dcp.py``).
 
-Owned here: encoding a :class:`~trainfold._runstate.RunState` (and a process's
+Owned here: encoding a :class:`~trainfold.core.runstate.RunState` (and a process's
 data position) into those files and decoding them back. Only JSON and
-safetensors are read: nothing can run code. The folder on disk (names, manifest,
-verified reads) is ``_files.py``'s; how a checkpoint is written atomically and
-found again, ``checkpoint.py``'s and ``_root.py``'s.
+safetensors are read: nothing can run code. The names, the manifest and the
+verified reads are ``manifest.py``'s; how a checkpoint is written atomically and
+found again, ``save.py``'s, ``root.py``'s and its storage's.
 """
 
 from __future__ import annotations

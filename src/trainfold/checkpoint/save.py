@@ -1,17 +1,14 @@
-"""Checkpoints that cannot lie: atomic save, verified load, exact resume (mid-epoch too).
+"""``save_checkpoint``: everything a run needs to continue exactly, committed at once or not at all.
 
-Owned here: the save and load protocol, finding checkpoints again, and
-``checkpoint_every``. A save encodes everything first (a value that cannot be
-written fails before any file exists), writes into ``<root>/.tmp-<name>``
-(every file fsynced), writes the manifest last and renames the folder into
-place: a crash leaves no checkpoint that looks complete. The main process holds
-an exclusive lock on the root for the run's lifetime (``_lock.py``) and cleans
-the debris of crashed saves when it commits. A load reads each file once,
-verifies it while reading, decodes and checks everything, and only then changes
-the live objects. The three checkpoint formats (gathered, sharded, DeepSpeed)
-are one interface in ``_formats.py``, chosen once per save and per load, so
-nothing here branches on the engine. What goes into which file is ``_format.py``'s;
-what a run state is, ``_runstate.py``'s.
+A save captures everything first, on the calling thread (a value that cannot
+be written fails before any file exists; a background save copies to host
+memory and returns), through the format chosen once for it (``formats/``:
+gathered, sharded, DeepSpeed), then writes each process's files into a staging
+place of the root's storage (``storage/``) and commits with the manifest last
+(``background.py``, ``root.py``): a crash leaves no checkpoint that looks
+complete. The main process holds the root's lock for the run's lifetime.
+Nothing here branches on the engine or knows where the bytes go. What goes
+into which file is ``encoding.py``'s; what a run state is, ``core/runstate.py``'s.
 """
 
 from __future__ import annotations

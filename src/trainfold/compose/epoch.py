@@ -62,7 +62,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     on it, over the same loader, once ``should_stop`` is cleared.
 
     The Context's signals (SIGINT, SIGTERM) are a request to stop at the next
-    step boundary, agreed by every process (see :mod:`trainfold.interrupt`). On several processes it first checks, with one
+    step boundary, agreed by every process (see :mod:`trainfold.distributed.interrupt`). On several processes it first checks, with one
     all-gather on the control channel, that every process has as many batches
     (a loader of unknown length is checked at its end), so that uneven data
     fails on every process instead of hanging in a collective.
@@ -146,8 +146,8 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
     """The epoch's cursor: its iterator, and the random state it starts from (what a checkpoint needs to replay it).
 
     A state from ``load_checkpoint`` continues its interrupted epoch: see
-    :func:`trainfold._backend.resumed_epoch`, and on another number of
-    processes :func:`trainfold._backend.resumed_by_samples`.
+    :func:`trainfold.backend.loaders.resumed_epoch`, and on another number of
+    processes :func:`trainfold.backend.loaders.resumed_by_samples`.
     """
     cursor = state.cursor
     if isinstance(cursor, EpochCursor) and cursor.iterator is not None and state.batch_in_epoch > 0:

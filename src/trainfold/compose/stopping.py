@@ -2,7 +2,7 @@
 
 Owned here: the step transformer :func:`stop_when` and its record
 :class:`StopWhenState` in ``state.extras[name]``. The decision travels on the
-Context's control channel (:mod:`trainfold._control`), the CPU group the signal
+Context's control channel (:mod:`trainfold.distributed.control`), the CPU group the signal
 agreement uses: no device collective, and a host read of the predicate's
 value once per check, not per step.
 """

@@ -105,7 +105,7 @@ class Context:
             Context installs no handler (Python delivers signals to the main thread).
         stop_check_s: on several processes, the length of an agreement round in
             seconds: a stop requested on any process stops all of them within two
-            rounds and the optimizer update in progress (see :mod:`trainfold.interrupt`).
+            rounds and the optimizer update in progress (see :mod:`trainfold.distributed.interrupt`).
         timeout: how long a collective waits for the other processes before it fails
             (a ``datetime.timedelta`` or seconds), set on the process group now. By
             default the group keeps what it was made with: torch's 30 minutes for
@@ -133,14 +133,14 @@ class Context:
     signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=signals_of)
     stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=positive_seconds)
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=timeout_of)
-    #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold._control`)
+    #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold.distributed.control`)
     control: Control = attrs.field(init=False, factory=Control, repr=False)
-    #: the stop request a signal sets (see :mod:`trainfold.interrupt`)
+    #: the stop request a signal sets (see :mod:`trainfold.distributed.interrupt`)
     interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
     #: the checkpoint roots this run writes, by path: the lock's key on the main process (see
     #: the storage's lock: held until :meth:`close` or the process ends), None on the others
     checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
-    #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold._saver`)
+    #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold.distributed.saver`)
     saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
     #: the signal handlers installed for this Context's life (see :class:`trainfold.interrupt.Handlers`)
     handlers: Handlers = attrs.field(init=False, default=attrs.Factory(_handlers, takes_self=True), repr=False)

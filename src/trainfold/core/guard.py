@@ -4,7 +4,7 @@ Owned here: :func:`nan_guard` (a stage for ``make_step(stages=...)``), its
 record :class:`NanGuardState` in ``state.extras["nan_guard"]`` and the device
 buffer of flags it reads once per ``check_every`` updates. How a flagged update
 is skipped (on the device, after a read, by the loss scaler) is the step's
-gated update (``trainfold._update``).
+gated update (``trainfold.core.update``).
 """
 
 from __future__ import annotations

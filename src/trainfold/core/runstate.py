@@ -43,7 +43,7 @@ class RunState:
         accelerate_step: Accelerate's micro-batch counter (the accumulation phase).
         rng: the random states (global ones; and the loader's generators, for checkpoints).
         sharded: the model's and optimizer's tensors are not here: a sharded checkpoint
-            reads and writes them through ``_sharded.py``; ``weights`` is empty and
+            reads and writes them through ``checkpoint/formats/dcp.py``; ``weights`` is empty and
             ``optimizer`` holds the optimizer's other values (learning rates...).
     """
 

@@ -12,7 +12,7 @@ from trainfold.core.runstate import RunState, StateMismatch, capture, check_fits
 from trainfold.core.state import TrainState
 
 #: A detached copy of a run at one moment (see :func:`snapshot`): the same
-#: :class:`~trainfold._runstate.RunState` a checkpoint writes to files.
+#: :class:`~trainfold.core.runstate.RunState` a checkpoint writes to files.
 Snapshot = RunState
 
 

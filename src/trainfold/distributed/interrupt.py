@@ -11,7 +11,7 @@ On one process the request is seen at the next step boundary. On several, a
 signal may reach one process only (a scheduler that signals one task, a user
 who kills one pid), and every process must stop at the same step or the next
 collective mismatches. So every process takes part in agreement *rounds* on the
-control channel (a CPU gloo group, :mod:`trainfold._control`), whether or not
+control channel (a CPU gloo group, :mod:`trainfold.distributed.control`), whether or not
 it saw a signal: at agreed micro-batches each launches an asynchronous
 all-reduce of ``(its signal, its seconds per micro-batch)`` and, one round
 later, reads the previous round's result, which is then the same on every

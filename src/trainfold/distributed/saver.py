@@ -1,6 +1,6 @@
 """A Context's background saver: one thread, at most one save in flight, and a gloo group of its own.
 
-What a background save does is ``_background.py``'s; this only runs it and hands
+What a background save does is ``trainfold/checkpoint/background.py``'s; this only runs it and hands
 back its outcome.
 """
 
