@@ -3,7 +3,7 @@
 On a shared machine a loop's wall time moves between processes by more than most changes to
 the step (see README.md), so timing each version in its own processes cannot resolve a change
 of a few tenths of a percent. This script copies both versions into a temporary folder as the
-packages ``trainfold_a`` and ``trainfold_b`` (trainfold imports itself only relatively), imports
+packages ``trainfold_a`` and ``trainfold_b`` (its absolute imports of itself renamed), imports
 both into each process, and times the raw PyTorch loop and each version's configurations on the
 tiny MLP round by round, in a shuffled order. It reports each contender's ratio to the raw
 loop and, per configuration, the paired difference b - a of the same round, in units of the
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -35,7 +36,16 @@ SIZES, BATCH, BATCHES = (32, 64, 10), 32, 256
 
 
 def materialize(version: str, name: str, into: Path) -> None:
-    """Copy ``version``'s trainfold package to ``into/name``."""
+    """Copy ``version``'s trainfold package to ``into/name``, its imports of ``trainfold`` made imports of ``name``."""
+    _copy(version, name, into)
+    for module in (into / name).rglob("*.py"):
+        text = module.read_text()
+        renamed = re.sub(r"^(\s*)(from|import) trainfold\b", rf"\1\2 {name}", text, flags=re.M)
+        if renamed != text:
+            module.write_text(renamed)
+
+
+def _copy(version: str, name: str, into: Path) -> None:
     path = Path(version)
     for candidate in (path / "trainfold", path / "src" / "trainfold"):
         if candidate.is_dir():
