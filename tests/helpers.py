@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
 
+import attrs
 import pytest
 import torch
 from accelerate import Accelerator
@@ -163,3 +170,56 @@ def each_fresh(*runs):
         AcceleratorState._reset_state()  # keep the process group, forget the Accelerator settings
         GradientState._reset_state()
     return tuple(results)
+
+
+@contextlib.contextmanager
+def moto_server():
+    """A real S3-protocol server (moto's server mode) on 127.0.0.1, in a subprocess: yields its endpoint URL.
+
+    Loopback only, a free port, stopped (killed) when the block ends; ``.proc`` of the yielded
+    value lets a test stop it in the middle of a save.
+    """
+    from trainfold.testing import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = S3Server(f"http://127.0.0.1:{port}", proc)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the event: the server accepts a connection
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not start on port {port} (exit {proc.poll()})") from None
+                time.sleep(0.05)
+        yield server
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@attrs.frozen
+class S3Server:
+    endpoint: str
+    proc: Any = attrs.field(repr=False)
+
+    def options(self) -> dict[str, Any]:
+        """``storage_options`` for this server (moto takes any credentials)."""
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+
+    def env(self) -> dict[str, str]:
+        """The same as fsspec's and botocore's own configuration: what a job launched with it reads."""
+        return {"FSSPEC_S3_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def bucket(self, name: str) -> str:
+        """Create the bucket ``name`` (once) and return ``s3://name``."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**self.options(), use_listings_cache=False)
+        if not fs.exists(name):
+            fs.call_s3("create_bucket", Bucket=name)  # no LocationConstraint: us-east-1 takes none
+        return f"s3://{name}"

@@ -78,7 +78,7 @@ def _folder(path: Path) -> Path:
     latest = latest_checkpoint(path)
     if latest is None:
         raise _Refused(f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside).")
-    return latest
+    return Path(latest)
 
 
 def _summary(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -100,7 +100,7 @@ def _ls(root: Path) -> dict[str, Any]:
         raise _Refused(f"{root} is not a folder: give the root that holds the checkpoints (what save_checkpoint was given).")
     latest = latest_checkpoint(root)
     entries = []
-    for folder in list_checkpoints(root):
+    for folder in map(Path, list_checkpoints(root)):
         entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
         try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
             entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any, Mapping
 
 import attrs
 
@@ -47,6 +48,7 @@ class RunEndSave:
     keep_last: int | None
     sharded: bool | None
     async_save: bool
+    storage_options: Mapping[str, Any] | None = None
 
 
 def save_run_end(ctx: Context, state: TrainState) -> TrainState:
@@ -58,15 +60,16 @@ def save_run_end(ctx: Context, state: TrainState) -> TrainState:
     functions evaluated it. The save is committed before it returns.
     """
     end = ctx.run_end_saves.get(state.run_id)
-    if end is None or ctx.saved_at.get(open_root(end.root).key) == position_of(state):
+    if end is None or ctx.saved_at.get(open_root(end.root, end.storage_options).key) == position_of(state):
         return state
-    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save)
+    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save,
+                            storage_options=end.storage_options)
     ctx.wait_for_checkpoints()
     return saved
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
-                     async_save: bool = False) -> StepTransformer:
+                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> StepTransformer:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update, when the run stops, and when it ends.
 
     A final checkpoint is written after the step at which the run stops for any
@@ -79,8 +82,10 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     recorded. Starting a finished job again trains nothing.
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
-    ``sharded`` and ``async_save`` are ``save_checkpoint``'s; with ``async_save``
-    the final checkpoint at a stop is committed before the step returns.
+    ``sharded``, ``async_save`` and ``storage_options`` are ``save_checkpoint``'s (``root``
+    may be a URL: ``s3://bucket/run``); with ``async_save`` the final checkpoint at a
+    stop is committed before the step returns. A root that cannot be used (an unknown
+    protocol, the store's package not installed) is refused here, not at the first save.
 
     Example:
         >>> import tempfile
@@ -96,6 +101,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     positive_int("checkpoint_every", n)
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
     flag("async_save", async_save)
+    open_root(root, storage_options)  # an unknown protocol, or the store's package missing, refused now
     interrupt = ctx.interrupt
 
     def transform(step: Step) -> Step:
@@ -104,7 +110,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         def saving(state: TrainState, batch: Batch) -> TrainState:
             if checked[0] != state.run_id:  # once per run: what would fail at the first save, refused at the first step
                 _check_resumable(state, batch)
-                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save)
+                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save, storage_options)
                 checked[0] = state.run_id
             new = step(state, batch)
             due = new.step != state.step and new.step % n == 0
@@ -113,11 +119,11 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
                 new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
             )
             if stopping:  # the run ends here: its last checkpoint is committed before the step returns
-                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
+                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save, storage_options=storage_options)
                 ctx.wait_for_checkpoints()
                 return saved
             if due:
-                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save)
+                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save, storage_options=storage_options)
             return new
 
         return named(saving, f"checkpoint_every({n})({name_of(step)})")

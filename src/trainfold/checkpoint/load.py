@@ -7,8 +7,7 @@ puts it back; nothing here branches on the engine.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import Any, overload
+from typing import Any, Mapping, overload
 
 from toolz import curry
 
@@ -22,14 +21,14 @@ from trainfold.core.context import Context
 from trainfold.core.state import TrainState
 
 
-def _folder(where: str, path: Any) -> Path:
+def _folder(where: str, path: Any) -> str | os.PathLike[str]:
     if not isinstance(path, (str, os.PathLike)):
         found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
         raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
-    return Path(path)
+    return path
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest and return the manifest.
 
     The manifest must list every file the format needs, and only plain names
@@ -43,19 +42,19 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None) 
         TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
             root without a complete checkpoint).
     """
-    return verify(checkpoint_at(_folder("verify_checkpoint", path)), rank=rank, version=__version__)
+    return verify(checkpoint_at(_folder("verify_checkpoint", path), storage_options), rank=rank, version=__version__)
 
 
 @overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str]) -> Any: ...
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...) -> Any: ...
 
 
 @overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 
     ``path`` is a checkpoint folder, or a root of them (then the newest complete
@@ -106,6 +105,6 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    folder = resolve(_folder("load_checkpoint", path))
+    folder = resolve(_folder("load_checkpoint", path), storage_options)
     manifest = read_manifest(folder, version=__version__)
     return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)

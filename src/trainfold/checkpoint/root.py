@@ -14,7 +14,7 @@ import errno
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Union
 
 import torch
 
@@ -28,6 +28,9 @@ from trainfold.core.state import TrainState
 from trainfold.errors import CheckpointError
 
 logger = logging.getLogger("trainfold")
+
+#: where a checkpoint is, as the public API gives it: a ``Path`` in a local root, a URL (``s3://...``) on a store
+CheckpointPath = Union[Path, str]
 
 
 def checkpoint_name(ctx: Context, state: TrainState) -> str:
@@ -163,20 +166,21 @@ def _ordered(storage: Storage) -> list[Stored]:
     return [c for *_, c in sorted(found, key=lambda f: f[:2])]
 
 
-def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
-    """The committed checkpoints under ``root``, oldest first.
+def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> list[CheckpointPath]:
+    """The committed checkpoints under ``root``, oldest first: ``Path`` objects in a local root, URLs (``str``) on a store.
 
     Only folders named as trainfold names checkpoints (``ckpt-<update>``...)
     with a readable manifest count, ordered by the position recorded in that
     manifest (not by name: a copy named ``ckpt-best`` is not "newest"). A
     checkpoint whose manifest is damaged is left out, with a warning on the
-    ``trainfold`` logger.
+    ``trainfold`` logger. ``root`` may be an fsspec URL (``s3://bucket/run``),
+    with ``storage_options`` for its filesystem.
     """
-    return [c.path for c in _ordered(open_root(root))]
+    return [c.path for c in _ordered(open_root(root, storage_options))]
 
 
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``root`` (by the position it records), or None.
+def latest_checkpoint(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointPath | None:
+    """The newest committed checkpoint under ``root`` (by the position it records), or None (see :func:`list_checkpoints`).
 
     Example:
         >>> latest_checkpoint("/nonexistent") is None
@@ -188,20 +192,20 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 
     .. versionadded:: 0.1.0
     """
-    found = list_checkpoints(root)
+    found = list_checkpoints(root, storage_options=storage_options)
     return found[-1] if found else None
 
 
-def resolve(path: str | os.PathLike[str]) -> Stored:
+def resolve(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Stored:
     """The checkpoint at ``path``, or the newest one under it.
 
     Raises:
         CheckpointError: neither (saying so when only unfinished saves are there).
     """
-    stored = checkpoint_at(path)
+    stored = checkpoint_at(path, storage_options)
     if stored.committed():
         return stored
-    storage = open_root(path)
+    storage = open_root(path, storage_options)
     found = _ordered(storage)
     if not found:
         if any(name.startswith(f".tmp-{PREFIX}") for name in storage.unfinished()):

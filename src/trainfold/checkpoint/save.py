@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, overload
+from typing import Any, Mapping, overload
 
 import torch
 from toolz import curry
@@ -43,17 +43,18 @@ logger = logging.getLogger("trainfold")
 
 
 @overload
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...) -> Any: ...
+def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...,
+                    storage_options: Mapping[str, Any] | None = ...) -> Any: ...
 
 
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
-                    async_save: bool = ...) -> TrainState: ...
+                    async_save: bool = ..., storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
-                    async_save: bool = False) -> TrainState:
+                    async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> TrainState:
     """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
 
     Everything needed to continue exactly is written: the model, optimizer,
@@ -92,9 +93,17 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
             writes and commits the checkpoint while training goes on (at most one
             in flight; ``ctx.wait_for_checkpoints()``, the next save, a load and
             ``ctx.close()`` wait for it and raise its error).
+        storage_options: options of the store's fsspec filesystem when ``root`` is a URL
+            (``s3://bucket/run``: ``endpoint_url``, ``key``, ``secret``...); fsspec's own
+            configuration and the provider's credential chain apply too.
 
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
+
+    ``root`` may be a local folder or an fsspec URL (``s3://bucket/run``, ``gs://``,
+    ``az://``; ``pip install 'trainfold[s3]'``): on a store, the manifest, written
+    last, is the commit, and the lock is a lease (see the README's "Checkpoints on
+    object storage").
 
     Raises:
         CheckpointError: ``root`` holds another run's checkpoints, or another
@@ -123,7 +132,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
     # a schedule-free optimizer saves its eval weights
     with eval_mode(state.model, state.optimizer, no_grad=False):
-        return _save(ctx, root, state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save))
+        return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save))
 
 
 def _check_replicas_equal(state: TrainState) -> None:
@@ -161,12 +170,11 @@ def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
     return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
 
 
-def _save(ctx: Context, root: str | os.PathLike[str], state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
+def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
     ctx.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
-    storage = _storage(root)
     hold_lock(ctx, storage, state)
     name = checkpoint_name(ctx, state)
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
@@ -189,10 +197,20 @@ def position_of(state: TrainState) -> tuple[int, ...]:
     return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
 
 
-def _storage(root: str | os.PathLike[str]) -> Storage:
-    if os.fspath(root) == "":
-        raise ValueError("save_checkpoint needs a folder for its checkpoints (got ''): pass a path such as 'checkpoints'.")
-    return open_root(root)
+def _storage(ctx: Context, root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Storage:
+    """The root's storage, refused where it cannot hold this run's checkpoints (an empty path, one process's memory for several).
+
+    Raises:
+        ValueError: an empty path; ``memory://`` on several processes; an unknown protocol.
+        ImportError: the store's package is not installed.
+    """
+    if not isinstance(root, (str, os.PathLike)) or os.fspath(root) == "":
+        raise ValueError(f"save_checkpoint needs a folder for its checkpoints (got {root!r}): pass a path such as 'checkpoints' (or a URL: s3://bucket/run).")
+    storage = open_root(root, storage_options)
+    if ctx.accelerator.num_processes > 1 and not storage.shared:
+        raise ValueError(f"{storage} is one process's memory, and this run has {ctx.accelerator.num_processes} processes: "
+                         "give them a root they all see (a shared folder, s3://...).")
+    return storage
 
 
 def _start(storage: Storage, name: str, state: TrainState) -> None:

@@ -12,15 +12,15 @@ import logging
 import math
 import os
 import re
-from typing import overload
+from typing import Any, Mapping, overload
 
 import attrs
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save
 from toolz import curry
 
 from trainfold.backend.optim import inner_optimizer
-from trainfold.base.io import atomic_write
 from trainfold.base.records import register_record
+from trainfold.checkpoint.storage import read_object, write_object
 from trainfold.compose.tracking import emit, epoch_key, summary_line
 from trainfold.compose.transforms import LR_SCALE
 from trainfold.core.checks import expect_owned, expect_state
@@ -148,15 +148,18 @@ class BestState:
 
 
 @overload
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ...) -> EpochFn: ...
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ..., storage_options: Mapping[str, Any] | None = ...) -> EpochFn: ...
 @overload
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...) -> TrainState: ...
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...,
+              storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "auto") -> TrainState:
+def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "auto",
+              storage_options: Mapping[str, Any] | None = None) -> TrainState:
     """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
 
-    The write is atomic (a temporary file renamed over ``path``) and done by the
-    main process; every process waits for it. ``state.extras["save_best:<metric>"]``
+    The write is atomic (a temporary file renamed over ``path``; on a store, one
+    object written at once: ``path`` may be ``s3://bucket/best.safetensors``, with
+    ``storage_options``) and done by the main process; every process waits for it. ``state.extras["save_best:<metric>"]``
     records the best value, epoch and step. Put the weights back with
     :func:`restore_best`.
 
@@ -182,17 +185,17 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
         weights = ctx.accelerator.get_state_dict(state.model)  # gathers sharded weights on every process
         cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()} if ctx.is_main_process else {}
     if ctx.is_main_process:
-        atomic_write(path, lambda tmp: save_file(cpu, str(tmp), metadata={"metric": metric, "value": repr(value)}))
+        write_object(path, save(cpu, metadata={"metric": metric, "value": repr(value)}), storage_options)
     ctx.wait_for_everyone()
     return state.with_extra(key, BestState(value, state.epoch, state.step, os.fspath(path)))
 
 
 @overload
-def restore_best(ctx: Context, path: str | os.PathLike[str]) -> EpochFn: ...
+def restore_best(ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...) -> EpochFn: ...
 @overload
-def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState: ...
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) -> TrainState:
+def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
     """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
 
     Raises:
@@ -213,11 +216,12 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState) 
     .. versionadded:: 0.1.0
     """
     state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.")
-    # Read to the CPU (a device string such as "cpu:0", which Accelerate gives CPU processes,
-    # is not one safetensors takes); load_state_dict copies into the parameters where they are.
-    weights = load_file(os.fspath(path), device="cpu")
+    try:
+        data = read_object(path, storage_options)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.") from None
+    # Read on the CPU; load_state_dict copies into the parameters where they are.
+    weights = load(data)
     ctx.accelerator.unwrap_model(state.model).load_state_dict(weights, strict=True)
     return state
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from toolz import compose
 
@@ -39,6 +39,7 @@ def fit(
     monitor: str = "eval_loss",
     mode: str = "auto",
     checkpoint_dir: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     keep_last: int | None = 3,
     resume: bool = True,
     log_every_n: int | None = None,
@@ -69,6 +70,7 @@ def fit(
     early stopping, in order. The checkpoint is written last in each epoch, so it
     holds the epoch's metrics and the states of the epoch functions, and the
     run's last checkpoint is its end (at ``max_epochs`` or an early stop).
+    ``checkpoint_dir`` may be a URL (``s3://bucket/run``), with ``storage_options``.
 
     Example:
         >>> from trainfold import testing
@@ -107,8 +109,8 @@ def fit(
     if checkpoint_dir is not None:
         # last: the checkpoint holds everything the epoch did, and what the epoch functions
         # drew from the random generators is behind it, so a resumed run continues exactly
-        epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last))
-    if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir) is not None:
-        state = load_checkpoint(ctx, checkpoint_dir, state)
+        epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last, storage_options=storage_options))
+    if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir, storage_options=storage_options) is not None:
+        state = load_checkpoint(ctx, checkpoint_dir, state, storage_options=storage_options)
     return loop(compose(*reversed(epoch_stages)), max_epochs=max_epochs)(state)
 

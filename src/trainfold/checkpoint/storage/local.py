@@ -162,6 +162,10 @@ class LocalRoot:
     def key(self) -> str:
         return os.path.abspath(self.folder)
 
+    @property
+    def shared(self) -> bool:
+        return True  # on several machines, only if the folder is on a shared filesystem (the README says so)
+
     def __str__(self) -> str:
         return str(self.folder)
 

@@ -92,6 +92,10 @@ class Storage(Protocol):
     @property
     def key(self) -> str: ...
 
+    @property
+    def shared(self) -> bool:
+        """Whether every process of a job sees the same checkpoints there (``memory://`` is one process's)."""
+
     def lock(self, run_id: str) -> Lock:
         """Lock the root for this process's run.
 

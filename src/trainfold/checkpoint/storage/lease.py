@@ -1,0 +1,261 @@
+"""One writer per checkpoint root on an object store: a lock object created only if absent, held by a lease its owner renews.
+
+The lock is ``<root>/.trainfold.lock``, a small JSON object naming its owner
+(host, pid, run id), a token of this hold, and when the lease ends. It is
+created with a conditional write that succeeds only if no such object exists
+(``If-None-Match: *``): of two jobs that start on one root, one gets it and the
+other a ``CheckpointError`` naming the owner. The owner renews the lease from a
+thread every third of its length with a write conditional on the lock's ETag
+(``If-Match``); a lease that ran out (the owner died, or lost the store for
+longer than the lease) is taken over the same way, conditional on the ETag the
+taker read, so of two takers one wins. An owner whose renewal finds another
+ETag has lost the lock: its next save raises instead of writing beside the
+job that took it over. Expiry compares the owner's clock with the taker's:
+machines whose clocks differ by more than a fraction of the lease are not
+supported.
+
+Conditional writes are what S3 (and S3-protocol servers that honour them),
+GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``
+and emulates them in-process for ``memory://``. On any other store it cannot
+make sure of one writer, and says so once (a warning); see the README.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from typing import Any
+
+from trainfold.errors import CheckpointError
+
+LOCK_NAME = ".trainfold.lock"
+#: how long a lease lasts unless renewed, and how often its owner renews it
+LEASE_S = 60.0
+RENEW_EVERY_S = LEASE_S / 3
+
+logger = logging.getLogger("trainfold")
+
+#: the lock this process holds per root URL: [LeaseLock, Contexts using it]
+_HELD: dict[str, list[Any]] = {}
+_MEMORY = threading.Lock()  # memory://'s conditional writes: the store lives in this process
+
+
+class _Lost(Exception):
+    """A conditional write found another ETag (or an object where none was expected)."""
+
+
+def _protocol(fs: Any) -> str:
+    protocol = fs.protocol
+    return protocol[0] if isinstance(protocol, (tuple, list)) else str(protocol)
+
+
+def _etag(fs: Any, path: str) -> str:
+    info = fs.info(path)
+    return str(info.get("ETag") or info.get("etag") or info.get("created") or "")
+
+
+def _create(fs: Any, path: str, body: bytes) -> None:
+    """Write ``path`` only if it does not exist (``If-None-Match: *``); raise _Lost if it does."""
+    kind = _protocol(fs)
+    if kind == "memory":
+        with _MEMORY:
+            if fs.exists(path):
+                raise _Lost
+            fs.pipe_file(path, body)
+        return
+    try:
+        fs.pipe_file(path, body, mode="create")
+    except FileExistsError:
+        raise _Lost from None
+
+
+def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
+    """Write ``path`` only if it still has ``etag`` (``If-Match``); return the new ETag, or raise _Lost."""
+    kind = _protocol(fs)
+    if kind == "memory":
+        with _MEMORY:
+            if not fs.exists(path) or _memory_tag(fs, path) != etag:
+                raise _Lost
+            fs.pipe_file(path, body)
+            return _memory_tag(fs, path)
+    if kind in ("s3", "s3a"):
+        try:
+            out = fs.pipe_file(path, body, IfMatch=etag)
+        except FileNotFoundError:
+            raise _Lost from None
+        except OSError as exc:
+            if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower():
+                raise _Lost from None
+            raise
+        return str(out.get("ETag", "")) if isinstance(out, dict) else _etag(fs, path)
+    # no conditional write known for this store: best effort (see the module's docstring)
+    if _etag(fs, path) != etag:
+        raise _Lost
+    fs.pipe_file(path, body)
+    return _etag(fs, path)
+
+
+def _memory_tag(fs: Any, path: str) -> str:
+    return str(hash(bytes(fs.cat_file(path))))
+
+
+def _tag(fs: Any, path: str) -> str:
+    return _memory_tag(fs, path) if _protocol(fs) == "memory" else _etag(fs, path)
+
+
+class LeaseLock:
+    """This process's hold on a root's lease lock (the storage's :class:`~trainfold.checkpoint.storage.Lock`)."""
+
+    def __init__(self, fs: Any, path: str, url: str, run_id: str) -> None:
+        self.fs, self.path, self.url, self.run_id = fs, path, url, run_id
+        self.token = uuid.uuid4().hex
+        self.etag = ""
+        self.lost: str | None = None
+        self._guard = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def body(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
+                           "expires": time.time() + LEASE_S, "lease_s": LEASE_S}).encode()
+
+    def take(self) -> None:
+        """Create the lock, or take over one whose lease ran out.
+
+        Raises:
+            CheckpointError: a live owner holds it (named).
+        """
+        if _protocol(self.fs) not in ("s3", "s3a", "memory"):
+            warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
+                          "started on this root are not kept apart (see the README's object storage section).", stacklevel=4)
+        try:
+            _create(self.fs, self.path, self.body())
+            self.etag = _tag(self.fs, self.path)
+        except _Lost:
+            self._take_over()
+        self._start_renewing()
+
+    def _take_over(self) -> None:
+        etag = _tag(self.fs, self.path)
+        owner = _read_owner(self.fs, self.path)
+        if owner.get("expires", 0) > time.time():
+            raise CheckpointError(
+                f"{self.url} is being written by another job ({_describe(owner)}, its lease renewed until "
+                f"{time.strftime('%H:%M:%S', time.localtime(owner['expires']))}): two writers would overwrite each other's "
+                "checkpoints. Stop the other job (a requeued copy of this one?) or give this one another root."
+            )
+        try:
+            self.etag = _replace(self.fs, self.path, self.body(), etag)
+        except _Lost:
+            raise CheckpointError(f"{self.url}: another job took over the lock whose lease had run out at the same moment "
+                                  f"({_describe(_read_owner(self.fs, self.path))}): give this one another root.") from None
+        logger.warning("trainfold: took over the lock of %s, whose lease had run out (%s).", self.url, _describe(owner))
+
+    def renew(self) -> None:
+        """Extend the lease (a write conditional on the ETag this process wrote last)."""
+        with self._guard:
+            if self.lost is not None:
+                return
+            try:
+                self.etag = _replace(self.fs, self.path, self.body(), self.etag)
+            except _Lost:
+                self.lost = _describe(_read_owner(self.fs, self.path))
+                self._stop.set()
+
+    def _start_renewing(self) -> None:
+        ref = weakref.ref(self)
+
+        def renewing(stop: threading.Event) -> None:
+            while not stop.wait(RENEW_EVERY_S):
+                live = ref()
+                if live is None:
+                    return
+                try:
+                    live.renew()
+                except Exception as exc:  # the store unreachable for a moment: the next renewal tries again
+                    logger.warning("trainfold: renewing the lock of %s failed (%s); retrying.", live.url, exc)
+                del live
+
+        self._thread = threading.Thread(target=renewing, args=(self._stop,), name="trainfold-lease", daemon=True)
+        self._thread.start()
+
+    def confirm(self) -> None:
+        self.renew()
+        if self.lost is not None:
+            raise CheckpointError(
+                f"{self.url}: this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
+                f"job stalled for over {LEASE_S:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
+                "there; stop this job, or give it another root."
+            )
+
+    def release_now(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._guard:
+            if self.lost is None:
+                try:
+                    if _tag(self.fs, self.path) == self.etag:
+                        self.fs.rm(self.path)
+                except Exception:  # the store unreachable: the lease runs out on its own
+                    pass
+            self.lost = "released"
+
+
+class Held:
+    """One Context's use of this process's lease lock on a root."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def confirm(self) -> None:
+        held = _HELD.get(self.key)
+        if held is None:
+            raise CheckpointError(f"{self.key}: this process no longer holds the root's lock (its Context was closed).")
+        held[0].confirm()
+
+    def release(self) -> None:
+        held = _HELD.get(self.key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _HELD[self.key]
+            held[0].release_now()
+
+
+def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
+    """Lock the root at ``url`` for this process (or count one more user of the lock it holds).
+
+    Raises:
+        CheckpointError: another live job holds it.
+        OSError: the store refused (no bucket, no permission, unreachable).
+    """
+    held = _HELD.get(url)
+    if held is not None:
+        held[0].confirm()
+        held[1] += 1
+        return Held(url)
+    lock = LeaseLock(fs, path, url, run_id)
+    lock.take()
+    _HELD[url] = [lock, 1]
+    return Held(url)
+
+
+def _read_owner(fs: Any, path: str) -> dict[str, Any]:
+    try:
+        owner = json.loads(bytes(fs.cat_file(path))[:4096])
+        return owner if isinstance(owner, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    return f"host {owner.get('host')}, pid {owner.get('pid')}, run {owner.get('run_id')}" if owner else "owner unknown"

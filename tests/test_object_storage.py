@@ -1,0 +1,368 @@
+"""Checkpoints on object storage, against a real S3-protocol server on 127.0.0.1 (moto's server mode) and memory://.
+
+Every promise of a local root holds without rename: the manifest, written last, is
+the commit; an unfinished save is never listed and is cleaned at the next commit;
+load verifies every object as it reads it; one writer per root, by a lock object
+created only if absent and held by a lease.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import attrs
+import helpers
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    evaluate,
+    fit,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    loop,
+    make_step,
+    restore_best,
+    run_epoch,
+    save_best,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with helpers.moto_server() as s:
+        yield s
+
+
+@pytest.fixture
+def s3(server, request):
+    """A fresh bucket for the test; yields (root URL, storage_options, an s3fs filesystem on the server)."""
+    import s3fs
+
+    slug = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"t-{slug}-{zlib.crc32(request.node.nodeid.encode()):08x}"  # unique per test and parameter, at most 63 characters
+    bucket = server.bucket(name)
+    return f"{bucket}/run", server.options(), s3fs.S3FileSystem(**server.options(), use_listings_cache=False)
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """Draws from the global torch RNG in __getitem__, like a random augmentation."""
+
+    def __init__(self, n=21):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def _setup(ga=3, seed=0):
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = helpers.mlp(dropout=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
+    return ctx, state, dl
+
+
+def _train(ctx, state, dl, wrap=lambda s: s, epochs=3):
+    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+
+
+# --- one process: resume bit for bit -------------------------------------------------------------
+
+
+def test_a_run_checkpointed_on_s3_resumes_bit_for_bit_from_every_checkpoint(s3):
+    root, options, _ = s3
+    expected = _train(*_setup())
+    ctx, state, dl = _setup()
+    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, root, 1, storage_options=options))
+    testing.assert_params_equal(expected, with_saves)
+    checkpoints = list_checkpoints(root, storage_options=options)
+    assert 6 <= len(checkpoints) and all(isinstance(c, str) and c.startswith(f"{root}/ckpt-") for c in checkpoints)
+
+    for ckpt in checkpoints[::2]:
+        ctx, state, dl = _setup(seed=123)  # other initial weights: everything must come from the checkpoint
+        resumed = _train(ctx, load_checkpoint(ctx, ckpt, state, storage_options=options), dl)
+        testing.assert_params_equal(expected, resumed)
+        assert expected.history == resumed.history
+
+
+def test_an_s3_root_is_written_to_the_bucket_not_to_a_local_folder_named_s3(s3, tmp_path, monkeypatch):
+    """The bug this storage fixes: an s3:// root was taken as a path, and every checkpoint landed in ./s3:/..."""
+    root, options, fs = s3
+    monkeypatch.chdir(tmp_path)
+    ctx, state, dl = _setup(ga=1)
+    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+
+    assert [] == os.listdir(tmp_path)
+    objects = sorted(p.rsplit("/", 1)[-1] for p in fs.find(root.removeprefix("s3://")))
+    assert {"MANIFEST.json", "model.safetensors", "state.json", ".trainfold.lock"} <= set(objects)
+    assert verify_checkpoint(latest_checkpoint(root, storage_options=options), storage_options=options)["step"] == 6
+
+
+def test_fsspecs_own_configuration_reaches_the_store_without_storage_options(server, tmp_path):
+    """FSSPEC_S3_ENDPOINT_URL and the AWS_* credentials, as a job launched with them reads them (a fresh process)."""
+    root = server.bucket("env-config") + "/run"
+    code = (
+        "import torch\n"
+        "from trainfold import testing, save_checkpoint, latest_checkpoint, load_checkpoint\n"
+        "ctx, state, *_ = testing.tiny_setup(seed=0)\n"
+        f"save_checkpoint(ctx, {root!r}, state)\n"
+        f"print(load_checkpoint(ctx, {root!r}, state).step, latest_checkpoint({root!r}))\n"
+        "ctx.close()\n"
+    )
+    env = {**os.environ, **server.env()}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert 0 == result.returncode, result.stderr[-3000:]
+    assert f"0 {root}/ckpt-0000000000" == result.stdout.strip()
+
+
+# --- the manifest is the commit ------------------------------------------------------------------
+
+
+def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_at_the_next_commit(s3):
+    root, options, fs = s3
+    ctx, state, dl = _setup(ga=1)
+    state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    where = root.removeprefix("s3://")
+    fs.pipe_file(f"{where}/ckpt-0000000099/model.safetensors", b"half an upload")  # a save killed before its manifest
+
+    assert [f"{root}/ckpt-0000000006"] == list_checkpoints(root, storage_options=options)
+    assert 6 == load_checkpoint(ctx, root, state, storage_options=options).step
+    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    assert not fs.exists(f"{where}/ckpt-0000000099")
+    assert [f"{root}/ckpt-0000000006", f"{root}/ckpt-0000000012"] == list_checkpoints(root, storage_options=options)
+
+
+def test_keep_last_deletes_after_the_commit_and_never_the_newest_finite_checkpoint():
+    root = "memory://keep-last/run"
+    ctx, state, dl = _setup(ga=1)
+    step = make_step(ctx, helpers.ce_loss)
+    for _ in range(3):
+        state = save_checkpoint(ctx, root, run_epoch(ctx, step, dl, state), keep_last=2)
+    assert ["ckpt-0000000012", "ckpt-0000000018"] == [c.rsplit("/", 1)[-1] for c in list_checkpoints(root)]
+    with torch.no_grad():
+        state.model[0].weight.fill_(float("nan"))  # the run diverged: two checkpoints of NaN weights follow
+    for _ in range(2):
+        state = save_checkpoint(ctx, root, attrs.evolve(state, step=state.step + 1), keep_last=2)
+    names = [c.rsplit("/", 1)[-1] for c in list_checkpoints(root)]
+    assert ["ckpt-0000000018", "ckpt-0000000019", "ckpt-0000000020"] == names  # the last finite one is kept
+    ctx.close()
+
+
+def test_a_save_of_a_position_saved_before_replaces_it(s3):
+    root, options, fs = s3
+    ctx, state, dl = _setup(ga=1)
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, root, state, storage_options=options)
+    with torch.no_grad():
+        state.model[0].weight.add_(1.0)
+    save_checkpoint(ctx, root, state, storage_options=options)
+    ctx2, fresh, _ = _setup(ga=1, seed=9)
+    loaded = load_checkpoint(ctx2, root, fresh, storage_options=options)
+    testing.assert_params_equal(state, loaded)
+    assert 1 == len(list_checkpoints(root, storage_options=options))
+
+
+# --- hostile objects, as for a local folder ------------------------------------------------------
+
+
+def _committed(s3):
+    root, options, fs = s3
+    ctx, state, dl = _setup(ga=1)
+    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    ctx.close()
+    ckpt = latest_checkpoint(root, storage_options=options)
+    return ckpt, ckpt.removeprefix("s3://")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "altered", "oversized"])
+def test_every_kind_of_damage_to_every_object_is_refused_and_nothing_changes(s3, damage):
+    root, options, fs = s3
+    ckpt, where = _committed(s3)
+    for name in ("model.safetensors", "state.json", "state.safetensors", "rank-0.json", "rank-0.safetensors"):
+        good = fs.cat_file(f"{where}/{name}")
+        if damage == "missing":
+            fs.rm(f"{where}/{name}")
+        else:
+            data = {"truncated": good[:-7], "oversized": good + b"\0" * 4096,
+                    "altered": good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:]}[damage]
+            fs.pipe_file(f"{where}/{name}", data)
+        ctx, state, _ = _setup(ga=1, seed=5)
+        before = testing.parameters(state)
+        with pytest.raises(CheckpointError, match=rf"file {name} (is missing|has \d+ bytes|does not match)"):
+            load_checkpoint(ctx, ckpt, state, storage_options=options)
+        with pytest.raises(CheckpointError, match=rf"file {name}"):
+            verify_checkpoint(ckpt, storage_options=options)
+        testing.assert_params_equal(before, state)
+        ctx.close()
+        fs.pipe_file(f"{where}/{name}", good)
+
+
+def test_an_extra_object_is_never_read_and_a_forged_manifest_is_refused(s3):
+    root, options, fs = s3
+    ckpt, where = _committed(s3)
+    fs.pipe_file(f"{where}/evil.pt", b"not a pickle anyone opens")
+    ctx, state, _ = _setup(ga=1, seed=5)
+    assert 6 == load_checkpoint(ctx, ckpt, state, storage_options=options).step  # unlisted: never read
+
+    manifest = json.loads(fs.cat_file(f"{where}/MANIFEST.json"))
+    for forged in ({**manifest, "files": {**manifest["files"], "../escape.json": manifest["files"]["state.json"]}},
+                   {**manifest, "files": {k: v for k, v in manifest["files"].items() if k != "rank-0.json"}},
+                   {**manifest, "format": 99}):
+        fs.pipe_file(f"{where}/MANIFEST.json", json.dumps(forged).encode())
+        with pytest.raises(CheckpointError, match="refused|incomplete|format 99"):
+            load_checkpoint(ctx, ckpt, state, storage_options=options)
+    fs.pipe_file(f"{where}/MANIFEST.json", b"{" * 2_000_000)
+    with pytest.raises(CheckpointError, match="more than a manifest can be; refused unread"):
+        load_checkpoint(ctx, ckpt, state, storage_options=options)
+    ctx.close()
+
+
+# --- one writer ----------------------------------------------------------------------------------
+
+
+_SECOND_JOB = """
+import sys, torch
+from trainfold import CheckpointError, testing, load_checkpoint, save_checkpoint
+ctx, state, *_ = testing.tiny_setup(seed=0)
+try:
+    state = load_checkpoint(ctx, sys.argv[1], state, storage_options={options})  # the same run, continued
+    save_checkpoint(ctx, sys.argv[1], state, storage_options={options})
+    print("saved")
+except CheckpointError as exc:
+    print("refused", exc)
+ctx.close()
+"""
+
+
+def _second_job(root, options):
+    code = _SECOND_JOB.replace("{options}", repr(options))
+    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600).stdout.strip()
+
+
+def test_a_second_job_on_the_same_root_is_refused_naming_the_owner_until_the_first_ends(s3):
+    root, options, _ = s3
+    ctx, state, *_ = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, root, state, storage_options=options)
+
+    answer = _second_job(root, options)
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer and "another job" in answer
+    ctx.close()  # the lock object is removed: the next job takes it
+    assert "saved" == _second_job(root, options)
+
+
+def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, monkeypatch):
+    from trainfold.checkpoint.storage import lease
+
+    root, options, fs = s3
+    where = root.removeprefix("s3://")
+    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1}).encode())
+    ctx, state, dl = _setup(ga=1)
+    save_checkpoint(ctx, root, state, storage_options=options)  # a dead job's lease: taken over
+    owner = json.loads(fs.cat_file(f"{where}/.trainfold.lock"))
+    assert owner["pid"] == os.getpid() and owner["expires"] > time.time()
+
+    # another job takes the lock over (as if this one had stalled past its lease): this one's next save refuses
+    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode())
+    with pytest.raises(CheckpointError, match="no longer holds the root's lock.*pid 2"):
+        save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    assert json.loads(fs.cat_file(f"{where}/.trainfold.lock"))["token"] == "thief"  # the stale owner wrote nothing over it
+    ctx.close()
+    assert root not in lease._HELD
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+
+def test_an_unknown_protocol_is_refused_when_the_checkpointing_is_set_up():
+    ctx, state, dl = _setup(ga=1)
+    with pytest.raises(ValueError, match="'s4' is not a protocol fsspec knows"):
+        checkpoint_every(ctx, "s4://bucket/run", 2)
+    with pytest.raises(ValueError, match="storage_options are for a root on object storage"):
+        checkpoint_every(ctx, "local-folder", 2, storage_options={"key": "x"})
+    ctx.close()
+
+
+def test_a_bucket_that_does_not_exist_is_named_at_the_first_save_and_nothing_is_lost(s3):
+    _, options, _ = s3
+    ctx, state, dl = _setup(ga=1)
+    with pytest.raises(OSError, match="no-such-bucket"):
+        save_checkpoint(ctx, "s3://no-such-bucket/run", state, storage_options=options)
+    ctx.close()
+
+
+def test_missing_credentials_are_an_error_that_names_the_fix(server, tmp_path):
+    code = ("from trainfold import testing, save_checkpoint\n"
+            "ctx, state, *_ = testing.tiny_setup(seed=0)\n"
+            f"save_checkpoint(ctx, 's3://creds/run', state, storage_options={{'endpoint_url': {server.endpoint!r}}})\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert 0 != result.returncode
+    assert "credentials" in result.stderr.splitlines()[-1].lower()
+
+
+def test_without_fsspec_a_url_root_names_the_extra_to_install():
+    code = ("import sys; sys.modules['fsspec'] = None\n"
+            "from trainfold import testing, checkpoint_every\n"
+            "ctx, *_ = testing.tiny_setup(seed=0)\n"
+            "try:\n    checkpoint_every(ctx, 's3://bucket/run', 1)\nexcept ImportError as exc:\n    print(exc)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "pip install 'trainfold[s3]'" in result.stdout, result.stderr[-2000:]
+
+
+# --- what else takes a root ----------------------------------------------------------------------
+
+
+def test_fit_resumes_from_an_s3_checkpoint_dir(s3):
+    root, options, _ = s3
+    ctx, state, dl = _setup(ga=1)
+    first = fit(ctx, helpers.ce_loss, dl, state, max_epochs=2, checkpoint_dir=root, storage_options=options, progress=False, echo=False)
+    ctx2, fresh, dl2 = _setup(ga=1, seed=4)
+    more = fit(ctx2, helpers.ce_loss, dl2, fresh, max_epochs=3, checkpoint_dir=root, storage_options=options, progress=False, echo=False)
+    assert (2, 3) == (first.epoch, more.epoch)
+    assert 3 == len(list_checkpoints(root, storage_options=options))
+
+
+def test_save_best_and_restore_best_take_an_s3_path(s3):
+    root, options, _ = s3
+    ctx, state, dl = _setup(ga=1)
+    path = f"{root}/best.safetensors"
+    best = save_best(ctx, path, "eval_loss", evaluate(ctx, helpers.ce_loss, dl, state), storage_options=options)
+    weights = testing.parameters(best)
+    later = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, best)
+    testing.assert_params_equal(weights, restore_best(ctx, path, later, storage_options=options))
+    with pytest.raises(FileNotFoundError, match="no weights at"):
+        restore_best(ctx, f"{root}/none.safetensors", later, storage_options=options)
+
+
+def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
+    root, options, _ = s3
+    expected = _train(*_setup(ga=1))
+    ctx, state, dl = _setup(ga=1)
+    trained = _train(ctx, state, dl, checkpoint_every(ctx, root, 2, async_save=True, storage_options=options))
+    ctx.wait_for_checkpoints()
+    testing.assert_params_equal(expected, trained)
+    ctx2, fresh, _ = _setup(ga=1, seed=8)
+    testing.assert_params_equal(trained, load_checkpoint(ctx2, root, fresh, storage_options=options))
