@@ -277,7 +277,7 @@ def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, 
 
     root, options, fs = s3
     where = root.removeprefix("s3://")
-    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1}).encode())
+    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1, "lease_s": 1}).encode())
     ctx, state, dl = _setup(ga=1)
     save_checkpoint(ctx, root, state, storage_options=options)  # a dead job's lease: taken over
     owner = json.loads(fs.cat_file(f"{where}/.trainfold.lock"))

@@ -56,7 +56,7 @@ def main():
         state = load_checkpoint(ctx, root, state)
     step = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in sys.argv)(make_step(ctx, loss_fn, clip_grad_norm=1.0))
     if "--slow-saves" in sys.argv:  # widen the window in which a kill lands during a save
-        inner, pause = step, 0.05 if "--fsdp2" in sys.argv else 0.01
+        inner, pause = step, 0.05 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.01
 
         def step(s, b):
             time.sleep(pause)

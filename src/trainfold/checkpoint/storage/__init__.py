@@ -113,10 +113,10 @@ def write_object(path: str | os.PathLike[str], data: bytes, storage_options: Map
 
         atomic_write(_local(path), write)
         return
-    from trainfold.checkpoint.storage.remote import store_call
+    from trainfold.checkpoint.storage.requests import call
 
     fs, where = _filesystem(str(path), storage_options)
-    store_call(f"writing {path}", lambda: fs.pipe_file(where, data))
+    call(fs, f"writing {path}", "pipe_file", where, data)
 
 
 def read_object(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> bytes:
@@ -127,7 +127,7 @@ def read_object(path: str | os.PathLike[str], storage_options: Mapping[str, Any]
     """
     if not is_url(path):
         return _local(path).read_bytes()
-    from trainfold.checkpoint.storage.remote import store_call
+    from trainfold.checkpoint.storage.requests import call
 
     fs, where = _filesystem(str(path), storage_options)
-    return bytes(store_call(f"reading {path}", lambda: fs.cat_file(where)))
+    return bytes(call(fs, f"reading {path}", "cat_file", where))

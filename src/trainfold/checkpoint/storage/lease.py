@@ -6,13 +6,12 @@ created with a conditional write that succeeds only if no such object exists
 (``If-None-Match: *``): of two jobs that start on one root, one gets it and the
 other a ``CheckpointError`` naming the owner. The owner renews the lease from a
 thread every third of its length with a write conditional on the lock's ETag
-(``If-Match``); a lease that ran out (the owner died, or lost the store for
-longer than the lease) is taken over the same way, conditional on the ETag the
-taker read, so of two takers one wins. An owner whose renewal finds another
-ETag has lost the lock: its next save raises instead of writing beside the
-job that took it over. Expiry compares the owner's clock with the taker's:
-machines whose clocks differ by more than a fraction of the lease are not
-supported.
+(``If-Match``). A job that finds the lock watches it for one lease: renewed,
+its owner is alive and the job is refused; not renewed, the owner is gone (a
+killed job leaves its lock behind) and the job takes it over with a write
+conditional on the ETag it watched, so of two takers one wins. An owner whose
+renewal finds another ETag has lost the lock: its next save raises instead of
+writing beside the job that took it over. No clocks are compared.
 
 Conditional writes are what S3 (and S3-protocol servers that honour them),
 GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``
@@ -33,12 +32,17 @@ import warnings
 import weakref
 from typing import Any
 
+from trainfold.checkpoint.storage.requests import call
 from trainfold.errors import CheckpointError
 
 LOCK_NAME = ".trainfold.lock"
-#: how long a lease lasts unless renewed, and how often its owner renews it
-LEASE_S = 60.0
+#: how long a lease lasts unless renewed (``TRAINFOLD_LOCK_LEASE_S``), and how often its owner renews it
+LEASE_S = float(os.environ.get("TRAINFOLD_LOCK_LEASE_S", "30"))
 RENEW_EVERY_S = LEASE_S / 3
+#: the longest lease a lock may declare and be waited for (a forged lock cannot make a job wait longer)
+MAX_LEASE_S = 600.0
+#: how often a job waiting on another's lease looks at the lock
+POLL_S = 0.5
 
 logger = logging.getLogger("trainfold")
 
@@ -57,7 +61,7 @@ def _protocol(fs: Any) -> str:
 
 
 def _etag(fs: Any, path: str) -> str:
-    info = fs.info(path)
+    info = call(fs, "reading the lock", "info", path)
     return str(info.get("ETag") or info.get("etag") or info.get("created") or "")
 
 
@@ -71,7 +75,7 @@ def _create(fs: Any, path: str, body: bytes) -> None:
             fs.pipe_file(path, body)
         return
     try:
-        fs.pipe_file(path, body, mode="create")
+        call(fs, "creating the lock", "pipe_file", path, body, mode="create")
     except FileExistsError:
         raise _Lost from None
 
@@ -87,7 +91,7 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
             return _memory_tag(fs, path)
     if kind in ("s3", "s3a"):
         try:
-            out = fs.pipe_file(path, body, IfMatch=etag)
+            out = call(fs, "renewing the lock", "pipe_file", path, body, IfMatch=etag)
         except FileNotFoundError:
             raise _Lost from None
         except OSError as exc:
@@ -98,12 +102,12 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
     # no conditional write known for this store: best effort (see the module's docstring)
     if _etag(fs, path) != etag:
         raise _Lost
-    fs.pipe_file(path, body)
+    call(fs, "renewing the lock", "pipe_file", path, body)
     return _etag(fs, path)
 
 
 def _memory_tag(fs: Any, path: str) -> str:
-    return str(hash(bytes(fs.cat_file(path))))
+    return str(hash(bytes(fs.cat_file(path))))  # memory://: the store is this process's, no request
 
 
 def _tag(fs: Any, path: str) -> str:
@@ -143,20 +147,41 @@ class LeaseLock:
         self._start_renewing()
 
     def _take_over(self) -> None:
-        etag = _tag(self.fs, self.path)
-        owner = _read_owner(self.fs, self.path)
-        if owner.get("expires", 0) > time.time():
-            raise CheckpointError(
-                f"{self.url} is being written by another job ({_describe(owner)}, its lease renewed until "
-                f"{time.strftime('%H:%M:%S', time.localtime(owner['expires']))}): two writers would overwrite each other's "
-                "checkpoints. Stop the other job (a requeued copy of this one?) or give this one another root."
-            )
+        """Take over a lock whose owner is gone: one whose lease is not renewed for a whole lease.
+
+        This job watches the lock for the owner's lease (``lease_s``, plus a margin): a renewal (another ETag)
+        means the owner is alive, and this job is refused; none means it died (a
+        killed job leaves its lock behind), and this job takes it, conditional on the
+        ETag it watched. Watching for a renewal, not comparing clocks, is what makes
+        this safe between machines whose clocks differ.
+        """
+        etag, owner = _tag(self.fs, self.path), _read_owner(self.fs, self.path)
+        declared = owner.get("lease_s")
+        lease_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
+        # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
+        logger.warning("trainfold: %s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
+                       "killed leaves its lock behind).", self.url, _describe(owner), lease_s + 2 * POLL_S)
+        deadline = time.monotonic() + lease_s + 2 * POLL_S
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            if not _exists(self.fs, self.path):  # released meanwhile: create it as a first owner does
+                try:
+                    _create(self.fs, self.path, self.body())
+                    self.etag = _tag(self.fs, self.path)
+                    return
+                except _Lost:
+                    raise CheckpointError(self._refusal(_read_owner(self.fs, self.path))) from None
+            if _tag(self.fs, self.path) != etag:
+                raise CheckpointError(self._refusal(_read_owner(self.fs, self.path)))
         try:
             self.etag = _replace(self.fs, self.path, self.body(), etag)
         except _Lost:
-            raise CheckpointError(f"{self.url}: another job took over the lock whose lease had run out at the same moment "
-                                  f"({_describe(_read_owner(self.fs, self.path))}): give this one another root.") from None
-        logger.warning("trainfold: took over the lock of %s, whose lease had run out (%s).", self.url, _describe(owner))
+            raise CheckpointError(self._refusal(_read_owner(self.fs, self.path))) from None
+        logger.warning("trainfold: took over the lock of %s, whose owner did not renew it for its whole lease (%s).", self.url, _describe(owner))
+
+    def _refusal(self, owner: dict[str, Any]) -> str:
+        return (f"{self.url} is being written by another job ({_describe(owner)}, which renews its lease): two writers would "
+                "overwrite each other's checkpoints. Stop the other job (a requeued copy of this one?) or give this one another root.")
 
     def renew(self) -> None:
         """Extend the lease (a write conditional on the ETag this process wrote last)."""
@@ -203,8 +228,8 @@ class LeaseLock:
             if self.lost is None:
                 try:
                     if _tag(self.fs, self.path) == self.etag:
-                        self.fs.rm(self.path)
-                except Exception:  # the store unreachable: the lease runs out on its own
+                        call(self.fs, "removing the lock", "rm", self.path)
+                except OSError:  # the store unreachable: the lease runs out on its own
                     pass
             self.lost = "released"
 
@@ -249,9 +274,13 @@ def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
     return Held(url)
 
 
+def _exists(fs: Any, path: str) -> bool:
+    return bool(fs.exists(path)) if _protocol(fs) == "memory" else bool(call(fs, "reading the lock", "exists", path))
+
+
 def _read_owner(fs: Any, path: str) -> dict[str, Any]:
     try:
-        owner = json.loads(bytes(fs.cat_file(path))[:4096])
+        owner = json.loads(bytes(call(fs, "reading the lock", "cat_file", path))[:4096])
         return owner if isinstance(owner, dict) else {}
     except (OSError, ValueError):
         return {}

@@ -23,35 +23,24 @@ fails on every process together and commits nothing. One writer per root is
 
 from __future__ import annotations
 
-import errno
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterable, Iterator
 
 import attrs
 
 from trainfold.checkpoint import digest as _digest
 from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, NAME
 from trainfold.checkpoint.storage import lease as _lease
+from trainfold.checkpoint.storage.requests import call, guarded
 from trainfold.errors import CheckpointError
 
 #: a ranged read's size, and how many run at once
-READ_PART = 16 << 20
-READ_THREADS = 8
-#: what a write hands the store at once (a multipart upload's part)
+READ_PART = 64 << 20
+READ_THREADS = 4
+#: a multipart upload's part (S3 takes 5 MiB to 5 GiB), and how many are uploaded at once
 WRITE_PART = 16 << 20
-
-_T = TypeVar("_T")
-
-
-def store_call(what: str, fn: Callable[[], _T]) -> _T:
-    """``fn()``, its failure an ``OSError`` that says what was being done (a ``CheckpointError`` passes as it is)."""
-    try:
-        return fn()
-    except (CheckpointError, OSError):
-        raise
-    except Exception as exc:  # botocore's and the other stores' own errors: a failed request to the store
-        raise OSError(errno.EIO, f"{what}: {type(exc).__name__}: {exc}") from exc
+WRITE_THREADS = 8
 
 
 @attrs.frozen
@@ -78,12 +67,12 @@ class RemoteCheckpoint:
         return posixpath.join(self.where, name)
 
     def committed(self) -> bool:
-        return bool(store_call(f"looking for {self.url}/{MANIFEST}", lambda: self.fs.exists(self._object(MANIFEST))))
+        return bool(call(self.fs, f"looking for {self.url}/{MANIFEST}", "exists", self._object(MANIFEST)))
 
     def manifest_bytes(self, limit: int) -> bytes:
         path = self._object(MANIFEST)
         try:
-            size = store_call(f"reading {self.url}/{MANIFEST}", lambda: self.fs.info(path)["size"])
+            size = call(self.fs, f"reading {self.url}/{MANIFEST}", "info", path)["size"]
         except FileNotFoundError:
             raise CheckpointError(
                 f"{self.url} is not a trainfold checkpoint: it has no {MANIFEST} (an unfinished save leaves its objects "
@@ -91,11 +80,11 @@ class RemoteCheckpoint:
             ) from None
         if size > limit:
             raise CheckpointError(f"{self.url}/{MANIFEST} is damaged: {size} bytes, more than a manifest can be; refused unread.")
-        return bytes(store_call(f"reading {self.url}/{MANIFEST}", lambda: self.fs.cat_file(path)))
+        return bytes(call(self.fs, f"reading {self.url}/{MANIFEST}", "cat_file", path))
 
     def size(self, name: str) -> int:
         try:
-            info = store_call(f"reading {self.url}/{name}", lambda: self.fs.info(self._object(name)))
+            info = call(self.fs, f"reading {self.url}/{name}", "info", self._object(name))
         except FileNotFoundError:
             raise CheckpointError(f"{self.url}: file {name} is missing; the checkpoint is damaged.") from None
         if info.get("type") != "file":
@@ -108,7 +97,7 @@ class RemoteCheckpoint:
 
         def part(start: int) -> None:
             end = min(start + READ_PART, size)
-            data = store_call(f"reading {self.url}/{name}", lambda: self.fs.cat_file(path, start=start, end=end))
+            data = call(self.fs, f"reading {self.url}/{name}", "cat_file", path, start=start, end=end)
             if len(data) != end - start:
                 raise CheckpointError(f"{self.url}: file {name} changed size while it was read: altered.")
             buf[start:end] = data
@@ -121,10 +110,10 @@ class RemoteCheckpoint:
         size = self.size(name)
         for start in range(0, size, READ_PART):
             end = min(start + READ_PART, size)
-            yield store_call(f"reading {self.url}/{name}", lambda: self.fs.cat_file(self._object(name), start=start, end=end))
+            yield call(self.fs, f"reading {self.url}/{name}", "cat_file", self._object(name), start=start, end=end)
 
     def names(self) -> list[str]:
-        found = store_call(f"listing {self.url}", lambda: self.fs.ls(self.where, detail=False, refresh=True))
+        found = call(self.fs, f"listing {self.url}", "ls", self.where, detail=False, refresh=True)
         return [posixpath.basename(p.rstrip("/")) for p in found]
 
     def local_folder(self) -> str | None:
@@ -142,17 +131,18 @@ class RemoteStaging:
 
     def write(self, name: str, chunks: Iterable[Any]) -> dict[str, Any]:
         ckpt = self.checkpoint
-        digest, size = _digest.new(), 0
+        digest = _digest.new()
 
-        def upload() -> None:
-            nonlocal size
-            with ckpt.fs.open(ckpt._object(name), "wb", block_size=WRITE_PART) as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                    digest.update(chunk)
-                    size += memoryview(chunk).nbytes
+        def hashed() -> Iterator[Any]:
+            for chunk in chunks:
+                digest.update(chunk)
+                yield chunk
 
-        store_call(f"writing {ckpt.url}/{name}", upload)
+        path, what = ckpt._object(name), f"writing {ckpt.url}/{name}"
+        if _protocol(ckpt.fs) in ("s3", "s3a"):
+            size = _upload_s3(ckpt.fs, path, hashed(), what)
+        else:
+            size = guarded(what, lambda: _upload(ckpt.fs, path, hashed()))
         return _digest.entry(size, digest)
 
     def digest(self, name: str) -> dict[str, Any]:
@@ -164,17 +154,101 @@ class RemoteStaging:
 
     def commit(self, manifest: bytes) -> None:
         ckpt = self.checkpoint
-        store_call(f"committing {ckpt.url}", lambda: ckpt.fs.pipe_file(ckpt._object(MANIFEST), manifest))
+        call(ckpt.fs, f"committing {ckpt.url}", "pipe_file", ckpt._object(MANIFEST), manifest)
 
     def discard(self) -> None:
         _remove_quietly(self.checkpoint)
 
 
+def _protocol(fs: Any) -> str:
+    protocol = fs.protocol
+    return str(protocol[0] if isinstance(protocol, (tuple, list)) else protocol)
+
+
+def _upload(fs: Any, path: str, chunks: Iterable[Any]) -> int:
+    """Any fsspec store: the filesystem's own writer."""
+    size = 0
+    with fs.open(path, "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
+            size += memoryview(chunk).nbytes
+    return size
+
+
+def _parts(chunks: Iterable[Any], size: int) -> Iterator[Any]:
+    """The chunks regrouped into parts of ``size`` bytes (the last shorter): slices of a large buffer, joins of small ones."""
+    pending: list[memoryview] = []
+    held, yielded = 0, False
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while len(view):
+            take = min(size - held, len(view))
+            pending.append(view[:take])
+            held += take
+            view = view[take:]
+            if held == size:
+                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                pending, held, yielded = [], 0, True
+    if held or not yielded:  # the last, shorter part (or the one empty part of an empty file)
+        yield b"".join(pending)
+
+
+def _upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
+    """S3: one ``PutObject`` for a small file; a multipart upload for a large one, :data:`WRITE_THREADS` parts at once.
+
+    The parts are slices of the tensors' own memory where a tensor is at least a
+    part long; at most twice :data:`WRITE_THREADS` parts are held at once. A failed
+    upload is aborted (its parts are dropped by the store) and raised.
+    """
+    bucket, key, _ = fs.split_path(path)
+    parts = _parts(chunks, WRITE_PART)
+    first = next(parts)
+    second = next(parts, None)
+    if second is None:  # one part: a single request
+        call(fs, what, "call_s3", "put_object", Bucket=bucket, Key=key, Body=bytes(first))
+        return len(first)
+    upload = call(fs, what, "call_s3", "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    size, done, inflight = 0, [], []
+
+    def send(number: int, body: Any) -> dict[str, Any]:
+        out = call(fs, what, "call_s3", "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=bytes(body))
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    try:
+        with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
+            for number, body in enumerate(_chain(first, second, parts), start=1):
+                size += len(body)
+                inflight.append(pool.submit(send, number, body))
+                if len(inflight) >= 2 * WRITE_THREADS:
+                    done.append(inflight.pop(0).result())
+            done += [f.result() for f in inflight]
+        call(fs, what, "call_s3", "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+    except BaseException:
+        _abort(fs, bucket, key, upload, inflight)
+        raise
+    return size
+
+
+def _chain(first: Any, second: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield second
+    yield from rest
+
+
+def _abort(fs: Any, bucket: str, key: str, upload: str, inflight: list[Future[Any]]) -> None:
+    for f in inflight:
+        f.cancel()
+    try:
+        call(fs, "aborting an upload", "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+    except OSError:  # the store unreachable: an unfinished upload is dropped by the bucket's lifecycle rules, never listed
+        pass
+
+
 def _remove_quietly(ckpt: RemoteCheckpoint) -> None:
     try:
-        if ckpt.fs.exists(ckpt.where):
-            ckpt.fs.rm(ckpt.where, recursive=True)
-    except Exception:  # a failed save's clean-up: what is left is removed at the next commit
+        if call(ckpt.fs, f"removing {ckpt.url}", "exists", ckpt.where):
+            call(ckpt.fs, f"removing {ckpt.url}", "rm", ckpt.where, recursive=True)
+    except OSError:  # a failed save's clean-up: what is left is removed at the next commit
         pass
 
 
@@ -202,7 +276,7 @@ class RemoteRoot:
 
     def _listing(self) -> list[str]:
         try:
-            found = store_call(f"listing {self.url}", lambda: self.fs.ls(self.where, detail=False, refresh=True))
+            found = call(self.fs, f"listing {self.url}", "ls", self.where, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         return [posixpath.basename(p.rstrip("/")) for p in found]
@@ -222,13 +296,13 @@ class RemoteRoot:
         if fresh:  # the same position saved again: it stops being a checkpoint first, then its objects go
             manifest = ckpt._object(MANIFEST)
             if ckpt.committed():
-                store_call(f"replacing {ckpt.url}", lambda: ckpt.fs.rm(manifest))
+                call(ckpt.fs, f"replacing {ckpt.url}", "rm", manifest)
             _remove_quietly(ckpt)
         return RemoteStaging(ckpt)
 
     def remove(self, name: str) -> None:
         ckpt = self.checkpoint(name)
-        store_call(f"removing {ckpt.url}", lambda: ckpt.fs.rm(ckpt._object(MANIFEST)))
+        call(ckpt.fs, f"removing {ckpt.url}", "rm", ckpt._object(MANIFEST))
         _remove_quietly(ckpt)
 
     def clean(self) -> None:

@@ -1,0 +1,158 @@
+"""Checkpoints on a real S3-protocol server (moto's, on 127.0.0.1) under faults: two processes, kills, a server that stops.
+
+Every test here spawns processes (the server, torchrun jobs) and waits for events, with a hard timeout.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import helpers
+import pytest
+import s3fs
+import torch
+from accelerate import Accelerator
+from safetensors.torch import load_file
+
+from trainfold import Context, TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, testing, verify_checkpoint
+
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with helpers.moto_server() as s:
+        yield s
+
+
+def _env(server):
+    # a killed job leaves its lock behind for one lease: 3 s here, so that each restart waits that long, not 30 s
+    return {**os.environ, **server.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINFOLD_LOCK_LEASE_S": "3"}
+
+
+def _torchrun(root, out, *extra):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(testing.free_port()),
+            str(SCRIPT), root, str(out), *extra]
+
+
+def _to_end(server, root, out, *extra):
+    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=600, env=_env(server))
+    assert 0 == result.returncode, result.stderr[-3000:]
+    return load_file(str(out))
+
+
+def _newest(server, root):
+    return latest_checkpoint(root, storage_options=server.options())
+
+
+def _killed(server, root, out, delay, *extra):
+    """Start the 2-process job, SIGKILL the launcher and both workers ``delay`` s after it committed a new checkpoint."""
+    before = _newest(server, root)
+    with subprocess.Popen(_torchrun(root, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(server),
+                          start_new_session=True) as proc:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        if not all(line.startswith("ready") for line in lines):
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
+        pids = [int(line.split()[1]) for line in lines]
+        deadline = time.monotonic() + 600
+        while _newest(server, root) == before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # the event the kill counts from: a new committed checkpoint
+        time.sleep(delay)
+        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in pids)):
+            try:
+                kill()
+            except ProcessLookupError:  # it had ended (the job finished first): counted as not killed
+                pass
+        proc.communicate(timeout=30)
+    return proc.returncode
+
+
+def test_a_two_process_job_on_s3_saves_sharded_and_resumes_bit_for_bit_after_kills_during_uploads(server, tmp_path):
+    """torchrun, 2 CPU processes (DDP), a sharded checkpoint after every update uploaded in the background, the root an
+    s3:// URL configured only by the environment: killed (launcher and workers, SIGKILL) at random moments, restarted
+    each time, it ends bit for bit as a clean run, and every checkpoint it left verifies."""
+    bucket = server.bucket("kills")
+    expected = _to_end(server, f"{bucket}/clean", tmp_path / "clean.safetensors", "--async-saves")
+    assert 2 == verify_checkpoint(_newest(server, f"{bucket}/clean"), storage_options=server.options())["format"]  # sharded
+
+    rng = random.Random(7)
+    root = f"{bucket}/killed"
+    kills = sum(_killed(server, root, tmp_path / "killed.safetensors", rng.uniform(0.05, 0.6), "--async-saves", "--slow-saves") == -signal.SIGKILL
+                for _ in range(3))
+    progress = verify_checkpoint(_newest(server, root), storage_options=server.options())["step"]
+    for ckpt in list_checkpoints(root, storage_options=server.options()):
+        verify_checkpoint(ckpt, storage_options=server.options())  # no kill left a committed checkpoint that does not verify
+    resumed = _to_end(server, root, tmp_path / "killed.safetensors", "--async-saves")
+
+    assert kills >= 2
+    assert 0 < progress < verify_checkpoint(_newest(server, root), storage_options=server.options())["step"]
+    testing.assert_params_equal(expected, resumed)
+
+
+def test_a_server_that_stops_answering_in_the_middle_of_a_save_fails_it_in_bounded_time_and_commits_nothing(tmp_path, monkeypatch):
+    """The server freezes (SIGSTOP) while a background save uploads: the save fails with an OSError within the bounded
+    time of its requests (the job does not hang), nothing is committed, and the previous checkpoint stays the newest."""
+    from trainfold.checkpoint.storage import requests
+
+    monkeypatch.setattr(requests, "REQUEST_TIMEOUT_S", 3.0)  # 120 s by default: the bound, not its value, is tested
+    with helpers.moto_server() as server:
+        root = server.bucket("frozen") + "/run"
+        options = server.options()
+        testing.reset_accelerate_state()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(4096, 2048)  # 32 MiB of weights: several parts, uploaded while the server stops
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        first = save_checkpoint(ctx, root, state, storage_options=options)
+        kept = testing.parameters(first)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        save_checkpoint(ctx, root, attrs.evolve(first, step=1), storage_options=options, async_save=True)
+        watcher = s3fs.S3FileSystem(**server.options(), use_listings_cache=False)
+        deadline = time.monotonic() + 120
+        while not watcher.exists(f"{root.removeprefix('s3://')}/ckpt-0000000001") and time.monotonic() < deadline:
+            time.sleep(0.005)  # the event: the save's first object is there
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(OSError):
+                ctx.wait_for_checkpoints()
+            waited = time.monotonic() - started
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert waited < 60  # a few requests, each cut at 3 s
+
+        assert [f"{root}/ckpt-0000000000"] == list_checkpoints(root, storage_options=server.options())
+        testing.reset_accelerate_state()
+        ctx2 = Context(accelerator=Accelerator(cpu=True))
+        fresh_model = torch.nn.Linear(4096, 2048)
+        fresh = TrainState.create(ctx2, model=fresh_model, optimizer=torch.optim.SGD(fresh_model.parameters(), lr=0.1))
+        testing.assert_params_equal(kept, load_checkpoint(ctx2, root, fresh, storage_options=server.options()))
+        ctx2.close()
+        ctx.close()
+
+
+def _memory_root_on_two_processes():
+    ctx, state, *_ = testing.tiny_setup(seed=0)
+    try:
+        save_checkpoint(ctx, "memory://one-process/run", state)
+        return "saved"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+
+
+def test_memory_is_refused_as_the_root_of_several_processes_on_every_process():
+    """memory:// is one process's memory: every process refuses it at once (none is left waiting in a collective)."""
+    answers = testing.run_distributed(_memory_root_on_two_processes, nprocs=2, timeout=600)
+    assert 2 == len(answers) and all("is one process's memory, and this run has 2 processes" in a for a in answers)
