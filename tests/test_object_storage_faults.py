@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from trainfold import Context, TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, testing, verify_checkpoint
+from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, testing, verify_checkpoint
 
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
@@ -83,6 +83,7 @@ def test_a_two_process_job_on_s3_saves_sharded_and_resumes_bit_for_bit_after_kil
     bucket = server.bucket("kills")
     expected = _to_end(server, f"{bucket}/clean", tmp_path / "clean.safetensors", "--async-saves")
     assert 2 == verify_checkpoint(_newest(server, f"{bucket}/clean"), storage_options=server.options())["format"]  # sharded
+    testing.assert_params_equal(expected, _loaded_on_one_process(server, f"{bucket}/clean"))  # elastic: 2 processes' shards, 1 process
 
     rng = random.Random(7)
     root = f"{bucket}/killed"
@@ -96,6 +97,17 @@ def test_a_two_process_job_on_s3_saves_sharded_and_resumes_bit_for_bit_after_kil
     assert kills >= 2
     assert 0 < progress < verify_checkpoint(_newest(server, root), storage_options=server.options())["step"]
     testing.assert_params_equal(expected, resumed)
+
+
+def _loaded_on_one_process(server, root):
+    """The newest checkpoint under ``root`` loaded by this one process into resumable_run.py's model (resharded from 2)."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    loaded = load_checkpoint(ctx, root, state, storage_options=server.options())
+    ctx.close()
+    return testing.parameters(loaded)
 
 
 def test_a_server_that_stops_answering_in_the_middle_of_a_save_fails_it_in_bounded_time_and_commits_nothing(tmp_path, monkeypatch):
@@ -124,7 +136,7 @@ def test_a_server_that_stops_answering_in_the_middle_of_a_save_fails_it_in_bound
         server.proc.send_signal(signal.SIGSTOP)
         try:
             started = time.monotonic()
-            with pytest.raises(OSError):
+            with pytest.raises(OSError, match="did not answer within 3 s.*nothing was committed"):
                 ctx.wait_for_checkpoints()
             waited = time.monotonic() - started
         finally:
@@ -156,3 +168,21 @@ def test_memory_is_refused_as_the_root_of_several_processes_on_every_process():
     """memory:// is one process's memory: every process refuses it at once (none is left waiting in a collective)."""
     answers = testing.run_distributed(_memory_root_on_two_processes, nprocs=2, timeout=600)
     assert 2 == len(answers) and all("is one process's memory, and this run has 2 processes" in a for a in answers)
+
+
+def _save_to_a_missing_bucket(options):
+    ctx, state, *_ = testing.tiny_setup(seed=0)
+    try:
+        save_checkpoint(ctx, "s3://no-such-bucket/run", state, storage_options=options)
+        return "saved"
+    except (OSError, CheckpointError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        ctx.close()
+
+
+def test_a_missing_bucket_fails_the_first_save_on_every_process_together(server):
+    """Bad input found at the first save (the main process takes the lock there) is agreed: both processes raise, none waits."""
+    answers = testing.run_distributed(_save_to_a_missing_bucket, server.options(), nprocs=2, timeout=600)
+    assert answers[0].startswith("OSError") and "no-such-bucket" in answers[0] and "does not exist" in answers[0]
+    assert answers[1].startswith("CheckpointError") and "failed on another process" in answers[1]
