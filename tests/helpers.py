@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -173,8 +174,8 @@ def each_fresh(*runs):
 
 
 @contextlib.contextmanager
-def moto_server():
-    """A real S3-protocol server (moto's server mode) on 127.0.0.1, in a subprocess: yields its endpoint URL.
+def moto_server(env: dict[str, str] | None = None):
+    """A real S3-protocol server (moto's server mode) on 127.0.0.1, in a subprocess (with ``env`` added to its environment).
 
     Loopback only, a free port, stopped (killed) when the block ends; ``.proc`` of the yielded
     value lets a test stop it in the middle of a save.
@@ -183,7 +184,7 @@ def moto_server():
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
         deadline = time.monotonic() + 120

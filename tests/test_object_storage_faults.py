@@ -3,6 +3,7 @@
 Every test here spawns processes (the server, torchrun jobs) and waits for events, with a hard timeout.
 """
 
+import json
 import os
 import random
 import signal
@@ -186,3 +187,23 @@ def test_a_missing_bucket_fails_the_first_save_on_every_process_together(server)
     answers = testing.run_distributed(_save_to_a_missing_bucket, server.options(), nprocs=2, timeout=600)
     assert answers[0].startswith("OSError") and "no-such-bucket" in answers[0] and "does not exist" in answers[0]
     assert answers[1].startswith("CheckpointError") and "failed on another process" in answers[1]
+
+
+def test_credentials_that_may_not_write_are_refused_at_the_first_save_and_nothing_is_written(tmp_path):
+    """moto enforcing IAM (after the set-up's requests): a user whose policy allows reading only saves nothing, and says why."""
+    import boto3
+
+    with helpers.moto_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"}) as server:  # the 4 set-up requests below are not checked
+        admin = {"endpoint_url": server.endpoint, "aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        boto3.client("s3", **admin).create_bucket(Bucket="read-only")
+        iam = boto3.client("iam", **admin)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        reader = {"endpoint_url": server.endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+        ctx, state, *_ = testing.tiny_setup(seed=0)
+        with pytest.raises(OSError, match=r"locking s3://read-only/run failed \(Access Denied\).*may write there"):
+            save_checkpoint(ctx, "s3://read-only/run", state, storage_options=reader)
+        assert [] == list_checkpoints("s3://read-only/run", storage_options=reader)
+        ctx.close()

@@ -69,8 +69,9 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
     cleanup()
     if isinstance(error, OSError):
         advice = ("Free space (or lower keep_last) and save again." if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-                  "Check that the folder exists and this process may write there, and save again.")
-        raise OSError(error.errno, f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. {advice}") from error
+                  "Check that the folder (or bucket) exists and this process may write there, and save again.")
+        text = f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. {advice}"
+        raise (OSError(error.errno, text) if error.errno is not None else OSError(text)) from error
     if error is not None:
         raise error
     raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
