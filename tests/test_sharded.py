@@ -249,27 +249,21 @@ def test_a_gathered_checkpoint_resumes_on_another_number_of_processes(saved, res
             assert torch.equal(value, started[3][k][name]), (k, name)
 
 
-def _gathered_into_fsdp2(root):
-    ctx, state, _ = _setup("fsdp2")
-    try:
-        load_checkpoint(ctx, root, state)
-        return "loaded"
-    except ValueError as exc:  # CheckpointError
-        return str(exc)
-    finally:
-        ctx.close()
-
-
 @pytest.mark.multiprocess
-def test_a_gathered_checkpoint_is_not_dealt_out_to_fsdp_shards_and_says_the_way(tmp_path):
-    """FSDP2 over 2 processes from a one-process gathered checkpoint: refused by name, nothing changed (a sharded one reshards)."""
-    ctx, state, _ = _setup("ddp")
-    save_checkpoint(ctx, tmp_path, state)
-    ctx.close()
+def test_a_one_process_gathered_checkpoint_is_dealt_out_into_fsdp2_shards(tmp_path):
+    """One process (the gathered format) stopped mid-epoch, resumed under FSDP2 over 2 processes: the whole tensors are
+    dealt out into the shards; every sample of the epoch once over the two runs; model, optimizer and scheduler exact."""
+    first = _run("ddp", 1, str(tmp_path), stop_after=4, sharded=False)
+    assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path))["files"]
+    second = _run("fsdp2", 2, str(tmp_path), resume=True)
 
-    for message in testing.run_distributed(_gathered_into_fsdp2, str(tmp_path), nprocs=2):
-        assert "in the gathered format and this run shards its parameters (FSDP) over 2" in message
-        assert "save_checkpoint(..., sharded=True)" in message
+    assert sorted(i for seen, *_ in first + second for i in seen) == list(range(48))
+    stopped, started = first[0][2], second[0][1]
+    testing.assert_params_equal(stopped[0], started[0])
+    assert stopped[1] == started[1] == 4 and stopped[2] == started[2]
+    for k, per in stopped[3].items():
+        for name, value in per.items():
+            assert torch.equal(value, started[3][k][name]), (k, name)
 
 
 def _gathered_under_fsdp2(root):

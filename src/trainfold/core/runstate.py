@@ -191,19 +191,20 @@ def _same(value: Any) -> Any:
     return value
 
 
-def put_back(run: RunState, state: TrainState, *, keep_run: bool = True) -> TrainState:
+def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_and_optimizer: bool = True) -> TrainState:
     """Put ``run`` into ``state``'s live objects (in place) and return its values with ``state``'s handles.
 
     The weights, gradients, optimizer, scheduler and scaler states, Accelerate's
     counter and the global random states become ``run``'s: copies with
     ``keep_run`` (a snapshot can be put back again), ``run``'s own objects
     without (a run state just read from a checkpoint, used once). Call
-    :func:`check_fits` first: this changes things as it goes.
+    :func:`check_fits` first: this changes things as it goes. ``model_and_optimizer=False``:
+    the caller put the weights and optimizer state back itself (dealt out into FSDP's shards).
     """
     own: Callable[[Any], Any] = copy.deepcopy if keep_run else _same
     acc = state.accelerator
     model = unwrap(acc, state.model)
-    if not run.sharded:  # a sharded checkpoint's model and optimizer are put back by _sharded.apply
+    if not run.sharded and model_and_optimizer:  # a sharded checkpoint's are put back by its format (formats/dcp.py)
         model.load_state_dict(run.weights, strict=True)
         inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
     for name, p in model.named_parameters():

@@ -29,7 +29,14 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -340,3 +347,21 @@ def apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Map
     weights = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
     optim = {**rest, **{k[len(OPTIM):]: v for k, v in tensors.items() if k.startswith(OPTIM)}}
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=_OPTIONS)  # type: ignore[arg-type]
+
+
+def deal_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]) -> None:
+    """Put whole tensors (a gathered checkpoint's, which every process holds) into this run's shards (FSDP's DTensors).
+
+    The optimizer's state is keyed by parameter index as torch's ``state_dict`` keys it;
+    here by parameter name, as DCP's full state dicts are. Call after every check: this
+    changes the live model and optimizer.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in optimizer_state["param_groups"] for i in g["params"]]
+    fqn = {str(i): names[id(p)] for i, p in zip(saved_ids, params)}
+    state = {fqn[str(k)]: v for k, v in optimizer_state["state"].items()}
+    groups = [{**g, "params": [fqn[str(i)] for i in g["params"]]} for g in optimizer_state["param_groups"]]
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, dict(weights), options=options)
+    set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)

@@ -11,7 +11,8 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from trainfold.backend.engine import shards_parameters
+from trainfold.backend.engine import shards_parameters, unwrap
+from trainfold.backend.optim import inner_optimizer
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
 from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, to_host
@@ -24,7 +25,7 @@ from trainfold.errors import CheckpointError
 
 
 class Gathered:
-    """Format 1: the model and optimizer gathered into the main process's files; resumed on any number of replicas."""
+    """Format 1: the model and optimizer gathered into the main process's files; resumed on any number of processes."""
 
     code = FORMAT
     partitioned = False
@@ -39,18 +40,13 @@ class Gathered:
         return {}  # every tensor is in the shared files
 
     def load(self, ctx: Context, folder: Stored, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
-        """The whole model and optimizer are in the shared files, so a checkpoint of N processes continues on M
-        replicas (DDP, one process): every process reads them, and the data position of the first process, in samples."""
+        """The whole model and optimizer are in the shared files, so a checkpoint of N processes continues on M: every
+        process reads them, and the data position of the first process, in samples. Replicas (DDP, one process) take
+        them whole; under FSDP they are dealt out into this run's shards."""
         acc = ctx.accelerator
         world = manifest["world_size"]
         elastic = world != acc.num_processes
-        if elastic and shards_parameters(acc):
-            raise CheckpointError(
-                f"{folder} was written by {world} process(es) in the gathered format and this run shards its parameters "
-                f"(FSDP) over {acc.num_processes}: a gathered checkpoint is dealt out to replicas (DDP, one process) only. "
-                f"Resume it on {world} process(es), or on {acc.num_processes} without FSDP, and save there with "
-                "save_checkpoint(..., sharded=True), which resumes under FSDP on any number of processes."
-            )
+        into_shards = shards_parameters(acc)
         source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
         files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
         run, resume, saved_steps = decode(folder, files, state, source)
@@ -59,13 +55,23 @@ class Gathered:
             run, resume = elastic_resume(folder, run, resume, saved_steps, world, acc)
         else:
             check_accumulation(ctx, folder, saved_steps)
+        if into_shards and run.grads:
+            raise CheckpointError(
+                f"{folder} was saved in the middle of an accumulation group, and its partial gradients are whole tensors this "
+                f"run would have to shard (FSDP over {acc.num_processes}): resume it without FSDP, or from a checkpoint at an "
+                "optimizer update (checkpoint_every saves at updates)."
+            )
         try:
             check_fits(run, state)
         except StateMismatch as exc:
             raise CheckpointError(f"{folder} {exc}") from None
 
         # Everything read and checked: now change things.
-        return loaded(put_back(run, state, keep_run=False), resume)
+        if into_shards:
+            from trainfold.checkpoint.formats import dcp
+
+            dcp.deal_out(unwrap(acc, state.model), inner_optimizer(state.optimizer), run.weights, run.optimizer)
+        return loaded(put_back(run, state, keep_run=False, model_and_optimizer=not into_shards), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The model's ``model.safetensors``, verified, as tensors of their own."""
