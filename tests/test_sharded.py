@@ -237,6 +237,8 @@ def test_a_gathered_checkpoint_resumes_on_another_number_of_processes(saved, res
     of the epoch once over the two runs; model, optimizer and scheduler exact (it was refused: 'cannot be dealt out')."""
     first = _run("ddp", saved, str(tmp_path), stop_after=stop_after, sharded=False)
     second = _run("ddp", resumed, str(tmp_path), resume=True, sharded=False)
+    warned = second[0][4]
+    assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
 
     assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path))["files"]  # still gathered: one file
     trained = sorted(i for seen, *_ in first + second for i in seen)
@@ -257,6 +259,8 @@ def test_a_one_process_gathered_checkpoint_is_dealt_out_into_fsdp2_shards(tmp_pa
     assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path))["files"]
     second = _run("fsdp2", 2, str(tmp_path), resume=True)
 
+    warned = second[0][4]
+    assert len(warned) == 1 and "global batch of 4 samples per update" in warned[0] and "this run's is 8" in warned[0]
     assert sorted(i for seen, *_ in first + second for i in seen) == list(range(48))
     stopped, started = first[0][2], second[0][1]
     testing.assert_params_equal(stopped[0], started[0])
