@@ -224,3 +224,63 @@ class S3Server:
         if not fs.exists(name):
             fs.call_s3("create_bucket", Bucket=name)  # no LocationConstraint: us-east-1 takes none
         return f"s3://{name}"
+
+
+def kill_after_a_new_checkpoint(cmd, env, newest, delay: float) -> int:
+    """Start the 2-process torchrun job ``cmd`` (its workers print "ready <pid>"), SIGKILL the launcher and both workers
+    ``delay`` s after ``newest()`` (the newest committed checkpoint) changed; return the launcher's exit status.
+
+    Waiting for that event, not for a fixed time: on a loaded machine a job once had no checkpoint at all when the kills
+    came. A job that ended first is not killed (its status says so).
+    """
+    import signal
+
+    before = newest()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as proc:
+        lines = [proc.stdout.readline() for _ in range(2)]
+        if not all(line.startswith("ready") for line in lines):
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
+        pids = [int(line.split()[1]) for line in lines]
+        deadline = time.monotonic() + 600
+        while newest() == before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)  # training: the first new checkpoint is the event the kill counts from
+        time.sleep(delay)
+        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in pids)):
+            try:
+                kill()
+            except ProcessLookupError:  # it had ended already
+                pass
+        proc.communicate(timeout=30)
+    return proc.returncode
+
+
+class NoisyData(torch.utils.data.Dataset):
+    """Draws from the global torch RNG in __getitem__, like a random augmentation."""
+
+    def __init__(self, n=21):
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def noisy_setup(ga=3, seed=0):
+    """A fresh Context, a dropout MLP with SGD momentum and a step scheduler, and a shuffled loader of NoisyData."""
+    from trainfold import Context, TrainState
+
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = mlp(dropout=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
+    return ctx, state, dl

@@ -29,31 +29,7 @@ from trainfold import (
 )
 
 
-class NoisyData(torch.utils.data.Dataset):
-    """Draws from the global torch RNG in __getitem__, like a random augmentation."""
-
-    def __init__(self, n=21):
-        g = torch.Generator().manual_seed(3)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
-
-
-def _setup(ga=3, seed=0):
-    testing.reset_accelerate_state()
-    torch.manual_seed(seed)
-    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
-    model = helpers.mlp(dropout=0.3)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
-    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
-    return ctx, state, dl
+_setup = helpers.noisy_setup  # Accelerate's state reset, a dropout MLP, SGD momentum, StepLR, a shuffled noisy loader
 
 
 EPOCHS = 3

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import pytest
 from safetensors.torch import load_file
 
@@ -68,32 +69,8 @@ def _newest(root):
 
 
 def _fsdp2_killed(root, out, delay, *extra):
-    """Start the 2-process FSDP2 job, SIGKILL the launcher and both workers ``delay`` s after it committed a new checkpoint.
-
-    Waiting for that event, not for a fixed time: on a loaded machine the job once had no checkpoint at all when the
-    kills came (then verify_checkpoint(None) failed).
-    """
-    before = _newest(root)
-    with subprocess.Popen(_torchrun(root, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
-                          start_new_session=True) as proc:
-        lines = [proc.stdout.readline() for _ in range(2)]
-        if not all(line.startswith("ready") for line in lines):
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
-        pids = [int(line.split()[1]) for line in lines]
-        deadline = time.monotonic() + 600
-        while _newest(root) == before and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # training: the first new checkpoint is the event the kill counts from
-        time.sleep(delay)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in pids:  # the workers too, wherever they are
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate(timeout=30)
-    return proc.returncode
+    """Start the 2-process FSDP2 job, SIGKILL the launcher and both workers ``delay`` s after it committed a new checkpoint."""
+    return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), ENV, lambda: _newest(root), delay)
 
 
 @pytest.mark.parametrize("extra", [("--async-saves",)], ids=["async"])

@@ -55,26 +55,7 @@ def _newest(server, root):
 
 def _killed(server, root, out, delay, *extra):
     """Start the 2-process job, SIGKILL the launcher and both workers ``delay`` s after it committed a new checkpoint."""
-    before = _newest(server, root)
-    with subprocess.Popen(_torchrun(root, out, *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(server),
-                          start_new_session=True) as proc:
-        lines = [proc.stdout.readline() for _ in range(2)]
-        if not all(line.startswith("ready") for line in lines):
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
-        pids = [int(line.split()[1]) for line in lines]
-        deadline = time.monotonic() + 600
-        while _newest(server, root) == before and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)  # the event the kill counts from: a new committed checkpoint
-        time.sleep(delay)
-        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in pids)):
-            try:
-                kill()
-            except ProcessLookupError:  # it had ended (the job finished first): counted as not killed
-                pass
-        proc.communicate(timeout=30)
-    return proc.returncode
+    return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), _env(server), lambda: _newest(server, root), delay)
 
 
 def test_a_two_process_job_on_s3_saves_sharded_and_resumes_bit_for_bit_after_kills_during_uploads(server, tmp_path):
