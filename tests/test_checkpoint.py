@@ -10,22 +10,8 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError,
-    Context,
-    TrainState,
-    checkpoint_every,
-    ema,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    log_every,
-    loop,
-    make_step,
-    nan_guard,
-    run_epoch,
-    save_checkpoint,
-    testing,
-    verify_checkpoint,
+    CheckpointError, Context, TrainState, checkpoint_every, ema, latest_checkpoint, list_checkpoints, load_checkpoint,
+    log_every, loop, make_step, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
 )
 
 
