@@ -277,6 +277,15 @@ def test_an_unknown_protocol_is_refused_when_the_checkpointing_is_set_up():
     ctx.close()
 
 
+@pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "100000"])
+def test_a_lease_that_is_not_a_sensible_number_of_seconds_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", value)
+    ctx, state, dl = _setup(ga=1)
+    with pytest.raises(ValueError, match=rf"TRAINFOLD_LOCK_LEASE_S='{value}': .* above 0 and at most 600"):
+        save_checkpoint(ctx, f"memory://lease-{abs(hash(value))}/run", state)
+    ctx.close()
+
+
 def test_a_bucket_that_does_not_exist_is_named_at_the_first_save_and_nothing_is_lost(s3):
     _, options, _ = s3
     ctx, state, dl = _setup(ga=1)

@@ -12,9 +12,11 @@ manifest's); a format knows nothing of where they go. The save and load protocol
 - :class:`Stored`, a committed checkpoint: its manifest's bytes, each file's
   size and bytes (read once, verified by the caller as it reads), the names it holds.
 
-The interfaces are in ``protocol.py``. Today's one storage is a local POSIX folder (``local.py``: fsync, rename, a
-``lockf`` lock); :func:`open_root` and :func:`checkpoint_at` choose the storage
-of a path.
+The interfaces are in ``protocol.py``. Two storages implement them: a local
+POSIX folder (``local.py``: fsync, commit by rename, a ``lockf`` lock in
+``lock.py``) and any fsspec URL (``remote.py``: the manifest as the commit, a
+lease lock in ``lease.py``, every request bounded in ``requests.py``).
+:func:`open_root` and :func:`checkpoint_at` choose the storage of a path.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from trainfold.checkpoint.storage.protocol import Lock, Staging, Storage, Stored
 
 __all__ = ["Lock", "Staging", "Storage", "Stored", "checkpoint_at", "is_url", "open_root", "read_object", "write_object"]
 
-#: options trainfold gives an ``s3://`` store unless ``storage_options`` says otherwise: bounded retries and timeouts
-#: (a server that stops answering fails a save in well under a minute instead of hanging it), no cached listings
+#: options trainfold gives an ``s3://`` store unless ``storage_options`` says otherwise: botocore's connect and read
+#: timeouts and few retries (a whole request is bounded by ``requests.REQUEST_TIMEOUT_S``), no cached listings
 #: (another process's objects are seen at once)
 S3_DEFAULTS: dict[str, Any] = {
     "use_listings_cache": False,

@@ -32,13 +32,12 @@ import warnings
 import weakref
 from typing import Any
 
-from trainfold.checkpoint.storage.requests import call
+from trainfold.checkpoint.storage.requests import call, protocol_of
 from trainfold.errors import CheckpointError
 
 LOCK_NAME = ".trainfold.lock"
-#: how long a lease lasts unless renewed (``TRAINFOLD_LOCK_LEASE_S``), and how often its owner renews it
-LEASE_S = float(os.environ.get("TRAINFOLD_LOCK_LEASE_S", "30"))
-RENEW_EVERY_S = LEASE_S / 3
+#: how long a lease lasts unless renewed, unless ``TRAINFOLD_LOCK_LEASE_S`` says otherwise (its owner renews it every third)
+LEASE_S = 30.0
 #: the longest lease a lock may declare and be waited for (a forged lock cannot make a job wait longer)
 MAX_LEASE_S = 600.0
 #: how often a job waiting on another's lease looks at the lock
@@ -55,19 +54,33 @@ class _Lost(Exception):
     """A conditional write found another ETag (or an object where none was expected)."""
 
 
-def _protocol(fs: Any) -> str:
-    protocol = fs.protocol
-    return protocol[0] if isinstance(protocol, (tuple, list)) else str(protocol)
-
-
 def _etag(fs: Any, path: str) -> str:
     info = call(fs, "reading the lock", "info", path)
     return str(info.get("ETag") or info.get("etag") or info.get("created") or "")
 
 
+def lease_s() -> float:
+    """The lease this process's locks take: ``TRAINFOLD_LOCK_LEASE_S`` seconds, or :data:`LEASE_S`.
+
+    Raises:
+        ValueError: the variable is not a positive number of seconds up to :data:`MAX_LEASE_S`.
+    """
+    text = os.environ.get("TRAINFOLD_LOCK_LEASE_S")
+    if text is None:
+        return LEASE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= MAX_LEASE_S:
+        raise ValueError(f"TRAINFOLD_LOCK_LEASE_S={text!r}: the lease of a checkpoint root's lock must be a number of seconds "
+                         f"above 0 and at most {MAX_LEASE_S:.0f}.")
+    return value
+
+
 def _create(fs: Any, path: str, body: bytes) -> None:
     """Write ``path`` only if it does not exist (``If-None-Match: *``); raise _Lost if it does."""
-    kind = _protocol(fs)
+    kind = protocol_of(fs)
     if kind == "memory":
         with _MEMORY:
             if fs.exists(path):
@@ -82,7 +95,7 @@ def _create(fs: Any, path: str, body: bytes) -> None:
 
 def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
     """Write ``path`` only if it still has ``etag`` (``If-Match``); return the new ETag, or raise _Lost."""
-    kind = _protocol(fs)
+    kind = protocol_of(fs)
     if kind == "memory":
         with _MEMORY:
             if not fs.exists(path) or _memory_tag(fs, path) != etag:
@@ -111,7 +124,7 @@ def _memory_tag(fs: Any, path: str) -> str:
 
 
 def _tag(fs: Any, path: str) -> str:
-    return _memory_tag(fs, path) if _protocol(fs) == "memory" else _etag(fs, path)
+    return _memory_tag(fs, path) if protocol_of(fs) == "memory" else _etag(fs, path)
 
 
 class LeaseLock:
@@ -125,10 +138,11 @@ class LeaseLock:
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.lease_s = lease_s()
 
     def body(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
-                           "expires": time.time() + LEASE_S, "lease_s": LEASE_S}).encode()
+                           "expires": time.time() + self.lease_s, "lease_s": self.lease_s}).encode()
 
     def take(self) -> None:
         """Create the lock, or take over one whose lease ran out.
@@ -136,7 +150,7 @@ class LeaseLock:
         Raises:
             CheckpointError: a live owner holds it (named).
         """
-        if _protocol(self.fs) not in ("s3", "s3a", "memory"):
+        if protocol_of(self.fs) not in ("s3", "s3a", "memory"):
             warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
                           "started on this root are not kept apart (see the README's object storage section).", stacklevel=4)
         try:
@@ -157,11 +171,11 @@ class LeaseLock:
         """
         etag, owner = _tag(self.fs, self.path), _read_owner(self.fs, self.path)
         declared = owner.get("lease_s")
-        lease_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
+        watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
         logger.warning("trainfold: %s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
-                       "killed leaves its lock behind).", self.url, _describe(owner), lease_s + 2 * POLL_S)
-        deadline = time.monotonic() + lease_s + 2 * POLL_S
+                       "killed leaves its lock behind).", self.url, _describe(owner), watch_s + 2 * POLL_S)
+        deadline = time.monotonic() + watch_s + 2 * POLL_S
         while time.monotonic() < deadline:
             time.sleep(POLL_S)
             if not _exists(self.fs, self.path):  # released meanwhile: create it as a first owner does
@@ -197,8 +211,8 @@ class LeaseLock:
     def _start_renewing(self) -> None:
         ref = weakref.ref(self)
 
-        def renewing(stop: threading.Event) -> None:
-            while not stop.wait(RENEW_EVERY_S):
+        def renewing(stop: threading.Event, every_s: float) -> None:
+            while not stop.wait(every_s):
                 live = ref()
                 if live is None:
                     return
@@ -208,7 +222,7 @@ class LeaseLock:
                     logger.warning("trainfold: renewing the lock of %s failed (%s); retrying.", live.url, exc)
                 del live
 
-        self._thread = threading.Thread(target=renewing, args=(self._stop,), name="trainfold-lease", daemon=True)
+        self._thread = threading.Thread(target=renewing, args=(self._stop, self.lease_s / 3), name="trainfold-lease", daemon=True)
         self._thread.start()
 
     def confirm(self) -> None:
@@ -216,7 +230,7 @@ class LeaseLock:
         if self.lost is not None:
             raise CheckpointError(
                 f"{self.url}: this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
-                f"job stalled for over {LEASE_S:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
+                f"job stalled for over {self.lease_s:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
                 "there; stop this job, or give it another root."
             )
 
@@ -275,7 +289,7 @@ def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
 
 
 def _exists(fs: Any, path: str) -> bool:
-    return bool(fs.exists(path)) if _protocol(fs) == "memory" else bool(call(fs, "reading the lock", "exists", path))
+    return bool(fs.exists(path)) if protocol_of(fs) == "memory" else bool(call(fs, "reading the lock", "exists", path))
 
 
 def _read_owner(fs: Any, path: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import attrs
 from trainfold.checkpoint import digest as _digest
 from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, NAME
 from trainfold.checkpoint.storage import lease as _lease
-from trainfold.checkpoint.storage.requests import call, guarded
+from trainfold.checkpoint.storage.requests import call, guarded, protocol_of
 from trainfold.errors import CheckpointError
 
 #: a ranged read's size, and how many run at once
@@ -139,7 +139,7 @@ class RemoteStaging:
                 yield chunk
 
         path, what = ckpt._object(name), f"writing {ckpt.url}/{name}"
-        if _protocol(ckpt.fs) in ("s3", "s3a"):
+        if protocol_of(ckpt.fs) in ("s3", "s3a"):
             size = _upload_s3(ckpt.fs, path, hashed(), what)
         else:
             size = guarded(what, lambda: _upload(ckpt.fs, path, hashed()))
@@ -158,11 +158,6 @@ class RemoteStaging:
 
     def discard(self) -> None:
         _remove_quietly(self.checkpoint)
-
-
-def _protocol(fs: Any) -> str:
-    protocol = fs.protocol
-    return str(protocol[0] if isinstance(protocol, (tuple, list)) else protocol)
 
 
 def _upload(fs: Any, path: str, chunks: Iterable[Any]) -> int:

@@ -40,6 +40,12 @@ def call(fs: Any, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
     return guarded(what, lambda: getattr(fs, method)(*args, **kwargs))
 
 
+def protocol_of(fs: Any) -> str:
+    """The filesystem's protocol (``s3``, ``memory``...): its first name where it has several."""
+    protocol = fs.protocol
+    return str(protocol[0] if isinstance(protocol, (tuple, list)) else protocol)
+
+
 def _advice(exc: Exception) -> str:
     name = type(exc).__name__
     if "Credentials" in name:
