@@ -28,7 +28,7 @@ class Captured:
     weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
     #: files the format writes as they are (DeepSpeed's engine files), by name
     files: Mapping[str, bytes] = attrs.field(factory=dict, repr=False)
-    #: a sharded checkpoint's tensors, for ``_sharded.write_shards``; None otherwise
+    #: a sharded checkpoint's tensors, which the format's ``write_pieces`` writes; None otherwise
     shards: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
 
 
