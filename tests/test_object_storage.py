@@ -17,6 +17,8 @@ import attrs
 import helpers
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trainfold import (
     CheckpointError,
@@ -348,3 +350,15 @@ def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
     testing.assert_params_equal(expected, trained)
     ctx2, fresh, _ = _setup(ga=1, seed=8)
     testing.assert_params_equal(trained, load_checkpoint(ctx2, root, fresh, storage_options=options))
+
+
+@given(sizes=st.lists(st.integers(0, 40), max_size=8), part=st.integers(1, 16))
+def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_every_byte_in_order(sizes, part):
+    """S3's multipart rule: every part but the last exactly ``part`` bytes, none empty unless the file is (an empty
+    last part after an exact multiple would be refused); joined, the parts are the file."""
+    from trainfold.checkpoint.storage.remote import _parts
+
+    chunks = [bytes(range(i, i + n)) for i, n in enumerate(sizes)]
+    parts = [bytes(p) for p in _parts(chunks, part)]
+    assert b"".join(parts) == b"".join(chunks)
+    assert all(len(p) == part for p in parts[:-1]) and 0 < len(parts[-1]) <= part if sum(sizes) else parts == [b""]

@@ -270,6 +270,41 @@ def test_a_one_process_gathered_checkpoint_is_dealt_out_into_fsdp2_shards(tmp_pa
             assert torch.equal(value, started[3][k][name]), (k, name)
 
 
+def _ddp_saves_gathered(root):
+    """2 DDP processes, accumulation 2: a gathered checkpoint in the middle of a group (3 micro-batches), one at an update (4)."""
+    ctx, state, dl = _setup("ddp", ga=2)
+    step = make_step(ctx, helpers.ce_loss)
+    state = run_epoch(ctx, step, dl, state, max_batches=3)
+    save_checkpoint(ctx, f"{root}/mid", state, sharded=False)
+    state = run_epoch(ctx, step, dl, state, max_batches=1)
+    save_checkpoint(ctx, f"{root}/update", state, sharded=False)
+    params = _full_params(state)
+    ctx.close()
+    return params
+
+
+def _fsdp2_loads_gathered(root):
+    ctx, state, _ = _setup("fsdp2", ga=2, seed=7)
+    try:
+        load_checkpoint(ctx, f"{root}/mid", state)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    loaded = _full_params(load_checkpoint(ctx, f"{root}/update", state))
+    ctx.close()
+    return refused, loaded
+
+
+@pytest.mark.multiprocess
+def test_a_gathered_checkpoint_of_as_many_ddp_processes_is_dealt_into_fsdp2_shards_at_an_update_only(tmp_path):
+    """The same number of processes, another layout: DDP's gathered checkpoint at an update goes into FSDP2's shards
+    exactly; one in the middle of an accumulation group is refused (its whole partial gradients cannot be sharded)."""
+    expected = testing.run_distributed(_ddp_saves_gathered, str(tmp_path), nprocs=2)[0]
+    for refused, loaded in testing.run_distributed(_fsdp2_loads_gathered, str(tmp_path), nprocs=2):
+        assert "in the middle of an accumulation group" in refused and "resume it without FSDP" in refused
+        testing.assert_params_equal(expected, loaded)
+
+
 def _gathered_under_fsdp2(root):
     ctx, state, _ = _setup("fsdp2")
     try:

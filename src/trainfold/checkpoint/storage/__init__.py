@@ -59,11 +59,11 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     protocol = url.split("://", 1)[0]
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import registry
     except ImportError:
         raise ImportError(f"{url}: checkpoints on object storage need fsspec and the store's package: pip install 'trainfold[s3]' "
                           "for s3:// (gcsfs for gs://, adlfs for az://).") from None
-    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+    if protocol not in fsspec.available_protocols() and protocol not in registry:  # known to fsspec, or registered with it
         raise ValueError(f"{url}: {protocol!r} is not a protocol fsspec knows (s3, gs, az, memory, ...): check the root's URL.")
     try:
         fsspec.get_filesystem_class(protocol)
