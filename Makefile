@@ -71,7 +71,7 @@ test-multiprocess: $(STAMP)
 	$(PY) -m pytest -m multiprocess
 
 test-deepspeed: $(DS_STAMP)
-	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" tests/test_deepspeed.py
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" tests/test_deepspeed.py tests/test_export_transformers.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"

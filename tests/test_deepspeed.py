@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
+    checkpoint_weights,
+    export_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     loop,
@@ -339,3 +343,49 @@ def test_a_deepspeed_checkpoint_of_another_zero_stage_or_model_is_refused_before
     assert "holds ZeRO stage 2 optimizer states and this run uses stage 3" in stage
     assert "is from another model: parameter '3.bias' has shape (3,) in the checkpoint and (4,) in this model" in model
     assert same is None  # the same settings load
+
+
+def _train_and_save(stage, root, ga):
+    """A few updates under ZeRO ``stage``, then one checkpoint; the whole parameters at that moment."""
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects()
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    state = run_epoch(ctx, max_steps(3)(make_step(ctx, helpers.ce_loss)), dl)(state)
+    save_checkpoint(ctx, root, state)
+    params = _full_params(acc, state.model)
+    ctx.close()
+    return params
+
+
+@pytest.mark.parametrize("stage,ga", [(2, 1), (3, 2)])
+def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, tmp_path):
+    """ZeRO's partitions of 2 processes put together with no process group, from verified files read by the restricted
+    unpickler: the trained model's parameters, bit for bit (checkpoint_weights, export_checkpoint and `trainfold export`)."""
+    [want, _] = testing.run_distributed(_train_and_save, stage, str(tmp_path / "root"), ga, nprocs=2)
+
+    got = checkpoint_weights(tmp_path / "root")
+    written = export_checkpoint(tmp_path / "root", tmp_path / "model.safetensors")
+    cli = subprocess.run([sys.executable, "-m", "trainfold", "diff", str(written), str(tmp_path / "root")], capture_output=True, text=True, timeout=300)
+
+    assert sorted(got) == sorted(want)
+    testing.assert_params_equal(want, got)
+    assert cli.returncode == 0 and "bit for bit" in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_a_deepspeed_checkpoint_whose_partitions_do_not_add_up_is_not_exported(tmp_path):
+    """One rank's ZeRO-2 optimizer partition forged (manifest rewritten to match) shorter: refused, naming the group, nothing written."""
+    testing.run_distributed(_train_and_save, 2, str(tmp_path / "root"), 1, nprocs=2)
+    folder = latest_checkpoint(tmp_path / "root")
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    states = torch.load(folder / name, weights_only=False)
+    groups = states["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    groups[0] = groups[0][: groups[0].numel() // 2].clone()
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    _replace_file(folder, name, buffer.getvalue())
+
+    with pytest.raises(CheckpointError, match="parameter group 0"):
+        export_checkpoint(folder, tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()

@@ -3,7 +3,8 @@
     trainfold ls ROOT          each checkpoint under ROOT: update, epoch, position, format, processes, finite, size
     trainfold verify PATH      the manifest check of a checkpoint (exit 1 when it fails, naming the file and why)
     trainfold inspect PATH     counters, stop, the last records, accumulation and precision, layout, versions
-    trainfold export PATH OUT  the model's weights as one safetensors file (gathered or sharded, any number of processes)
+    trainfold export PATH OUT  the model's weights as one safetensors file (gathered, sharded of any mesh, DeepSpeed ZeRO);
+                               with --transformers CONFIG_DIR, a save_pretrained folder of CONFIG_DIR's model
     trainfold diff A B         per-tensor max |difference| of two checkpoints or weight files (exit 0 when bit-equal)
 
 ``--json`` prints one JSON document instead, for scripts. A path that is not a
@@ -15,6 +16,7 @@ unpickled: the manifest and ``state.json`` are read as JSON, verified first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -40,12 +42,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, what, places in (("ls", "list the checkpoints under a root", ("root",)), ("verify", "check a checkpoint against its manifest", ("path",)),
                                ("inspect", "what a checkpoint holds, besides its tensors", ("path",)),
-                               ("export", "the model's weights as one safetensors file", ("path", "out")),
+                               ("export", "the model's weights as one safetensors file (or a save_pretrained folder)", ("path", "out")),
                                ("diff", "compare the weights of two checkpoints or safetensors files", ("a", "b"))):
         sub = commands.add_parser(name, help=what)
         for place in places:
             sub.add_argument(place)
         sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+        if name == "export":
+            sub.add_argument("--transformers", metavar="CONFIG_DIR", help="write OUT as a save_pretrained folder of this Hugging Face model folder's model")
     args = parser.parse_args(argv)
     try:
         if args.command == "ls":
@@ -53,9 +57,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify":
             return _verify(Path(args.path), args.json)
         if args.command == "export":
-            return _print(_export(Path(args.path), Path(args.out)), args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
+            # what the libraries an export imports print (DeepSpeed's logger, progress bars) goes to stderr: stdout is the result
+            with contextlib.redirect_stdout(sys.stderr):
+                doc = _export(Path(args.path), Path(args.out), args.transformers)
+            return _print(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
         if args.command == "diff":
-            doc = _diff(Path(args.a), Path(args.b))
+            with contextlib.redirect_stdout(sys.stderr):
+                doc = _diff(Path(args.a), Path(args.b))
             _print(doc, args.json, _diff_text)
             return 0 if doc["equal"] else 1
         return _print(_inspect(Path(args.path)), args.json, _inspect_text)
@@ -204,18 +212,22 @@ def _inspect_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _export(path: Path, out: Path) -> dict[str, Any]:
+def _export(path: Path, out: Path, transformers_config: str | None) -> dict[str, Any]:
     from trainfold.checkpoint.export import export_checkpoint
 
     folder = _folder(path)
+    if transformers_config is not None and not Path(transformers_config).is_dir():
+        raise _Refused(f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least).")
     try:
-        written = export_checkpoint(folder, out)
-    except FileExistsError as exc:
+        written = export_checkpoint(folder, out, transformers_config=transformers_config)
+    except (FileExistsError, ImportError) as exc:
         raise _Refused(str(exc)) from None
     except CheckpointError as exc:
         raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
-    header = _safetensors.parse(read_into(written, written.stat().st_size))
-    return {"checkpoint": str(folder), "out": str(written), "tensors": len(header), "bytes": written.stat().st_size}
+    files = sorted(written.glob("*.safetensors")) if written.is_dir() else [written]
+    tensors = sum(len(_safetensors.parse(read_into(f, f.stat().st_size))) for f in files)
+    size = sum(f.stat().st_size for f in (written.iterdir() if written.is_dir() else [written]))
+    return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size}
 
 
 def _weights(path: Path) -> dict[str, Any]:

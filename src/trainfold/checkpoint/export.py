@@ -26,11 +26,20 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     Every file read is verified against the manifest as it is read. A sharded
     checkpoint's pieces (any number of processes, any mesh) are put together by
-    the offsets its ``tensors.json`` records. Needs no process group and loads no model.
+    the offsets its ``tensors.json`` records; a DeepSpeed checkpoint's ZeRO partitions
+    (stages 1 to 3) as DeepSpeed's ``zero_to_fp32.py`` does, from files read by torch's
+    restricted unpickler (nothing in them runs; needs deepspeed installed for its record
+    classes). Needs no process group and loads no model.
+
+    Args:
+        path: a checkpoint folder, or a root (its newest checkpoint).
+
+    Returns:
+        The weights by parameter name (a DeepSpeed checkpoint's in fp32, its master weights).
 
     Raises:
-        CheckpointError: not a checkpoint, a damaged one, or a DeepSpeed checkpoint (its
-            ZeRO partitions are not merged here: DeepSpeed's ``zero_to_fp32.py`` does it).
+        CheckpointError: not a checkpoint, or a damaged one (a file of another size or
+            digest, ZeRO partitions that do not add up).
 
     Example:
         >>> import tempfile
@@ -41,26 +50,60 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         >>> sorted(checkpoint_weights(root))
         ['bias', 'weight']
 
-    .. versionadded:: 0.3.0
+    .. versionadded:: 0.1.0
     """
     stored = resolve(path)
     manifest = read_manifest(stored)
     return by_code(manifest["format"]).weights(stored, manifest)
 
 
-def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
-    """Write the model's weights of a checkpoint (see :func:`checkpoint_weights`) to ``out``, one safetensors file.
+def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
+                      transformers_config: str | os.PathLike[str] | None = None) -> Path:
+    """Write the model's weights of a checkpoint (see :func:`checkpoint_weights`) to ``out``.
+
+    Offline and without a process group: every file is verified as it is read, and the
+    result is written next to ``out`` and renamed into place, so an interrupted export
+    leaves nothing under that name.
+
+    Args:
+        path: a checkpoint folder, or a root (its newest checkpoint); any format
+            (gathered, sharded over any number of processes or mesh, DeepSpeed ZeRO).
+        out: the file to write (one ``model.safetensors``), or with ``transformers_config``
+            the folder to write. It must not exist.
+        transformers_config: a Hugging Face model folder (at least its ``config.json``, whose
+            ``architectures`` names the model class): ``out`` becomes a ``save_pretrained``
+            folder that ``from_pretrained`` loads, with the checkpoint's weights, the config,
+            and the folder's other files (a tokenizer, a generation config) copied. Needs
+            ``transformers``; nothing is downloaded.
+
+    Returns:
+        The path written.
 
     Raises:
         FileExistsError: ``out`` exists (nothing is overwritten).
-        CheckpointError: as :func:`checkpoint_weights`.
+        CheckpointError: as :func:`checkpoint_weights`; or the weights do not fit
+            ``transformers_config``'s model (the names missing and unexpected, the shapes that differ).
+        ImportError: ``transformers_config`` given and transformers is not installed.
 
-    .. versionadded:: 0.3.0
+    Example:
+        >>> import tempfile, os
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> export_checkpoint(root, os.path.join(root, "model.safetensors")).name
+        'model.safetensors'
+
+    .. versionadded:: 0.1.0
     """
     target = Path(out)
     if target.exists():
-        raise FileExistsError(f"{target} exists: export writes a new file; remove it or name another.")
+        raise FileExistsError(f"{target} exists: export writes a new {'folder' if transformers_config else 'file'}; remove it or name another.")
     weights = checkpoint_weights(path)
+    if transformers_config is not None:
+        from trainfold.checkpoint.pretrained import write_pretrained
+
+        return write_pretrained(weights, Path(transformers_config), target)
     tmp = target.with_name(f".{target.name}.tmp")
     _safetensors.write(tmp, weights)
     os.replace(tmp, target)

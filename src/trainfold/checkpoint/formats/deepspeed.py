@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Mapping
 
 import torch
@@ -11,7 +12,7 @@ from trainfold.backend.optim import accumulation_counter
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
 from trainfold.checkpoint.formats.common import Captured, check_accumulation, loaded, to_host
-from trainfold.checkpoint.manifest import DEEPSPEED, MANIFEST, rank_files, read_verified
+from trainfold.checkpoint.manifest import DEEPSPEED, MANIFEST, is_engine_file, rank_files, read_verified
 from trainfold.checkpoint.root import agreed
 from trainfold.checkpoint.storage.protocol import Staging, Stored
 from trainfold.core.context import Context
@@ -83,10 +84,17 @@ class DeepSpeedFormat:
         return loaded(put_back(run, state, keep_run=False), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        raise CheckpointError(
-            f"{folder} is a DeepSpeed checkpoint: its ZeRO partitions are not merged by trainfold; run DeepSpeed's "
-            "zero_to_fp32.py on the engine files, or load it under DeepSpeed and save the model from there."
-        )
+        """The fp32 master weights of every ZeRO partition put together (DeepSpeed's ``zero_to_fp32``), from verified, safely parsed files."""
+        from trainfold.checkpoint.formats import engine_files as _deepspeed
+
+        files = read_verified(folder, manifest, sorted(n for n in manifest["files"] if is_engine_file(n)))
+        try:
+            return _deepspeed.merged_weights(_deepspeed.parse(files))
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a file that parsed but does not add up
+            hint = "" if importlib.util.find_spec("deepspeed") else (
+                " DeepSpeed is not installed here, and its files hold its record classes, admitted only with it: pip install deepspeed.")
+            reason = str(exc) if isinstance(exc, ValueError) else f"has DeepSpeed files that do not fit together ({type(exc).__name__}: {exc}), refused."
+            raise CheckpointError(f"{folder} {reason}{hint}") from None
 
 
 def _check_at_update(ctx: Context, state: TrainState) -> None:

@@ -193,3 +193,93 @@ def load(engine: Any, folder: str, parsed: Mapping[str, Any]) -> None:
     """Give the engine its saved states (a collective: every process calls it). Call :func:`check` first."""
     _swapped(engine, _serving(parsed), lambda: engine.load_checkpoint(
         folder, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True))
+
+
+_RANK = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
+
+
+def _by_rank(parsed: Mapping[str, Any], kind: str) -> list[Any]:
+    """The parsed ``kind`` ("model" or "optim") files of every ZeRO rank, in rank order."""
+    found = {int(m.group(1)): value for name, value in parsed.items() if (m := _RANK.fullmatch(name)) and m.group(2) == kind}
+    if sorted(found) != list(range(len(found))):
+        raise ValueError(f"has ZeRO {kind} files for ranks {sorted(found)}: one is missing, refused.")
+    return [found[r] for r in range(len(found))]
+
+
+def _numel(shape: Any) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The whole model from DeepSpeed's parsed engine files, offline: the fp32 master weights of every ZeRO partition.
+
+    What DeepSpeed's ``zero_to_fp32.py`` computes, from values already read by the restricted
+    unpickler (:func:`parse`): under ZeRO-1/2 each process's flat fp32 partition of a parameter group,
+    concatenated in rank order, is cut by the recorded ``param_shapes`` (and alignment paddings);
+    under ZeRO-3 each parameter is split over the processes (``ceil(numel / world)`` elements each,
+    the last padded) and put back together rank by rank. Buffers come from the model states, frozen
+    parameters from their recorded fragments, and a shared parameter under each of its names.
+
+    Raises:
+        ValueError: the files do not add up (a rank missing, partitions of another size): a predicate
+            about the checkpoint.
+    """
+    model_files = [v for n, v in parsed.items() if n.endswith("_model_states.pt")]
+    ranked = _by_rank(parsed, "model") or model_files[:1]
+    if not ranked:
+        raise ValueError("holds no DeepSpeed model states: incomplete, refused.")
+    first = ranked[0]
+    module = first.get("module") or {}
+    weights: dict[str, torch.Tensor] = {k: v.float() if v.is_floating_point() else v
+                                        for k, v in module.items() if k in set(first.get("buffer_names") or ())}
+    optim = [states["optimizer_state_dict"] for states in _by_rank(parsed, "optim")]
+    if not optim:  # no ZeRO partitions (stage 0): the module's states are the whole model
+        weights.update({k: v for k, v in module.items() if isinstance(v, torch.Tensor)})
+        return weights
+    world, stage = len(optim), int(optim[0]["zero_stage"])
+    if stage <= 2:
+        _merge_zero2(weights, first, optim, world)
+    else:
+        _merge_zero3(weights, ranked, optim, world)
+    for name, source in (first.get("shared_params") or {}).items():
+        if source in weights:
+            weights[name] = weights[source]
+    return weights
+
+
+def _merge_zero2(weights: dict[str, torch.Tensor], states: Mapping[str, Any], optim: list[Any], world: int) -> None:
+    weights.update(states.get("frozen_param_fragments") or {})
+    paddings = optim[0].get("param_alignment_paddings")
+    for group, shapes in enumerate(states["param_shapes"]):
+        flat = torch.cat([o["single_partition_of_fp32_groups"][group] for o in optim])
+        offset = 0
+        for i, (name, shape) in enumerate(shapes.items()):
+            size = _numel(shape)
+            if offset + size > flat.numel():
+                raise ValueError(f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, too few for {name!r}: refused.")
+            weights[name] = flat.narrow(0, offset, size).view(torch.Size(shape)).clone()
+            offset += size + (paddings[group][i] if paddings is not None else 0)
+        align = 2 * world  # DeepSpeed pads each group's flat buffer to a multiple of 2 × world
+        if -(-offset // align) != -(-flat.numel() // align):
+            raise ValueError(f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, and its shapes take {offset}: refused.")
+
+
+def _merge_zero3(weights: dict[str, torch.Tensor], ranked: list[Any], optim: list[Any], world: int) -> None:
+    if len(ranked) != world:
+        raise ValueError(f"has ZeRO-3 model states of {len(ranked)} processes and optimizer partitions of {world}: refused.")
+    for name, shape in (ranked[0].get("frozen_param_shapes") or {}).items():
+        pieces = torch.cat([states["frozen_param_fragments"][name] for states in ranked])
+        weights[name] = pieces.narrow(0, 0, _numel(shape)).view(torch.Size(shape)).clone()
+    flats = [torch.cat(list(o["fp32_flat_groups"])) for o in optim]
+    offset = 0
+    for shapes in ranked[0]["param_shapes"]:
+        for name, shape in shapes.items():
+            size = _numel(shape)
+            part = -(-size // world)
+            if offset + part > flats[0].numel():
+                raise ValueError(f"has ZeRO-3 partitions of {flats[0].numel()} elements, too few for {name!r}: refused.")
+            whole = torch.cat([flat.narrow(0, offset, part) for flat in flats])
+            weights[name] = whole.narrow(0, 0, size).view(torch.Size(shape)).clone()
+            offset += part
+    if offset != flats[0].numel():
+        raise ValueError(f"has ZeRO-3 partitions of {flats[0].numel()} elements and its shapes take {offset}: refused.")

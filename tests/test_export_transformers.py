@@ -1,0 +1,83 @@
+"""`trainfold export PATH OUT --transformers CONFIG_DIR`: a checkpoint as a save_pretrained folder that from_pretrained loads.
+
+Needs transformers (installed beside DeepSpeed: `make test-deepspeed` runs this file); skipped where it is not.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import CheckpointError, Context, TrainState, export_checkpoint, make_step, max_steps, run_epoch, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(n_embd=16):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=n_embd, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lm_loss(model, batch):
+    return model(input_ids=batch, labels=batch).loss
+
+
+@pytest.fixture
+def trained(tmp_path, isolated):
+    """A tiny GPT-2 (lm_head tied to the embedding) trained 3 updates with a composed step and checkpointed; the folder it
+    started from (save_pretrained's: config, its untrained weights, a tokenizer-like file) beside it."""
+    model = _gpt2()
+    model.save_pretrained(tmp_path / "config")
+    (tmp_path / "config" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32}))
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(1)), batch_size=4)
+    (loader,) = ctx.prepare_loaders(loader)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    state = run_epoch(ctx, max_steps(3)(make_step(ctx, _lm_loss)), loader)(state)
+    save_checkpoint(ctx, tmp_path / "root", state)
+    return tmp_path, {n: t.detach().clone() for n, t in state.model.state_dict().items()}
+
+
+def test_a_checkpoint_exports_as_a_folder_from_pretrained_loads_with_its_ties(trained):
+    tmp, want = trained
+
+    out = export_checkpoint(tmp / "root", tmp / "hf", transformers_config=tmp / "config")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    got = loaded.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(tensor, got[name]), name
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(".hf")]  # the staging folder was renamed into place
+
+
+def test_a_config_of_another_model_is_refused_naming_the_shapes_and_nothing_is_written(trained):
+    tmp, _ = trained
+    _gpt2(n_embd=32).save_pretrained(tmp / "other")
+
+    with pytest.raises(CheckpointError, match=r"do not fit .*other's model \(GPT2LMHeadModel\).* in the checkpoint and .* in the model"):
+        export_checkpoint(tmp / "root", tmp / "hf", transformers_config=tmp / "other")
+    assert not (tmp / "hf").exists()
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(".hf")]
+
+
+def test_the_command_writes_the_folder_and_refuses_a_folder_without_config_in_one_line(trained):
+    tmp, _ = trained
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=300)
+
+    done = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"), "--json")
+    again = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"))
+    (tmp / "empty").mkdir()
+    bare = run(str(tmp / "root"), str(tmp / "hf2"), "--transformers", str(tmp / "empty"))
+
+    assert 0 == done.returncode, done.stderr
+    assert json.loads(done.stdout)["tensors"] >= 1
+    assert (2, 1) == (again.returncode, len(again.stderr.strip().splitlines()))
+    assert "exists" in again.stderr
+    assert 2 == bare.returncode and "has no config.json" in bare.stderr and "Traceback" not in bare.stderr
