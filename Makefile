@@ -22,7 +22,7 @@ DS_SITE := .deepspeed-site
 DS_STAMP := $(DS_SITE)/.trainfold-installed
 FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
-.PHONY: example test test-quick test-types test-inprocess test-multiprocess test-deepspeed test-floor test-wheel bench clean
+.PHONY: example test test-quick test-types test-docs docs test-inprocess test-multiprocess test-deepspeed test-floor test-wheel bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ $(FLOOR_STAMP): pyproject.toml Makefile
 
 example: $(STAMP)
 	$(PY) examples/digits.py
+
+# The documentation site (mkdocs.yml): the guides in docs/guides/, the API reference from the docstrings.
+# --strict: a broken link, a public name without its API entry, or a docstring without its sections fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@echo "the site is in site/ (open site/index.html, or run $(VENV)/bin/mkdocs serve)"
+
+test-docs: docs
 
 # The suite in two parts: the tests that run in this process, spread over the cores by pytest-xdist, then the ones
 # marked multiprocess (they spawn torchrun jobs and gloo process groups, or time a stop), one at a time.
@@ -96,4 +104,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist site

@@ -1,7 +1,7 @@
 """Compare two versions of trainfold in the same processes: paired, interleaved, shuffled rounds.
 
 On a shared machine a loop's wall time moves between processes by more than most changes to
-the step (see README.md), so timing each version in its own processes cannot resolve a change
+the step (see docs/guides/speed.md), so timing each version in its own processes cannot resolve a change
 of a few tenths of a percent. This script copies both versions into a temporary folder as the
 packages ``trainfold_a`` and ``trainfold_b`` (its absolute imports of itself renamed), imports
 both into each process, and times the raw PyTorch loop and each version's configurations on the

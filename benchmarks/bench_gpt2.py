@@ -16,7 +16,7 @@ from its config: nothing is downloaded) on the same random token ids, with fused
 Each round runs every loop once (one epoch of ``--steps`` batches after ``--warmup`` untimed
 ones), in a shuffled order; tokens per second is counted from the first timed step to the
 device being idle after the last. Batches are pinned and copied without blocking in every
-loop (the README's advice for GPU runs). Reported per loop: the median tokens/s over the
+loop (docs/guides/speed.md's advice for GPU runs). Reported per loop: the median tokens/s over the
 rounds and the median of the per-round ratios to the raw loop. Needs CUDA and transformers.
 """
 

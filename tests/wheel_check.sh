@@ -24,5 +24,13 @@ def test_the_plugin_gives_the_isolated_fixture(isolated):
     assert 2 == Accelerator(cpu=True, gradient_accumulation_steps=2).gradient_accumulation_steps
 PY
 "$WHEEL_PY" -m pytest -q -p no:cacheprovider test_with_the_plugin.py
-"$(dirname "$WHEEL_PY")/trainfold" ls . | grep -q "(no checkpoints)"  # the console script the wheel installs
-echo "test-wheel: trainfold $version from $where: the digits example, the pytest plugin and the trainfold command ran"
+# the console script the wheel installs, every command, on a checkpoint written by the installed package
+cli="$(dirname "$WHEEL_PY")/trainfold"
+"$cli" ls . | grep -q "(no checkpoints)"
+"$WHEEL_PY" -c "from trainfold import save_checkpoint, testing; ctx, state, *_ = testing.tiny_setup(seed=0); save_checkpoint(ctx, 'ckpts', state)"
+"$cli" ls ckpts | grep -q "ckpt-0000000000"
+"$cli" verify ckpts | grep -q ": OK"
+"$cli" inspect ckpts --json | "$WHEEL_PY" -c "import json, sys; assert json.load(sys.stdin)['trainfold_version'] == '$version'"
+"$cli" export ckpts model.safetensors > /dev/null
+"$cli" diff ckpts model.safetensors | grep -q "bit for bit"
+echo "test-wheel: trainfold $version from $where: the digits example, the pytest plugin and the trainfold command (ls, verify, inspect, export, diff) ran"

@@ -10,7 +10,4 @@ class CheckpointError(ValueError):
 
     Nothing was changed when it is raised: every check of a load runs before the
     live model, optimizer and random states are touched.
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.3.0 defined in ``trainfold.errors`` (was the private ``trainfold._files``).
     """

@@ -51,7 +51,7 @@ SYNC_METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__")
 def reset_accelerate_state() -> None:
     """Forget Accelerate's process-wide state (what Accelerate's own tests do between tests).
 
-    Example:
+    Examples:
         >>> from accelerate import Accelerator
         >>> _ = Accelerator(cpu=True, gradient_accumulation_steps=3)
         >>> reset_accelerate_state()
@@ -76,7 +76,7 @@ def isolated_accelerate() -> Iterator[None]:
             with testing.isolated_accelerate():
                 yield
 
-    Example:
+    Examples:
         >>> from accelerate import Accelerator
         >>> with isolated_accelerate():
         ...     Accelerator(cpu=True, gradient_accumulation_steps=2).gradient_accumulation_steps
@@ -100,7 +100,7 @@ class SyncCounter:
 
     Plain attributes, read during or after the ``with`` block.
 
-    Example:
+    Examples:
         >>> with count_host_syncs() as syncs:
         ...     _ = torch.ones(2).sum().item(), torch.ones(2).tolist()
         >>> syncs.total, syncs.by_method
@@ -127,7 +127,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
     counted all the same, so a CPU test can prove a step has none. Calls made
     inside torch's C++ are not seen (torch's own fp16 scaler, for example).
 
-    Example:
+    Examples:
         >>> with count_host_syncs() as syncs:
         ...     _ = torch.ones(2).sum().item()
         >>> syncs.total
@@ -155,7 +155,7 @@ def count_host_syncs() -> Iterator[SyncCounter]:
 def regression_data(n: int = 16, *, seed: int = 0) -> torch.utils.data.TensorDataset:
     """``n`` seeded samples of ``y = 2x + 1 + noise`` with ``x`` of shape ``(1,)``.
 
-    Example:
+    Examples:
         >>> len(regression_data(8)), regression_data(8)[0][0].shape
         (8, torch.Size([1]))
     """
@@ -168,7 +168,7 @@ def regression_data(n: int = 16, *, seed: int = 0) -> torch.utils.data.TensorDat
 def mse_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """``mean((model(x) - y) ** 2)`` for a batch ``(x, y)``.
 
-    Example:
+    Examples:
         >>> mse_loss(torch.nn.Identity(), (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))).item()
         2.0
     """
@@ -190,7 +190,7 @@ def tiny_setup(
     CPU, SGD with learning rate ``lr``, ``n`` samples in batches of ``batch_size``.
     Pass ``accelerator`` to use your own (for accumulation or precision).
 
-    Example:
+    Examples:
         >>> ctx, state, loader, loss_fn = tiny_setup(seed=0)
         >>> state.step, len(loader), loss_fn.__name__
         (0, 4, 'mse_loss')
@@ -207,7 +207,7 @@ def tiny_setup(
 def run_steps(step: Step, state: TrainState, batches: Iterable[Batch], n: int | None = None) -> TrainState:
     """Apply ``step`` to the first ``n`` batches (all if ``None``) and return the final state.
 
-    Example:
+    Examples:
         >>> from trainfold import make_step
         >>> ctx, state, loader, loss_fn = tiny_setup(seed=0)
         >>> run_steps(make_step(ctx, loss_fn), state, loader, n=3).step
@@ -223,7 +223,7 @@ def run_steps(step: Step, state: TrainState, batches: Iterable[Batch], n: int | 
 def parameters(state_or_model: TrainState | torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of the parameters, by name (the model unwrapped from DDP if needed).
 
-    Example:
+    Examples:
         >>> sorted(parameters(torch.nn.Linear(1, 1)))
         ['bias', 'weight']
     """
@@ -239,7 +239,7 @@ def _named_message(name: str, message: str) -> str:
 def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor], b: TrainState | torch.nn.Module | dict[str, torch.Tensor], *, rtol: float = 0.0, atol: float = 0.0) -> None:
     """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default).
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(1, 1)
         >>> assert_params_equal(model, parameters(model))
     """
@@ -254,7 +254,7 @@ def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor
 def assert_params_changed(before: dict[str, torch.Tensor], after: TrainState | torch.nn.Module) -> None:
     """Assert every parameter in ``before`` (from :func:`parameters`) differs from ``after``'s.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(1, 1)
         >>> before = parameters(model)
         >>> with torch.no_grad():

@@ -17,7 +17,7 @@ from trainfold.base.types import Batch
 def describe_batch(batch: Batch, _depth: int = 0) -> str:
     """The structure of a batch: container types, tensor shapes and dtypes, never the data.
 
-    Example:
+    Examples:
         >>> describe_batch((torch.zeros(2, 3), {"y": torch.zeros(2, dtype=torch.long)}))
         'tuple(Tensor[2, 3] float32, dict(y=Tensor[2] int64))'
     """
@@ -80,7 +80,7 @@ def like(template: Batch, value: Batch) -> Batch:
     loader (the same ``collate_fn``), so a ``BatchEncoding`` stays a
     ``BatchEncoding`` and a namedtuple a namedtuple.
 
-    Example:
+    Examples:
         >>> from collections import namedtuple
         >>> Pair = namedtuple("Pair", "x y")
         >>> like(Pair(torch.zeros(1), torch.zeros(1)), (torch.ones(1), torch.ones(1))).x

@@ -24,7 +24,7 @@ def copier(cls: type[_A], *changed: str) -> Callable[..., _A]:
     The same result as ``attrs.evolve(old, **dict(zip(changed, values)))``
     (attrs' ``__init__`` runs, validators and all), cached per ``(cls, changed)``.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @attrs.frozen
         ... class P:

@@ -10,7 +10,15 @@ import attrs
 
 @attrs.frozen
 class Record:
-    """One recorded value: ``name`` was ``value`` after ``epoch`` epochs and ``step`` updates."""
+    """One recorded value: ``name`` was ``value`` after ``epoch`` epochs and ``step`` updates.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> [record] = run_epoch(ctx, make_step(ctx, loss_fn), loader, state).history
+        >>> record.name, record.epoch, record.step, round(record.value, 4)
+        ('train_loss', 1, 4, 2.3797)
+    """
 
     epoch: int
     step: int
@@ -25,13 +33,11 @@ class History:
     A record is added once per epoch or evaluation, never per step, so the
     tuple stays small; adding returns a new History.
 
-    Example:
+    Examples:
         >>> h = History().add(epoch=1, step=10, values={"train_loss": 0.5})
         >>> h = h.add(epoch=2, step=20, values={"train_loss": 0.25, "eval_loss": 0.3})
         >>> h["train_loss"], h.latest("eval_loss"), h.names
         ((0.5, 0.25), 0.3, ('train_loss', 'eval_loss'))
-
-    .. versionadded:: 0.1.0
     """
 
     records: tuple[Record, ...] = ()
@@ -73,7 +79,7 @@ class History:
     def at(self, step: int) -> Mapping[str, float]:
         """The values recorded at update ``step`` (the newest of each name); a name recorded only earlier raises a KeyError saying so.
 
-        Example:
+        Examples:
             >>> h = History().add(epoch=1, step=10, values={"train_loss": 0.5, "eval_loss": 0.4})
             >>> h = h.add(epoch=2, step=20, values={"train_loss": 0.25})
             >>> dict(h.at(20))

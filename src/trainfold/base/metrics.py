@@ -48,7 +48,7 @@ class RunningSums:
     loss sum and 1 to ``aux["nonfinite"]``; :meth:`means` then divides the loss by
     the finite batches only.
 
-    Example:
+    Examples:
         >>> sums = RunningSums.zero(torch.device("cpu"))
         >>> for x in (1.0, 2.0, 6.0):
         ...     sums = sums.add(torch.tensor(x), {"acc": torch.tensor(x > 1)})
@@ -262,7 +262,7 @@ def weighted_means(means: dict[str, float], suffix: str = WEIGHT) -> dict[str, f
     Both were divided by the same count, so the ratio is ``sum(name) / sum(weight)``: the
     weighted mean, from the same one reduction.
 
-    Example:
+    Examples:
         >>> weighted_means({"loss": 2.0, "grad_norm": 0.5, "grad_norm@weight": 0.25})
         {'loss': 2.0, 'grad_norm': 2.0}
     """

@@ -32,11 +32,14 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
         cls: an attrs class.
         name: the name to write; keep it stable, since checkpoints refer to it.
 
+    Returns:
+        ``cls`` itself, registered (so it works as a decorator, with or without ``name=``).
+
     Raises:
         TypeError: ``cls`` is not an attrs class.
         ValueError: another class is already registered under that name.
 
-    Example:
+    Examples:
         >>> import attrs
         >>> @register_record
         ... @attrs.frozen
@@ -44,8 +47,6 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
         ...     batches: int = 0
         >>> RECORDS["Seen"] is Seen
         True
-
-    .. versionadded:: 0.2.0
     """
 
     def register(record: _T) -> _T:

@@ -14,15 +14,17 @@ if TYPE_CHECKING:
     pass
 
 
-#: A batch is whatever the loader yields: a tensor, or a tuple, list or mapping
-#: of tensors (nested). trainfold never looks inside one except to count its
-#: samples (the first dimension of its first tensor) and to describe it in errors.
 Batch = Any
+"""A batch is whatever the loader yields: a tensor, or a tuple, list or mapping of tensors (nested).
+trainfold never looks inside one except to count its samples (the first dimension of its first
+tensor) and to describe it in errors.
+"""
 
 
-#: What a loss function returns: a 0-d floating tensor, or that and a mapping
-#: of named 0-d tensors (batch means, like the loss) to average alongside it.
 LossOutput = Union[torch.Tensor, "tuple[torch.Tensor, Mapping[str, torch.Tensor]]"]
+"""What a loss function returns: a 0-d floating tensor, or that and a mapping of named 0-d tensors
+(batch means, like the loss) to average alongside it.
+"""
 
 
 class LossFn(Protocol):
@@ -33,6 +35,17 @@ class LossFn(Protocol):
     (accuracy, a second loss term). trainfold averages both over an epoch,
     weighting by samples in ``evaluate``. The function must not step the
     optimizer or call ``backward``: the step does that.
+
+    Examples:
+        >>> def loss_fn(model, batch):
+        ...     x, y = batch
+        ...     logits = model(x)
+        ...     accuracy = (logits.argmax(-1) == y).float().mean()
+        ...     return torch.nn.functional.cross_entropy(logits, y), {"accuracy": accuracy}
+        >>> model = torch.nn.Linear(3, 2)
+        >>> loss, aux = loss_fn(model, (torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)))
+        >>> loss.ndim, sorted(aux)
+        (0, ['accuracy'])
     """
 
     def __call__(self, model: torch.nn.Module, batch: Batch, /) -> LossOutput: ...

@@ -87,7 +87,25 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     stop is committed before the step returns. A root that cannot be used (an unknown
     protocol, the store's package not installed) is refused here, not at the first save.
 
-    Example:
+    Args:
+        ctx: the run's Context.
+        root: the folder (or ``s3://...`` URL) that holds the run's checkpoints.
+        n: save after every ``n``-th optimizer update (a positive int).
+        keep_last: after each commit, delete all but the newest ``keep_last`` checkpoints (never the
+            newest finite one); None (the default) keeps every checkpoint.
+        sharded: as :func:`save_checkpoint`'s: each process writes its own shard.
+        async_save: write in the background while training goes on (:func:`save_checkpoint`).
+        storage_options: options for the store's fsspec filesystem (a URL root only).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.
+        CheckpointError: a root that cannot be used (an unknown protocol, the store's package not
+            installed), or another run's lock on it.
+
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -95,8 +113,6 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         >>> state = run_epoch(ctx, checkpoint_every(ctx, root, 2, keep_last=1)(make_step(ctx, loss_fn)), loader, state)
         >>> [p.name for p in list_checkpoints(root)]
         ['ckpt-0000000004']
-
-    .. versionadded:: 0.1.0
     """
     positive_int("checkpoint_every", n)
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save

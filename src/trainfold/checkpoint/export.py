@@ -41,7 +41,7 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         CheckpointError: not a checkpoint, or a damaged one (a file of another size or
             digest, ZeRO partitions that do not add up).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, *_ = testing.tiny_setup(seed=0)
@@ -49,8 +49,6 @@ def checkpoint_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         >>> _ = save_checkpoint(ctx, root, state)
         >>> sorted(checkpoint_weights(root))
         ['bias', 'weight']
-
-    .. versionadded:: 0.1.0
     """
     stored = resolve(path)
     manifest = read_manifest(stored)
@@ -85,7 +83,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
             ``transformers_config``'s model (the names missing and unexpected, the shapes that differ).
         ImportError: ``transformers_config`` given and transformers is not installed.
 
-    Example:
+    Examples:
         >>> import tempfile, os
         >>> from trainfold import testing
         >>> ctx, state, *_ = testing.tiny_setup(seed=0)
@@ -93,8 +91,6 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         >>> _ = save_checkpoint(ctx, root, state)
         >>> export_checkpoint(root, os.path.join(root, "model.safetensors")).name
         'model.safetensors'
-
-    .. versionadded:: 0.1.0
     """
     target = Path(out)
     if target.exists():

@@ -36,11 +36,29 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, 
     and that process's) must be a regular file (a symbolic link is refused,
     never followed) with the recorded size and digest (XXH3-128; SHA-256 in checkpoints before 0.3).
 
+    Args:
+        path: a checkpoint folder (or its URL).
+        rank: check only the shared files and this process's; None: every file.
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The manifest, a dict (``format``, ``step``, ``world_size``, ``files``...).
+
     Raises:
         CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
             manifest, a newer format, or a missing, truncated, altered or linked file (named).
         TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
             root without a complete checkpoint).
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> manifest = verify_checkpoint(latest_checkpoint(root))
+        >>> manifest["step"], manifest["world_size"]
+        (0, 1)
     """
     return verify(checkpoint_at(_folder("verify_checkpoint", path), storage_options), rank=rank, version=__version__)
 
@@ -65,7 +83,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     gathered checkpoint, the same number of processes) before anything is changed.
     A sharded checkpoint written by another number of processes is resharded into
     this run's layout, and its interrupted epoch continues by its position in
-    samples (see the README's "Sharded, elastic and background checkpoints"). A DeepSpeed
+    samples (see the guide "Sharded, elastic and background checkpoints"). A DeepSpeed
     checkpoint's engine files are parsed with torch's restricted unpickler and checked against
     the live engine (processes, ZeRO stage, parameter shapes) before DeepSpeed is given them.
     Then the weights, optimizer,
@@ -75,13 +93,23 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     same order. Call ``run_epoch`` next: anything that draws random numbers in
     between changes what follows.
 
+    Args:
+        ctx: the run's Context.
+        path: a checkpoint folder, or a root of them (its newest complete checkpoint); a local path or a URL.
+        state: the state to load into (made with ``TrainState.create`` for the same model and optimizer;
+            curried: ``load_checkpoint(ctx, path)`` is an epoch function).
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The saved state, with ``state``'s handles (the model, optimizer and scheduler, loaded in place).
+
     Raises:
         CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
             another world size, another accumulation setting, DeepSpeed on one side only.
             Nothing is changed.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -91,7 +119,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         >>> resumed.step, resumed.epoch
         (4, 1)
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, *_ = testing.tiny_setup(seed=0)
@@ -99,8 +127,6 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         >>> _ = save_checkpoint(ctx, root, state)
         >>> sorted(verify_checkpoint(latest_checkpoint(root))["files"])[:2]
         ['model.safetensors', 'rank-0.json']
-
-    .. versionadded:: 0.1.0
     """
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))

@@ -176,6 +176,21 @@ def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[s
     checkpoint whose manifest is damaged is left out, with a warning on the
     ``trainfold`` logger. ``root`` may be an fsspec URL (``s3://bucket/run``),
     with ``storage_options`` for its filesystem.
+
+    Args:
+        root: a local folder or an fsspec URL.
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The checkpoints, oldest first (an empty list for a root that does not exist).
+
+    Raises:
+        ValueError: ``storage_options`` for a local root.
+        CheckpointError: a URL whose protocol fsspec does not know, or whose package is not installed.
+
+    Examples:
+        >>> list_checkpoints("/nonexistent")
+        []
     """
     return [c.path for c in _ordered(open_root(root, storage_options))]
 
@@ -183,15 +198,20 @@ def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[s
 def latest_checkpoint(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointPath | None:
     """The newest committed checkpoint under ``root`` (by the position it records), or None (see :func:`list_checkpoints`).
 
-    Example:
+    Args:
+        root: a local folder or an fsspec URL.
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The newest checkpoint's path (a URL on a store), or None where there is none.
+
+    Raises:
+        ValueError: ``storage_options`` for a local root.
+        CheckpointError: as :func:`list_checkpoints`.
+
+    Examples:
         >>> latest_checkpoint("/nonexistent") is None
         True
-
-    Example:
-        >>> list_checkpoints("/nonexistent")
-        []
-
-    .. versionadded:: 0.1.0
     """
     found = list_checkpoints(root, storage_options=storage_options)
     return found[-1] if found else None

@@ -102,7 +102,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
 
     ``root`` may be a local folder or an fsspec URL (``s3://bucket/run``, ``gs://``,
     ``az://``; ``pip install 'trainfold[s3]'``): on a store, the manifest, written
-    last, is the commit, and the lock is a lease (see the README's "Checkpoints on
+    last, is the commit, and the lock is a lease (see the guide "Checkpoints on
     object storage").
 
     Raises:
@@ -113,7 +113,7 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
         OSError: the disk is full (or another write failed); nothing is committed,
             the unfinished save is removed and earlier checkpoints are intact.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -121,8 +121,6 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
         >>> state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
         >>> latest_checkpoint(root).name
         'ckpt-0000000004'
-
-    .. versionadded:: 0.1.0
     """
     expect_context("save_checkpoint", "save_checkpoint(ctx, root, state)", ctx)
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))

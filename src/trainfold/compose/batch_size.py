@@ -27,7 +27,11 @@ class BatchSizeFound(Generic[_T]):
 
     Continue the run on ``ctx``: the Context passed to ``find_batch_size`` was retired by its first attempt.
 
-    .. versionadded:: 0.2.0
+    Examples:
+        >>> from trainfold import testing
+        >>> found = find_batch_size(testing.tiny_setup(seed=0)[0], lambda ctx, batch_size: "trained", global_batch=8)
+        >>> found.result, found.batch_size, found.gradient_accumulation_steps
+        ('trained', 8, 1)
     """
 
     result: _T
@@ -44,7 +48,7 @@ def batch_sizes(per_process: int, start: int | None = None) -> list[int]:
 
     Only divisors, so that ``batch_size * accumulation_steps`` is exactly ``per_process``.
 
-    Example:
+    Examples:
         >>> batch_sizes(24)
         [24, 12, 8, 6, 4, 3, 2, 1]
         >>> batch_sizes(24, start=10)
@@ -57,7 +61,7 @@ def batch_sizes(per_process: int, start: int | None = None) -> list[int]:
 def halvings(start: int) -> list[int]:
     """The batch sizes Accelerate's ``find_executable_batch_size`` tries: ``start`` halved down to 1.
 
-    Example:
+    Examples:
         >>> halvings(24)
         [24, 12, 6, 3, 1]
     """
@@ -110,7 +114,7 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
         ValueError: ``global_batch`` is not a positive multiple of the number of processes, or an unknown policy.
         RuntimeError: even a batch of one sample per process ran out of memory (the last error chained).
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, *_ = testing.tiny_setup(seed=0)
         >>> def train(ctx, batch_size):
@@ -120,8 +124,6 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
         >>> found = find_batch_size(ctx, train, global_batch=16)
         >>> found.result, found.batch_size, found.gradient_accumulation_steps, found.ctx.gradient_accumulation_steps
         ((4, 4), 4, 4, 4)
-
-    .. versionadded:: 0.2.0
     """
     from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 

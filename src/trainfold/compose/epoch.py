@@ -86,14 +86,12 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         RuntimeError: a loader of unknown length ended on this process but not on
             the others.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
         >>> state.epoch, state.step, "train_loss" in state.history
         (1, 4, True)
-
-    .. versionadded:: 0.1.0
     """
     state = checked("run_epoch(ctx, step, loader, state)", ctx, "step", step, loader, state)
     _check_accumulation(ctx, loader)

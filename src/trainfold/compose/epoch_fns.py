@@ -45,7 +45,7 @@ def resolve_mode(metric: str, mode: str, where: str) -> str:
     Raises:
         ValueError: an unknown mode, or ``"auto"`` with a name that says neither (or both).
 
-    Example:
+    Examples:
         >>> resolve_mode("eval_loss", "auto", "early_stop"), resolve_mode("eval_accuracy", "auto", "early_stop")
         ('min', 'max')
     """
@@ -117,14 +117,26 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     says neither is refused (pass ``mode="min"`` or ``mode="max"``). The same
     holds for :func:`save_best` and :func:`reduce_lr_on_plateau`.
 
-    Example:
+    Args:
+        metric: the history name to watch (``"eval_loss"``).
+        state: the state (curried: ``early_stop("eval_loss", patience=3)`` is an epoch function).
+        patience: epochs without improvement before stopping.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's name).
+        min_delta: the least change that counts as an improvement.
+
+    Returns:
+        ``state`` with the count kept in ``extras``, stopped and ``finished`` once patience runs out.
+
+    Raises:
+        KeyError: ``metric`` has not been recorded (compose it after what records it).
+        ValueError: an unknown ``mode``, or ``"auto"`` with a name that says no direction.
+
+    Examples:
         >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
         >>> for v in (1.0, 0.5, 0.6, 0.7):
         ...     s = early_stop("eval_loss", attrs.evolve(s, history=s.history.add(epoch=0, step=0, values={"eval_loss": v})), patience=2)
         >>> s.should_stop, s.finished, s.stop_reason, s.extras["early_stop:eval_loss"]
         (True, True, 'early_stop:eval_loss', PatienceState(best=0.5, bad_epochs=2))
-
-    .. versionadded:: 0.1.0
     """
     state = expect_state("early_stop", state)
     mode = resolve_mode(metric, mode, "early_stop")
@@ -163,7 +175,23 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
     records the best value, epoch and step. Put the weights back with
     :func:`restore_best`.
 
-    Example:
+    Args:
+        ctx: the run's Context.
+        path: the safetensors file to write (a local path or a URL).
+        metric: the history name to watch.
+        state: the state (curried: the rest given, an epoch function).
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's name).
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        ``state`` with ``extras["save_best:<metric>"]`` recording the best value, epoch and step.
+
+    Raises:
+        KeyError: ``metric`` has not been recorded.
+        ValueError: an unknown ``mode``, or ``"auto"`` with a name that says no direction.
+        OSError: the file could not be written (on every process: none is left waiting).
+
+    Examples:
         >>> import os, tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -171,8 +199,6 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
         >>> state = save_best(ctx, path, "eval_loss", evaluate(ctx, loss_fn, loader, state))
         >>> state.extras["save_best:eval_loss"].epoch, os.path.exists(path)
         (0, True)
-
-    .. versionadded:: 0.1.0
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
     mode = resolve_mode(metric, mode, "save_best")
@@ -198,11 +224,20 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, 
 def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
     """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
 
+    Args:
+        ctx: the run's Context.
+        path: the file :func:`save_best` wrote.
+        state: the state whose model receives the weights (curried: an epoch function).
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        ``state``, its model holding the best weights.
+
     Raises:
         FileNotFoundError: nothing was saved at ``path``.
         RuntimeError: the file's tensors do not match the model (names or shapes).
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -212,8 +247,6 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, 
         >>> later = run_epoch(ctx, make_step(ctx, loss_fn), loader, best)
         >>> torch.equal(restore_best(ctx, path, later).model.weight, weight)
         True
-
-    .. versionadded:: 0.1.0
     """
     state = expect_owned("restore_best", ctx, expect_state("restore_best", state))
     try:
@@ -240,7 +273,23 @@ def reduce_lr_on_plateau(
     does) and records the accumulated factor in ``state.extras["lr_scale"]``,
     which :func:`~trainfold.lr_schedule` applies on top of its schedule.
 
-    Example:
+    Args:
+        metric: the history name to watch.
+        state: the state (curried: the rest given, an epoch function).
+        factor: the multiplier, in (0, 1).
+        patience: epochs without improvement before each reduction.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's name).
+        min_delta: the least change that counts as an improvement.
+        min_lr: no group's learning rate goes below it.
+
+    Returns:
+        ``state`` with the plateau count and ``extras["lr_scale"]`` updated.
+
+    Raises:
+        KeyError: ``metric`` has not been recorded.
+        ValueError: ``factor`` outside (0, 1); an unknown ``mode``, or ``"auto"`` with a name that says no direction.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, *_ = testing.tiny_setup(lr=0.1)
         >>> for loss in (1.0, 1.0, 1.0):
@@ -248,8 +297,6 @@ def reduce_lr_on_plateau(
         ...     state = reduce_lr_on_plateau("eval_loss", state, factor=0.5, patience=2)
         >>> state.optimizer.param_groups[0]["lr"], state.extras["lr_scale"]
         (0.05, 0.5)
-
-    .. versionadded:: 0.1.0
     """
     state = expect_state("reduce_lr_on_plateau", state)
     mode = resolve_mode(metric, mode, "reduce_lr_on_plateau")
@@ -286,16 +333,25 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
     ``axis="epoch"`` sends the epoch records at the epoch number instead (one point
     per epoch, as Accelerate's examples log them).
 
-    Example:
+    Args:
+        ctx: the run's Context.
+        state: the state whose latest records to log (curried: ``log_epoch(ctx)`` is an epoch function).
+        echo: print the line (True), or send it to the ``trainfold`` logger at INFO (False).
+        axis: ``"update"`` (the default) or ``"epoch"``: the trackers' step for these records.
+
+    Returns:
+        ``state``, unchanged.
+
+    Raises:
+        ValueError: an unknown ``axis``.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
         >>> log_epoch(ctx, state).epoch
         epoch 1 (update 4): train_loss 2.37973
         1
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 prints by default (``echo=True``); tracker keys ``<prefix>/<name>``.
     """
     state = expect_state("log_epoch", state)
     if axis not in ("update", "epoch"):

@@ -91,14 +91,17 @@ def evaluate(
         The state with the metrics appended to ``state.history`` (at the
         current epoch and step); nothing else changes.
 
-    Example:
+    Raises:
+        ValueError: the loader yields no batches or drops samples (``drop_last=True``); the state's
+            objects were released; the loss is not a scalar (named).
+        TypeError: an argument in another's place (a loader where the loss function goes...), or ``state`` is not a TrainState.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = evaluate(ctx, loss_fn, loader, state)
         >>> round(state.metrics["eval_loss"], 4)
         3.4648
-
-    .. versionadded:: 0.1.0
     """
     state = checked("evaluate(ctx, loss_fn, loader, state)", ctx, "loss_fn", loss_fn, loader, state)
     check_every_sample("evaluate", loader)

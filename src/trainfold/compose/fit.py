@@ -72,7 +72,38 @@ def fit(
     run's last checkpoint is its end (at ``max_epochs`` or an early stop).
     ``checkpoint_dir`` may be a URL (``s3://bucket/run``), with ``storage_options``.
 
-    Example:
+    Args:
+        ctx: the run's Context.
+        loss_fn: ``loss_fn(model, batch) -> loss | (loss, aux)``.
+        train_loader: the training loader (prepared by ``ctx.prepare_loaders``).
+        state: the state to train.
+        max_epochs: the run's last epoch (of the whole run: a resumed run ends there too).
+        eval_loader: evaluate on it after every epoch (``eval_loss``, ``eval_<aux>``).
+        clip_grad_norm: as :func:`make_step`'s.
+        clip_grad_value: as :func:`make_step`'s.
+        patience: stop early after this many epochs without improvement of ``monitor`` (:func:`early_stop`).
+        monitor: the history name early stopping watches.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from ``monitor``'s name).
+        checkpoint_dir: save a checkpoint after every epoch there (a folder or a URL), and resume from it.
+        storage_options: options for the store's fsspec filesystem (a URL ``checkpoint_dir`` only).
+        keep_last: checkpoints to keep (3 by default; None keeps every one).
+        resume: load the newest checkpoint of ``checkpoint_dir`` first, where there is one.
+        log_every_n: report running means every ``n`` updates (:func:`log_every`).
+        progress: show a progress bar (:func:`progress_bar`).
+        echo: print each epoch's records (:func:`log_epoch`).
+        stages: more stages for the step (:func:`make_step`'s ``stages``).
+        transforms: step transformers, applied outermost first.
+        epoch_fns: epoch functions run after each epoch's own (evaluation, early stopping, the checkpoint).
+
+    Returns:
+        The final state.
+
+    Raises:
+        ValueError: ``patience`` watching a name nothing records before early stopping; bad options of
+            the functions it composes (named by them).
+        CheckpointError: a checkpoint to resume from that is damaged or of another model.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = fit(ctx, loss_fn, loader, state, max_epochs=3, eval_loader=loader, patience=2, progress=False)
@@ -81,8 +112,6 @@ def fit(
         epoch 3 (update 12): train_loss 0.141296  eval_loss 0.0557624
         >>> state.epoch, sorted(state.metrics)
         (3, ['eval_loss', 'train_loss'])
-
-    .. versionadded:: 0.1.0
     """
     if patience is not None and not (monitor.startswith("train_") or (eval_loader is not None and monitor.startswith(("eval_", "eval")))):
         raise ValueError(

@@ -71,18 +71,23 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
     gradient accumulation it can average inside an accumulation group; this
     counts optimizer updates. Equal without accumulation (tested on 2 processes).
 
+    Args:
+        ctx: the run's Context.
+        every: average the parameters after every ``every``-th optimizer update (a positive int).
+
+    Returns:
+        A step transformer.
+
     Raises:
         ValueError: ``every`` is not a positive int; under FSDP, DeepSpeed or
             Megatron-LM, whose parameters are not whole replicas.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, local_sgd(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
         >>> state.extras["local_sgd"]
         LocalSgdState(every=2, since=0, averages=2)
-
-    .. versionadded:: 0.2.0
     """
     positive_int("local_sgd", every)
     accelerator = ctx.accelerator
@@ -143,7 +148,24 @@ def average_parameters(ctx: Context, state: TrainState) -> TrainState:
     one model, as leaving Accelerate's ``with LocalSGD(...)`` block does. A state
     whose replicas are already equal is returned unchanged.
 
-    .. versionadded:: 0.2.0
+    Args:
+        ctx: the run's Context.
+        state: the state whose model's replicas to average (curried: ``average_parameters(ctx)`` is an epoch function).
+
+    Returns:
+        ``state`` with ``extras["local_sgd"]`` counting the average (unchanged where the replicas were equal).
+
+    Raises:
+        TypeError: ``state`` is not a TrainState.
+        ValueError: ``state`` was made with another Context.
+
+    Examples:
+        >>> from toolz import compose
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> epoch = compose(average_parameters(ctx), run_epoch(ctx, local_sgd(ctx, 3)(make_step(ctx, loss_fn)), loader))
+        >>> epoch(state).step
+        4
     """
     state = expect_owned("average_parameters", ctx, expect_state("average_parameters", state))
     record: LocalSgdState | None = state.extras.get(NAME)

@@ -67,20 +67,25 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
     returned as it is, mid-epoch and stopped, with the interrupted flag
     cleared: code after the loop (an ``evaluate``...) runs as written.
 
+    Args:
+        epoch_fn: ``state -> state``; it must advance ``state.epoch`` (contain a ``run_epoch``).
+        max_epochs: the epoch count of the whole run at which to stop; None: only ``should_stop`` ends it.
+
+    Returns:
+        An epoch function ``state -> state`` that runs the loop.
+
     Raises:
+        ValueError: ``max_epochs`` is not a positive int (when the loop is built).
         TypeError: ``epoch_fn`` returned something other than a TrainState.
         RuntimeError: ``epoch_fn`` did not advance ``state.epoch`` (it would loop
             forever): it must contain a ``run_epoch``.
 
-    Example:
+    Examples:
         >>> from trainfold import testing, make_step, run_epoch
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = loop(run_epoch(ctx, make_step(ctx, loss_fn), loader), max_epochs=3)(state)
         >>> state.epoch
         3
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 ``max_epochs`` is keyword-only.
     """
     if max_epochs is not None:
         positive_int("max_epochs", max_epochs)
@@ -107,13 +112,23 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
 def repeat(n: int, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` ``n`` times (fewer if the state says stop).
 
-    Example:
+    Args:
+        n: how many times (a positive int).
+        fn: the epoch function to apply.
+
+    Returns:
+        An epoch function ``state -> state``; a stop (``should_stop``) ends it early, and the end is
+        saved where the run's ``checkpoint_every`` saves, as :func:`loop` does.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+        TypeError: ``fn`` returned something other than a TrainState (when run).
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> repeat(2, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).epoch
         2
-
-    .. versionadded:: 0.1.0
     """
     positive_int("n", n)
 
@@ -133,13 +148,21 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
 def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
     """Apply ``fn`` while ``predicate(state)`` is false (checked before each call) and not stopped.
 
-    Example:
+    Args:
+        predicate: ``state -> bool``, checked before each call of ``fn``.
+        fn: the epoch function to apply.
+
+    Returns:
+        An epoch function ``state -> state``, ended as :func:`loop` ends.
+
+    Raises:
+        TypeError: ``fn`` returned something other than a TrainState (when run).
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> until(lambda s: s.step >= 6, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).step
         8
-
-    .. versionadded:: 0.1.0
     """
 
     def run(state: TrainState) -> TrainState:
@@ -163,15 +186,24 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
     (:attr:`~trainfold.TrainState.ended_mid_epoch`). (For every ``n`` optimizer updates inside
     an epoch, see :func:`~trainfold.every_steps`.)
 
-    Example:
+    Args:
+        n: the period, in epochs (a positive int).
+        fn: the epoch function to run after epochs ``n``, ``2n``...
+
+    Returns:
+        An epoch function that passes other epochs' states through unchanged.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+        TypeError: ``fn`` returned something other than a TrainState (when run).
+
+    Examples:
         >>> from toolz import compose
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> epoch = compose(every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, make_step(ctx, loss_fn), loader))
         >>> [r.epoch for r in loop(epoch, max_epochs=4)(state).history if r.name == "eval_loss"]
         [2, 4]
-
-    .. versionadded:: 0.2.0 (was ``every``)
     """
     positive_int("n", n)
 
@@ -187,9 +219,25 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
 
 
 def every(n: int, fn: EpochFn) -> EpochFn:
-    """Deprecated name of :func:`every_epochs` (easily confused with :func:`~trainfold.every_steps`).
+    """Deprecated: the name :func:`every_epochs` had before the first release (easily confused with :func:`~trainfold.every_steps`).
 
-    .. deprecated:: 0.2.0 use ``every_epochs(n, fn)``.
+    Kept, with a ``DeprecationWarning``, for code written against the pre-release API; it goes in 0.2.0.
+
+    Args:
+        n: the period, in epochs.
+        fn: the epoch function to run every ``n`` epochs.
+
+    Returns:
+        ``every_epochs(n, fn)``.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Examples:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     warnings.simplefilter("always")
+        ...     fn = every(2, lambda state: state)
     """
     warnings.warn("trainfold.every is renamed every_epochs (every_steps counts updates); use every_epochs(n, fn).", DeprecationWarning, stacklevel=2)
     return every_epochs(n, fn)

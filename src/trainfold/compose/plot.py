@@ -16,18 +16,24 @@ def plot_history(state: TrainState, path: str | os.PathLike[str]) -> Path:
     panel. Needs matplotlib (``pip install trainfold[plot]``); uses the Agg
     backend, so it works without a display.
 
+    Args:
+        state: the state whose history to plot.
+        path: the image file to write (its suffix picks the format: ``.png``, ``.svg``...).
+
     Returns:
         The path written.
 
-    Example:
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'trainfold[plot]'``).
+        ValueError: the history is empty.
+
+    Examples:
         >>> import os, tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
         >>> plot_history(state, os.path.join(tempfile.mkdtemp(), "curves.png")).suffix
         '.png'
-
-    .. versionadded:: 0.1.0
     """
     try:
         import matplotlib

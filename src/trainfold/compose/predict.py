@@ -74,7 +74,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
         ValueError: an output tensor whose first dimension is not the batch's samples; a
             loader that drops samples (``drop_last=True``).
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> class MaxError:  # any object with update, compute and reset
         ...     def __init__(self): self.worst = 0.0
@@ -85,8 +85,6 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
         >>> state = evaluate_metrics(ctx, {"max_error": MaxError()}, lambda m, b: (m(b[0]), b[1]), loader, state)
         >>> round(state.metrics["eval_max_error"], 4)
         3.5974
-
-    .. versionadded:: 0.2.0
     """
     state = checked("evaluate_metrics(ctx, metrics, fn, loader, state)", ctx, "fn", fn, loader, state)
     for name, metric in metrics.items():
@@ -202,13 +200,15 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
     Returns:
         The concatenated outputs, of the structure ``fn`` returns (on the device).
 
-    Example:
+    Raises:
+        ValueError: the loader yields no batches or drops samples (``drop_last=True``); the state's objects were released.
+        TypeError: an argument in another's place, or ``state`` is not a TrainState.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, _ = testing.tiny_setup(seed=0)
         >>> predict(ctx, lambda m, b: m(b[0]), loader, state).shape
         torch.Size([16, 1])
-
-    .. versionadded:: 0.1.0
     """
     state = checked("predict(ctx, fn, loader, state)", ctx, "fn", fn, loader, state)
     check_every_sample("predict", loader)

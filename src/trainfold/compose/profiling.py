@@ -82,17 +82,22 @@ def profile(
             writes none without it (pass a ``handler`` with ``on_trace_ready`` to read the
             profiler yourself). Each window keeps its record under ``extras["profile:<trace_dir>"]``
             (``extras["profile"]`` without one): a second window in a run writes to another folder.
-        wait, warmup, active: the window, in steps.
+        wait: steps skipped before the window (non-negative).
+        warmup: steps traced and thrown away (the profiler's own start-up; non-negative).
+        active: steps recorded (a positive int).
         handler: an ``accelerate.utils.ProfileKwargs`` for the profiler's other
             settings (activities, ``record_shapes``, ``profile_memory``, ``with_stack``,
             ``with_flops``...); by default the Accelerator's own
             (``Accelerator(kwargs_handlers=[ProfileKwargs(...)])``), else Accelerate's
             defaults. Its ``schedule_option`` is replaced by the window.
 
+    Returns:
+        A step transformer.
+
     Raises:
         ValueError: a window count that is negative, or ``active`` that is not positive.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -101,8 +106,6 @@ def profile(
         >>> record = state.extras[f"profile:{folder}"]
         >>> record.done, [Path(t).name for t in record.traces]
         (True, ['profile_0.json'])
-
-    .. versionadded:: 0.2.0
     """
     positive_int("active", active)
     for name, value in (("wait", wait), ("warmup", warmup)):

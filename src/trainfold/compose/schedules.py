@@ -33,7 +33,7 @@ def _check(peak_lr: float, warmup_steps: int, total_steps: int) -> None:
 class constant:
     """``lr(step) = lr``.
 
-    Example:
+    Examples:
         >>> constant(0.1)(1000)
         0.1
     """
@@ -76,7 +76,7 @@ class _Warmup:
 class warmup_linear(_Warmup):
     """Linear warmup from 0 to ``peak_lr`` over ``warmup_steps``, then linear decay to ``end_lr`` at ``total_steps``.
 
-    Example:
+    Examples:
         >>> s = warmup_linear(1.0, warmup_steps=10, total_steps=110)
         >>> [s(0), s(5), s(10), s(60), s(110), s(200)]
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
@@ -90,7 +90,7 @@ class warmup_linear(_Warmup):
 class warmup_cosine(_Warmup):
     """Linear warmup to ``peak_lr``, then half a cosine down to ``end_lr`` at ``total_steps`` (held after).
 
-    Example:
+    Examples:
         >>> s = warmup_cosine(1.0, warmup_steps=10, total_steps=110)
         >>> [round(s(k), 6) for k in (0, 10, 60, 110, 500)]
         [0.0, 1.0, 0.5, 0.0, 0.0]

@@ -83,15 +83,13 @@ def stop_when(
         TypeError (when the step runs): the predicate returned something that is not a
             bool or a one-element tensor.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> step = stop_when(ctx, lambda s: s.step >= 3, check_every=1)(make_step(ctx, loss_fn))
         >>> state = loop(run_epoch(ctx, step, loader), max_epochs=5)(state)
         >>> state.step, state.stop_reason, state.finished
         (3, 'stop_when', True)
-
-    .. versionadded:: 0.2.0
     """
     if end not in ("run", "epoch"):
         raise ValueError(f"stop_when: end must be 'run' or 'epoch' (got {end!r}).")

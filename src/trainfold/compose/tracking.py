@@ -50,7 +50,7 @@ def epoch_key(record: str) -> str:
     """The tracker key of an epoch record: ``<prefix>/<name>`` for ``<prefix>_<name>``; ``train/<name>_epoch`` for
     the training records, apart from the running values ``log_every`` sends as ``train/<name>``; ``epoch`` stays.
 
-    Example:
+    Examples:
         >>> [epoch_key(n) for n in ("train_loss", "eval_loss", "ema_accuracy", "epoch")]
         ['train/loss_epoch', 'eval/loss', 'ema/accuracy', 'epoch']
     """
@@ -86,7 +86,13 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
         force: show the bar even when stderr is not a terminal.
         **tqdm_kwargs: passed to ``tqdm.tqdm``.
 
-    Example:
+    Returns:
+        A step transformer (the step itself, unchanged, where no bar is shown).
+
+    Raises:
+        ImportError: a bar is to be shown and tqdm is not installed (``pip install 'trainfold[progress]'``).
+
+    Examples:
         >>> import io
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -95,12 +101,13 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
         >>> _ = run_epoch(ctx, step, loader, state)
         >>> "4/4" in out.getvalue()
         True
-
-    .. versionadded:: 0.1.0
     """
     if not ctx.is_main_process or not (force or sys.stderr.isatty()):
         return _identity("progress_bar(off)")
-    from tqdm.auto import tqdm
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        raise ImportError("progress_bar needs tqdm to show a bar: pip install 'trainfold[progress]' (or pass progress=False to fit).") from None
 
     def transform(step: Step) -> Step:
         bar = None

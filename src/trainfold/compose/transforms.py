@@ -37,14 +37,21 @@ def max_steps(n: int) -> StepTransformer:
     :attr:`~trainfold.TrainState.final_stop`), so the epoch functions composed after
     ``run_epoch`` evaluate, log and save the final model.
 
-    Example:
+    Args:
+        n: the budget, in optimizer updates of the whole run (a positive int).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
         >>> state.step, state.should_stop, state.stop_reason, state.epoch, state.batch_in_epoch
         (6, True, 'max_steps', 1, 2)
-
-    .. versionadded:: 0.1.0
     """
     positive_int("max_steps", n)
 
@@ -79,14 +86,22 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
     Buffers (BatchNorm statistics) are copied, not averaged. Read it with
     :func:`ema_model`, for example ``evaluate(ctx, loss_fn, loader, model=ema_model)``.
 
-    Example:
+    Args:
+        decay: the weight of the old average, in (0, 1).
+        name: the ``extras`` key of the average (two EMAs need two names).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1).
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, ema(0.9)(make_step(ctx, loss_fn)), loader, state)
         >>> state.extras["ema"].updates, type(ema_model(state)).__name__
         (4, 'Linear')
-
-    .. versionadded:: 0.1.0
     """
     if not 0.0 < decay < 1.0:
         raise ValueError(f"decay must be in (0, 1) (got {decay!r}).")
@@ -129,8 +144,23 @@ def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float
 def ema_model(state: TrainState, name: str = "ema") -> torch.nn.Module:
     """The averaged model kept by :func:`ema` (pass ``model=ema_model`` to ``evaluate``).
 
+    Args:
+        state: a state an :func:`ema` transformer ran on.
+        name: the EMA's name (``ema``'s ``name``).
+
+    Returns:
+        The averaged model, a module of the model's class: a handle, as the state's model is (the next updates change it in
+        place; ``copy.deepcopy`` it to keep one).
+
     Raises:
         KeyError: no ``ema`` transformer has run on this state.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, ema(0.5)(make_step(ctx, loss_fn)), loader, state)
+        >>> "ema_loss" in evaluate(ctx, loss_fn, loader, state, prefix="ema", model=ema_model).metrics
+        True
     """
     try:
         return cast(torch.nn.Module, state.extras[name].model)
@@ -164,21 +194,22 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
     ``logging.getLogger("trainfold")`` at INFO, on the main process. The values
     stay in ``state.extras["log_every"].values`` (the progress bar shows them).
 
-    Example:
-        >>> from trainfold import testing
-        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> state = run_epoch(ctx, ema(0.5)(make_step(ctx, loss_fn)), loader, state)
-        >>> "ema_loss" in evaluate(ctx, loss_fn, loader, state, prefix="ema", model=ema_model).metrics
-        True
+    Args:
+        ctx: the run's Context.
+        n: the period, in optimizer updates (a positive int).
 
-    Example:
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
         >>> state.extras["log_every"].step, sorted(state.extras["log_every"].values)
         (4, ['epoch', 'loss', 'lr'])
-
-    .. versionadded:: 0.1.0
     """
     positive_int("log_every", n)
 
@@ -216,14 +247,23 @@ def every_steps(n: int, fn: EpochFn) -> StepTransformer:
 
     For evaluation inside long epochs: ``every_steps(500, evaluate(ctx, loss_fn, eval_dl))``.
 
-    Example:
+    Args:
+        n: the period, in optimizer updates (a positive int).
+        fn: the epoch function to run (``evaluate``, ``save_checkpoint``...).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+        TypeError: ``fn`` returned something other than a TrainState (when run).
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> step = every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn))
         >>> [r.step for r in run_epoch(ctx, step, loader, state).history if r.name == "eval_loss"]
         [2, 4]
-
-    .. versionadded:: 0.1.0
     """
     positive_int("every_steps", n)
 
@@ -251,15 +291,22 @@ def lr_schedule(schedule: Callable[[int], float]) -> StepTransformer:
     factor recorded by :func:`~trainfold.reduce_lr_on_plateau` in
     ``state.extras["lr_scale"]`` multiplies the scheduled value.
 
-    Example:
+    Args:
+        schedule: ``update -> learning rate``, such as :class:`~trainfold.warmup_cosine`.
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        Exception: nothing of its own; what ``schedule`` raises comes out of the step that calls it.
+
+    Examples:
         >>> from trainfold import testing, warmup_linear
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> step = lr_schedule(warmup_linear(0.1, warmup_steps=2, total_steps=4))(make_step(ctx, loss_fn))
         >>> state = run_epoch(ctx, step, loader, state)
         >>> state.optimizer.param_groups[0]["lr"]  # set before the 4th update: schedule(3)
         0.05
-
-    .. versionadded:: 0.1.0
     """
 
     def transform(step: Step) -> Step:

@@ -93,7 +93,7 @@ class Context:
     accumulation it was made with, and every primitive that uses it checks them
     (:meth:`check`), so such a conflict is an error, not a wrong result.
 
-    Args:
+    Attributes:
         accelerator: the ``accelerate.Accelerator`` that does device placement,
             mixed precision, accumulation and distribution.
         signals: the signals that, from the Context's creation until :meth:`close`, are a request
@@ -111,13 +111,11 @@ class Context:
             default the group keeps what it was made with: torch's 30 minutes for
             gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
 
-    Example:
+    Examples:
         >>> from accelerate import Accelerator
         >>> ctx = Context(accelerator=Accelerator(cpu=True))
         >>> ctx.gradient_accumulation_steps, ctx.mixed_precision
         (1, 'no')
-
-    .. versionadded:: 0.1.0
     """
 
     accelerator: Accelerator
@@ -232,7 +230,7 @@ class Context:
             ValueError: ``steps`` is not a positive int, or the run is under DeepSpeed,
                 whose accumulation is in its config.
 
-        Example:
+        Examples:
             >>> from accelerate import Accelerator
             >>> ctx = Context(accelerator=Accelerator(cpu=True))
             >>> ctx.with_accumulation(4).gradient_accumulation_steps
@@ -265,7 +263,7 @@ class Context:
         loops refuse it (under FSDP, Accelerate finds the model to clip in those
         lists). Its values, and a checkpoint of it, stay good.
 
-        Example:
+        Examples:
             >>> from trainfold import testing
             >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
             >>> ctx.release(state, loader)
@@ -325,7 +323,7 @@ class Context:
         it calls torch's gloo barrier directly: Accelerate's asks for a GPU per
         process, which fails on a machine with fewer GPUs than processes.
 
-        Example:
+        Examples:
             >>> from accelerate import Accelerator
             >>> Context(accelerator=Accelerator(cpu=True)).wait_for_everyone()  # one process: returns at once
         """
@@ -344,7 +342,7 @@ class Context:
         Returns:
             A tuple of prepared loaders, in the order given (a 1-tuple for one loader).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from accelerate import Accelerator
             >>> ctx = Context(accelerator=Accelerator(cpu=True))
@@ -369,7 +367,7 @@ class Context:
         sampler is torch's ``DistributedSampler`` needs no mark. The loaders are
         returned unchanged (the mark is an attribute on each).
 
-        Example:
+        Examples:
             >>> import torch
             >>> from accelerate import Accelerator
             >>> ctx = Context(accelerator=Accelerator(cpu=True))

@@ -265,21 +265,25 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> NanGuard:
     The gradients checked are those of the optimizer's parameters: the ones the
     update would change.
 
+    Args:
+        max_consecutive: stop the run after this many skipped updates in a row (a positive int).
+        check_every: how often, in updates, the count is read on the host to decide to stop (a positive int).
+
+    Returns:
+        A stage spec for ``make_step(..., stages=[...])``; put it last.
+
     Raises:
         ValueError: a non-positive count; and (when ``make_step`` binds it) under
             FSDP, DeepSpeed or Megatron-LM, where no process holds every whole
             gradient in ``param.grad``.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> nan_loss = lambda m, b: loss_fn(m, b) * float("nan")
         >>> state = run_epoch(ctx, make_step(ctx, nan_loss, stages=[nan_guard(2, check_every=1)]), loader, state)
         >>> state.should_stop, state.extras["nan_guard"].skipped, state.model.weight.isfinite().all().item()
         (True, 2, True)
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 a stage of ``make_step`` instead of a step transformer.
     """
     positive_int("max_consecutive", max_consecutive)
     positive_int("check_every", check_every)

@@ -45,6 +45,13 @@ class RunState:
         sharded: the model's and optimizer's tensors are not here: a sharded checkpoint
             reads and writes them through ``checkpoint/formats/dcp.py``; ``weights`` is empty and
             ``optimizer`` holds the optimizer's other values (learning rates...).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> snap = snapshot(state)
+        >>> sorted(snap.weights), snap.values.step, snap.scheduler is None
+        (['bias', 'weight'], 0, True)
     """
 
     values: TrainState = attrs.field(repr=False)

@@ -27,7 +27,16 @@ def snapshot(state: TrainState) -> Snapshot:
     the weights, gradients and optimizer state (on their devices): take
     snapshots at the moments you need them, not every step.
 
-    Example:
+    Args:
+        state: the state to copy.
+
+    Returns:
+        A :class:`Snapshot`, detached from the live objects.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState.
+
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> snap = snapshot(state)
@@ -35,8 +44,6 @@ def snapshot(state: TrainState) -> Snapshot:
         >>> back = restore(ctx, snap, trained)
         >>> back.step, torch.equal(back.model.weight, snap.weights["weight"])
         (0, True)
-
-    .. versionadded:: 0.1.0
     """
     return capture(expect_state("snapshot", state), copied=True)
 
@@ -60,11 +67,19 @@ def restore(ctx: Context, snap: Snapshot, state: TrainState) -> TrainState:
     The loader's own position is not part of a snapshot: restore at an epoch
     boundary and call ``run_epoch``, or feed the batches yourself.
 
+    Args:
+        ctx: the run's Context.
+        snap: a :func:`snapshot` of a state of this model.
+        state: the state whose objects receive it (curried: ``restore(ctx, snap)`` is an epoch function).
+
+    Returns:
+        The snapshot's values with ``state``'s handles.
+
     Raises:
         ValueError: the snapshot is of another model, optimizer layout or
             scheduler (checked before anything is changed).
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> snap = snapshot(state)
@@ -73,9 +88,6 @@ def restore(ctx: Context, snap: Snapshot, state: TrainState) -> TrainState:
         >>> b = run_epoch(ctx, make_step(ctx, loss_fn), loader, restore(ctx, snap, a))
         >>> torch.equal(wa, b.model.weight), (a.step, b.step)
         (True, (4, 4))
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 curried with the state last.
     """
     state = expect_owned("restore", ctx, expect_state("restore", state))
     try:

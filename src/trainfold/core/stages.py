@@ -55,6 +55,15 @@ class MicroBatch:
             skipped where it is non-zero (the ``found_inf`` protocol of torch's GradScaler).
         should_stop: the new state's ``should_stop``.
         stop_reason: why a stage set ``should_stop`` (the new state's ``stop_reason``).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> seen = []
+        >>> watch = Stage(name="watch", on_batch=lambda mb: seen.append((mb.synced, mb.loss.ndim)))
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> _ = run_epoch(ctx, make_step(ctx, loss_fn, stages=[watch]), loader, state)
+        >>> seen
+        [(True, 0), (True, 0), (True, 0), (True, 0)]
     """
 
     state: TrainState
@@ -76,7 +85,7 @@ Hook = Callable[[MicroBatch], None]
 class Stage:
     """A stage of ``make_step``'s pipeline: a name and up to three hooks.
 
-    Args:
+    Attributes:
         name: shown in errors and in the step's repr.
         on_batch: runs on every micro-batch, after backward.
         on_update: runs on the micro-batches that update, before the update
@@ -92,7 +101,7 @@ class Stage:
     object whose ``bind(ctx)`` returns a Stage (the built-in ones are); a Stage
     binds to itself.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> norms = []
@@ -100,8 +109,6 @@ class Stage:
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[record]), loader, state)
         >>> len(norms)
         4
-
-    .. versionadded:: 0.2.0
     """
 
     name: str
@@ -118,7 +125,19 @@ class Stage:
 
 
 class StageSpec(Protocol):
-    """What ``make_step(stages=...)`` accepts: a :class:`Stage`, or an object whose ``bind(ctx)`` returns one."""
+    """What ``make_step(stages=...)`` accepts: a :class:`Stage`, or an object whose ``bind(ctx)`` returns one.
+
+    Examples:
+        >>> import attrs
+        >>> @attrs.frozen
+        ... class CountUpdates:  # a spec: bound once, when make_step builds the step
+        ...     def bind(self, ctx):
+        ...         return Stage(name="count", on_update=lambda mb: None)
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> run_epoch(ctx, make_step(ctx, loss_fn, stages=[CountUpdates()]), loader, state).step
+        4
+    """
 
     def bind(self, ctx: Context, /) -> Stage: ...
 
@@ -209,7 +228,23 @@ def clip_by_norm(max_norm: float, *, record: bool = False) -> StageSpec:
     as :func:`grad_norm` records it: ``train_grad_norm`` in the history,
     ``train/grad_norm`` from ``log_every``.
 
-    .. versionadded:: 0.2.0
+    Args:
+        max_norm: the largest global L2 norm of the gradients (a positive finite number).
+        record: record the norm before clipping as well.
+
+    Returns:
+        A stage spec for ``make_step(..., stages=[...])``; it binds to the Context when the step is built.
+
+    Raises:
+        ValueError: ``max_norm`` is not a positive finite number; under DeepSpeed (when ``make_step``
+            binds it), whose config does the clipping.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[clip_by_norm(0.5, record=True)]), loader, state)
+        >>> round(state.metrics["train_grad_norm"], 4)  # the mean norm before clipping, over the epoch's updates
+        3.7525
     """
     return _Clip("norm", _positive("clip_grad_norm", max_norm), record)
 
@@ -229,18 +264,19 @@ def grad_norm() -> StageSpec:
     ``clip_by_norm(max_norm, record=True)`` (or ``make_step(clip_grad_norm=x,
     record_grad_norm=True)``), which records the norm before clipping.
 
+    Returns:
+        A stage spec for ``make_step(..., stages=[...])``.
+
     Raises:
         ValueError (when ``make_step`` binds it): under DeepSpeed, whose engine
             computes the norm itself.
 
-    Example:
+    Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[grad_norm()]), loader, state)
         >>> round(state.metrics["train_grad_norm"], 4)
         3.227
-
-    .. versionadded:: 0.2.0
     """
     return _Clip("norm", math.inf, True)
 
@@ -250,6 +286,19 @@ def clip_by_value(max_value: float) -> StageSpec:
 
     ``make_step(clip_grad_value=x)`` is this stage.
 
-    .. versionadded:: 0.2.0
+    Args:
+        max_value: the largest absolute value of a gradient element (a positive finite number).
+
+    Returns:
+        A stage spec for ``make_step(..., stages=[...])``.
+
+    Raises:
+        ValueError: ``max_value`` is not a positive finite number; under DeepSpeed (when ``make_step`` binds it).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> run_epoch(ctx, make_step(ctx, loss_fn, stages=[clip_by_value(0.1)]), loader, state).step
+        4
     """
     return _Clip("value", _positive("clip_grad_value", max_value))

@@ -121,7 +121,14 @@ class TrainState:
 
     Subclass only to add fields (as flax's TrainState allows).
 
-    .. versionadded:: 0.1.0
+    Examples:
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> ctx = Context(accelerator=Accelerator(cpu=True))
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> state.step, state.epoch, state.should_stop, state.model is model
+        (0, 0, False, True)
     """
 
     model: torch.nn.Module = _handle()
@@ -163,7 +170,7 @@ class TrainState:
                 optimizer in its config, Accelerate's ``DummyOptim(model.parameters(), ...)``.
             scheduler: an optional ``torch.optim.lr_scheduler`` object; Accelerate
                 steps it on every optimizer update (``num_processes`` times per update
-                unless ``split_batches=True``: see the README's scheduler section), or
+                unless ``split_batches=True``: see the guide "Composing a loop", Schedulers), or
                 a trainfold schedule already built into the optimizer; under DeepSpeed with a
                 scheduler in its config, Accelerate's ``DummyScheduler(optimizer, ...)``.
             extras: initial values for ``state.extras``.
@@ -182,7 +189,7 @@ class TrainState:
                 learning rate is NaN or infinite, or the scheduler was built on
                 another optimizer.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from accelerate import Accelerator
             >>> ctx = Context(accelerator=Accelerator(cpu=True))
@@ -264,8 +271,6 @@ class TrainState:
         (a stage may have replaced it, as ``normalize="tokens"`` does by the per-token
         mean), in the loss function's dtype. None before the first batch of an epoch,
         and after ``load_checkpoint`` until the next batch.
-
-        .. versionadded:: 0.2.0
         """
         last = self.sums.last
         return None if last is None else last[0]
@@ -273,8 +278,6 @@ class TrainState:
     @property
     def last_aux(self) -> Mapping[str, torch.Tensor]:
         """The aux values of the last batch the step consumed, detached, on the device (empty when :attr:`last_loss` is None).
-
-        .. versionadded:: 0.2.0
         """
         last = self.sums.last
         return _EMPTY if last is None else last[1]
@@ -287,8 +290,6 @@ class TrainState:
         A value recorded at an earlier update is not in it (never a stale value as
         current): asking for one raises a ``KeyError`` that says where it was last
         recorded; ``state.history.latest(name)`` gives it.
-
-        .. versionchanged:: 0.3.0 only the values of the current update (was: each name's latest).
         """
         return self.history.at(self.step)
 
@@ -299,8 +300,6 @@ class TrainState:
         The epoch stays open (a checkpoint continues it), but the epoch functions run on
         this state: the final model is evaluated. ``early_stop`` and
         ``reduce_lr_on_plateau`` count completed epochs only and pass it through.
-
-        .. versionadded:: 0.3.0
         """
         return self.should_stop and self.final_stop and self.batch_in_epoch > 0
 
@@ -324,7 +323,7 @@ class TrainState:
 
         ``final=True``: the stop is where this invocation was meant to end (see :attr:`final_stop`).
 
-        Example:
+        Examples:
             >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None).with_stop("max_steps")
             >>> s.should_stop, s.finished, s.stop_reason
             (True, False, 'max_steps')

@@ -143,7 +143,7 @@ def make_step(
         TypeError/ValueError (when called): the loss_fn returned something that is
             not a 0-d floating loss with a gradient.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accelerate import Accelerator
         >>> ctx = Context(accelerator=Accelerator(cpu=True))
@@ -154,9 +154,6 @@ def make_step(
         >>> new = step(state, (torch.tensor([[1.0]]), torch.tensor([[1.0]])))
         >>> (state.step, new.step), new.model.weight.item()
         ((0, 1), 2.0)
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0 ``stages=``, ``record_grad_norm=``.
     """
     expect_args("make_step", "make_step(ctx, loss_fn, ...)", ctx, "loss_fn", loss_fn)
     ctx.check()

@@ -75,6 +75,21 @@ def normalize_tokens() -> _NormalizeTokens:
     token losses over all tokens, so ``exp(train_loss)`` is the perplexity. It runs before clipping:
     ``make_step(normalize="tokens")`` puts it first.
 
-    .. versionadded:: 0.2.0
+    Returns:
+        A stage spec; ``make_step(ctx, loss_fn, normalize="tokens")`` puts it first.
+
+    Raises:
+        ValueError: under DeepSpeed (when ``make_step`` binds it), which scales gradients itself;
+            (when a step runs) ``loss_fn`` returned no ``aux["tokens"]``.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, _ = testing.tiny_setup(seed=0)
+        >>> def summed(model, batch):
+        ...     x, y = batch
+        ...     return ((model(x) - y) ** 2).sum(), {"tokens": torch.tensor(float(len(x)))}
+        >>> state = run_epoch(ctx, make_step(ctx, summed, normalize="tokens"), loader, state)
+        >>> state.step
+        4
     """
     return _NormalizeTokens()

@@ -17,21 +17,33 @@ class Step(Protocol):
 
     Returns a new :class:`~trainfold.TrainState`; the old one's counters and
     records are never changed. The model and optimizer behind both states are
-    the same objects, updated in place (see the README's purity contract).
+    the same objects, updated in place (see the guide "What a step does", The purity contract).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> inner = make_step(ctx, loss_fn)
+        >>> def counting(state, batch):  # a Step: (state, batch) -> a new state, here make_step's and a count
+        ...     new = inner(state, batch)
+        ...     return new.with_extra("batches", new.extras.get("batches", 0) + 1)
+        >>> run_epoch(ctx, counting, loader, state).extras["batches"]
+        4
     """
 
     def __call__(self, state: TrainState, batch: Batch, /) -> TrainState: ...
 
 
-#: ``transformer(step) -> step``: wraps a step to add behaviour (logging, a NaN
-#: guard, EMA, a step limit). Its own state lives in ``state.extras[name]``.
 StepTransformer = Callable[[Step], Step]
+"""``transformer(step) -> step``: wraps a step to add behaviour (logging, a NaN guard, EMA, a step
+limit). Its own state lives in ``state.extras[name]``.
+"""
 
 
-#: ``epoch_fn(state) -> state``: one unit of the outer loop (an epoch, an
-#: evaluation, early stopping, a checkpoint). Must return a TrainState.
 EpochFn = Callable[["TrainState"], "TrainState"]
+"""``epoch_fn(state) -> state``: one unit of the outer loop (an epoch, an evaluation, early stopping, a
+checkpoint). Must return a TrainState.
+"""
 
 
-#: ``predicate(state) -> bool``, for ``until`` and ``every``.
 StatePredicate = Callable[["TrainState"], bool]
+"""``predicate(state) -> bool``, for ``until`` and ``every``."""

@@ -16,7 +16,7 @@ from typing import Any, Callable
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now.
 
-    Example:
+    Examples:
         >>> 0 < free_port() < 65536
         True
     """

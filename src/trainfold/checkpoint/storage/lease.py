@@ -16,7 +16,7 @@ writing beside the job that took it over. No clocks are compared.
 Conditional writes are what S3 (and S3-protocol servers that honour them),
 GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``
 and emulates them in-process for ``memory://``. On any other store it cannot
-make sure of one writer, and says so once (a warning); see the README.
+make sure of one writer, and says so once (a warning); see the object storage guide (docs/guides/object-storage.md).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class LeaseLock:
         """
         if protocol_of(self.fs) not in ("s3", "s3a", "memory"):
             warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
-                          "started on this root are not kept apart (see the README's object storage section).", stacklevel=4)
+                          "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=4)
         try:
             _create(self.fs, self.path, self.body())
             self.etag = _tag(self.fs, self.path)

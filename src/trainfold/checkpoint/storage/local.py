@@ -164,7 +164,7 @@ class LocalRoot:
 
     @property
     def shared(self) -> bool:
-        return True  # on several machines, only if the folder is on a shared filesystem (the README says so)
+        return True  # on several machines, only if the folder is on a shared filesystem (the checkpoints guide says so)
 
     def __str__(self) -> str:
         return str(self.folder)

@@ -1,0 +1,143 @@
+"""MkDocs hooks of trainfold's documentation site (mkdocs.yml names this file; it is not a page).
+
+- The home page is the repository's README, the changelog page its CHANGELOG.md (``index.md`` and
+  ``changelog.md`` name them): their links into ``docs/`` become the site's pages.
+- Every public name (``trainfold.__all__``) must have an entry (``::: trainfold.NAME``) in a page of
+  ``docs/api/``, and its docstring the parts a reference needs (:func:`docstring_problems`): each
+  gap is a warning, which ``mkdocs build --strict`` (``make docs``, ``make test``) turns into a failure.
+  ``tests/test_docs.py`` runs the same checks in the in-process tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import posixpath
+import re
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("mkdocs.plugins.trainfold")
+
+DOCS = Path(__file__).resolve().parent
+_ENTRY = re.compile(r"^::: trainfold\.(\w+)\s*$", re.M)
+
+
+def api_entries(docs: Path = DOCS) -> dict[str, str]:
+    """Each name with an API entry, and the page that has it."""
+    return {name: page.name for page in sorted((docs / "api").glob("*.md")) for name in _ENTRY.findall(page.read_text())}
+
+
+def _section(doc: str, title: str) -> str | None:
+    """The indented body of a Google-style section (``Args:``...), or None when the docstring has none."""
+    match = re.search(rf"^{title}:\n((?:[ \t]+.*\n|\n)*)", doc + "\n", re.M)
+    return None if match is None else match.group(1)
+
+
+def _function(obj: Any) -> Any:
+    """The plain function behind a public callable (toolz's curry keeps it as ``.func``), or None for a class or a value."""
+    func = getattr(obj, "func", obj)
+    return func if inspect.isfunction(func) else None
+
+
+def _alias_docstring(name: str) -> str | None:
+    """The docstring under ``NAME = ...`` in trainfold's sources (a type alias's), or None."""
+    for path in sorted((DOCS.parent / "src" / "trainfold").rglob("*.py")):
+        match = re.search(rf'^{name} = .*\n"""(.+?)"""', path.read_text(), re.M | re.S)
+        if match:
+            return match.group(1)
+    return None
+
+
+def docstring_problems(name: str, obj: Any) -> list[str]:
+    """What a public name's docstring lacks for the reference: a summary; for a function, each argument under
+    ``Args:``, ``Returns:`` (unless it returns None), ``Raises:`` and an example; for a class, an example
+    (exceptions excepted); for a type alias (``EpochFn = Callable[...]``), the docstring under it."""
+    if isinstance(obj, str):
+        return []
+    if getattr(obj, "__module__", "") == "typing":  # an alias of a typing construct (Any, Callable[...])
+        return [] if (_alias_docstring(name) or "").strip() else [f"{name}: a type alias with no docstring under it"]
+    doc = inspect.getdoc(obj) or ""
+    if not doc.strip():
+        return [f"{name}: no docstring"]
+    problems = []
+    func = _function(obj)
+    if func is not None:
+        signature = inspect.signature(func)
+        params = [p for p in signature.parameters if p not in ("self", "cls")]
+        args = _section(doc, "Args")
+        if params and args is None:
+            problems.append(f"{name}: no Args section (arguments {', '.join(params)})")
+        for param in params if args is not None else ():
+            if not re.search(rf"^\s+\**{param}\b[^:\n]*:", args, re.M):
+                problems.append(f"{name}: argument {param!r} is not under Args")
+        if signature.return_annotation not in (None, "None") and _section(doc, "Returns") is None:
+            problems.append(f"{name}: no Returns section")
+        if _section(doc, "Raises") is None:
+            problems.append(f"{name}: no Raises section")
+    exempt = inspect.isclass(obj) and issubclass(obj, BaseException) or not (func is not None or inspect.isclass(obj))
+    if not exempt and _section(doc, "Example") is None and _section(doc, "Examples") is None:
+        problems.append(f"{name}: no Example section")
+    return problems
+
+
+def reference_problems(docs: Path = DOCS) -> list[str]:
+    """Every gap between ``trainfold.__all__`` and the API pages, and every docstring gap."""
+    import trainfold
+
+    public = [n for n in trainfold.__all__ if n != "__version__"]
+    entries = api_entries(docs)
+    problems = [f"{n}: public, but no API page has '::: trainfold.{n}'" for n in public if n not in entries]
+    problems += [f"{n}: docs/api/{page} documents it, but it is not in trainfold.__all__" for n, page in entries.items()
+                 if n not in public and importlib.util.find_spec(f"trainfold.{n}") is None]  # trainfold.testing: a public module
+    for name in public:
+        problems += docstring_problems(name, getattr(trainfold, name))
+    return problems
+
+
+def on_pre_build(config: Any) -> None:
+    for problem in reference_problems():
+        log.warning("API reference: %s", problem)
+
+
+_INCLUDE = re.compile(r'^--8<-- "([\w./-]+)"\s*$')
+#: Links of the repository's files made the site's: into docs/ and to the changelog, pages; to the repository's
+#: other files (examples/, benchmarks/), their text alone (the site does not hold them).
+_LINKS = ((re.compile(r"\]\(docs/"), "]("), (re.compile(r"\]\(CHANGELOG\.md\)"), "](changelog.md)"),
+          (re.compile(r"\[([^\]]*)\]\((?:examples|benchmarks|tests|src)/[^)]*\)"), r"\1"))
+
+
+def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
+    """A page that is only ``--8<-- "FILE"`` is FILE from the repository's root (README.md, CHANGELOG.md), its links made the site's."""
+    match = _INCLUDE.match(markdown.strip())
+    if match is None:
+        return markdown
+    text = (DOCS.parent / match.group(1)).read_text()
+    for pattern, replacement in _LINKS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+_ROLE = re.compile(r":(?:func|class|attr|meth|mod|data):<code>(~?)([\w.]+)</code>")
+
+
+def on_page_content(html: str, page: Any, **_: Any) -> str:
+    """The docstrings' Sphinx roles (``:func:`~trainfold.evaluate```, kept for ``help()``) as links to the API entries
+    of the public names they name, and as plain code otherwise."""
+    entries = api_entries()
+    here = page.url.rstrip("/") or "."  # directory URLs: api/steps/ is the folder api/steps
+
+    def link(match: re.Match[str]) -> str:
+        short, target = match.group(1), match.group(2)
+        text = target.rsplit(".", 1)[-1] if short else target
+        parts = target.split(".")
+        names = parts[1:] if parts[0] == "trainfold" else parts
+        public = next((n for n in names[:1] if n in entries), None)
+        if public is None:
+            return f"<code>{text}</code>"
+        anchor = "trainfold." + ".".join(names)
+        href = posixpath.relpath(f"api/{entries[public][:-3]}", here) + f"/#{anchor}"
+        return f'<a href="{href}"><code>{text}</code></a>'
+
+    return _ROLE.sub(link, html)

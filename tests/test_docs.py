@@ -1,0 +1,73 @@
+"""The documentation site's checks (docs/hooks.py), run here too: every public name in the API reference, each
+docstring with the parts a reference needs; and the checks themselves catch what they are for."""
+
+import importlib.util
+from pathlib import Path
+
+import trainfold
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+hooks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hooks)
+
+
+def test_every_public_name_has_its_api_entry_and_a_complete_docstring():
+    assert [] == hooks.reference_problems()
+    assert set(hooks.api_entries()) >= set(trainfold.__all__) - {"__version__"}
+
+
+def test_a_function_missing_an_argument_returns_raises_or_an_example_is_named():
+    def scale(x: float, factor: float = 2.0) -> float:
+        """Multiply.
+
+        Args:
+            x: the number.
+        """
+        return x * factor
+
+    assert hooks.docstring_problems("scale", scale) == [
+        "scale: argument 'factor' is not under Args",
+        "scale: no Returns section",
+        "scale: no Raises section",
+        "scale: no Example section",
+    ]
+
+
+def test_a_complete_docstring_passes_and_a_page_without_an_entry_is_found(tmp_path):
+    def scale(x: float) -> float:
+        """Multiply by two.
+
+        Args:
+            x: the number.
+
+        Returns:
+            ``2 * x``.
+
+        Raises:
+            TypeError: ``x`` is not a number.
+
+        Examples:
+            >>> scale(2.0)
+            4.0
+        """
+        return 2 * x
+
+    (tmp_path / "api").mkdir()
+    (tmp_path / "api" / "some.md").write_text("# Some\n\n::: trainfold.make_step\n\n::: trainfold.fit\n")
+
+    assert hooks.docstring_problems("scale", scale) == []
+    assert hooks.api_entries(tmp_path) == {"make_step": "some.md", "fit": "some.md"}
+    missing = [p for p in hooks.reference_problems(tmp_path) if "no API page" in p]
+    assert "evaluate: public, but no API page has '::: trainfold.evaluate'" in missing
+
+
+def test_the_readme_becomes_the_home_page_with_the_sites_links():
+    class Page:
+        url = ""
+
+    text = hooks.on_page_markdown('--8<-- "README.md"\n', Page())
+
+    assert text.startswith("# trainfold")
+    assert "](guides/step.md)" in text and "](docs/" not in text
+    assert "](examples/" not in text  # the site does not hold the examples: their names stay, as text
