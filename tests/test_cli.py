@@ -158,3 +158,22 @@ def test_diff_says_equal_or_which_tensors_differ_and_by_how_much(tmp_path, capsy
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     code, _, err = _run(capsys, "diff", str(tmp_path / "junk.safetensors"), str(tmp_path / "copy"))
     assert 2 == code and "is not a safetensors file" in err
+
+
+def test_export_to_a_transformers_folder_without_transformers_names_the_install_in_one_line(root, tmp_path, capsys):
+    """The optional dependency missing: exit status 2, one line naming the fix, nothing written (where transformers is
+    installed, tests/test_export_transformers.py runs the export itself)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("transformers is installed here")
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+
+    code, out, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(tmp_path / "base"))
+
+    assert (2, "") == (code, out)
+    assert 1 == len(err.strip().splitlines()) and "pip install transformers" in err
+    assert not (tmp_path / "hf").exists()

@@ -374,6 +374,19 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, tmp_p
     assert cli.returncode == 0 and "bit for bit" in cli.stdout, cli.stdout + cli.stderr
 
 
+def test_the_command_line_lists_verifies_and_inspects_a_deepspeed_checkpoint(tmp_path):
+    testing.run_distributed(_train_and_save, 3, str(tmp_path / "root"), 1, nprocs=2)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", *argv, "--json"], capture_output=True, text=True, timeout=300)
+
+    listed, verified, inspected = run("ls", str(tmp_path / "root")), run("verify", str(tmp_path / "root")), run("inspect", str(tmp_path / "root"))
+
+    [entry] = json.loads(listed.stdout)["checkpoints"]
+    assert ("deepspeed", 2, 3, True, True) == (entry["format"], entry["processes"], entry["update"], entry["complete"], entry["latest"])
+    assert json.loads(verified.stdout)["ok"] is True
+    doc = json.loads(inspected.stdout)
+    assert ("deepspeed", 2, 3) == (doc["format"], doc["processes"], doc["update"])
+
+
 def test_a_deepspeed_checkpoint_whose_partitions_do_not_add_up_is_not_exported(tmp_path):
     """One rank's ZeRO-2 optimizer partition forged (manifest rewritten to match) shorter: refused, naming the group, nothing written."""
     testing.run_distributed(_train_and_save, 2, str(tmp_path / "root"), 1, nprocs=2)
