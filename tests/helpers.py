@@ -107,6 +107,24 @@ def fsdp2_accelerator(**kwargs) -> Accelerator:
     return acc
 
 
+def mesh_accelerator(dp_replicate: int = 2, dp_shard: int = 2, tp: int = 1, cp: int = 1, **kwargs) -> Accelerator:
+    """An Accelerator on CPU processes with a device mesh from Accelerate's ParallelismConfig (HSDP by default: 2 × 2).
+
+    The same forcing as :func:`fsdp2_accelerator`, for the same reason, done earlier: ``Accelerator(cpu=True,
+    parallelism_config=...)`` refuses a MULTI_CPU run, so PartialState's distributed type is set to MULTI_GPU before
+    the Accelerator is built; with an FSDP2 plugin AcceleratorState then selects FSDP, builds the
+    ``(dp_replicate, dp_shard)`` device mesh on the CPU (gloo), and ``prepare`` shards each parameter over
+    ``dp_shard`` and replicates it over ``dp_replicate`` (DTensors placed ``(Replicate(), Shard(0))``), as on GPUs.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+
+    PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
+    config = ParallelismConfig(dp_replicate_size=dp_replicate, dp_shard_size=dp_shard, tp_size=tp, cp_size=cp)
+    return Accelerator(cpu=True, fsdp_plugin=plugin, parallelism_config=config, **kwargs)
+
+
 def small_disk(folder, size: str):
     """A tmpfs of ``size`` mounted at ``folder`` (a full disk, for real), unmounted after; skips where mounting needs root."""
     import subprocess

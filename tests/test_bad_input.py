@@ -1,5 +1,7 @@
 """Misuse and bad input: each mistake gets an error that names the thing and the fix."""
 
+import re
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -497,3 +499,20 @@ def test_checkpoint_error_is_defined_where_users_import_it_from():
 
     assert trainfold.CheckpointError is CheckpointError
     assert "trainfold.errors" == CheckpointError.__module__
+
+
+@pytest.mark.parametrize("sizes,named", [({"sp_size": 2}, "sp_size=2 (sequence parallelism)"),
+                                         ({"dp_shard_size": 2, "cp_size": 2}, "cp_size=2 (context parallelism)")])
+def test_a_parallelism_whose_processes_share_batches_is_refused_naming_it(sizes, named):
+    """The check a Context makes of its Accelerator's ParallelismConfig (tests/test_sharded.py makes a real one on 4
+    processes); HSDP's dimensions pass."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import ParallelismConfig
+
+    from trainfold.core.settings import check_parallelism
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(**sizes)))
+    check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)))
+    check_parallelism(SimpleNamespace(parallelism_config=None))

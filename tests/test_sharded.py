@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -32,9 +33,13 @@ def _full_params(state):
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
 
 
+def _accelerator(engine, **kwargs):
+    """``"fsdp2"``: FSDP2 over every process; ``"hsdp"``: HSDP on a 2 × 2 mesh (4 processes); ``"ddp"``: Accelerate's choice."""
+    return {"fsdp2": helpers.fsdp2_accelerator, "hsdp": helpers.mesh_accelerator}.get(engine, lambda **kw: Accelerator(cpu=True, **kw))(**kwargs)
+
+
 def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True, mixed_precision="no"):
-    acc = (helpers.fsdp2_accelerator(gradient_accumulation_steps=ga, mixed_precision=mixed_precision) if engine == "fsdp2"
-           else Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    acc = _accelerator(engine, gradient_accumulation_steps=ga, **({"mixed_precision": mixed_precision} if engine != "ddp" else {}))
     ctx = Context(accelerator=acc)
     torch.manual_seed(seed)
     model = helpers.mlp(dropout=0.1)
@@ -46,8 +51,8 @@ def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True, mixed_prec
     return ctx, state, dl
 
 
-def _canonical_fsdp2(ga, clip, mixed_precision="no"):
-    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga, mixed_precision=mixed_precision)
+def _canonical_fsdp2(ga, clip, mixed_precision="no", engine="fsdp2"):
+    acc = _accelerator(engine, gradient_accumulation_steps=ga, mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -68,27 +73,33 @@ def _canonical_fsdp2(ga, clip, mixed_precision="no"):
     return {n: p.full_tensor().detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
 
 
-def _fsdp2_equivalence(ga, clip, mixed_precision="no"):
-    expected = _canonical_fsdp2(ga, clip, mixed_precision)
+def _fsdp2_equivalence(ga, clip, mixed_precision="no", engine="fsdp2"):
+    expected = _canonical_fsdp2(ga, clip, mixed_precision, engine)
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state()  # keep the process group, forget the Accelerator's settings
     GradientState._reset_state()
-    ctx, state, dl = _setup("fsdp2", ga=ga, mixed_precision=mixed_precision)
+    ctx, state, dl = _setup(engine, ga=ga, mixed_precision=mixed_precision)
     state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=clip), dl), max_epochs=2)(state)
-    return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__
+    weight = state.accelerator.unwrap_model(state.model)[0].weight
+    return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__, str(weight.device_mesh.mesh_dim_names)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("ga,clip,nprocs,mixed_precision", [(1, None, 2, "no"), (3, 0.5, 2, "no"), (3, None, 1, "bf16")])
-def test_composed_loop_equals_canonical_fsdp2_loop(ga, clip, nprocs, mixed_precision):
+@pytest.mark.parametrize("engine,ga,clip,nprocs,mixed_precision", [
+    ("fsdp2", 1, None, 2, "no"), ("fsdp2", 3, 0.5, 2, "no"), ("fsdp2", 3, None, 1, "bf16"), ("hsdp", 1, 0.5, 4, "no"), ("hsdp", 2, None, 4, "no")])
+def test_composed_loop_equals_canonical_fsdp2_loop(engine, ga, clip, nprocs, mixed_precision):
     """Under Accelerate's FSDP2 (CPU processes): the same parameters, bit for bit, with and without accumulation and clipping;
     on one process too, where Accelerate still turns FSDP2's gradient sync off inside an accumulation group (with bf16
-    parameters, accumulating unsharded bf16 gradients is not the same arithmetic as reducing each micro-batch)."""
-    ranks = testing.run_distributed(_fsdp2_equivalence, ga, clip, mixed_precision, nprocs=nprocs)
+    parameters, accumulating unsharded bf16 gradients is not the same arithmetic as reducing each micro-batch); and under
+    HSDP through ParallelismConfig (dp_replicate 2 × dp_shard 2 on 4 processes: each parameter sharded over 2, replicated
+    over 2)."""
+    ranks = testing.run_distributed(_fsdp2_equivalence, ga, clip, mixed_precision, engine, nprocs=nprocs)
 
-    for expected, got, cls in ranks:
+    for expected, got, cls, mesh in ranks:
         assert cls.startswith("FSDP")  # the model really is sharded by fully_shard
+        if engine == "hsdp":  # a 2-D mesh: sharded over dp_shard, replicated over dp_replicate
+            assert mesh == "('dp_replicate', 'dp_shard_cp')"
         testing.assert_params_equal(expected, got)
 
 
@@ -112,17 +123,22 @@ def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, e
 
 # DDP's sharded mid-epoch resume: test_distributed's checkpoint test (sharded is the default on several processes)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("fsdp2", 3, True)])
+@pytest.mark.parametrize("engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("fsdp2", 3, True), ("hsdp", 1, False), ("hsdp", 3, True)])
 def test_sharded_checkpoint_resumes_mid_epoch_exactly(engine, ga, async_save, tmp_path):
-    """Stopped mid-epoch (at update 5, inside the second epoch), resumed in new processes: the run ends as an uninterrupted one, bit for bit."""
-    (full, *_), _ = testing.run_distributed(_train, engine, str(tmp_path / "a"), ga=ga, nprocs=2)
-    testing.run_distributed(_train, engine, str(tmp_path / "b"), stop_after=5, ga=ga, async_save=async_save, nprocs=2)
+    """Stopped mid-epoch (at update 5, inside the second epoch), resumed in new processes: the run ends as an uninterrupted one,
+    bit for bit; under FSDP2 on 2 processes, and under HSDP on a 2 × 2 mesh (DCP's DTensors on a 2-D mesh: each
+    parameter in as many pieces as dp_shard ranks, each piece written once, by one of its replicas)."""
+    nprocs = 4 if engine == "hsdp" else 2
+    (full, *_), *_ = testing.run_distributed(_train, engine, str(tmp_path / "a"), ga=ga, nprocs=nprocs)
+    testing.run_distributed(_train, engine, str(tmp_path / "b"), stop_after=5, ga=ga, async_save=async_save, nprocs=nprocs)
     manifest = verify_checkpoint(latest_checkpoint(tmp_path / "b"))
-    (resumed, step, epoch), _ = testing.run_distributed(_train, engine, str(tmp_path / "b"), resume=True, ga=ga, async_save=async_save, nprocs=2)
+    (resumed, step, epoch), *_ = testing.run_distributed(_train, engine, str(tmp_path / "b"), resume=True, ga=ga, async_save=async_save, nprocs=nprocs)
 
-    assert 2 == manifest["format"] and 2 == manifest["world_size"]
-    assert {"tensors.json", "shard-0.safetensors", "shard-1.safetensors", "rank-1.json"} <= set(manifest["files"])
+    assert 2 == manifest["format"] and nprocs == manifest["world_size"]
+    assert {"tensors.json", *(f"shard-{r}.safetensors" for r in range(nprocs)), f"rank-{nprocs - 1}.json"} <= set(manifest["files"])
     assert "model.safetensors" not in manifest["files"]  # nothing gathered to one process
+    pieces = json.loads((latest_checkpoint(tmp_path / "b") / "tensors.json").read_text())["tensors"]["model.0.weight"]["chunks"]
+    assert 2 == len(pieces)  # sharded over the 2 dp_shard ranks; under HSDP, not once more per replica
     testing.assert_params_equal(full, resumed)
     assert epoch == 2
 
@@ -160,8 +176,7 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
     """One epoch over 48 numbered samples; returns the ids this process trained on, and the model at the start and end."""
     import warnings
 
-    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=ga) if engine == "fsdp2" else Accelerator(cpu=True, gradient_accumulation_steps=ga)
-    ctx = Context(accelerator=acc)
+    ctx = Context(accelerator=_accelerator(engine, gradient_accumulation_steps=ga))
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -227,6 +242,33 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
     assert all(epoch == 1 for *_, epoch, _ in second)
     warned = second[0][4]
     assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
+
+
+def _continues_exactly(before, after):
+    """The model, step, scheduler and optimizer a run stopped with are those the next run starts with."""
+    stopped, started = before[0][2], after[0][1]
+    testing.assert_params_equal(stopped[0], started[0])
+    assert stopped[1] == started[1] and stopped[2] == started[2]
+    for k, per in stopped[3].items():
+        for name, value in per.items():
+            assert torch.equal(value, started[3][k][name]), (k, name)
+
+
+@pytest.mark.multiprocess
+def test_an_hsdp_checkpoint_reshards_to_fsdp2_on_two_processes_then_to_one(tmp_path):
+    """HSDP 2 × 2 (4 processes) stopped after 2 updates, resumed under FSDP2 on 2 processes and stopped after one more,
+    resumed on one process to the epoch's end: every sample once over the three runs, and each run continues the
+    model, optimizer and scheduler exactly where the one before stopped (DCP reshards between the meshes)."""
+    first = _run("hsdp", 4, str(tmp_path), stop_after=2)
+    second = _run("fsdp2", 2, str(tmp_path), resume=True, stop_after=3)
+    third = _run("ddp", 1, str(tmp_path), resume=True)
+
+    trained = sorted(i for seen, *_ in first + second + third for i in seen)
+    assert trained == list(range(48))  # 2 updates of 16 samples, 1 of 8, 2 of 4
+    _continues_exactly(first, second)
+    _continues_exactly(second, third)
+    assert "global batch of 16 samples per update" in second[0][4][0] and "this run's is 8" in second[0][4][0]
+    assert (3, 1) == (third[0][2][1] - 2, third[0][3])  # 5 updates in all, the epoch ended
 
 
 @pytest.mark.multiprocess
@@ -376,3 +418,22 @@ def test_a_checkpoint_that_cannot_be_dealt_out_to_another_number_of_processes_is
     for message, unchanged in ranks:
         assert re.search(match, message), message
         assert unchanged
+
+
+def _context_on_a_context_parallel_mesh():
+    acc = helpers.mesh_accelerator(dp_replicate=1, dp_shard=2, cp=2)
+    try:
+        Context(accelerator=acc)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_context_parallel_mesh_is_refused_before_training_naming_the_dimension():
+    """cp 2 × dp_shard 2 on 4 processes: the 2 processes of a cp group read the same batches, which trainfold's data
+    position would count twice. Refused when the Context is made, with the dimension and the way out (tensor
+    parallelism, tp_size, the same: Accelerate needs transformers to build that Accelerator, so it is not built here)."""
+    for message in testing.run_distributed(_context_on_a_context_parallel_mesh, nprocs=4):
+        assert "ParallelismConfig has cp_size=2 (context parallelism)" in message
+        assert "use dp_replicate_size and dp_shard_size only" in message

@@ -12,7 +12,15 @@ from accelerate import Accelerator
 
 from trainfold.backend.engine import wait_for_everyone
 from trainfold.backend.loaders import fill_deepspeed_micro_batch, loader_placement, mark_own_shard
-from trainfold.core.settings import DEFAULT_SIGNALS, check_launcher, positive_seconds, require_accelerator, signals_of, timeout_of
+from trainfold.core.settings import (
+    DEFAULT_SIGNALS,
+    check_launcher,
+    check_parallelism,
+    positive_seconds,
+    require_accelerator,
+    signals_of,
+    timeout_of,
+)
 from trainfold.distributed.control import Control, current_timeout, set_timeout
 from trainfold.distributed.interrupt import Handlers, Interrupt
 from trainfold.distributed.saver import Saver
@@ -111,6 +119,13 @@ class Context:
             default the group keeps what it was made with: torch's 30 minutes for
             gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
 
+    Raises:
+        TypeError: ``accelerator`` is not an Accelerator; a bad ``signals`` or ``timeout``.
+        RuntimeError: the launcher started several processes that this Accelerator does not join into one job.
+        ValueError: the Accelerator's ParallelismConfig has processes that read the same batches (``tp_size``,
+            ``cp_size`` or ``sp_size`` above 1, named): trainfold supports its data-parallel dimensions
+            (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP).
+
     Examples:
         >>> from accelerate import Accelerator
         >>> ctx = Context(accelerator=Accelerator(cpu=True))
@@ -153,6 +168,7 @@ class Context:
 
     def __attrs_post_init__(self) -> None:
         check_launcher(self.accelerator)
+        check_parallelism(self.accelerator)
         if self.timeout is not None and self.accelerator.num_processes > 1:
             set_timeout(self.timeout)
         _finish_saves_before_end_training(self)

@@ -73,3 +73,30 @@ def check_launcher(accelerator: Accelerator) -> None:
             "joins CPU processes into one job only when told to use the CPU: build it with Accelerator(cpu=True) (or set "
             "ACCELERATE_USE_CPU=1), use a GPU per process, or launch one process."
         )
+
+
+#: ParallelismConfig's dimensions whose processes read the same batches (Accelerate's loaders give a tensor-, context-
+#: or sequence-parallel group one share of the data), with the name of each kind of parallelism.
+SHARED_BATCH_DIMENSIONS = (("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence"))
+
+
+def check_parallelism(accelerator: Accelerator) -> None:
+    """Refuse an Accelerator whose ParallelismConfig has processes that share batches (tensor, context, sequence parallelism).
+
+    trainfold counts each process's batches as its own share of the data: the position a checkpoint records (samples
+    done), the epoch's means and evaluation's every-sample-once rest on it. The processes of a tensor-parallel group
+    read the same batches, so those counts would be multiplied by the group's size: refused before anything runs,
+    naming the dimension. Data-parallel dimensions (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP) are
+    what trainfold supports.
+    """
+    config = getattr(accelerator, "parallelism_config", None)  # Accelerate 1.10 and later
+    for field, kind in SHARED_BATCH_DIMENSIONS:
+        size = getattr(config, field, 1) or 1
+        if size > 1:
+            raise ValueError(
+                f"the Accelerator's ParallelismConfig has {field}={size} ({kind} parallelism): the {size} processes of each "
+                f"{kind}-parallel group read the same batches, and trainfold counts each process's batches as its own share of "
+                "the data (the position a checkpoint records, the epoch's means, evaluation's every sample once), so its counts "
+                f"and checkpoints would be wrong. trainfold supports the data-parallel dimensions: use dp_replicate_size and "
+                f"dp_shard_size only (DDP, FSDP2, HSDP), or Accelerate's own loop for {kind} parallelism."
+            )
