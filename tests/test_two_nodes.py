@@ -141,3 +141,16 @@ def test_sigterm_to_one_nodes_launcher_stops_both_nodes_at_one_update_and_the_jo
     else:
         for name, value in expected.items():
             torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+def test_uneven_data_is_refused_on_every_process_of_both_nodes_before_a_step(tmp_path, nproc):
+    """Rank 0 has one batch more than the others (121 batches over 2 or 4 processes, even_batches=False): every process
+    on both nodes refuses the epoch at its start with the same message, and both launchers end; nothing is trained or saved."""
+    output = _wait(_start_two_nodes(tmp_path, nproc, tmp_path / "ckpt", tmp_path / "never.st", "--uneven"), tmp_path)
+
+    refusals = [line for line in output.splitlines() if line.startswith("refused")]
+    assert sorted(int(line.split()[1]) for line in refusals) == list(range(2 * nproc)), output[-3000:]
+    counts = f"rank 0: {121 // (2 * nproc) + 1}, rank 1: {121 // (2 * nproc)}"
+    assert all("different numbers of batches this epoch" in line and counts in line for line in refusals), refusals
+    assert "update" not in output and list_checkpoints(tmp_path / "ckpt") == []

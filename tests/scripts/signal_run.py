@@ -1,11 +1,13 @@
 """A 2-process DDP run that a signal stops at a step boundary with a final checkpoint; run again, it resumes.
 
-    torchrun --nproc_per_node 2 signal_run.py ROOT OUT [--step-s S] [--stop-check-s S]
+    torchrun --nproc_per_node 2 signal_run.py ROOT OUT [--step-s S] [--stop-check-s S] [--uneven]
 
 Each rank prints "ready <rank> <pid>" when set up; rank 0 prints "update <n>"
 after every update. With no checkpoint under ROOT it starts fresh, otherwise it
 resumes from the newest. When it finishes it writes its parameters to OUT
 (rank 0); when a signal stopped it, it prints "stopped <update> <reason>" and exits 0.
+With --uneven the loader gives rank 0 one batch more than the others (Accelerate's
+even_batches=False): each rank prints "refused <rank> <message>" and exits 0.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import time
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
 from safetensors.torch import save_file
 
 from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
@@ -31,14 +34,17 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--stop-check-s", type=float, default=1.0)
+    parser.add_argument("--uneven", action="store_true")
     args = parser.parse_args()
+    loaders = DataLoaderConfiguration(even_batches=not args.uneven)
 
     torch.manual_seed(0)
-    with Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2), stop_check_s=args.stop_check_s) as ctx:
+    with Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=loaders), stop_check_s=args.stop_check_s) as ctx:
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 3))
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         g = torch.Generator().manual_seed(3)
-        data = torch.utils.data.TensorDataset(torch.randn(240, 8, generator=g), torch.randint(0, 3, (240,), generator=g))
+        n = 242 if args.uneven else 240  # 121 batches of 2: one more on rank 0
+        data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
         (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
         if latest_checkpoint(args.root) is not None:
             state = load_checkpoint(ctx, args.root, state)
@@ -54,7 +60,13 @@ def main():
 
         step = checkpoint_every(ctx, args.root, 10_000)(slow)  # no periodic save: only the final one on a stop
         say(f"ready {rank} {os.getpid()}")
-        state = loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+        try:
+            state = loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+        except ValueError as exc:
+            if not args.uneven:
+                raise
+            say(f"refused {rank} {exc}")
+            return
         if state.should_stop:
             if rank == 0:
                 say(f"stopped {state.step} {state.stop_reason}")
