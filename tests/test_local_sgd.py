@@ -46,7 +46,7 @@ def _accelerate_way():
 def _trainfold_way(root=None, epochs=EPOCHS, resume=False, stateless=False):
     ctx = Context(accelerator=Accelerator(cpu=True))
     model, opt, _, dl = helpers.build(0, shuffle=True)
-    if stateless:  # each process's momentum differs under local SGD, and a checkpoint holds rank 0's: see docs/guides/loop.md
+    if stateless:  # each process's momentum differs under local SGD, and a checkpoint holds one process's: see docs/guides/loop.md
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(7)
     state = TrainState.create(ctx, model=model, optimizer=opt)

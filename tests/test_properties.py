@@ -131,3 +131,35 @@ def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_on
     assert old == copier(Record)(old)
     with pytest.raises(TypeError, match=r"Record has no field\(s\) \['missing'\]"):
         copier(Record, "missing")
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+def test_a_saves_finiteness_check_through_the_extremes_says_what_isfinite_says(values, dtype):
+    """checkpoint/background.py checks a weight's finiteness by its min and max (one pass): the same answer as
+    ``isfinite(t).all()`` for every dtype a weight has, NaN and infinities anywhere (and a float32 value that is inf
+    once cast to float16 is inf there, as it should be)."""
+    from trainfold.checkpoint.background import _finite_one
+
+    t = torch.tensor(values, dtype=torch.float32).to(dtype)
+
+    assert bool(_finite_one(t)) == bool(torch.isfinite(t).all())
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(0, 64), min_size=0, max_size=12), world=st.integers(1, 4))
+def test_each_replicated_tensor_is_dealt_to_exactly_one_process_and_the_deal_is_balanced(sizes, world):
+    """A sharded save's deal of the tensors every process holds whole (checkpoint/formats/dcp.py's own_share): the
+    processes' shares are disjoint and cover every tensor (each written once), and no process gets more bytes than
+    another plus the largest tensor (greedy, in name order: the same on every process)."""
+    from trainfold.checkpoint.formats.dcp import own_share
+
+    tensors = {f"model.t{i}": torch.zeros(n) for i, n in enumerate(sizes)}
+
+    shares = [own_share(tensors, rank, world) for rank in range(world)]
+
+    names = [name for share in shares for name in share]
+    assert sorted(names) == sorted(tensors)  # each once
+    dealt = [sum(t.numel() * t.element_size() for t in share.values()) for share in shares]
+    assert max(dealt) - min(dealt) <= max((4 * n for n in sizes), default=0)

@@ -62,8 +62,10 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
     holds one model): save where they were just averaged, at an epoch's end
     (``save_checkpoint`` composed after ``average_parameters``) or at a stop. The
     optimizer's state is not averaged (nor is it by Accelerate): with momentum or
-    Adam each process's moments differ, and a checkpoint holds those of process 0,
-    so a resumed run continues with process 0's moments on every process. With a
+    Adam each process's moments differ, and a checkpoint holds one process's for each
+    parameter (a gathered checkpoint process 0's; a sharded one, the default on several
+    processes, those of the process each tensor is dealt to), so a resumed run continues
+    with those moments on every process. With a
     stateless optimizer a run resumed from an epoch's end continues exactly; one
     stopped mid-interval was averaged there, which the uninterrupted run was not.
 

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Protocol
 import attrs
 import torch
 
+from trainfold.backend.engine import is_dtensor
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.storage.protocol import Staging, Stored
 from trainfold.core.context import Context
@@ -58,11 +59,25 @@ class Format(Protocol):
 
 
 def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` in host memory (a DTensor's local shard copied, its layout kept): what a background save writes."""
+    """Copies of ``tensors`` in host memory (a DTensor's local shard copied, its layout kept): what a background save writes.
+
+    A DTensor already on the CPU is copied once, its shard into a new DTensor of the same layout; torch's
+    ``_create_cpu_state_dict``, which the rest goes through, deep-copies such a DTensor (its data twice) before
+    copying the data into it again: three copies, most of the time a background save keeps the caller.
+    """
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     tensors = dict(tensors)
-    return _copy_state_dict(tensors, _create_cpu_state_dict(tensors))
+    on_cpu = {k: t for k, t in tensors.items() if is_dtensor(t) and t.device.type == "cpu" and t.dim()}
+    rest = {k: t for k, t in tensors.items() if k not in on_cpu}
+    copies = _copy_state_dict(rest, _create_cpu_state_dict(rest)) if rest else {}
+    for key, dtensor in on_cpu.items():
+        local = dtensor._local_tensor.detach()  # type: ignore[attr-defined]
+        host = torch.empty_like(local)
+        host.copy_(local)
+        make: Any = type(dtensor)  # DTensor(local, spec, *, requires_grad): the layout's spec kept, the shard ours
+        copies[key] = make(host, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return {k: copies[k] for k in tensors}
 
 
 def loaded(state: TrainState, resume: Resume) -> TrainState:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from trainfold.backend.engine import local
+from trainfold.backend.engine import is_dtensor, local
 from trainfold.checkpoint import safetensors as _safetensors
 from trainfold.checkpoint.formats.dcp_metadata import METADATA, metadata_json
 from trainfold.checkpoint.storage.protocol import Staging
@@ -91,6 +91,30 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
         else:
             rest[key] = item
     return tensors, rest
+
+
+def own_share(tensors: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """The tensors process ``rank`` writes: every DTensor (its own shard; DCP writes each replicated piece once), and of
+    the plain tensors, which every process holds whole (DDP's replicas, FSDP's unsharded buffers), those dealt to it.
+
+    The deal gives each plain tensor, in name order, to the process with the fewest bytes so far: every process
+    computes the same deal, so each tensor is written once, and the writing is spread as DCP's own deduplication
+    would spread it after planning. Dealt before, a background save copies only this process's share to host memory.
+    """
+    if world <= 1:
+        return dict(tensors)
+    dealt = [0] * world
+    share: dict[str, torch.Tensor] = {}
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        if is_dtensor(tensor):
+            share[name] = tensor
+            continue
+        owner = min(range(world), key=dealt.__getitem__)
+        dealt[owner] += tensor.numel() * tensor.element_size()
+        if owner == rank:
+            share[name] = tensor
+    return share
 
 
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

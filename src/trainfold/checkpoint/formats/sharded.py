@@ -37,6 +37,7 @@ class Sharded:
 
         acc = ctx.accelerator
         shards, rest = agreed(ctx, lambda: dcp.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
+        shards = dcp.own_share(shards, acc.process_index, acc.num_processes)
         if copied:
             shards = to_host(shards)
         run = capture(state, copied=copied, rng=rng, sharded_optimizer=rest)
