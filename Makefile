@@ -20,6 +20,9 @@ STAMP := $(VENV)/.trainfold-installed
 FLOOR_STAMP := $(FLOOR_VENV)/.trainfold-installed
 DS_SITE := .deepspeed-site
 DS_STAMP := $(DS_SITE)/.trainfold-installed
+# Azurite, Microsoft's Azure Storage emulator (Node.js, from the npm registry): the az:// tests run against it on 127.0.0.1
+AZURITE ?= azurite@3.37.0
+AZ_STAMP := .azurite/.installed
 FLOOR_TESTS := tests/test_equivalence.py tests/test_step.py tests/test_checkpoint.py tests/test_snapshot.py tests/test_evaluate.py tests/test_tokens.py tests/test_distributed.py tests/test_signals.py
 
 .PHONY: example test test-quick test-types test-docs docs test-inprocess test-multiprocess test-deepspeed test-floor test-wheel bench clean
@@ -39,6 +42,11 @@ $(DS_STAMP): $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation --no-deps --target $(DS_SITE) "deepspeed>=0.16"
 	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
 	touch $(DS_STAMP)
+
+$(AZ_STAMP):
+	@command -v npm > /dev/null || { echo "make: the az:// tests need Azurite, installed with npm (Node.js): install Node.js and npm"; exit 1; }
+	npm install --prefix .azurite --no-audit --no-fund --silent "$(AZURITE)"
+	touch $(AZ_STAMP)
 
 $(FLOOR_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(FLOOR_VENV)
@@ -72,7 +80,7 @@ test-quick: test-types test-inprocess
 test-types: $(STAMP)
 	$(PY) -m mypy src/trainfold
 
-test-inprocess: $(STAMP)
+test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
 test-multiprocess: $(STAMP)
@@ -104,4 +112,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist site
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist site .azurite

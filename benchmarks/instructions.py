@@ -23,7 +23,13 @@ from pathlib import Path
 
 SIZES, BATCH = (32, 64, 10), 32  # bench.py's tiny MLP
 N1, N2 = 64, 320
-LOOPS = ("raw", "accelerate", "trainfold", "trainfold+nan_guard", "trainfold+log_every", "trainfold+progress_bar", "trainfold_full")
+LOOPS = ("raw", "raw+loader", "raw+loader+optimizer", "accelerate", "trainfold_step", "trainfold", "trainfold+nan_guard", "trainfold+log_every",
+         "trainfold+progress_bar", "trainfold_full")
+#: The per-component breakdown: each line's cost is its loop's instructions minus the loop before it.
+BREAKDOWN = (("Accelerate's loader (DataLoaderShard: its look-ahead, device placement)", "raw+loader", "raw"),
+             ("Accelerate's optimizer wrapper (AcceleratedOptimizer.step, zero_grad)", "raw+loader+optimizer", "raw+loader"),
+             ("trainfold's step over the raw body on the prepared loader (stages, update, state, running sums)", "trainfold_step", "raw+loader"),
+             ("run_epoch over calling the step (the cursor, checks, the epoch's end)", "trainfold", "trainfold_step"))
 
 CHILD = r'''
 import gc, io, sys, torch
@@ -44,6 +50,24 @@ gc.disable()  # a cyclic collection of torch's heap costs ~10^8 instructions: ke
 if which == "raw":
     for x, y in dl:
         loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+elif which in ("raw+loader", "raw+loader+optimizer"):  # the raw body; Accelerate's loader (and optimizer wrapper) around it
+    from accelerate import Accelerator
+    acc = Accelerator(cpu=True)
+    if which == "raw+loader":
+        dl = acc.prepare_data_loader(dl)
+    else:
+        opt, dl = acc.prepare_optimizer(opt), acc.prepare_data_loader(dl)
+    for x, y in dl:
+        loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+elif which == "trainfold_step":  # the step called in a plain loop over the prepared loader: no run_epoch
+    from accelerate import Accelerator
+    from trainfold import Context, TrainState, make_step
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(dl)
+    step = make_step(ctx, loss_fn)
+    for batch in dl:
+        state = step(state, batch)
 elif which == "accelerate":
     from accelerate import Accelerator
     acc = Accelerator(cpu=True)
@@ -112,6 +136,11 @@ def main() -> None:
     print()
     for which in loops[1:]:
         print(f"{which:24s} {per_step[which] / per_step['raw']:.3f} x raw")
+    print()
+    for what, loop, base in BREAKDOWN:
+        if loop in per_step and base in per_step:
+            cost = per_step[loop] - per_step[base]
+            print(f"{cost / 1e3:8.1f} K instructions/step ({cost / per_step['raw']:+.1%} of raw): {what}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -242,6 +243,55 @@ class S3Server:
         if not fs.exists(name):
             fs.call_s3("create_bucket", Bucket=name)  # no LocationConstraint: us-east-1 takes none
         return f"s3://{name}"
+
+
+#: Azurite, Microsoft's Azure Storage emulator, installed by `make test` with npm into .azurite/ (the Makefile's AZURITE)
+AZURITE = Path(__file__).resolve().parents[1] / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+#: Azurite's well-known development account (public, in Microsoft's documentation): not a secret
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+@contextlib.contextmanager
+def azurite_server(folder):
+    """Azurite's blob service on 127.0.0.1 (a free port, its data in ``folder``), killed when the block ends."""
+    from trainfold.testing import free_port
+
+    if not AZURITE.exists():
+        raise RuntimeError(f"{AZURITE} is missing: `make test` installs Azurite with npm (make .azurite/.installed)")
+    port = free_port()
+    proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(folder), "--silent",
+                             "--skipApiVersionCheck", "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the event: the service accepts a connection
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"Azurite did not start on port {port} (exit {proc.poll()})") from None
+                time.sleep(0.05)
+        yield AzureServer(f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                          f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@attrs.frozen
+class AzureServer:
+    connection_string: str
+
+    def options(self) -> dict[str, Any]:
+        """``storage_options`` for this service (adlfs)."""
+        return {"connection_string": self.connection_string}
+
+    def container(self, name: str) -> str:
+        """Create the container ``name`` and return ``az://name``."""
+        import adlfs
+
+        adlfs.AzureBlobFileSystem(**self.options()).mkdir(name)
+        return f"az://{name}"
 
 
 def kill_after_a_new_checkpoint(cmd, env, newest, delay: float) -> int:

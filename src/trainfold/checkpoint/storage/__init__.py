@@ -62,14 +62,14 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         from fsspec.registry import registry
     except ImportError:
         raise ImportError(f"{url}: checkpoints on object storage need fsspec and the store's package: pip install 'trainfold[s3]' "
-                          "for s3:// (gcsfs for gs://, adlfs for az://).") from None
+                          "for s3://, 'trainfold[azure]' for az:// (gcsfs for gs://).") from None
     if protocol not in fsspec.available_protocols() and protocol not in registry:  # known to fsspec, or registered with it
         raise ValueError(f"{url}: {protocol!r} is not a protocol fsspec knows (s3, gs, az, memory, ...): check the root's URL.")
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
         raise ImportError(f"{url}: the {protocol}:// store needs a package that is not installed ({exc}); for s3:// pip install "
-                          "'trainfold[s3]'.") from None
+                          "'trainfold[s3]', for az:// 'trainfold[azure]'.") from None
     options = dict(storage_options or {})
     if protocol in ("s3", "s3a"):
         options = {**S3_DEFAULTS, **options}

@@ -14,9 +14,12 @@ renewal finds another ETag has lost the lock: its next save raises instead of
 writing beside the job that took it over. No clocks are compared.
 
 Conditional writes are what S3 (and S3-protocol servers that honour them),
-GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``
-and emulates them in-process for ``memory://``. On any other store it cannot
-make sure of one writer, and says so once (a warning); see the object storage guide (docs/guides/object-storage.md).
+GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``,
+through adlfs (Azure's ``upload_blob`` with ``overwrite=False``, and an ``etag`` with
+``MatchConditions.IfNotModified``) for ``az://`` and ``abfs://``, and emulates them
+in-process for ``memory://``. On any other store (``gs://`` among them: gcsfs passes
+no generation condition) it cannot make sure of one writer, and says so once (a
+warning); see the object storage guide (docs/guides/object-storage.md).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ logger = logging.getLogger("trainfold")
 #: the lock this process holds per root URL: [LeaseLock, Contexts using it]
 _HELD: dict[str, list[Any]] = {}
 _MEMORY = threading.Lock()  # memory://'s conditional writes: the store lives in this process
+_S3, _AZURE = ("s3", "s3a"), ("abfs", "az", "abfss")
+#: the stores whose writes trainfold makes conditional (memory:// in-process)
+CONDITIONAL = (*_S3, *_AZURE, "memory")
 
 
 class _Lost(Exception):
@@ -102,7 +108,7 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
                 raise _Lost
             fs.pipe_file(path, body)
             return _memory_tag(fs, path)
-    if kind in ("s3", "s3a"):
+    if kind in _S3:
         try:
             out = call(fs, "renewing the lock", "pipe_file", path, body, IfMatch=etag)
         except FileNotFoundError:
@@ -112,6 +118,18 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
                 raise _Lost from None
             raise
         return str(out.get("ETag", "")) if isinstance(out, dict) else _etag(fs, path)
+    if kind in _AZURE:
+        from azure.core import MatchConditions
+
+        try:
+            out = call(fs, "renewing the lock", "pipe_file", path, body, etag=etag, match_condition=MatchConditions.IfNotModified)
+        except FileNotFoundError:
+            raise _Lost from None
+        except OSError as exc:  # 412 (another ETag) or 404 (removed), as azure-core's errors
+            if type(exc.__cause__).__name__ in ("ResourceModifiedError", "ResourceNotFoundError"):
+                raise _Lost from None
+            raise
+        return str(out.get("etag", "")) if isinstance(out, dict) else _etag(fs, path)
     # no conditional write known for this store: best effort (see the module's docstring)
     if _etag(fs, path) != etag:
         raise _Lost
@@ -150,7 +168,7 @@ class LeaseLock:
         Raises:
             CheckpointError: a live owner holds it (named).
         """
-        if protocol_of(self.fs) not in ("s3", "s3a", "memory"):
+        if protocol_of(self.fs) not in CONDITIONAL:
             warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
                           "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=4)
         try:

@@ -1,0 +1,121 @@
+"""Checkpoints on Azure Blob storage (az://), against Azurite, Microsoft's emulator, on 127.0.0.1 (installed by `make test`).
+
+What test_object_storage.py checks on S3 that depends on the store: a run saved and resumed bit for bit, and one
+writer per root by Azure's conditional writes (a lock blob created with If-None-Match: *, renewed with If-Match on its
+ETag). The rest (the manifest as the commit, verification, the bounded requests) is the storage layer's, common to
+both, and tested there.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zlib
+
+import helpers
+import pytest
+
+from trainfold import CheckpointError, checkpoint_every, list_checkpoints, load_checkpoint, loop, make_step, run_epoch, save_checkpoint, testing
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory):
+    with helpers.azurite_server(tmp_path_factory.mktemp("azurite")) as server:
+        yield server
+
+
+@pytest.fixture
+def az(azurite, request):
+    """A fresh container for the test; yields (root URL, storage_options, an adlfs filesystem on the service)."""
+    import adlfs
+
+    name = f"t{zlib.crc32(request.node.nodeid.encode()):08x}"
+    return f"{azurite.container(name)}/run", azurite.options(), adlfs.AzureBlobFileSystem(**azurite.options())
+
+
+def _train(ctx, state, dl, wrap=lambda s: s, epochs=2):
+    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+
+
+def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):
+    """No warning either (the suite turns warnings into errors): Azure gets conditional writes, its lock keeps one writer."""
+    root, options, _ = az
+    expected = _train(*helpers.noisy_setup())
+    ctx, state, dl = helpers.noisy_setup()
+    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, root, 2, storage_options=options))
+    testing.assert_params_equal(expected, with_saves)
+    ctx.close()
+    checkpoints = list_checkpoints(root, storage_options=options)
+    assert 2 <= len(checkpoints) and all(c.startswith(f"{root}/ckpt-") for c in checkpoints)
+
+    ctx, state, dl = helpers.noisy_setup(seed=123)  # other initial weights: everything comes from the checkpoint
+    resumed = _train(ctx, load_checkpoint(ctx, checkpoints[0], state, storage_options=options), dl)
+    testing.assert_params_equal(expected, resumed)
+    assert expected.history == resumed.history
+    ctx.close()
+
+
+_SECOND_JOB = """
+import sys
+from trainfold import CheckpointError, testing, load_checkpoint, save_checkpoint
+ctx, state, *_ = testing.tiny_setup(seed=0)
+try:
+    state = load_checkpoint(ctx, sys.argv[1], state, storage_options={options})
+    save_checkpoint(ctx, sys.argv[1], state, storage_options={options})
+    print("saved")
+except CheckpointError as exc:
+    print("refused", exc)
+ctx.close()
+"""
+
+
+def _second_job(root, options):
+    code = _SECOND_JOB.replace("{options}", repr(options))
+    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600).stdout.strip()
+
+
+def test_a_second_job_on_the_same_azure_root_is_refused_naming_the_owner_until_the_first_ends(az):
+    root, options, _ = az
+    ctx, state, *_ = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, root, state, storage_options=options)
+
+    answer = _second_job(root, options)
+    assert answer.startswith("refused") and f"pid {os.getpid()}" in answer and "another job" in answer
+    ctx.close()  # the lock blob is removed: the next job takes it
+    assert "saved" == _second_job(root, options)
+
+
+def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(az):
+    root, options, fs = az
+    where = root.removeprefix("az://")
+    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1,
+                                                         "lease_s": 1}).encode())
+    ctx, state, dl = helpers.noisy_setup(ga=1)
+    save_checkpoint(ctx, root, state, storage_options=options)  # a dead job's lease: taken over, conditionally on its ETag
+    owner = json.loads(fs.cat_file(f"{where}/.trainfold.lock"))
+    assert owner["pid"] == os.getpid()
+
+    # another job takes the lock over (as if this one had stalled past its lease): this one's renewal (If-Match on the
+    # ETag it wrote) is refused by the service, and its next save raises instead of writing beside the new owner
+    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode())
+    with pytest.raises(CheckpointError, match="no longer holds the root's lock.*pid 2"):
+        save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    assert json.loads(fs.cat_file(f"{where}/.trainfold.lock"))["token"] == "thief"
+    ctx.close()
+
+
+def test_the_lock_blob_is_created_only_if_absent_and_renewed_only_on_its_etag(az):
+    """The two conditional writes themselves, against the service: what makes two jobs one writer."""
+    from trainfold.checkpoint.storage import lease
+
+    root, _, fs = az
+    path = f"{root.removeprefix('az://')}/probe"
+    lease._create(fs, path, b"first")
+    with pytest.raises(lease._Lost):
+        lease._create(fs, path, b"second")
+    tag = lease._tag(fs, path)
+    renewed = lease._replace(fs, path, b"third", tag)
+    with pytest.raises(lease._Lost):
+        lease._replace(fs, path, b"fourth", tag)  # the ETag it had before: stale
+    assert (b"third", renewed) == (fs.cat_file(path), lease._tag(fs, path))
