@@ -249,6 +249,48 @@ def lightning_trainer(sizes, ds, batch):
     return epoch
 
 
+def raw_on_accelerate_loader(sizes, ds, batch):
+    """The raw loop's body over Accelerate's prepared loader (DataLoaderShard): what the loader wrapper costs."""
+    acc = accelerator()
+    model = make_model(sizes)
+    opt = OPTIMIZER(model.parameters(), lr=0.01)
+    dl = acc.prepare_data_loader(loader(ds, batch))
+
+    def epoch():
+        for x, y in dl:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return epoch
+
+
+def trainfold_step_loop(sizes, ds, batch):
+    """trainfold's step called in a plain ``for`` loop over the prepared loader: the step without run_epoch."""
+    from trainfold import Context, TrainState, make_step
+
+    ctx = Context(accelerator=accelerator())
+    model = make_model(sizes)
+    box = [TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
+    (dl,) = ctx.prepare_loaders(loader(ds, batch))
+    step = make_step(ctx, loss_fn)
+
+    def epoch():
+        state = box[0]
+        for b in dl:
+            state = step(state, b)
+        box[0] = state
+
+    return epoch
+
+
+#: ``--breakdown``: contenders between the raw loop and run_epoch, one wrapper more each
+BREAKDOWN: dict[str, Callable] = {
+    "raw body on Accelerate's loader": raw_on_accelerate_loader,
+    "trainfold step in a for loop": trainfold_step_loop,
+}
+
 CONTENDERS: dict[str, Callable] = {
     "raw PyTorch": raw,
     "Accelerate loop": accelerate_loop,
@@ -341,7 +383,7 @@ def in_processes(args: argparse.Namespace, models: list[str], rounds: int) -> tu
             out = os.path.join(tmp, f"{i}.json")
             cmd = [sys.executable, __file__, "--seed", str(i), "--rounds", str(rounds), "--models", *models,
                    "--device", args.device, "--times-json", out]
-            cmd += ["--pin"] * args.pin + ["--unfused"] * args.unfused
+            cmd += ["--pin"] * args.pin + ["--unfused"] * args.unfused + ["--breakdown"] * args.breakdown
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 child = json.load(f)
@@ -419,8 +461,12 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true", help="plain (foreach) SGD: nan_guard then reads a flag per update")
     parser.add_argument("--processes", type=int, default=1, help="repeat in this many fresh processes and pool the rounds")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the order contenders are built and run in")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also the raw body on Accelerate's loader, and trainfold's step in a plain for loop (no run_epoch)")
     parser.add_argument("--times-json", help=argparse.SUPPRESS)  # a child of --processes: write per-round times, nothing else
     args = parser.parse_args()
+    if args.breakdown:
+        CONTENDERS.update(BREAKDOWN)
     global FUSED, DEVICE, PIN
     FUSED = not args.unfused
     DEVICE, PIN = args.device, args.pin
