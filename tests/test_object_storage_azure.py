@@ -76,13 +76,14 @@ def _second_job(root, options):
 
 
 def test_a_second_job_on_the_same_azure_root_is_refused_naming_the_owner_until_the_first_ends(az):
-    root, options, _ = az
+    root, options, fs = az
     ctx, state, *_ = testing.tiny_setup(seed=0)
     save_checkpoint(ctx, root, state, storage_options=options)
 
     answer = _second_job(root, options)
     assert answer.startswith("refused") and f"pid {os.getpid()}" in answer and "another job" in answer
     ctx.close()  # the lock blob is removed: the next job takes it
+    assert not fs.exists(f"{root.removeprefix('az://')}/.trainfold.lock")
     assert "saved" == _second_job(root, options)
 
 
@@ -119,3 +120,8 @@ def test_the_lock_blob_is_created_only_if_absent_and_renewed_only_on_its_etag(az
     with pytest.raises(lease._Lost):
         lease._replace(fs, path, b"fourth", tag)  # the ETag it had before: stale
     assert (b"third", renewed) == (fs.cat_file(path), lease._tag(fs, path))
+
+    # a watcher sees the owner's renewal even where adlfs holds a listing of the folder (it answers info from one)
+    fs.ls(path.rsplit("/", 1)[0], detail=True)
+    again = lease._replace(fs, path, b"fifth", renewed)
+    assert again != renewed and again == lease._tag(fs, path)

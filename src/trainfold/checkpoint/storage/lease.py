@@ -60,7 +60,15 @@ class _Lost(Exception):
     """A conditional write found another ETag (or an object where none was expected)."""
 
 
+def _fresh(fs: Any, path: str) -> None:
+    """Forget what the filesystem cached of ``path`` and its folder's listing: adlfs answers ``info`` and ``exists``
+    from a listing it made earlier, where a watcher would never see the owner renew its lease."""
+    fs.invalidate_cache(path)
+    fs.invalidate_cache(fs._parent(path))
+
+
 def _etag(fs: Any, path: str) -> str:
+    _fresh(fs, path)
     info = call(fs, "reading the lock", "info", path)
     return str(info.get("ETag") or info.get("etag") or info.get("created") or "")
 
@@ -307,7 +315,10 @@ def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
 
 
 def _exists(fs: Any, path: str) -> bool:
-    return bool(fs.exists(path)) if protocol_of(fs) == "memory" else bool(call(fs, "reading the lock", "exists", path))
+    if protocol_of(fs) == "memory":
+        return bool(fs.exists(path))
+    _fresh(fs, path)
+    return bool(call(fs, "reading the lock", "exists", path))
 
 
 def _read_owner(fs: Any, path: str) -> dict[str, Any]:
