@@ -516,3 +516,15 @@ def test_a_parallelism_whose_processes_share_batches_is_refused_naming_it(sizes,
         check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(**sizes)))
     check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)))
     check_parallelism(SimpleNamespace(parallelism_config=None))
+
+
+def test_a_step_of_ones_own_that_records_no_batch_is_named_instead_of_a_nan_epoch():
+    """A Step that returns a state without recording the batch (no make_step inside) left the epoch with no position and
+    a train_loss of nan, and a warning that the run had diverged. Refused at the epoch's end, naming the step and the fix."""
+    ctx, state, loader, _ = testing.tiny_setup(seed=0)
+
+    def count_batches(state, batch):
+        return state.with_extra("batches", state.extras.get("batches", 0) + 1)
+
+    with pytest.raises(ValueError, match=r"the step 'count_batches' was given 4 batches and recorded none.*Wrap one"):
+        run_epoch(ctx, count_batches, loader, state)

@@ -19,7 +19,7 @@ from trainfold.backend.loaders import (
     set_loader_epoch,
 )
 from trainfold.base import rng
-from trainfold.base.checks import length_or_none
+from trainfold.base.checks import length_or_none, name_of
 from trainfold.base.types import Batch
 from trainfold.compose.folds import checked, empty_loader
 from trainfold.core.context import Context
@@ -82,7 +82,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
     Raises:
         ValueError: the loader yielded no batches; the processes have different
-            numbers of batches.
+            numbers of batches; the step recorded none of the batches it was given.
         RuntimeError: a loader of unknown length ended on this process but not on
             the others.
 
@@ -102,7 +102,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         check_same_length(ctx.control, length, "run_epoch")
     state = attrs.evolve(state, cursor=_start_epoch(ctx, state, loader))
     iterator = state.cursor.iterator
-    seen = 0
+    seen, started_at = 0, state.batch_in_epoch
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.interrupt
     acc = ctx.accelerator
@@ -117,6 +117,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 abandon_epoch(iterator, loader)
                 break
             if state.should_stop:
+                _check_recorded(step, seen, started_at, state)
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
                 # later run_epoch). After a preemption (a signal, nan_guard) the epoch-level functions
                 # after this one pass it through; a final stop (a budget) is the run's own end, which they evaluate.
@@ -126,7 +127,18 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 check_same_count(ctx.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
     if seen == 0 and state.batch_in_epoch == 0:
         raise empty_loader("run_epoch", loader)
+    _check_recorded(step, seen, started_at, state)
     return end_epoch(ctx, state)
+
+
+def _check_recorded(step: Step, seen: int, started_at: int, state: TrainState) -> None:
+    """Refuse a step that consumed batches without recording them: its epoch would hold no position and a NaN loss."""
+    if seen and state.batch_in_epoch == started_at:
+        raise ValueError(
+            f"run_epoch: the step {name_of(step)!r} was given {seen} batches and recorded none (state.batch_in_epoch stayed "
+            f"{started_at}): a step must return the state a make_step step returns, which counts the batch and adds its loss. "
+            "Wrap one (new = inner(state, batch), then your changes to new) instead of replacing it."
+        )
 
 
 def _check_accumulation(ctx: Context, loader: Any) -> None:
