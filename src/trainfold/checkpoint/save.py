@@ -100,8 +100,8 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
 
-    ``root`` may be a local folder or an fsspec URL (``s3://bucket/run``, ``gs://``,
-    ``az://``; ``pip install 'trainfold[s3]'``): on a store, the manifest, written
+    ``root`` may be a local folder or an fsspec URL (``s3://bucket/run`` with the ``s3`` extra,
+    ``az://container/run`` with ``azure``, ``gs://`` with gcsfs): on a store, the manifest, written
     last, is the commit, and the lock is a lease (see the guide "Checkpoints on
     object storage").
 
