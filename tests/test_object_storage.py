@@ -112,6 +112,37 @@ def test_fsspecs_own_configuration_reaches_the_store_without_storage_options(ser
     assert f"0 {root}/ckpt-0000000000" == result.stdout.strip()
 
 
+def test_the_command_line_lists_verifies_inspects_exports_and_diffs_a_root_on_s3(s3, tmp_path):
+    """`trainfold ls | verify | inspect | export | diff` take a store's URL, configured as fsspec is (the environment)."""
+    root, options, _ = s3
+    ctx, state, dl = _setup(ga=1)
+    state = run_epoch(ctx, checkpoint_every(ctx, root, 2, storage_options=options)(make_step(ctx, helpers.ce_loss)), dl, state)
+    ctx.close()
+    env = {**os.environ, **s3_env(options)}
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-m", "trainfold", *argv], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+
+    listed, verified, inspected = cli("ls", root, "--json"), cli("verify", root), cli("inspect", root, "--json")
+    exported = cli("export", root, str(tmp_path / "model.safetensors"))
+    diffed = cli("diff", root, str(tmp_path / "model.safetensors"))
+    missing = cli("ls", "s3://no-such-bucket-here/run")
+
+    entries = json.loads(listed.stdout)["checkpoints"]
+    newest = latest_checkpoint(root, storage_options=options)
+    assert [e["name"] for e in entries if e["latest"]] == [newest.rsplit("/", 1)[-1]] and all(e["complete"] for e in entries)
+    assert 0 == verified.returncode and ": OK" in verified.stdout, verified.stderr[-2000:]
+    assert json.loads(inspected.stdout)["checkpoint"] == newest
+    assert 0 == exported.returncode and 0 == diffed.returncode and "bit for bit" in diffed.stdout, exported.stderr + diffed.stderr
+    assert 2 == missing.returncode and 1 == len(missing.stderr.strip().splitlines()) and "Traceback" not in missing.stderr
+
+
+def s3_env(options):
+    """fsspec's and botocore's own configuration for the server of ``options``: what a command launched with it reads."""
+    return {"FSSPEC_S3_ENDPOINT_URL": options["endpoint_url"], "AWS_ACCESS_KEY_ID": options["key"], "AWS_SECRET_ACCESS_KEY": options["secret"],
+            "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 # --- the manifest is the commit ------------------------------------------------------------------
 
 

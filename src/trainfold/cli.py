@@ -7,10 +7,13 @@
                                with --transformers CONFIG_DIR, a save_pretrained folder of CONFIG_DIR's model
     trainfold diff A B         per-tensor max |difference| of two checkpoints or weight files (exit 0 when bit-equal)
 
-``--json`` prints one JSON document instead, for scripts. A path that is not a
-checkpoint (or, for ``inspect``, a damaged one) is one line on stderr and exit
-status 2; nothing here loads a model or needs a process group, and nothing is
-unpickled: the manifest and ``state.json`` are read as JSON, verified first.
+``--json`` prints one JSON document instead, for scripts. ROOT, PATH, A and B may be
+URLs of a store (``s3://bucket/run``, ``az://container/run``), configured as fsspec
+configures it (``FSSPEC_S3_ENDPOINT_URL``, the provider's credentials). A path that is
+not a checkpoint (or, for ``inspect``, a damaged one), or a store that cannot be read,
+is one line on stderr and exit status 2; nothing here loads a model or needs a process
+group, and nothing is unpickled: the manifest and ``state.json`` are read as JSON,
+verified first.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from typing import Any, Sequence
 from trainfold.base.io import read_into
 from trainfold.checkpoint import safetensors as _safetensors
 from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, parse_json, read_manifest_json, read_verified
-from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints
-from trainfold.checkpoint.storage import checkpoint_at, open_root
+from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
+from trainfold.checkpoint.storage import checkpoint_at, is_url, open_root
 from trainfold.errors import CheckpointError
 
 FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
@@ -53,22 +56,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "ls":
-            return _print(_ls(Path(args.root)), args.json, _ls_text)
+            return _print(_ls(args.root), args.json, _ls_text)
         if args.command == "verify":
-            return _verify(Path(args.path), args.json)
+            return _verify(args.path, args.json)
         if args.command == "export":
             # what the libraries an export imports print (DeepSpeed's logger, progress bars) goes to stderr: stdout is the result
             with contextlib.redirect_stdout(sys.stderr):
-                doc = _export(Path(args.path), Path(args.out), args.transformers)
+                doc = _export(args.path, Path(args.out), args.transformers)
             return _print(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
         if args.command == "diff":
             with contextlib.redirect_stdout(sys.stderr):
-                doc = _diff(Path(args.a), Path(args.b))
+                doc = _diff(args.a, args.b)
             _print(doc, args.json, _diff_text)
             return 0 if doc["equal"] else 1
-        return _print(_inspect(Path(args.path)), args.json, _inspect_text)
+        return _print(_inspect(args.path), args.json, _inspect_text)
     except _Refused as exc:
         print(f"trainfold {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ImportError, ValueError) as exc:  # a store that cannot be read: its package, its URL, the network
+        print(f"trainfold {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 
@@ -77,22 +83,33 @@ def _print(doc: Any, as_json: bool, text: Any) -> int:
     return 0
 
 
-def _folder(path: Path) -> Path:
-    """``path`` itself if it is a checkpoint, else the newest checkpoint of the root it names."""
+def _name(where: str) -> str:
+    """The last part of a path or URL: a checkpoint's name."""
+    return where.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _folder(where: str) -> str:
+    """``where`` itself if it is a checkpoint, else the newest checkpoint of the root it names (a path, or a store's URL)."""
+    if is_url(where):
+        try:
+            return str(resolve(where).path)
+        except CheckpointError as exc:
+            raise _Refused(f"{exc} Give a checkpoint (ckpt-...) or the root that holds them.") from None
+    path = Path(where)
     if (path / "MANIFEST.json").exists():
-        return path
+        return where
     if not path.is_dir():
         raise _Refused(f"{path} does not exist or is not a folder: give a checkpoint folder (ckpt-...) or the root that holds them.")
     latest = latest_checkpoint(path)
     if latest is None:
         raise _Refused(f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside).")
-    return Path(latest)
+    return str(latest)
 
 
-def _summary(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
     files = manifest.get("files", {})
     return {
-        "name": folder.name,
+        "name": _name(folder),
         "update": manifest.get("step"),
         "epoch": manifest.get("epoch"),
         "micro_step": manifest.get("micro_step"),
@@ -103,12 +120,14 @@ def _summary(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _ls(root: Path) -> dict[str, Any]:
-    if not root.is_dir():
-        raise _Refused(f"{root} is not a folder: give the root that holds the checkpoints (what save_checkpoint was given).")
+def _ls(root: str) -> dict[str, Any]:
+    if not open_root(root).exists():
+        raise _Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
+                       "(what save_checkpoint was given).")
     latest = latest_checkpoint(root)
+    latest = None if latest is None else str(latest)
     entries = []
-    for folder in map(Path, list_checkpoints(root)):
+    for folder in map(str, list_checkpoints(root)):
         entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
         try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
             entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
@@ -145,7 +164,7 @@ def _size(n: int) -> str:
     return f"{size:.1f} GB"
 
 
-def _verify(path: Path, as_json: bool) -> int:
+def _verify(path: str, as_json: bool) -> int:
     from trainfold.checkpoint.load import verify_checkpoint
 
     folder = _folder(path)
@@ -160,7 +179,7 @@ def _verify(path: Path, as_json: bool) -> int:
     return 0
 
 
-def _state(folder: Path) -> dict[str, Any]:
+def _state(folder: str) -> dict[str, Any]:
     """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
     from trainfold.checkpoint.manifest import read_manifest
 
@@ -173,7 +192,7 @@ def _state(folder: Path) -> dict[str, Any]:
     return doc
 
 
-def _inspect(path: Path) -> dict[str, Any]:
+def _inspect(path: str) -> dict[str, Any]:
     folder = _folder(path)
     try:
         manifest = read_manifest_json(checkpoint_at(folder))
@@ -212,7 +231,7 @@ def _inspect_text(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _export(path: Path, out: Path, transformers_config: str | None) -> dict[str, Any]:
+def _export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:
     from trainfold.checkpoint.export import export_checkpoint
 
     folder = _folder(path)
@@ -230,21 +249,22 @@ def _export(path: Path, out: Path, transformers_config: str | None) -> dict[str,
     return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size}
 
 
-def _weights(path: Path) -> dict[str, Any]:
-    """A safetensors file's tensors, or a checkpoint's (a folder or a root) model weights."""
+def _weights(where: str) -> dict[str, Any]:
+    """A safetensors file's tensors, or a checkpoint's (a folder or a root, local or on a store) model weights."""
     from trainfold.checkpoint.export import checkpoint_weights
 
+    path = Path(where)
     try:
-        if path.is_file():
+        if not is_url(where) and path.is_file():
             return dict(_safetensors.parse(read_into(path, path.stat().st_size)))
-        return checkpoint_weights(_folder(path))
+        return checkpoint_weights(_folder(where))
     except _safetensors.FormatError as exc:
         raise _Refused(f"{path} is not a safetensors file ({exc}).") from None
     except CheckpointError as exc:
         raise _Refused(str(exc)) from None
 
 
-def _diff(a: Path, b: Path) -> dict[str, Any]:
+def _diff(a: str, b: str) -> dict[str, Any]:
     import torch
 
     left, right = _weights(a), _weights(b)

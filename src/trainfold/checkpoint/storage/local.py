@@ -166,6 +166,9 @@ class LocalRoot:
     def shared(self) -> bool:
         return True  # on several machines, only if the folder is on a shared filesystem (the checkpoints guide says so)
 
+    def exists(self) -> bool:
+        return self.folder.is_dir()
+
     def __str__(self) -> str:
         return str(self.folder)
 

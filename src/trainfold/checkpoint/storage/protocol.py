@@ -96,6 +96,9 @@ class Storage(Protocol):
     def shared(self) -> bool:
         """Whether every process of a job sees the same checkpoints there (``memory://`` is one process's)."""
 
+    def exists(self) -> bool:
+        """Whether the root is there at all (a folder; on a store, any object under its URL)."""
+
     def lock(self, run_id: str) -> Lock:
         """Lock the root for this process's run.
 

@@ -266,6 +266,9 @@ class RemoteRoot:
     def __str__(self) -> str:
         return self.url
 
+    def exists(self) -> bool:
+        return bool(call(self.fs, f"looking for {self.url}", "exists", self.where))
+
     def lock(self, run_id: str) -> _lease.Held:
         return _lease.acquire(self.fs, posixpath.join(self.where, _lease.LOCK_NAME), self.url, run_id)
 
