@@ -402,3 +402,37 @@ def test_a_deepspeed_checkpoint_whose_partitions_do_not_add_up_is_not_exported(t
     with pytest.raises(CheckpointError, match="parameter group 0"):
         export_checkpoint(folder, tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def _train_on_store(stage, root, options, *, stop_after=None, resume=False):
+    """As ``_train`` (ga 1, clip 0.5), with the checkpoints on an S3 root."""
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=1, clip=0.5)
+    ctx = Context(accelerator=acc)
+    model, opt, sched, dl = _objects()
+    (dl,) = ctx.prepare_loaders(dl)
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+    if resume:
+        state = load_checkpoint(ctx, root, state, storage_options=options)
+    step = make_step(ctx, helpers.ce_loss)
+    if stop_after is not None:
+        step = max_steps(stop_after)(step)
+    step = checkpoint_every(ctx, root, 2, storage_options=options)(step)
+    state = loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+    params = _full_params(acc, state.model)
+    ctx.close()
+    return params, state.step
+
+
+def test_a_deepspeed_checkpoint_on_s3_resumes_exactly_on_two_processes(tmp_path):
+    """ZeRO-3's engine files saved to an S3-protocol server (moto on 127.0.0.1) and loaded from it, without a local copy:
+    DeepSpeed finds its files' names in a scratch folder and is given the values trainfold read, verified and parsed."""
+    with helpers.moto_server() as server:
+        root, options = server.bucket("deepspeed") + "/run", server.options()
+        full = testing.run_distributed(_train_on_store, 3, root + "-full", options, nprocs=2)
+        testing.run_distributed(_train_on_store, 3, root, options, stop_after=3, nprocs=2)
+        assert latest_checkpoint(root, storage_options=options).endswith("ckpt-0000000003")
+        resumed = testing.run_distributed(_train_on_store, 3, root, options, resume=True, nprocs=2)
+
+    for (want, steps), (got, resumed_steps) in zip(full, resumed):
+        assert steps == resumed_steps
+        testing.assert_params_equal(want, got)

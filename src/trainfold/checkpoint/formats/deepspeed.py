@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
 from typing import Any, Mapping
 
 import torch
@@ -46,9 +48,6 @@ class DeepSpeedFormat:
 
         acc = ctx.accelerator
         rank = acc.process_index
-        local = folder.local_folder()
-        if local is None:
-            raise CheckpointError(f"{folder}: DeepSpeed's loader reads a local folder, and this checkpoint is not in one: copy it to a local disk first.")
         if manifest["world_size"] != acc.num_processes:
             raise CheckpointError(
                 f"{folder} was written by {manifest['world_size']} processes under DeepSpeed and this run has "
@@ -80,7 +79,15 @@ class DeepSpeedFormat:
 
         run, resume, parsed = agreed(ctx, read_and_check, f"reading {folder}")
         # Everything read, verified, parsed and checked, on every process: now change things.
-        _deepspeed.load(state.model, local, parsed)
+        local = folder.local_folder()
+        if local is not None:
+            _deepspeed.load(state.model, local, parsed)
+        else:  # on a store: DeepSpeed looks for its files' names in a folder (it reads the parsed values, served from memory)
+            with tempfile.TemporaryDirectory(prefix="trainfold-deepspeed-") as names_only:
+                for name in manifest["files"]:
+                    if is_engine_file(name):
+                        open(os.path.join(names_only, name), "wb").close()
+                _deepspeed.load(state.model, names_only, parsed)
         return loaded(put_back(run, state, keep_run=False), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
