@@ -34,8 +34,8 @@ def test_the_changelog_agrees_a_development_version_is_unreleased_and_a_release_
 
 
 def test_no_docstring_names_a_version_after_this_one():
-    """A `versionadded`/`versionchanged`/`deprecated` note naming an unreleased future version is a false note."""
+    """A `versionadded`/`versionchanged`/`deprecated` note, or a "before X.Y", naming a version after this one is false."""
     version = Version(Version(trainfold.__version__).base_version)
     for path in (ROOT / "src" / "trainfold").rglob("*.py"):
-        for named in re.findall(r"\.\. (?:versionadded|versionchanged|deprecated):: ([0-9.]+)", path.read_text()):
+        for named in re.findall(r"(?:\.\. (?:versionadded|versionchanged|deprecated)::|\bbefore) ([0-9]+\.[0-9.]*[0-9])", path.read_text()):
             assert Version(named) <= version, f"{path.relative_to(ROOT)} names version {named}, after {version}"

@@ -7,7 +7,7 @@ file, not the digest). So a fast non-cryptographic hash does the job a
 cryptographic one did, at a fraction of its cost: XXH3-128 (``xxhash``) hashes at
 memory speed where SHA-256 took 0.14 s for 512 MB on two cores, more than a whole
 unverified load. Each manifest entry names its algorithm by its key
-(``{"size": n, "xxh3_128": "<32 hex>"}``; before 0.3: ``"sha256": "<64 hex>"``).
+(``{"size": n, "xxh3_128": "<32 hex>"}``; in older checkpoints: ``"sha256": "<64 hex>"``).
 """
 
 from __future__ import annotations

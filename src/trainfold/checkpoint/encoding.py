@@ -61,7 +61,7 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         "state": {
             **{f.name: enc.encode(getattr(values, f.name), f"values.{f.name}") for f in _value_fields(type(values))},
             "history": [[r.epoch, r.step, r.name, r.value] for r in values.history],
-            # the main process's, as every checkpoint before 0.3 held them (each process's own are in its rank files)
+            # the main process's, as older checkpoints held them (each process's own are in its rank files)
             **_encode_sums(enc, sums),
         },
         "optimizer": enc.encode(run.optimizer, "optimizer"),
@@ -106,7 +106,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         extras = values.get("extras", {})
         if not isinstance(extras, dict):
             raise TypeError(f"extras is a {type(extras).__name__}, not a mapping")
-        # this process's own sums (the shared ones are the main process's: a checkpoint before 0.3 has only those);
+        # this process's own sums (the shared ones are the main process's: an older checkpoint has only those);
         # mask_nonfinite was written from trainfold 0.2 on; before, a state under nan_guard masked
         own = meta.get("running")
         sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked

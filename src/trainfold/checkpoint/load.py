@@ -34,7 +34,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, 
     The manifest must list every file the format needs, and only plain names
     inside the folder; every file it lists (or, with ``rank``, the shared files
     and that process's) must be a regular file (a symbolic link is refused,
-    never followed) with the recorded size and digest (XXH3-128; SHA-256 in checkpoints before 0.3).
+    never followed) with the recorded size and digest (XXH3-128; SHA-256 in older checkpoints).
 
     Args:
         path: a checkpoint folder (or its URL).
