@@ -107,7 +107,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         if not isinstance(extras, dict):
             raise TypeError(f"extras is a {type(extras).__name__}, not a mapping")
         # this process's own sums (the shared ones are the main process's: an older checkpoint has only those);
-        # mask_nonfinite was written from trainfold 0.2 on; before, a state under nan_guard masked
+        # mask_nonfinite is written by newer checkpoints; in older ones, a state under nan_guard masked
         own = meta.get("running")
         sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked
         if own is not None:
