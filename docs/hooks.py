@@ -53,7 +53,8 @@ def _alias_docstring(name: str) -> str | None:
 def docstring_problems(name: str, obj: Any) -> list[str]:
     """What a public name's docstring lacks for the reference: a summary; for a function, each argument under
     ``Args:``, ``Returns:`` (unless it returns None), ``Raises:`` and an example; for a class, an example
-    (exceptions excepted); for a type alias (``EpochFn = Callable[...]``), the docstring under it."""
+    (exceptions excepted); for a type alias (``EpochFn = Callable[...]``), the docstring under it. One examples
+    section at most: a second was, three times, another function's example pasted in the wrong docstring."""
     if isinstance(obj, str):
         return []
     if getattr(obj, "__module__", "") == "typing":  # an alias of a typing construct (Any, Callable[...])
@@ -76,6 +77,8 @@ def docstring_problems(name: str, obj: Any) -> list[str]:
             problems.append(f"{name}: no Returns section")
         if _section(doc, "Raises") is None:
             problems.append(f"{name}: no Raises section")
+    if len(re.findall(r"^Examples?:$", doc, re.M)) > 1:  # a second one is another function's, pasted in the wrong place
+        problems.append(f"{name}: more than one Examples section")
     exempt = inspect.isclass(obj) and issubclass(obj, BaseException) or not (func is not None or inspect.isclass(obj))
     if not exempt and _section(doc, "Example") is None and _section(doc, "Examples") is None:
         problems.append(f"{name}: no Example section")

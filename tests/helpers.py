@@ -192,6 +192,39 @@ def each_fresh(*runs):
     return tuple(results)
 
 
+def _wait_until_listening(proc, port: int, what: str) -> None:
+    """Wait for the event: the server ``proc`` accepts a connection on 127.0.0.1:``port`` (at most 120 s, or until it exits)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start on port {port} (exit {proc.poll()})") from None
+            time.sleep(0.05)
+
+
+_SECOND_JOB = """
+import sys
+from trainfold import CheckpointError, testing, load_checkpoint, save_checkpoint
+ctx, state, *_ = testing.tiny_setup(seed=0)
+try:
+    state = load_checkpoint(ctx, sys.argv[1], state, storage_options={options})  # the same run, continued
+    save_checkpoint(ctx, sys.argv[1], state, storage_options={options})
+    print("saved")
+except CheckpointError as exc:
+    print("refused", exc)
+ctx.close()
+"""
+
+
+def second_job(root: str, options: dict[str, Any]) -> str:
+    """Another job, in its own process, continuing the run at ``root`` on a store: "saved", or "refused <why>"."""
+    code = _SECOND_JOB.replace("{options}", repr(options))
+    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600).stdout.strip()
+
+
 @contextlib.contextmanager
 def moto_server(env: dict[str, str] | None = None):
     """A real S3-protocol server (moto's server mode) on 127.0.0.1, in a subprocess (with ``env`` added to its environment).
@@ -206,15 +239,7 @@ def moto_server(env: dict[str, str] | None = None):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the event: the server accepts a connection
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's S3 server did not start on port {port} (exit {proc.poll()})") from None
-                time.sleep(0.05)
+        _wait_until_listening(proc, port, "moto's S3 server")
         yield server
     finally:
         proc.kill()
@@ -262,15 +287,7 @@ def azurite_server(folder):
     proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(folder), "--silent",
                              "--skipApiVersionCheck", "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # the event: the service accepts a connection
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Azurite did not start on port {port} (exit {proc.poll()})") from None
-                time.sleep(0.05)
+        _wait_until_listening(proc, port, "Azurite")
         yield AzureServer(f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
                           f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
     finally:

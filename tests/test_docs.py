@@ -34,6 +34,32 @@ def test_a_function_missing_an_argument_returns_raises_or_an_example_is_named():
     ]
 
 
+def test_a_second_examples_section_is_named():
+    def scale(x: float) -> float:
+        """Multiply by two.
+
+        Args:
+            x: the number.
+
+        Returns:
+            ``2 * x``.
+
+        Raises:
+            TypeError: ``x`` is not a number.
+
+        Examples:
+            >>> scale(2.0)
+            4.0
+
+        Examples:
+            >>> halve(4.0)
+            2.0
+        """
+        return 2 * x
+
+    assert hooks.docstring_problems("scale", scale) == ["scale: more than one Examples section"]
+
+
 def test_a_complete_docstring_passes_and_a_page_without_an_entry_is_found(tmp_path):
     def scale(x: float) -> float:
         """Multiply by two.

@@ -8,8 +8,6 @@ both, and tested there.
 
 import json
 import os
-import subprocess
-import sys
 import time
 import zlib
 
@@ -56,35 +54,16 @@ def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):
     ctx.close()
 
 
-_SECOND_JOB = """
-import sys
-from trainfold import CheckpointError, testing, load_checkpoint, save_checkpoint
-ctx, state, *_ = testing.tiny_setup(seed=0)
-try:
-    state = load_checkpoint(ctx, sys.argv[1], state, storage_options={options})
-    save_checkpoint(ctx, sys.argv[1], state, storage_options={options})
-    print("saved")
-except CheckpointError as exc:
-    print("refused", exc)
-ctx.close()
-"""
-
-
-def _second_job(root, options):
-    code = _SECOND_JOB.replace("{options}", repr(options))
-    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600).stdout.strip()
-
-
 def test_a_second_job_on_the_same_azure_root_is_refused_naming_the_owner_until_the_first_ends(az):
     root, options, fs = az
     ctx, state, *_ = testing.tiny_setup(seed=0)
     save_checkpoint(ctx, root, state, storage_options=options)
 
-    answer = _second_job(root, options)
+    answer = helpers.second_job(root, options)
     assert answer.startswith("refused") and f"pid {os.getpid()}" in answer and "another job" in answer
     ctx.close()  # the lock blob is removed: the next job takes it
     assert not fs.exists(f"{root.removeprefix('az://')}/.trainfold.lock")
-    assert "saved" == _second_job(root, options)
+    assert "saved" == helpers.second_job(root, options)
 
 
 def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(az):

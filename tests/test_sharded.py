@@ -437,3 +437,32 @@ def test_a_context_parallel_mesh_is_refused_before_training_naming_the_dimension
     for message in testing.run_distributed(_context_on_a_context_parallel_mesh, nprocs=4):
         assert "ParallelismConfig has cp_size=2 (context parallelism)" in message
         assert "use dp_replicate_size and dp_shard_size only" in message
+
+
+def _host_copies_of_fsdp2_shards():
+    """A background save's copy of FSDP2's CPU shards (checkpoint/formats/common.py's to_host): one copy each, apart."""
+    from trainfold.checkpoint.formats import dcp
+    from trainfold.checkpoint.formats.common import to_host
+
+    ctx, state, _ = _setup("fsdp2")
+    shards, _ = dcp.split_state(state.accelerator.unwrap_model(state.model), state.optimizer.optimizer)
+    copies = to_host(shards)
+    checks = []
+    for name, live in shards.items():
+        copy = copies[name]
+        checks.append((type(copy) is type(live), getattr(copy, "placements", None) == getattr(live, "placements", None),
+                       torch.equal(dcp.local(copy), dcp.local(live)), dcp.local(copy).data_ptr() != dcp.local(live).data_ptr()))
+    weight = state.accelerator.unwrap_model(state.model)[0].weight
+    before = dcp.local(copies["model.0.weight"]).clone()
+    with torch.no_grad():
+        weight.add_(1.0)  # training goes on: the copy must not see it
+    unchanged = torch.equal(dcp.local(copies["model.0.weight"]), before)
+    ctx.close()
+    return checks, unchanged
+
+
+@pytest.mark.multiprocess
+def test_a_background_saves_copy_of_fsdp2_shards_keeps_their_layout_and_shares_no_memory():
+    for checks, unchanged in testing.run_distributed(_host_copies_of_fsdp2_shards, nprocs=2):
+        assert checks and all(all(c) for c in checks), checks
+        assert unchanged
