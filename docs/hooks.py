@@ -99,7 +99,13 @@ def reference_problems(docs: Path = DOCS) -> list[str]:
     return problems
 
 
+#: the API pages' entries of this build (read once, by on_pre_build; every page's roles are linked to them)
+_ENTRIES: dict[str, str] = {}
+
+
 def on_pre_build(config: Any) -> None:
+    _ENTRIES.clear()
+    _ENTRIES.update(api_entries())
     for problem in reference_problems():
         log.warning("API reference: %s", problem)
 
@@ -128,7 +134,7 @@ _ROLE = re.compile(r":(?:func|class|attr|meth|mod|data):<code>(~?)([\w.]+)</code
 def on_page_content(html: str, page: Any, **_: Any) -> str:
     """The docstrings' Sphinx roles (``:func:`~trainfold.evaluate```, kept for ``help()``) as links to the API entries
     of the public names they name, and as plain code otherwise."""
-    entries = api_entries()
+    entries = _ENTRIES
     here = page.url.rstrip("/") or "."  # directory URLs: api/steps/ is the folder api/steps
 
     def link(match: re.Match[str]) -> str:
