@@ -345,25 +345,65 @@ def test_a_deepspeed_checkpoint_of_another_zero_stage_or_model_is_refused_before
     assert same is None  # the same settings load
 
 
-def _train_and_save(stage, root, ga):
-    """A few updates under ZeRO ``stage``, then one checkpoint; the whole parameters at that moment."""
-    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5)
+class _Tangled(torch.nn.Module):
+    """What a merge of ZeRO partitions can get wrong: a frozen layer, a weight tied to another layer's, a buffer, and
+    sizes that are no multiple of 2 x processes (DeepSpeed pads its flat groups)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 7).requires_grad_(False)
+        self.hidden = torch.nn.Linear(7, 7)
+        self.out = torch.nn.Linear(7, 7)
+        self.out.weight = self.hidden.weight  # shared: one parameter under two names
+        self.head = torch.nn.Linear(7, 3)
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x):
+        h = torch.relu(self.hidden(self.embed(x)))
+        return self.head(torch.relu(self.out(h)) * self.scale)
+
+
+def _train_and_save(stage, root, ga, model="mlp"):
+    """A few updates under ZeRO ``stage``, then one checkpoint; the whole parameters at that moment. ``model``
+    "tangled" and "aligned" train :class:`_Tangled` and give its state_dict (frozen, shared and buffers included);
+    "aligned" with DeepSpeed's ``parameter_alignment``, which pads each parameter inside ZeRO-1/2's flat groups."""
+    tangled = model != "mlp"
+    config = None if model != "aligned" else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": ga, "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": stage, "parameter_alignment": True},
+    }
+    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5, config=config)
     ctx = Context(accelerator=acc)
     model, opt, sched, dl = _objects()
+    if tangled:
+        torch.manual_seed(1)
+        model = _Tangled()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     (dl,) = ctx.prepare_loaders(dl)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
     state = run_epoch(ctx, max_steps(3)(make_step(ctx, helpers.ce_loss)), dl)(state)
     save_checkpoint(ctx, root, state)
-    params = _full_params(acc, state.model)
+    params = _full_state_dict(state.model) if tangled else _full_params(acc, state.model)
     ctx.close()
     return params
 
 
-@pytest.mark.parametrize("stage,ga", [(2, 1), (3, 2)])
-def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, tmp_path):
+def _full_state_dict(engine):
+    """The module's state_dict whole (ZeRO-3's partitions gathered): every name, shared ones and buffers too."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage,ga,model", [(2, 1, "mlp"), (3, 2, "mlp"), (0, 1, "tangled"), (2, 1, "aligned"), (3, 1, "tangled")])
+def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model, tmp_path):
     """ZeRO's partitions of 2 processes put together with no process group, from verified files read by the restricted
-    unpickler: the trained model's parameters, bit for bit (checkpoint_weights, export_checkpoint and `trainfold export`)."""
-    [want, _] = testing.run_distributed(_train_and_save, stage, str(tmp_path / "root"), ga, nprocs=2)
+    unpickler: the trained model's parameters, bit for bit (checkpoint_weights, export_checkpoint and `trainfold diff`);
+    of a model with a frozen layer, a shared weight and a buffer, every name of its state_dict, under ZeRO 0, 2 (with
+    DeepSpeed's per-parameter alignment paddings) and 3."""
+    [want, _] = testing.run_distributed(_train_and_save, stage, str(tmp_path / "root"), ga, model, nprocs=2)
 
     got = checkpoint_weights(tmp_path / "root")
     written = export_checkpoint(tmp_path / "root", tmp_path / "model.safetensors")
