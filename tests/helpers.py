@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -226,17 +227,19 @@ def second_job(root: str, options: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def moto_server(env: dict[str, str] | None = None):
+def moto_server(env: dict[str, str] | None = None, log: Path | None = None):
     """A real S3-protocol server (moto's server mode) on 127.0.0.1, in a subprocess (with ``env`` added to its environment).
 
     Loopback only, a free port, stopped (killed) when the block ends; ``.proc`` of the yielded
-    value lets a test stop it in the middle of a save.
+    value lets a test stop it in the middle of a save. With ``log``, the server's access log (a line
+    per request, written before the request is answered) goes to that file: :class:`RequestLog` reads it.
     """
     from trainfold.testing import free_port
 
     port = free_port()
+    out = subprocess.DEVNULL if log is None else open(log, "w")  # noqa: SIM115 (closed below, after the server)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+                            stdout=out, stderr=out, env={**os.environ, **(env or {})})
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
         _wait_until_listening(proc, port, "moto's S3 server")
@@ -244,6 +247,40 @@ def moto_server(env: dict[str, str] | None = None):
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        if log is not None:
+            out.close()
+
+
+class RequestLog:
+    """The requests a moto server answered (its access log), counted from a mark on: what a store's client really sent.
+
+    A line is logged before its response is sent, so once a call returns every request it made is counted.
+    """
+
+    _LINE = re.compile(r'"(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP')
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mark = len(self._requests())
+
+    def _requests(self) -> list[tuple[str, str]]:
+        return [(m.group(1), m.group(2)) for line in self.path.read_text().splitlines() if (m := self._LINE.search(line))]
+
+    def since(self) -> list[str]:
+        """The requests since the last call (or since this log was opened), each as "LIST", "GET", "PUT", "HEAD",
+        "DELETE" (one batch delete) or "PUT part"... in the order the server answered them; then a new mark."""
+        found = self._requests()
+        new, self.mark = found[self.mark:], len(found)
+        return [self._kind(method, target) for method, target in new]
+
+    @staticmethod
+    def _kind(method: str, target: str) -> str:
+        query = target.partition("?")[2]
+        if method == "GET" and ("list-type" in query or "prefix=" in query):
+            return "LIST"
+        if method == "POST" and query.startswith("delete"):
+            return "DELETE"
+        return method
 
 
 @attrs.frozen

@@ -239,8 +239,8 @@ def test_an_extra_object_is_never_read_and_a_forged_manifest_is_refused(s3):
         fs.pipe_file(f"{where}/MANIFEST.json", json.dumps(forged).encode())
         with pytest.raises(CheckpointError, match="refused|incomplete|format 99"):
             load_checkpoint(ctx, ckpt, state, storage_options=options)
-    fs.pipe_file(f"{where}/MANIFEST.json", b"{" * 2_000_000)
-    with pytest.raises(CheckpointError, match="more than a manifest can be; refused unread"):
+    fs.pipe_file(f"{where}/MANIFEST.json", b"{" * 2_000_000)  # read no further than one byte past the limit
+    with pytest.raises(CheckpointError, match="more than 1048576 bytes, more than a manifest can be; refused"):
         load_checkpoint(ctx, ckpt, state, storage_options=options)
     ctx.close()
 
@@ -374,3 +374,39 @@ def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_ev
     parts = [bytes(p) for p in _parts(chunks, part)]
     assert b"".join(parts) == b"".join(chunks)
     assert all(len(p) == part for p in parts[:-1]) and 0 < len(parts[-1]) <= part if sum(sizes) else parts == [b""]
+
+
+# --- requests: each is a round trip to the store -------------------------------------------------
+
+
+def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_path, monkeypatch):
+    """Counted at the server: a request to a real store is a round trip (tens of milliseconds on S3), paid at every save.
+
+    A save: the lock (created only if absent and read for its ETag; renewed at the next save), one listing and each
+    checkpoint's manifest read once (the run check), one listing to see that the position was not saved before, the
+    files, the manifest; then one listing and each manifest again (an unfinished save is cleaned); with ``keep_last``,
+    one more listing and manifests, and an old checkpoint removed manifest first, then its objects. A load: the root
+    (not a checkpoint), its listing and manifests, then each file in one read (its size checked by that read).
+    """
+    monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", "600")  # the lease is renewed every 200 s: not within this test
+    with helpers.moto_server(log=tmp_path / "requests.log") as server:
+        root, options = server.bucket("requests") + "/run", server.options()
+        ctx, state, dl = _setup(ga=1)
+        step = make_step(ctx, helpers.ce_loss)
+        files = 5  # one process: model, state, its JSON and the rank's two files
+        requests = helpers.RequestLog(tmp_path / "requests.log")
+
+        state = run_epoch(ctx, step, dl, state)
+        save_checkpoint(ctx, root, state, storage_options=options)
+        first = requests.since()
+        state = run_epoch(ctx, step, dl, state)
+        save_checkpoint(ctx, root, state, storage_options=options, keep_last=1)
+        second = requests.since()
+        load_checkpoint(ctx, root, state, storage_options=options)
+        load = requests.since()
+        ctx.close()
+
+    assert first == ["PUT", "HEAD", "LIST", "LIST"] + ["PUT"] * files + ["PUT", "LIST", "GET"]
+    assert second == (["PUT", "LIST", "GET", "LIST"] + ["PUT"] * files + ["PUT", "LIST", "GET", "GET"]
+                      + ["LIST", "GET", "GET", "DELETE", "LIST", "DELETE"])
+    assert load == ["GET", "LIST", "GET"] + ["GET"] * files

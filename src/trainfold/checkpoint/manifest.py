@@ -115,19 +115,22 @@ def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES
 
 
 # --- reading files: each once, verified while read ------------------------------------------
+def wrong_size(stored: object, name: str, actual: int, expected: int) -> CheckpointError:
+    """The error for a file of another size than its manifest records (every storage says it alike)."""
+    return CheckpointError(f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered.")
 
 
 def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
     """Read ``name`` once, checking its size and digest (the algorithm its entry names) against the manifest as it is read."""
     algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry
-    size = stored.size(name)
-    if size != expected["size"]:
-        raise CheckpointError(f"{stored}: file {name} has {size} bytes, the manifest says {expected['size']}: truncated or altered.")
     data = None
     if keep:
-        data = stored.read(name, size)
+        data = stored.read(name, expected["size"])  # refused if the file has another size
         digest = _digest.of(data, algorithm)
     else:
+        size = stored.size(name)
+        if size != expected["size"]:
+            raise wrong_size(stored, name, size, expected["size"])
         h = _digest.new(algorithm)
         for chunk in stored.chunks(name):
             h.update(chunk)

@@ -25,7 +25,7 @@ import attrs
 
 from trainfold.base.io import fsync_dir, read_into, write_durably
 from trainfold.checkpoint import digest as _digest
-from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, NAME
+from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, NAME, wrong_size
 from trainfold.checkpoint.storage import lock as _lock
 from trainfold.errors import CheckpointError
 
@@ -86,6 +86,9 @@ class LocalCheckpoint:
 
     def read(self, name: str, size: int) -> bytearray | mmap.mmap:
         """The file as one private map (``base/io.read_into``): nothing copied, no link followed."""
+        actual = self.size(name)
+        if actual != size:
+            raise wrong_size(self.path, name, actual, size)
         try:
             return read_into(self.path / name, size)
         except ValueError:

@@ -70,10 +70,11 @@ class Stored(Protocol):
         """
 
     def read(self, name: str, size: int) -> Buffer:
-        """The file's ``size`` bytes as one buffer (tensors are viewed in it, not copied).
+        """The file's ``size`` bytes as one buffer (tensors are viewed in it, not copied): the size its manifest records.
 
         Raises:
-            CheckpointError: it changed size since :meth:`size`.
+            CheckpointError: missing, not a plain file, of another size (``manifest.wrong_size``), or it changed
+                size while it was read.
         """
 
     def chunks(self, name: str) -> Iterator[bytes]:

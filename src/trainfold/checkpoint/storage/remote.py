@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 import attrs
 
 from trainfold.checkpoint import digest as _digest
-from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, NAME
+from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, NAME, wrong_size
 from trainfold.checkpoint.storage import lease as _lease
 from trainfold.checkpoint.storage.requests import call, guarded, protocol_of
 from trainfold.errors import CheckpointError
@@ -43,6 +43,10 @@ WRITE_PART = 16 << 20
 WRITE_THREADS = 8
 
 
+class _OtherSize(Exception):
+    """A range read returned another number of bytes than the manifest's size implies."""
+
+
 @attrs.frozen
 class RemoteCheckpoint:
     """A checkpoint under an fsspec URL (or a URL that may be one)."""
@@ -51,6 +55,8 @@ class RemoteCheckpoint:
     #: the store's path of the checkpoint (``bucket/run/ckpt-...``), and its URL
     where: str
     url: str
+    #: its manifest once read (:meth:`_manifest`): a listing's one request per checkpoint serves the whole save or load
+    _read: list[bytes] = attrs.field(factory=list, eq=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -67,20 +73,40 @@ class RemoteCheckpoint:
         return posixpath.join(self.where, name)
 
     def committed(self) -> bool:
-        return bool(call(self.fs, f"looking for {self.url}/{MANIFEST}", "exists", self._object(MANIFEST)))
+        return self._manifest(MAX_MANIFEST_BYTES) is not None
 
     def manifest_bytes(self, limit: int) -> bytes:
-        path = self._object(MANIFEST)
-        try:
-            size = call(self.fs, f"reading {self.url}/{MANIFEST}", "info", path)["size"]
-        except FileNotFoundError:
+        data = self._manifest(limit)
+        if data is None:
             raise CheckpointError(
                 f"{self.url} is not a trainfold checkpoint: it has no {MANIFEST} (an unfinished save leaves its objects "
                 "without one). Pass a checkpoint or the root that holds them."
-            ) from None
-        if size > limit:
-            raise CheckpointError(f"{self.url}/{MANIFEST} is damaged: {size} bytes, more than a manifest can be; refused unread.")
-        return bytes(call(self.fs, f"reading {self.url}/{MANIFEST}", "cat_file", path))
+            )
+        if len(data) > limit:
+            raise CheckpointError(f"{self.url}/{MANIFEST} is damaged: more than {limit} bytes, more than a manifest can be; refused.")
+        return data
+
+    def _manifest(self, limit: int) -> bytes | None:
+        """The manifest's first ``limit + 1`` bytes (None if there is none), read once per object with one request.
+
+        A committed manifest never changes in place (a save of the same position removes it first, through
+        :meth:`RemoteRoot.stage`, which forgets it), so what one listing read serves every later question about it.
+        """
+        if not self._read:
+            path, what = self._object(MANIFEST), f"reading {self.url}/{MANIFEST}"
+            try:  # a ranged read: a hostile, huge object is not read past the limit
+                data = call(self.fs, what, "cat_file", path, start=0, end=limit + 1)
+            except FileNotFoundError:
+                return None
+            except OSError:  # a store that refuses the range (S3 does for an empty object): its size first
+                size = int(call(self.fs, what, "info", path)["size"])
+                data = call(self.fs, what, "cat_file", path, start=0, end=limit + 1) if size else b""
+            self._read.append(bytes(data))
+        return self._read[0]
+
+    def forget(self) -> None:
+        """Drop the manifest read (it is being removed or replaced)."""
+        self._read.clear()
 
     def size(self, name: str) -> int:
         try:
@@ -92,18 +118,33 @@ class RemoteCheckpoint:
         return int(info["size"])
 
     def read(self, name: str, size: int) -> bytearray:
-        """The object's ``size`` bytes, read once into one writable buffer by ranged reads in parallel."""
+        """The object's ``size`` bytes, read once into one writable buffer by ranged reads in parallel.
+
+        No request asks the size first: the last range asks one byte more, so an object of another size is
+        found by the reads themselves (and only then is its size asked, for the message).
+        """
         path, buf = self._object(name), bytearray(size)
 
         def part(start: int) -> None:
             end = min(start + READ_PART, size)
-            data = call(self.fs, f"reading {self.url}/{name}", "cat_file", path, start=start, end=end)
+            data = call(self.fs, f"reading {self.url}/{name}", "cat_file", path, start=start, end=end + (end == size))
             if len(data) != end - start:
-                raise CheckpointError(f"{self.url}: file {name} changed size while it was read: altered.")
+                raise _OtherSize
             buf[start:end] = data
 
-        with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
-            list(pool.map(part, range(0, size, READ_PART)))
+        try:
+            if size == 0:
+                raise _OtherSize  # an empty object has no range to ask for: its size is asked instead
+            with ThreadPoolExecutor(max_workers=READ_THREADS) as pool:
+                list(pool.map(part, range(0, size, READ_PART)))
+        except (_OtherSize, OSError) as exc:  # missing, shorter (a range past its end) or longer: say which
+            actual = self.size(name)
+            if actual != size:
+                raise wrong_size(self, name, actual, size) from None
+            if isinstance(exc, OSError):
+                raise
+            if size:
+                raise CheckpointError(f"{self.url}: file {name} changed size while it was read: altered.") from None
         return buf
 
     def chunks(self, name: str) -> Iterator[bytes]:
@@ -240,9 +281,11 @@ def _abort(fs: Any, bucket: str, key: str, upload: str, inflight: list[Future[An
 
 
 def _remove_quietly(ckpt: RemoteCheckpoint) -> None:
+    """Remove every object under the checkpoint's prefix: one listing, and one request to delete them."""
     try:
-        if call(ckpt.fs, f"removing {ckpt.url}", "exists", ckpt.where):
-            call(ckpt.fs, f"removing {ckpt.url}", "rm", ckpt.where, recursive=True)
+        found = call(ckpt.fs, f"removing {ckpt.url}", "find", ckpt.where)
+        if found:
+            call(ckpt.fs, f"removing {ckpt.url}", "rm", found)
     except OSError:  # a failed save's clean-up: what is left is removed at the next commit
         pass
 
@@ -291,16 +334,17 @@ class RemoteRoot:
 
     def stage(self, name: str, *, fresh: bool) -> RemoteStaging:
         ckpt = self.checkpoint(name)
-        if fresh:  # the same position saved again: it stops being a checkpoint first, then its objects go
-            manifest = ckpt._object(MANIFEST)
+        if fresh and name in self._listing():  # the same position saved again: it stops being a checkpoint first, then its objects go
             if ckpt.committed():
-                call(ckpt.fs, f"replacing {ckpt.url}", "rm", manifest)
+                call(ckpt.fs, f"replacing {ckpt.url}", "rm", ckpt._object(MANIFEST))
+                ckpt.forget()
             _remove_quietly(ckpt)
         return RemoteStaging(ckpt)
 
     def remove(self, name: str) -> None:
         ckpt = self.checkpoint(name)
         call(ckpt.fs, f"removing {ckpt.url}", "rm", ckpt._object(MANIFEST))
+        ckpt.forget()
         _remove_quietly(ckpt)
 
     def clean(self) -> None:
