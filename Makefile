@@ -20,6 +20,12 @@ STAMP := $(VENV)/.trainfold-installed
 FLOOR_STAMP := $(FLOOR_VENV)/.trainfold-installed
 DS_SITE := .deepspeed-site
 DS_STAMP := $(DS_SITE)/.trainfold-installed
+# Tensor parallelism's tests need transformers: Accelerate checks its version when a ParallelismConfig has tp_size, and
+# under TP + FSDP2 imports its ReplicateParallel, which transformers 5 no longer has. 4.57 is the newest release with it,
+# and it wants huggingface_hub below 1.0 (.venv has a newer one): both live apart, put first on the path of those tests'
+# processes only (tests/helpers.py, TP_SITE).
+TP_SITE := .tp-site
+TP_STAMP := $(TP_SITE)/.trainfold-installed
 # Azurite, Microsoft's Azure Storage emulator (Node.js, from the npm registry): the az:// tests run against it on 127.0.0.1
 AZURITE ?= azurite@3.37.0
 AZ_STAMP := .azurite/.installed
@@ -42,6 +48,11 @@ $(DS_STAMP): $(STAMP)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation --no-deps --target $(DS_SITE) "deepspeed>=0.16"
 	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
 	touch $(DS_STAMP)
+
+$(TP_STAMP): $(STAMP)
+	rm -rf $(TP_SITE)
+	$(PY) -m pip install --quiet --no-deps --target $(TP_SITE) "transformers==4.57.6" "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<0.23"
+	touch $(TP_STAMP)
 
 $(AZ_STAMP):
 	@command -v npm > /dev/null || { echo "make: the az:// tests need Azurite, installed with npm (Node.js): install Node.js and npm"; exit 1; }
@@ -83,7 +94,7 @@ test-types: $(STAMP)
 test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
-test-multiprocess: $(STAMP)
+test-multiprocess: $(STAMP) $(TP_STAMP)
 	$(PY) -m pytest -m multiprocess
 
 test-deepspeed: $(DS_STAMP)
@@ -112,4 +123,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(WHEEL_VENV) dist site .azurite
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(TP_SITE) $(WHEEL_VENV) dist site .azurite

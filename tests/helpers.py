@@ -127,6 +127,41 @@ def mesh_accelerator(dp_replicate: int = 2, dp_shard: int = 2, tp: int = 1, cp: 
     return Accelerator(cpu=True, fsdp_plugin=plugin, parallelism_config=config, **kwargs)
 
 
+#: transformers 4.57 and huggingface_hub < 1.0, kept apart from .venv (the Makefile's ``.tp-site``): Accelerate checks
+#: transformers' version when a ParallelismConfig has ``tp_size``, and imports its ``ReplicateParallel`` under TP + FSDP2
+TP_SITE = Path(__file__).resolve().parents[1] / ".tp-site"
+needs_tp_site = pytest.mark.skipif(not (TP_SITE / ".trainfold-installed").exists(),
+                                   reason="needs .tp-site (make .tp-site/.trainfold-installed; make test builds it)")
+
+
+def tp_accelerator(tp: int = 2, dp_shard: int = 1, **kwargs) -> Accelerator:
+    """An Accelerator on CPU processes whose ParallelismConfig has tensor parallelism (× FSDP2 over ``dp_shard``).
+
+    The forcing of :func:`mesh_accelerator`; transformers comes from :data:`TP_SITE`, put first on this process's
+    path (the processes of ``run_distributed`` have imported neither it nor huggingface_hub yet).
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+
+    if str(TP_SITE) not in sys.path:
+        sys.path.insert(0, str(TP_SITE))
+    PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True) if dp_shard > 1 else None
+    return Accelerator(cpu=True, fsdp_plugin=plugin, parallelism_config=ParallelismConfig(tp_size=tp, dp_shard_size=dp_shard), **kwargs)
+
+
+def tensor_parallel(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
+    """:func:`mlp` split over the mesh's ``tp`` dimension before ``prepare``, as a transformers ``tp_plan`` splits a
+    transformer's MLP (torch's ``parallelize_module``: the first layer by columns, the last by rows), and marked with
+    its degree (``model.tp_size``), which Accelerate's ``prepare`` checks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = accelerator.torch_device_mesh["tp"]
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "3": RowwiseParallel()})
+    model.tp_size = mesh.size()
+    return model
+
+
 def small_disk(folder, size: str):
     """A tmpfs of ``size`` mounted at ``folder`` (a full disk, for real), unmounted after; skips where mounting needs root."""
     import subprocess

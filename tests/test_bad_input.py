@@ -503,9 +503,10 @@ def test_checkpoint_error_is_defined_where_users_import_it_from():
 
 @pytest.mark.parametrize("sizes,named", [({"sp_size": 2}, "sp_size=2 (sequence parallelism)"),
                                          ({"dp_shard_size": 2, "cp_size": 2}, "cp_size=2 (context parallelism)")])
-def test_a_parallelism_whose_processes_share_batches_is_refused_naming_it(sizes, named):
+def test_context_and_sequence_parallelism_are_refused_naming_them(sizes, named):
     """The check a Context makes of its Accelerator's ParallelismConfig (tests/test_sharded.py makes a real one on 4
-    processes); HSDP's dimensions pass."""
+    processes): make_step does not enter Accelerate's maybe_context_parallel, which splits each batch's sequence;
+    HSDP's dimensions pass (tensor parallelism too: tests/test_tensor_parallel.py, whose Accelerator needs transformers)."""
     from types import SimpleNamespace
 
     from accelerate.utils import ParallelismConfig
@@ -513,6 +514,8 @@ def test_a_parallelism_whose_processes_share_batches_is_refused_naming_it(sizes,
     from trainfold.core.settings import check_parallelism
 
     with pytest.raises(ValueError, match=re.escape(named)):
+        check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(**sizes)))
+    with pytest.raises(ValueError, match="make_step does not enter"):
         check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(**sizes)))
     check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)))
     check_parallelism(SimpleNamespace(parallelism_config=None))

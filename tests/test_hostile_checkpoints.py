@@ -118,6 +118,19 @@ def test_a_manifest_entry_that_is_not_a_plain_file_of_the_format_is_refused(ckpt
     _load_refused(folder, secret, r"is not a file of the checkpoint format")
 
 
+@pytest.mark.parametrize("ranks", [0, 2, "1", True, 1.0])
+def test_a_manifest_whose_data_parallel_ranks_do_not_divide_its_processes_is_refused(ckpt, ranks):
+    """``data_ranks`` (how many shares of the data the saving processes read; fewer than the processes under tensor
+    parallelism) decides how a load deals the data position out: it must be a positive int dividing ``world_size``."""
+    folder, secret = ckpt
+    doc = _manifest(folder)
+    assert (doc["world_size"], doc["data_ranks"]) == (1, 1)
+    doc["data_ranks"] = ranks
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    _load_refused(folder, secret, r"'data_ranks' must be a positive int that divides 'world_size' \(1\)")
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "state.json", "rank-0.safetensors"])
 def test_a_file_that_is_a_symlink_to_an_outside_file_is_refused_not_followed(ckpt, name):
     folder, secret = ckpt

@@ -14,6 +14,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from trainfold.backend.mesh import is_tensor_parallel
+
 
 def wait_for_everyone(accelerator: Accelerator) -> None:
     """Block until every process gets here: ``accelerator.wait_for_everyone()``, except across CPU processes.
@@ -33,10 +35,11 @@ def wait_for_everyone(accelerator: Accelerator) -> None:
 def grads_whole_in_params(accelerator: Accelerator) -> bool:
     """True when, at the update, every process holds each parameter's whole gradient in ``param.grad``.
 
-    Not under FSDP (each process holds a shard), DeepSpeed or Megatron-LM (the
-    engine holds the gradients).
+    Not under FSDP or tensor parallelism (each process holds a shard), DeepSpeed or
+    Megatron-LM (the engine holds the gradients).
     """
-    return accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM)
+    engines = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM)
+    return accelerator.distributed_type not in engines and not is_tensor_parallel(accelerator)
 
 
 def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
@@ -53,9 +56,14 @@ def convert_sync_batchnorm(model: torch.nn.Module, device: torch.device) -> torc
     return cast(torch.nn.Module, torch.nn.SyncBatchNorm.convert_sync_batchnorm(model))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
 
+def engine_name(accelerator: Accelerator) -> str:
+    """What runs the model, for messages: ``"tensor parallelism"`` (whose distributed type says MULTI_GPU), or the type."""
+    return "tensor parallelism" if is_tensor_parallel(accelerator) else str(accelerator.distributed_type.value)
+
+
 def shards_parameters(accelerator: Accelerator) -> bool:
-    """True under FSDP: each process holds a shard of every parameter (a DTensor), never the whole model."""
-    return bool(accelerator.distributed_type == DistributedType.FSDP)
+    """True under FSDP or tensor parallelism: each process holds a shard of every parameter (a DTensor), never the whole model."""
+    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(accelerator)
 
 
 def is_dtensor(t: Any) -> bool:

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from trainfold.backend.engine import is_deepspeed
+from trainfold.backend.mesh import DataLayout
 
 
 def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
@@ -30,23 +31,26 @@ def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
     return [False] * count
 
 
-def real_samples_in_batch(accelerator: Accelerator, batch_size: int) -> int:
-    """How many samples of the batch being processed are real, not padding.
+def real_samples_in_batch(accelerator: Accelerator, layout: DataLayout, batch_size: int) -> int:
+    """How many samples of the batch being processed are real, not padding (the same on every process of a group).
 
     Under ``even_batches`` (Accelerate's default), a dataset that does not fill
-    the last round of batches on every process is padded with samples from its
-    start. The padding sits at the tail, in process order: the gathered last
+    the last round of batches on every data-parallel rank is padded with samples
+    from its start. The padding sits at the tail, in rank order: the gathered last
     round holds the ``remainder`` real samples first. This is what
     ``gather_for_metrics`` relies on; here each process computes its own share
     so that sums over samples are exact without gathering per-sample values.
+    Under tensor parallelism a group's processes hold one batch, and all of them
+    run the model on the same real samples (its forward is collective); only the
+    first counts them (``layout.counts``).
     """
     state = accelerator.gradient_state
-    if accelerator.num_processes == 1 or not state.end_of_dataloader:
+    if layout.size == 1 or not state.end_of_dataloader:
         return batch_size
     remainder = state.remainder
     if remainder is None or remainder <= 0:
         return batch_size  # no padding (exact multiple, drop_last, or unknown length)
-    before_me = accelerator.process_index * batch_size
+    before_me = layout.rank * batch_size
     return int(max(0, min(batch_size, remainder - before_me)))
 
 

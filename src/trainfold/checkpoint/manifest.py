@@ -192,6 +192,9 @@ def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
     world = manifest.get("world_size")
     if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
+    ranks = manifest.get("data_ranks", world)  # older checkpoints: a data-parallel rank per process
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1 or world % ranks:
+        raise CheckpointError(f"{path} is damaged: 'data_ranks' must be a positive int that divides 'world_size' ({world}).")
     for name, entry in files.items():
         if not allowed_name(name, fmt):
             raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")

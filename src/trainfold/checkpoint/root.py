@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from trainfold._version import __version__
+from trainfold.backend.mesh import data_layout
 from trainfold.backend.optim import accumulation_counter
 from trainfold.checkpoint.manifest import FORMAT, PREFIX, manifest_bytes, read_manifest_json, required_files
 from trainfold.checkpoint.storage import checkpoint_at, open_root
@@ -115,6 +116,7 @@ def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, 
         trainfold_version=__version__,
         torch_version=torch.__version__,
         world_size=world,
+        data_ranks=data_layout(ctx.accelerator).size,
         run_id=state.run_id,
         step=state.step,
         epoch=state.epoch,

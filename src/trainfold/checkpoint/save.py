@@ -20,7 +20,7 @@ from typing import Any, Mapping, overload
 import torch
 from toolz import curry
 
-from trainfold.backend.engine import is_deepspeed, shards_parameters
+from trainfold.backend.engine import engine_name, is_deepspeed, shards_parameters
 from trainfold.backend.loaders import is_resumable_loader, loader_generators, read_ahead_batch, samples_per_batch
 from trainfold.base import rng as _rng
 from trainfold.base.checks import length_or_none, positive_int
@@ -162,8 +162,8 @@ def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
         )
     if sharded is False and shards_parameters(ctx.accelerator):
         raise ValueError(
-            "save_checkpoint: sharded=False gathers the whole model into one process's files, which FSDP's sharded "
-            "parameters do not allow here; leave sharded unset (a sharded checkpoint) under FSDP."
+            "save_checkpoint: sharded=False gathers the whole model into one process's files, which the sharded "
+            f"parameters of {engine_name(ctx.accelerator)} do not allow here; leave sharded unset (a sharded checkpoint) there."
         )
     return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
 

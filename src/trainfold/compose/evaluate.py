@@ -14,6 +14,7 @@ import torch
 from toolz import curry
 
 from trainfold.backend.loaders import real_samples_in_batch
+from trainfold.backend.mesh import data_layout
 from trainfold.base.batch import batch_size, slice_batch
 from trainfold.base.metrics import RunningSums, weighted
 from trainfold.base.types import Batch, LossFn
@@ -110,6 +111,7 @@ def evaluate(
     by_tokens = normalize_mode(normalize, "evaluate") == "tokens"
     net = state.model if model is None else model if isinstance(model, torch.nn.Module) else model(state)
     acc = ctx.accelerator
+    layout = data_layout(acc)
     precision = torch.float32 if acc.device.type == "mps" else torch.float64  # MPS has no float64
     sums = RunningSums.zero(acc.device, dtype=precision)
     count = 0
@@ -119,18 +121,20 @@ def evaluate(
         for batch in loader:
             batches += 1
             n = batch_size(batch)
-            real = real_samples_in_batch(acc, n)
+            real = real_samples_in_batch(acc, layout, n)
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
-            # matched, and adds zeros under the same names, so every process reduces the same shape.
-            recorded = {k: weighted(v, real, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
+            # matched, and adds zeros under the same names, so every process reduces the same shape;
+            # so do the copies of a tensor-parallel group's batch on its other processes.
+            counted = real if layout.counts else 0
+            recorded = {k: weighted(v, counted, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
             if by_tokens:  # the loss is a sum over the batch's tokens: a per-token mean weighted by them
-                tokens = weighted(_tokens_of(aux), 1 if real else 0, precision)
-                loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if real else 0, precision) / tokens.clamp(min=1), tokens
+                tokens = weighted(_tokens_of(aux), 1 if counted else 0, precision)
+                loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if counted else 0, precision) / tokens.clamp(min=1), tokens
             else:
-                loss = weighted(loss, real, precision)
+                loss = weighted(loss, counted, precision)
             sums = sums.add(loss, recorded)
-            count += real
+            count += counted
             if batches == max_batches:
                 break
     if batches == 0:

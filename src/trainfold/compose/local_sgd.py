@@ -15,7 +15,7 @@ import attrs
 import torch
 from toolz import curry
 
-from trainfold.backend.engine import grads_whole_in_params, is_deepspeed
+from trainfold.backend.engine import engine_name, grads_whole_in_params, is_deepspeed
 from trainfold.base.checks import name_of, named, positive_int
 from trainfold.base.records import register_record
 from trainfold.base.types import Batch
@@ -95,7 +95,7 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
     accelerator = ctx.accelerator
     if is_deepspeed(accelerator) or not grads_whole_in_params(accelerator):
         raise ValueError(
-            f"local_sgd averages whole parameter replicas; under {accelerator.distributed_type.value} each process holds "
+            f"local_sgd averages whole parameter replicas; under {engine_name(accelerator)} each process holds "
             "shards (or the engine holds them): use DDP (several processes without FSDP or DeepSpeed)."
         )
     several = accelerator.num_processes > 1

@@ -15,6 +15,7 @@ from toolz import curry
 
 from trainfold.base.batch import batch_size, describe_batch
 from trainfold.base.checks import add_note
+from trainfold.backend.mesh import data_layout, gather_for_metrics
 from trainfold.base.types import Batch
 from trainfold.compose.folds import check_every_sample, check_per_sample, checked, empty_loader
 from trainfold.core.context import Context
@@ -97,6 +98,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     if state.interrupted:
         return state
     acc = ctx.accelerator
+    layout = data_layout(acc)
     batches = 0
     with explaining_timeouts(ctx.accelerator.num_processes), eval_mode(state.model, state.optimizer):
         for batch in loader:
@@ -108,7 +110,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
                 raise
             args = args if isinstance(args, tuple) else (args,)
             check_per_sample("evaluate_metrics", args, batch_size(batch), batch)
-            args = acc.gather_for_metrics(args)
+            args = gather_for_metrics(acc, layout, args)
             for name, metric in metrics.items():
                 _feed(name, metric, args)
     if batches == 0:
@@ -213,6 +215,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
     state = checked("predict(ctx, fn, loader, state)", ctx, "fn", fn, loader, state)
     check_every_sample("predict", loader)
     acc = ctx.accelerator
+    layout = data_layout(acc)
     outputs = []
     with eval_mode(state.model, state.optimizer):
         for batch in loader:
@@ -221,7 +224,7 @@ def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: I
             except Exception as exc:
                 add_note(exc, f"trainfold: raised by predict's fn on a batch of structure {describe_batch(batch)}")
                 raise
-            outputs.append(acc.gather_for_metrics(out))
+            outputs.append(gather_for_metrics(acc, layout, out))
     if not outputs:
         raise empty_loader("predict", loader)
     return _concat(outputs)

@@ -122,9 +122,9 @@ class Context:
     Raises:
         TypeError: ``accelerator`` is not an Accelerator; a bad ``signals`` or ``timeout``.
         RuntimeError: the launcher started several processes that this Accelerator does not join into one job.
-        ValueError: the Accelerator's ParallelismConfig has processes that read the same batches (``tp_size``,
-            ``cp_size`` or ``sp_size`` above 1, named): trainfold supports its data-parallel dimensions
-            (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP).
+        ValueError: the Accelerator's ParallelismConfig has context or sequence parallelism (``cp_size`` or
+            ``sp_size`` above 1, named): trainfold supports its data-parallel dimensions (``dp_replicate_size``,
+            ``dp_shard_size``: DDP, FSDP2, HSDP) and tensor parallelism (``tp_size``).
 
     Examples:
         >>> from accelerate import Accelerator

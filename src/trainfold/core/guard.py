@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import torch
 
-from trainfold.backend.engine import grads_whole_in_params
+from trainfold.backend.engine import engine_name, grads_whole_in_params
 from trainfold.backend.optim import inner_optimizer
 from trainfold.base.checks import positive_int
 from trainfold.base.records import register_record
@@ -190,7 +190,7 @@ class NanGuard:
         accelerator = ctx.accelerator
         if not grads_whole_in_params(accelerator):
             raise ValueError(
-                f"nan_guard cannot guard a step under {accelerator.distributed_type.value}: the gradients it checks "
+                f"nan_guard cannot guard a step under {engine_name(accelerator)}: the gradients it checks "
                 "are sharded there (or held by the engine, not in param.grad), so processes could take different "
                 "decisions or none. Under DeepSpeed, use its fp16 loss scaling, which skips non-finite updates; "
                 "otherwise remove nan_guard."

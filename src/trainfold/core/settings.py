@@ -75,28 +75,29 @@ def check_launcher(accelerator: Accelerator) -> None:
         )
 
 
-#: ParallelismConfig's dimensions whose processes read the same batches (Accelerate's loaders give a tensor-, context-
-#: or sequence-parallel group one share of the data), with the name of each kind of parallelism.
-SHARED_BATCH_DIMENSIONS = (("tp_size", "tensor"), ("cp_size", "context"), ("sp_size", "sequence"))
+#: ParallelismConfig's dimensions trainfold refuses, with the name of each kind of parallelism: Accelerate splits each batch
+#: over their processes (along its sequence) only inside ``accelerator.maybe_context_parallel(buffers=...)`` around the
+#: forward and backward, which ``make_step`` does not enter.
+UNSUPPORTED_DIMENSIONS = (("cp_size", "context"), ("sp_size", "sequence"))
 
 
 def check_parallelism(accelerator: Accelerator) -> None:
-    """Refuse an Accelerator whose ParallelismConfig has processes that share batches (tensor, context, sequence parallelism).
+    """Refuse an Accelerator whose ParallelismConfig has context or sequence parallelism, naming the dimension.
 
-    trainfold counts each process's batches as its own share of the data: the position a checkpoint records (samples
-    done), the epoch's means and evaluation's every-sample-once rest on it. The processes of a tensor-parallel group
-    read the same batches, so those counts would be multiplied by the group's size: refused before anything runs,
-    naming the dimension. Data-parallel dimensions (``dp_replicate_size``, ``dp_shard_size``: DDP, FSDP2, HSDP) are
-    what trainfold supports.
+    Their processes must each see a slice of every batch's sequence, which Accelerate cuts only inside
+    ``maybe_context_parallel`` around the forward and backward; ``make_step`` does not enter it, so every process would
+    train on the whole sequence, silently. Data-parallel dimensions (``dp_replicate_size``, ``dp_shard_size``: DDP,
+    FSDP2, HSDP) and tensor parallelism (``tp_size``; a tensor-parallel group's processes read the same batches, and
+    trainfold counts them as one share of the data: ``backend/mesh.py``) are supported.
     """
     config = getattr(accelerator, "parallelism_config", None)  # Accelerate 1.10 and later
-    for field, kind in SHARED_BATCH_DIMENSIONS:
+    for field, kind in UNSUPPORTED_DIMENSIONS:
         size = getattr(config, field, 1) or 1
         if size > 1:
             raise ValueError(
-                f"the Accelerator's ParallelismConfig has {field}={size} ({kind} parallelism): the {size} processes of each "
-                f"{kind}-parallel group read the same batches, and trainfold counts each process's batches as its own share of "
-                "the data (the position a checkpoint records, the epoch's means, evaluation's every sample once), so its counts "
-                f"and checkpoints would be wrong. trainfold supports the data-parallel dimensions: use dp_replicate_size and "
-                f"dp_shard_size only (DDP, FSDP2, HSDP), or Accelerate's own loop for {kind} parallelism."
+                f"the Accelerator's ParallelismConfig has {field}={size} ({kind} parallelism): Accelerate splits each batch's "
+                f"sequence over the {size} processes of a {kind}-parallel group only inside accelerator.maybe_context_parallel(...) "
+                "around the forward and backward, which make_step does not enter, so each of them would train on the whole "
+                "sequence. trainfold supports the data-parallel dimensions (dp_replicate_size, dp_shard_size: DDP, FSDP2, "
+                f"HSDP) and tensor parallelism (tp_size); use Accelerate's own loop for {kind} parallelism."
             )

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from trainfold.backend.engine import is_dtensor
+from trainfold.backend.mesh import data_layout
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.storage.protocol import Staging, Stored
 from trainfold.core.context import Context
@@ -100,18 +101,35 @@ def check_accumulation(ctx: Context, folder: Any, saved_steps: int) -> None:
         )
 
 
-def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int, saved: int, acc: Any) -> tuple[RunState, Resume]:
-    """A checkpoint of ``saved`` processes, continued on this run's: checked, at a new accumulation group, by its position in samples.
+def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
+    """Whether a checkpoint was saved by another layout of the data than this run's: another number of processes, or
+    as many grouped otherwise (tensor parallelism's processes share a data-parallel rank). Then the processes' own files
+    do not map one to one onto this run's, and the epoch continues by its position in samples."""
+    world = manifest["world_size"]
+    return bool(world != acc.num_processes or manifest.get("data_ranks", world) != data_layout(acc).size)
+
+
+def layout_words(processes: int, ranks: int) -> str:
+    """``"4 processes"``, or ``"4 processes (2 data-parallel ranks)"`` where tensor parallelism groups them."""
+    return f"{processes} processes" + ("" if ranks == processes else f" ({ranks} data-parallel ranks)")
+
+
+def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int, manifest: Mapping[str, Any], acc: Any) -> tuple[RunState, Resume]:
+    """A checkpoint of another layout (:func:`saved_elsewhere`), continued on this run's: checked, at a new accumulation
+    group, by its position in samples.
 
     The epoch's running train sums were each process's own and cannot be dealt out
     anew: they restart empty, with a warning (the next epochs' train values are exact).
     """
-    _check_elastic(folder, run, resume, saved_steps, saved, acc.num_processes)
+    world = manifest["world_size"]
+    saved = layout_words(world, manifest.get("data_ranks", world))
+    now = layout_words(acc.num_processes, data_layout(acc).size)
+    _check_elastic(folder, run, resume, saved_steps, saved, now)
     run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
     if run.values.batch_in_epoch > 0:
         warnings.warn(
-            f"load_checkpoint: {folder} was saved by {saved} processes in the middle of epoch {run.values.epoch + 1}; this run "
-            f"has {acc.num_processes}. The model, optimizer and data position continue exactly, but the epoch's running "
+            f"load_checkpoint: {folder} was saved by {saved} in the middle of epoch {run.values.epoch + 1}; this run "
+            f"has {now}. The model, optimizer and data position continue exactly, but the epoch's running "
             "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
             "train_loss (and train aux values) will not be exact; the next epochs' are.",
             UserWarning,
@@ -121,16 +139,16 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
     return run, attrs.evolve(resume, elastic=True)
 
 
-def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: int, now: int) -> None:
-    """A checkpoint of ``saved`` processes continues on ``now`` only at an optimizer update, with its position in samples."""
+def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str) -> None:
+    """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, with its position in samples."""
     if run.accelerate_step % saved_steps or run.grads:
         raise CheckpointError(
-            f"{folder} was saved by {saved} processes in the middle of an accumulation group (their partial gradients "
-            f"cannot be dealt out to {now}): resume it on {saved} processes, or from a checkpoint at an optimizer update "
+            f"{folder} was saved by {saved} in the middle of an accumulation group (their partial gradients "
+            f"cannot be dealt out to {now}): resume it on {saved}, or from a checkpoint at an optimizer update "
             "(checkpoint_every saves at updates)."
         )
     if run.values.batch_in_epoch > 0 and resume.samples_done is None:
         raise CheckpointError(
-            f"{folder} was saved by {saved} processes in the middle of an epoch over a loader whose position in samples "
-            f"is unknown (an iterable dataset): resume it on {saved} processes, or from a checkpoint between epochs."
+            f"{folder} was saved by {saved} in the middle of an epoch over a loader whose position in samples "
+            f"is unknown (an iterable dataset): resume it on {saved}, or from a checkpoint between epochs."
         )

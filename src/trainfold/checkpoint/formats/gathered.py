@@ -15,7 +15,7 @@ from trainfold.backend.engine import shards_parameters, unwrap
 from trainfold.backend.optim import inner_optimizer
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
-from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, to_host
+from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, saved_elsewhere, to_host
 from trainfold.checkpoint.manifest import FORMAT, parse_tensors, rank_files, read_verified
 from trainfold.checkpoint.storage.protocol import Staging, Stored
 from trainfold.core.context import Context
@@ -44,15 +44,14 @@ class Gathered:
         process reads them, and the data position of the first process, in samples. Replicas (DDP, one process) take
         them whole; under FSDP they are dealt out into this run's shards."""
         acc = ctx.accelerator
-        world = manifest["world_size"]
-        elastic = world != acc.num_processes
+        elastic = saved_elsewhere(manifest, acc)
         into_shards = shards_parameters(acc)
         source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
         files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
         run, resume, saved_steps = decode(folder, files, state, source)
         del files
         if elastic:
-            run, resume = elastic_resume(folder, run, resume, saved_steps, world, acc)
+            run, resume = elastic_resume(folder, run, resume, saved_steps, manifest, acc)
         else:
             check_accumulation(ctx, folder, saved_steps)
         if into_shards and run.grads:

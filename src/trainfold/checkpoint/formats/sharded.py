@@ -13,7 +13,7 @@ from trainfold.backend.engine import local, unwrap
 from trainfold.backend.optim import inner_optimizer
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.encoding import decode
-from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, to_host
+from trainfold.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, saved_elsewhere, to_host
 from trainfold.checkpoint.manifest import SHARDED, parse_tensors, rank_files, read_verified
 from trainfold.checkpoint.root import agreed
 from trainfold.checkpoint.storage.protocol import Staging, Stored
@@ -57,14 +57,14 @@ class Sharded:
         model, optimizer = unwrap(acc, state.model), inner_optimizer(state.optimizer)
 
         world = manifest["world_size"]
-        elastic = world != acc.num_processes
+        elastic = saved_elsewhere(manifest, acc)
         source = 0 if elastic else rank  # another number of processes: every process continues from the first one's states
 
         def read_and_check() -> tuple[Any, Resume, Any]:
             files = read_verified(folder, manifest, ["state.json", "state.safetensors", dcp_metadata.METADATA, *rank_files(source)])
             run, resume, saved_steps = decode(folder, files, state, source)
             if elastic:
-                run, resume = elastic_resume(folder, run, resume, saved_steps, world, acc)
+                run, resume = elastic_resume(folder, run, resume, saved_steps, manifest, acc)
             else:
                 check_accumulation(ctx, folder, saved_steps)
             metadata = dcp_metadata.parse_metadata(folder, files[dcp_metadata.METADATA], world)
