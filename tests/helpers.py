@@ -178,6 +178,29 @@ def assert_signal_resume_exact(expected, resumed) -> None:
         pytest.xfail(f"known: a signal's mid-epoch resume differs in the last bits (see helpers.assert_signal_resume_exact): {exc}")
 
 
+def on_processes(nprocs: int, fn, *args, **kwargs) -> list:
+    """Each rank's ``fn(*args, **kwargs)``: on ``nprocs`` fresh processes (``testing.run_distributed``), or, for one,
+    in this process between two resets of Accelerate's process-wide state."""
+    if nprocs > 1:
+        return testing.run_distributed(fn, *args, nprocs=nprocs, **kwargs)
+    testing.reset_accelerate_state()
+    try:
+        return [fn(*args, **kwargs)]
+    finally:
+        testing.reset_accelerate_state()
+
+
+def continues_exactly(before, after) -> None:
+    """A run's rank 0 starts with the model, step, scheduler and optimizer (whole tensors) the run before stopped with:
+    each run's result is ``(seen, at_start, at_end, ...)``, a position being ``(params, step, last_epoch, moments)``."""
+    stopped, started = before[0][2], after[0][1]
+    testing.assert_params_equal(stopped[0], started[0])
+    assert stopped[1] == started[1] and stopped[2] == started[2]
+    for k, per in stopped[3].items():
+        for name, value in per.items():
+            assert torch.equal(value, started[3][k][name]), (k, name)
+
+
 def small_disk(folder, size: str):
     """A tmpfs of ``size`` mounted at ``folder`` (a full disk, for real), unmounted after; skips where mounting needs root."""
     import subprocess

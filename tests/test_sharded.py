@@ -212,15 +212,7 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
 
 
 def _run(engine, nprocs, *args, **kwargs):
-    if nprocs == 1:
-        from trainfold.testing import reset_accelerate_state
-
-        reset_accelerate_state()
-        try:
-            return [_elastic_run("ddp", *args, **kwargs)]
-        finally:
-            reset_accelerate_state()
-    return testing.run_distributed(_elastic_run, engine, *args, nprocs=nprocs, **kwargs)
+    return helpers.on_processes(nprocs, _elastic_run, engine if nprocs > 1 else "ddp", *args, **kwargs)
 
 
 @pytest.mark.multiprocess
@@ -245,16 +237,6 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
     assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
 
 
-def _continues_exactly(before, after):
-    """The model, step, scheduler and optimizer a run stopped with are those the next run starts with."""
-    stopped, started = before[0][2], after[0][1]
-    testing.assert_params_equal(stopped[0], started[0])
-    assert stopped[1] == started[1] and stopped[2] == started[2]
-    for k, per in stopped[3].items():
-        for name, value in per.items():
-            assert torch.equal(value, started[3][k][name]), (k, name)
-
-
 @pytest.mark.multiprocess
 def test_an_hsdp_checkpoint_reshards_to_fsdp2_on_two_processes_then_to_one(tmp_path):
     """HSDP 2 × 2 (4 processes) stopped after 2 updates, resumed under FSDP2 on 2 processes and stopped after one more,
@@ -266,8 +248,8 @@ def test_an_hsdp_checkpoint_reshards_to_fsdp2_on_two_processes_then_to_one(tmp_p
 
     trained = sorted(i for seen, *_ in first + second + third for i in seen)
     assert trained == list(range(48))  # 2 updates of 16 samples, 1 of 8, 2 of 4
-    _continues_exactly(first, second)
-    _continues_exactly(second, third)
+    helpers.continues_exactly(first, second)
+    helpers.continues_exactly(second, third)
     assert "global batch of 16 samples per update" in second[0][4][0] and "this run's is 8" in second[0][4][0]
     assert (3, 1) == (third[0][2][1] - 2, third[0][3])  # 5 updates in all, the epoch ended
 

@@ -164,25 +164,7 @@ def _position(state):
 
 def _launch(layout, *args, **kwargs):
     nprocs = {"tp": 2, "tp_fsdp2": 4, "ddp": 2, "one": 1}[layout]
-    if nprocs == 1:
-        from trainfold.testing import reset_accelerate_state
-
-        reset_accelerate_state()
-        try:
-            return [_run("ddp", *args, **kwargs)]
-        finally:
-            reset_accelerate_state()
-    return testing.run_distributed(_run, layout, *args, nprocs=nprocs, **kwargs)
-
-
-def _continues_exactly(before, after):
-    """The model, step, scheduler and optimizer a run stopped with are those the next run starts with."""
-    stopped, started = before[0][2], after[0][1]
-    testing.assert_params_equal(stopped[0], started[0])
-    assert stopped[1] == started[1] and stopped[2] == started[2]
-    for k, per in stopped[3].items():
-        for name, value in per.items():
-            assert torch.equal(value, started[3][k][name]), (k, name)
+    return helpers.on_processes(nprocs, _run, layout if nprocs > 1 else "ddp", *args, **kwargs)
 
 
 @pytest.mark.parametrize("layout,ga,async_save", [("tp", 1, False), ("tp_fsdp2", 2, True)])
@@ -219,9 +201,9 @@ def test_a_tensor_parallel_checkpoint_reshards_to_other_meshes_every_sample_once
     counted = [first[0], second[0], second[1], third[0], third[2], fourth[0]]  # one process per data-parallel rank
     assert sorted(i for seen, *_ in counted for i in seen) == list(range(48))  # 2 updates of 4, 1 of 8, 1 of 8, 6 of 4
     assert sorted(first[1][0]) == sorted(first[0][0]) and sorted(third[1][0]) == sorted(third[0][0])  # a group's copies
-    _continues_exactly(first, second)
-    _continues_exactly(second, third)
-    _continues_exactly(third, fourth)
+    helpers.continues_exactly(first, second)
+    helpers.continues_exactly(second, third)
+    helpers.continues_exactly(third, fourth)
     assert "global batch of 4 samples per update" in second[0][4][0] and "this run's is 8" in second[0][4][0]
     assert (fourth[0][2][1], fourth[0][3]) == (10, 1)  # 10 updates in all, the epoch ended
 
@@ -302,17 +284,10 @@ def _token_normalized(layout):
     return params
 
 
-def test_token_normalization_counts_a_tensor_parallel_groups_tokens_once():
+def test_token_normalization_under_tensor_parallelism_trains_as_one_process():
     """``normalize="tokens"`` under TP 2 (one data-parallel rank over 2 processes) trains as one process does: the
-    group's token count is summed once, and the gradients scaled by the data-parallel ranks, not the processes (summing
-    both processes' counts halved every update). To float tolerance: the split matmuls add in another order."""
-    from trainfold.testing import reset_accelerate_state
-
-    tp = testing.run_distributed(_token_normalized, "tp", nprocs=2)
-    reset_accelerate_state()
-    try:
-        one = _token_normalized("ddp")
-    finally:
-        reset_accelerate_state()
-    for params in tp:
+    token count summed over the processes counts the group's batch twice, and the scale counts both processes, so
+    the ratio is one rank's. To float tolerance: the split matmuls add in another order."""
+    (one,) = helpers.on_processes(1, _token_normalized, "ddp")
+    for params in helpers.on_processes(2, _token_normalized, "tp"):
         testing.assert_params_equal(one, params, rtol=1e-5, atol=1e-6)

@@ -41,8 +41,7 @@ def real_samples_in_batch(accelerator: Accelerator, layout: DataLayout, batch_si
     ``gather_for_metrics`` relies on; here each process computes its own share
     so that sums over samples are exact without gathering per-sample values.
     Under tensor parallelism a group's processes hold one batch, and all of them
-    run the model on the same real samples (its forward is collective); only the
-    first counts them (``layout.counts``).
+    run the model on the same real samples (its forward is collective).
     """
     state = accelerator.gradient_state
     if layout.size == 1 or not state.end_of_dataloader:

@@ -4,11 +4,13 @@ Under a ``ParallelismConfig`` with tensor (or context) parallelism, the processe
 of one tensor-parallel group compute one model on one batch: Accelerate's loader
 deals the batches by data-parallel rank, ``process_index // (tp × cp)``, over
 ``dp_replicate × dp_shard`` ranks (``accelerate.data_loader.prepare_data_loader``).
-Everything trainfold counts per share of the data (evaluation's every sample
-once, the sums the epoch's means come from, the token count of an update, the
-position a checkpoint records) counts per data-parallel rank: the group's first
-process stands for the group, the others add zeros. Without such a dimension,
-the layout is one rank per process.
+What trainfold counts per share of the data counts per data-parallel rank: the
+padding of the last round (which samples of a batch are real), the samples
+gathered for metrics (one copy per group), and the position a checkpoint
+records. Sums over processes need nothing: a group's processes add the same
+values and the same counts, so every mean, and ``normalize="tokens"``'s scale
+(the processes over the summed token count), is the same ratio. Without such a
+dimension, the layout is one rank per process.
 """
 
 from __future__ import annotations
@@ -27,31 +29,27 @@ SAME_BATCH_DIMENSIONS = ("tp", "cp")
 
 @attrs.frozen
 class DataLayout:
-    """This process's data-parallel ``rank`` of ``size``, and ``group``: the consecutive processes that share it.
-
-    ``counts``: whether this process's batches are counted (the first of its group); the others' are copies.
-    """
+    """This process's data-parallel ``rank`` of ``size``, and ``group``: the consecutive processes that share it."""
 
     rank: int
     size: int
     group: int
-    counts: bool
 
 
 def data_layout(accelerator: Accelerator) -> DataLayout:
-    """The data-parallel layout of ``accelerator``'s processes (decided once, where a step or an evaluation is built).
+    """The data-parallel layout of ``accelerator``'s processes (a few look-ups: where a stage or an evaluation is built, never per batch).
 
     Examples:
         >>> from accelerate import Accelerator
         >>> data_layout(Accelerator(cpu=True))
-        DataLayout(rank=0, size=1, group=1, counts=True)
+        DataLayout(rank=0, size=1, group=1)
     """
     mesh = getattr(accelerator, "torch_device_mesh", None)  # Accelerate 1.10 and later, with a ParallelismConfig
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     shared = ("tp",) if accelerator.distributed_type == DistributedType.DEEPSPEED else SAME_BATCH_DIMENSIONS
     group = math.prod(mesh[d].size() for d in shared if d in names) if mesh is not None else 1
     index, processes = accelerator.process_index, accelerator.num_processes
-    return DataLayout(rank=index // group, size=processes // group, group=group, counts=index % group == 0)
+    return DataLayout(rank=index // group, size=processes // group, group=group)
 
 
 def is_tensor_parallel(accelerator: Accelerator) -> bool:

@@ -117,17 +117,15 @@ class RunningSums:
         done = self.folded()
         return dict(done.folded_aux) if done.folded_loss is None else {"loss": done.folded_loss, **done.folded_aux}
 
-    def means(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None,
-              counted: bool = True) -> dict[str, float]:
+    def means(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
         """The means over every process: the sums (minus ``since``, an earlier :meth:`as_dict`) over ``count``.
 
-        One all-reduce and one host transfer: call it once per epoch or log interval. ``counted=False``: this
-        process's sums are copies of another's (a tensor-parallel group's), and it adds zeros.
+        One all-reduce and one host transfer: call it once per epoch or log interval.
         """
         sums = self.as_dict()
         if since is not None:
             sums = {k: v - since[k] for k, v in sums.items()}
-        return weighted_means(finite_loss_mean(reduce_means(accelerator, sums, count, counted=counted))) if sums else {}
+        return weighted_means(finite_loss_mean(reduce_means(accelerator, sums, count))) if sums else {}
 
 
 def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
@@ -218,20 +216,16 @@ def _aux_names_changed(earlier: Iterable[str], aux: Iterable[str]) -> str:
 
 
 def reduce_means(
-    accelerator: Accelerator, sums: Mapping[str, torch.Tensor], count: torch.Tensor | int, *, counted: bool = True
+    accelerator: Accelerator, sums: Mapping[str, torch.Tensor], count: torch.Tensor | int
 ) -> dict[str, float]:
     """Sum ``sums`` and ``count`` over processes and return the means as Python floats.
 
     One stacked tensor, one all-reduce, one host transfer: call this once per
-    epoch or log interval, never per step. A process whose values are copies
-    (``counted=False``) adds zeros, so each value is summed once, in the order of
-    the processes that count.
+    epoch or log interval, never per step.
     """
     names = list(sums)
     dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) else torch.float32
     local = torch.stack([sums[n].to(dtype) for n in names] + [torch.as_tensor(count, dtype=dtype, device=accelerator.device)])
-    if not counted:
-        local = torch.zeros_like(local)  # not local * 0: a non-finite sum times 0 is nan
     if accelerator.num_processes > 1:
         _check_same_names(accelerator, names)
         local = accelerator.reduce(local, reduction="sum")

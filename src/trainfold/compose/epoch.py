@@ -18,7 +18,6 @@ from trainfold.backend.loaders import (
     samples_per_batch,
     set_loader_epoch,
 )
-from trainfold.backend.mesh import data_layout
 from trainfold.base import rng
 from trainfold.base.checks import length_or_none, name_of
 from trainfold.base.types import Batch
@@ -261,7 +260,7 @@ def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> 
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics, count it, reset the running sums."""
-    means = state.sums.means(ctx.accelerator, state.batch_in_epoch, counted=data_layout(ctx.accelerator).counts)
+    means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}

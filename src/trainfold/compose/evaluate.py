@@ -124,17 +124,16 @@ def evaluate(
             real = real_samples_in_batch(acc, layout, n)
             loss, aux = compute_loss(loss_fn, net, slice_batch(batch, real) if 0 < real < n else batch, need_grad=False)
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
-            # matched, and adds zeros under the same names, so every process reduces the same shape;
-            # so do the copies of a tensor-parallel group's batch on its other processes.
-            counted = real if layout.counts else 0
-            recorded = {k: weighted(v, counted, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
+            # matched, and adds zeros under the same names, so every process reduces the same shape.
+            # A tensor-parallel group's processes add the same sums and counts: the means are the same ratios.
+            recorded = {k: weighted(v, real, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
             if by_tokens:  # the loss is a sum over the batch's tokens: a per-token mean weighted by them
-                tokens = weighted(_tokens_of(aux), 1 if counted else 0, precision)
-                loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if counted else 0, precision) / tokens.clamp(min=1), tokens
+                tokens = weighted(_tokens_of(aux), 1 if real else 0, precision)
+                loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if real else 0, precision) / tokens.clamp(min=1), tokens
             else:
-                loss = weighted(loss, counted, precision)
+                loss = weighted(loss, real, precision)
             sums = sums.add(loss, recorded)
-            count += counted
+            count += real
             if batches == max_batches:
                 break
     if batches == 0:

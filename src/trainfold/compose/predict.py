@@ -13,9 +13,9 @@ import attrs
 import torch
 from toolz import curry
 
+from trainfold.backend.mesh import data_layout, gather_for_metrics
 from trainfold.base.batch import batch_size, describe_batch
 from trainfold.base.checks import add_note
-from trainfold.backend.mesh import data_layout, gather_for_metrics
 from trainfold.base.types import Batch
 from trainfold.compose.folds import check_every_sample, check_per_sample, checked, empty_loader
 from trainfold.core.context import Context

@@ -17,7 +17,6 @@ import torch
 
 from trainfold.backend.engine import unwrap
 from trainfold.backend.optim import inner_optimizer
-from trainfold.backend.mesh import data_layout
 from trainfold.base.checks import name_of, named, positive_int
 from trainfold.base.records import register_record
 from trainfold.base.types import Batch
@@ -235,7 +234,7 @@ def _report(ctx: Context, state: TrainState) -> LogState:
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
     since = last.sums if same_epoch else None  # type: ignore[union-attr]
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
-    means = folded.means(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, counted=data_layout(ctx.accelerator).counts)
+    means = folded.means(ctx.accelerator, state.batch_in_epoch - base_batches, since=since)
     values = {**means, "epoch": float(state.epoch)}
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])

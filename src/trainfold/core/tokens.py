@@ -13,7 +13,6 @@ import attrs
 import torch
 
 from trainfold.backend.engine import owns_clipping
-from trainfold.backend.mesh import data_layout
 from trainfold.base.metrics import WEIGHT
 from trainfold.core.stages import MicroBatch, Stage
 
@@ -32,8 +31,7 @@ class _NormalizeTokens:
         accelerator = ctx.accelerator
         if owns_clipping(accelerator):
             raise ValueError("normalize='tokens' is not supported under DeepSpeed, which scales gradients itself.")
-        layout = data_layout(accelerator)  # the gradients are averaged over the data-parallel ranks, not the processes
-        factor = float(ctx.gradient_accumulation_steps * layout.size)
+        factor = float(ctx.gradient_accumulation_steps * accelerator.num_processes)
         several = accelerator.num_processes > 1
 
         def count(mb: MicroBatch) -> None:
@@ -52,10 +50,7 @@ class _NormalizeTokens:
 
         def scale(mb: MicroBatch) -> None:
             group = mb.extras[TOKENS]
-            if several:  # a tensor-parallel group's processes count one batch: its first adds the count
-                total = accelerator.reduce(group if layout.counts else torch.zeros_like(group), reduction="sum")
-            else:
-                total = group
+            total = accelerator.reduce(group, reduction="sum") if several else group
             grads = [p.grad for p in mb.model.parameters() if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, factor / total)
@@ -71,10 +66,9 @@ def normalize_tokens() -> _NormalizeTokens:
     the number of real tokens. Per micro-batch the stage adds the count to the
     group's, kept on the device in ``state.extras["tokens"]``. On the
     micro-batch that updates, it sums the count over processes (one all-reduce)
-    and scales the gradients by ``accumulation_steps * data_parallel_ranks /
+    and scales the gradients by ``accumulation_steps * num_processes /
     total_tokens``: Accelerate divided each summed loss by the accumulation
-    steps and DDP averaged over the data-parallel ranks (the processes, unless
-    a tensor-parallel group shares one), so the result is the gradient of
+    steps and DDP averaged over processes, so the result is the gradient of
     (sum of all token losses) / (all tokens), what one big batch would give. The
     recorded loss (``state.last_loss``) is the micro-batch's per-token mean, and
     ``train_loss`` (like ``log_every``'s ``train/loss``) is weighted by tokens: all
