@@ -162,22 +162,6 @@ def tensor_parallel(model: torch.nn.Module, accelerator: Accelerator) -> torch.n
     return model
 
 
-def assert_signal_resume_exact(expected, resumed) -> None:
-    """A 2-process DDP run stopped by a signal mid-epoch and resumed ends bit for bit where the uninterrupted one does.
-
-    KNOWN FAILURE (found 2026-11-26, not yet understood): with accumulation 2, SGD with momentum, dropout and shuffling
-    (tests/scripts/signal_run.py), a stop inside an epoch (at update 23 of 30, say) resumes to parameters that differ
-    by about 7e-8 (exact at an epoch's end; the same at d1af757, the last commit CI passed, so it depends on where the
-    signal lands, which depends on the machine's speed). Until its cause is fixed such a run is marked xfailed, naming
-    the difference: visible in every run, never a pass; any larger difference fails.
-    """
-    try:
-        testing.assert_params_equal(expected, resumed)
-    except AssertionError as exc:
-        testing.assert_params_equal(expected, resumed, rtol=0.0, atol=1e-6)
-        pytest.xfail(f"known: a signal's mid-epoch resume differs in the last bits (see helpers.assert_signal_resume_exact): {exc}")
-
-
 def on_processes(nprocs: int, fn, *args, **kwargs) -> list:
     """Each rank's ``fn(*args, **kwargs)``: on ``nprocs`` fresh processes (``testing.run_distributed``), or, for one,
     in this process between two resets of Accelerate's process-wide state."""

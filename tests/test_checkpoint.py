@@ -11,7 +11,7 @@ from accelerate import Accelerator
 
 from trainfold import (
     CheckpointError, Context, TrainState, checkpoint_every, ema, latest_checkpoint, list_checkpoints, load_checkpoint,
-    log_every, loop, make_step, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
+    log_every, loop, make_step, max_steps, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
 )
 
 
@@ -403,3 +403,83 @@ def test_a_manifest_entry_without_exactly_one_known_digest_is_refused(entry, tmp
 
     with pytest.raises(CheckpointError, match=r"the entry of state.json needs a size and one digest \(xxh3_128 or sha256\)"):
         verify_checkpoint(folder)
+
+
+def _rewritten_as_before(ckpt):
+    """Every safetensors file of ``ckpt`` as trainfold wrote it before it aligned its tensors (largest elements first,
+    the header padded to 8 bytes), and the manifest signed anew: tensors at the file offsets such a checkpoint has."""
+    import hashlib
+    import struct
+
+    from trainfold.base.io import read_into
+    from trainfold.checkpoint.safetensors import DTYPES, parse
+
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    for name in manifest["files"]:
+        if not name.endswith(".safetensors"):
+            continue
+        tensors = {k: v.clone() for k, v in parse(read_into(ckpt / name, manifest["files"][name]["size"])).items()}
+        order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+        header, offset = {}, 0
+        for n in order:
+            header[n] = {"dtype": DTYPES[tensors[n].dtype], "shape": list(tensors[n].shape), "data_offsets": [offset, offset + tensors[n].nbytes]}
+            offset += tensors[n].nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        data = struct.pack("<Q", len(head)) + head + b"".join(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for n in order)
+        (ckpt / name).write_bytes(data)
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("sharded,written_by", [(False, "now"), (True, "now"), (False, "before"), (True, "before")])
+def test_what_a_load_hands_to_the_run_is_aligned_as_torch_allocates(tmp_path, sharded, written_by):
+    """A checkpoint's tensors are views into the file's buffer (read once, not copied), at the offsets the file gives
+    them. What goes on living in the run (the batch the loader had read ahead, the optimizer's moments) must sit where
+    torch would have allocated it, 64-byte aligned: CPU kernels sum in another order at another alignment, so a batch
+    at offset 56 made a resumed run's gradients differ from the uninterrupted run's in the last bits (2-process DDP,
+    tests/test_signals.py). Files trainfold writes now put most tensors there already; those it wrote before did not,
+    and what the run keeps of them is copied there."""
+    ctx, state, dl = _setup(ga=1)
+    state = run_epoch(ctx, max_steps(3)(make_step(ctx, helpers.ce_loss)), dl, state)  # stopped mid-epoch: a batch read ahead
+    save_checkpoint(ctx, tmp_path, state, sharded=sharded)
+    if written_by == "before":
+        _rewritten_as_before(latest_checkpoint(tmp_path))
+    ctx.close()
+    ctx, fresh, _ = _setup(ga=1, seed=123)
+    loaded = load_checkpoint(ctx, tmp_path, fresh)
+
+    has, batch = loaded.cursor.read_ahead
+    moments = [v for per in loaded.optimizer.optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor) and v.ndim]
+    assert has and moments
+    assert [t.data_ptr() % 64 for t in [*batch, *moments]] == [0] * (len(batch) + len(moments))
+    ctx.close()
+
+
+def test_a_written_file_keeps_its_tensors_where_torch_would_allocate_them_and_the_library_reads_it(tmp_path):
+    """trainfold's safetensors writer starts the data at a 64-byte boundary and puts first the tensors whose sizes are
+    multiples of 64: read back from the mapped file, each is a view at such a boundary (a verified load copies nothing
+    it need not); the others are aligned to their element size; the safetensors library reads the file as written."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from trainfold.base.io import read_into
+    from trainfold.checkpoint import safetensors as ours
+
+    tensors = {"odd": torch.randn(3), "big": torch.randn(64, 64), "ids": torch.arange(5), "half": torch.randn(16).half(),
+               "wide": torch.randn(10, 32), "byte": torch.ones(7, dtype=torch.uint8)}
+    path = tmp_path / "t.safetensors"
+    ours.write(path, tensors)
+    buf = read_into(path, os.path.getsize(path))
+    parsed = ours.parse(buf)
+
+    assert {k: torch.equal(v, tensors[k]) for k, v in load_file(str(path)).items()} == dict.fromkeys(tensors, True)
+    assert all(torch.equal(parsed[k], tensors[k]) for k in tensors)
+    start = torch.frombuffer(buf, dtype=torch.uint8).data_ptr()
+    for name in ("big", "wide", "half"):  # sizes 16384, 1280, 32... bytes: "half" is 32, not a multiple of 64
+        t = parsed[name]
+        inside = start <= t.data_ptr() < start + len(buf)
+        assert inside, name  # a view into the file's buffer, not a copy
+        assert (t.data_ptr() % 64 == 0) == (t.nbytes % 64 == 0), name
+    assert all(parsed[k].data_ptr() % parsed[k].element_size() == 0 for k in parsed)

@@ -599,7 +599,7 @@ def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_
 
     resumed = subprocess.run(_torchrun(root, tmp_path / "resumed.st"), capture_output=True, text=True, timeout=600, env=ENV)
     assert 0 == resumed.returncode, resumed.stderr[-3000:]
-    helpers.assert_signal_resume_exact(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
+    testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
 
 
 @pytest.mark.multiprocess

@@ -18,8 +18,6 @@ from safetensors.torch import load_file
 
 from trainfold import list_checkpoints, testing, verify_checkpoint
 
-import helpers
-
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
@@ -139,7 +137,7 @@ def test_sigterm_to_one_nodes_launcher_stops_both_nodes_at_one_update_and_the_jo
     assert "done" in output
     expected, resumed = one_node[2 * nproc], load_file(str(tmp_path / "resumed.st"))
     if nproc == 1:
-        helpers.assert_signal_resume_exact(expected, resumed)
+        testing.assert_params_equal(expected, resumed)
     else:
         for name, value in expected.items():
             torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-7)

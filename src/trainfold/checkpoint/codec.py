@@ -16,6 +16,7 @@ import attrs
 import numpy as np
 import torch
 
+from trainfold.base.io import aligned
 from trainfold.base.records import RECORDS, record_name
 
 #: How deep a decoded value may nest (trainfold's own values nest a few levels).
@@ -90,7 +91,7 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
             return o
         if "__tensor__" in o:
             t = tensors[o["__tensor__"]]
-            return t.to(device) if device is not None else t
+            return aligned(t if device is None else t.to(device))  # kept by the run: where torch would have put it
         if "__tuple__" in o:
             return tuple(go(v, depth) for v in o["__tuple__"])
         if "__ndarray__" in o:

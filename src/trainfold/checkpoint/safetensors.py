@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from trainfold.base.io import write_durably
+from trainfold.base.io import ALIGNMENT, write_durably
 from trainfold.checkpoint import digest as _digest
 
 DTYPES: dict[torch.dtype, str] = {
@@ -43,6 +43,10 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def encode(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
     """The buffers of a safetensors file of ``tensors``: its header, then every tensor's bytes as a view of its memory.
 
@@ -52,17 +56,20 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
     for name, t in tensors.items():
         if t.dtype not in DTYPES:
             raise TypeError(f"cannot write tensor {name!r} of dtype {t.dtype} to a safetensors file.")
-    # largest elements first, as the library does: every tensor's offset is aligned to its element size
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    # The data begins at an ALIGNMENT boundary of the file (the header padded with spaces, which the format allows) and
+    # the tensors whose sizes are multiples of it come first: each of those lies at such a boundary of a mapped file,
+    # where torch would have allocated it, so a load keeps it as a view (base/io.aligned copies the others). Within each
+    # part, largest elements first, as the library does: every offset is aligned to its element size.
+    order = sorted(tensors, key=lambda n: (_nbytes(tensors[n]) % ALIGNMENT != 0, -tensors[n].element_size(), n))
     header: dict[str, Any] = {}
     offset = 0
     for name in order:
         t = tensors[name]
-        size = t.numel() * t.element_size()
+        size = _nbytes(t)
         header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
+    head += b" " * (-(8 + len(head)) % ALIGNMENT)
     return [struct.pack("<Q", len(head)), head, *(_raw(tensors[name]) for name in order)]
 
 
@@ -78,7 +85,9 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
 
 
 def parse(buf: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them).
+    """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them), at the
+    file's offset: what a load copies into the live model needs no more; what the run keeps goes through
+    ``base/io.aligned``.
 
     Raises:
         FormatError: a header that is not a safetensors header, or names a dtype,
