@@ -3,15 +3,17 @@
     python benchmarks/bench_gpt2.py                    # 3 interleaved rounds of 30 steps per loop
     python benchmarks/bench_gpt2.py --rounds 5 --steps 40 --batch 8 --json out.json
 
-Three loops train the same model (``GPT2LMHeadModel(GPT2Config())``, 124M parameters, built
+Five loops train the same model (``GPT2LMHeadModel(GPT2Config())``, 124M parameters, built
 from its config: nothing is downloaded) on the same random token ids, with fused AdamW:
 
 - raw PyTorch: ``torch.autocast(bfloat16)``, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``;
 - the canonical Accelerate loop (``Accelerator(mixed_precision="bf16")``, ``accumulate``, ``backward``);
 - trainfold's ``run_epoch(ctx, make_step(ctx, loss_fn), loader)``;
-- and the raw loop with the model's outputs converted to float32 (``convert_outputs_to_fp32``), which
+- the raw loop with the model's outputs converted to float32 (``convert_outputs_to_fp32``), which
   Accelerate's mixed precision does to every prepared model: the logits (batch x 1024 x 50257) are
-  copied to float32 on every step, whichever loop drives the model.
+  copied to float32 on every step, whichever loop drives the model;
+- and trainfold with ``TrainState.create(..., outputs_to_fp32=False)``, which keeps autocast and
+  drops that copy (the loss, computed in the model's forward, is float32 either way).
 
 Each round runs every loop once (one epoch of ``--steps`` batches after ``--warmup`` untimed
 ones), in a shuffled order; tokens per second is counted from the first timed step to the
@@ -128,7 +130,7 @@ def accelerate_loop(seed: int) -> Callable[[list[torch.Tensor]], None]:
     return run
 
 
-def trainfold_loop(seed: int) -> Callable[[list[torch.Tensor]], None]:
+def trainfold_loop(seed: int, *, outputs_to_fp32: bool = True) -> Callable[[list[torch.Tensor]], None]:
     from accelerate import Accelerator
 
     from trainfold import Context, TrainState, make_step, run_epoch
@@ -137,7 +139,7 @@ def trainfold_loop(seed: int) -> Callable[[list[torch.Tensor]], None]:
     reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(mixed_precision="bf16", dataloader_config=_non_blocking()))
     model = _model(seed)
-    state = [TrainState.create(ctx, model=model, optimizer=_optimizer(model))]
+    state = [TrainState.create(ctx, model=model, optimizer=_optimizer(model), outputs_to_fp32=outputs_to_fp32)]
     step = make_step(ctx, loss_fn)
 
     def run(batches: list[torch.Tensor]) -> None:
@@ -147,13 +149,19 @@ def trainfold_loop(seed: int) -> Callable[[list[torch.Tensor]], None]:
     return run
 
 
+def trainfold_bf16_outputs(seed: int) -> Callable[[list[torch.Tensor]], None]:
+    """trainfold with ``TrainState.create(..., outputs_to_fp32=False)``: autocast kept, the logits' float32 copy dropped."""
+    return trainfold_loop(seed, outputs_to_fp32=False)
+
+
 def _non_blocking() -> Any:
     from accelerate.utils import DataLoaderConfiguration
 
     return DataLoaderConfiguration(non_blocking=True)
 
 
-LOOPS = {"raw PyTorch": raw, "raw, outputs to float32": raw_fp32_outputs, "Accelerate loop": accelerate_loop, "trainfold run_epoch": trainfold_loop}
+LOOPS = {"raw PyTorch": raw, "raw, outputs to float32": raw_fp32_outputs, "Accelerate loop": accelerate_loop, "trainfold run_epoch": trainfold_loop,
+         "trainfold, outputs_to_fp32=False": trainfold_bf16_outputs}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
