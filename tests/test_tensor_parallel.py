@@ -7,6 +7,10 @@ rank here: evaluation's every sample once, the data position a checkpoint record
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -15,8 +19,10 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
+    cli,
     evaluate,
     evaluate_metrics,
+    latest_checkpoint,
     load_checkpoint,
     local_sgd,
     loop,
@@ -194,8 +200,10 @@ def test_a_tensor_parallel_checkpoint_reshards_to_other_meshes_every_sample_once
     one before stopped with (DCP reshards the DTensors between the meshes)."""
     root = str(tmp_path)
     first = _launch("tp", root, stop_after=2)
+    tp_layout = _inspected(root)
     second = _launch("ddp", root, resume=True, stop_after=3)
     third = _launch("tp_fsdp2", root, resume=True, stop_after=4)
+    tp_fsdp2_layout = _inspected(root)
     fourth = _launch("one", root, resume=True)
 
     counted = [first[0], second[0], second[1], third[0], third[2], fourth[0]]  # one process per data-parallel rank
@@ -206,6 +214,16 @@ def test_a_tensor_parallel_checkpoint_reshards_to_other_meshes_every_sample_once
     helpers.continues_exactly(third, fourth)
     assert "global batch of 4 samples per update" in second[0][4][0] and "this run's is 8" in second[0][4][0]
     assert (fourth[0][2][1], fourth[0][3]) == (10, 1)  # 10 updates in all, the epoch ended
+    assert (tp_layout, tp_fsdp2_layout) == ((2, 1), (4, 2))  # processes and data-parallel ranks, as `trainfold inspect` tells
+
+
+def _inspected(root):
+    """``trainfold inspect --json`` of the newest checkpoint under ``root``: (processes, data-parallel ranks)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert 0 == cli.main(["inspect", str(latest_checkpoint(root)), "--json"])
+    doc = json.loads(out.getvalue())
+    return doc["processes"], doc["data_ranks"]
 
 
 # --- evaluation and prediction: each sample once ----------------------------------------------------

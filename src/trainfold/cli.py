@@ -115,6 +115,8 @@ def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
         "micro_step": manifest.get("micro_step"),
         "format": FORMAT_NAMES.get(manifest.get("format", -1), f"unknown ({manifest.get('format')})"),
         "processes": manifest.get("world_size"),
+        # under tensor parallelism a group of processes is one share of the data; older checkpoints: one per process
+        "data_ranks": manifest.get("data_ranks", manifest.get("world_size")),
         "finite": manifest.get("finite", True),
         "bytes": sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)),
     }
@@ -222,13 +224,18 @@ def _inspect_text(d: dict[str, Any]) -> str:
         f"{d['checkpoint']}",
         f"  update {d['update']}, epoch {d['epoch']} done, batch {d['batch_in_epoch']} of the next, micro-batch {d['micro_step']}",
         f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'running'}" + (f" ({stop['reason']})" if stop["reason"] else ""),
-        f"  {d['format']} format, {d['processes']} process(es), {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {_size(d['bytes'])}",
+        f"  {d['format']} format, {d['processes']} process(es){_ranks(d)}, {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {_size(d['bytes'])}",
         f"  gradient_accumulation_steps {d['gradient_accumulation_steps']}, mixed_precision {d['mixed_precision']}, layout {d['layout']}",
         f"  run {d['run_id']}, written by trainfold {d['trainfold_version']} with torch {d['torch_version']}",
     ]
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
     return "\n".join(lines)
+
+
+def _ranks(d: dict[str, Any]) -> str:
+    """", in N data-parallel ranks" where that is not one per process (tensor parallelism)."""
+    return "" if d["data_ranks"] == d["processes"] else f" in {d['data_ranks']} data-parallel rank(s)"
 
 
 def _export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:

@@ -77,7 +77,10 @@ class RunningSums:
         Raises:
             ValueError: ``aux`` has other names than the earlier batches'.
         """
-        check_same_names(self.folded_aux, self.pending, aux)
+        last = self.last
+        # the last batch's names are the earlier ones; two empty mappings need no comparison
+        if last is None or (aux or last[1]) and aux.keys() != last[1].keys():
+            check_same_names(self.folded_aux, self.pending, aux)
         entry = detached(loss, aux)
         pending = (*self.pending, entry)
         if len(pending) < FOLD_EVERY:
@@ -132,7 +135,7 @@ def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
     """``(loss, aux)`` without their autograd graphs, which an entry must not keep alive (activations)."""
     if loss.requires_grad:
         loss = loss.detach()
-    if any(v.requires_grad for v in aux.values()):
+    if aux and any(v.requires_grad for v in aux.values()):
         aux = MappingProxyType({k: v.detach() for k, v in aux.items()})
     return loss, aux
 

@@ -66,17 +66,19 @@ def split_loss_output(out: Any, *, need_grad: bool) -> tuple[torch.Tensor, Mappi
             f"loss_fn returned a loss of shape {tuple(loss.shape)}; it must be a 0-d tensor, the mean "
             "over the batch: reduce it (loss.mean()) or use reduction='mean' in the loss function."
         )
-    if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
-        raise TypeError(
-            f"loss_fn returned a loss of dtype {loss.dtype}; an integer tensor has no gradient: "
-            "compute the loss in floating point (for example .float() the predictions, not the loss)."
-        )
-    if need_grad and not loss.requires_grad:
-        raise ValueError(
-            "loss_fn returned a loss with no gradient (requires_grad=False): it was computed under "
-            "torch.no_grad(), detached, or from a model with no trainable parameters. Compute it "
-            "from model(...) inside loss_fn."
-        )
+    # a tensor that requires grad is floating or complex: the common case reads one flag
+    if not (need_grad and loss.requires_grad):
+        if not (loss.dtype.is_floating_point or loss.dtype.is_complex):
+            raise TypeError(
+                f"loss_fn returned a loss of dtype {loss.dtype}; an integer tensor has no gradient: "
+                "compute the loss in floating point (for example .float() the predictions, not the loss)."
+            )
+        if need_grad:
+            raise ValueError(
+                "loss_fn returned a loss with no gradient (requires_grad=False): it was computed under "
+                "torch.no_grad(), detached, or from a model with no trainable parameters. Compute it "
+                "from model(...) inside loss_fn."
+            )
     for name, value in aux.items():
         if not isinstance(value, torch.Tensor) or value.ndim != 0:
             raise TypeError(
