@@ -250,11 +250,13 @@ def lightning_trainer(sizes, ds, batch):
 
 
 def raw_on_accelerate_loader(sizes, ds, batch):
-    """The raw loop's body over Accelerate's prepared loader (DataLoaderShard): what the loader wrapper costs."""
-    acc = accelerator()
+    """The raw loop's body over Accelerate's prepared loader (DataLoaderShard) as ``ctx.prepare_loaders`` prepares it
+    for a trainfold run (no device placement on a CPU device): what the loader wrapper costs that run."""
+    from trainfold import Context
+
     model = make_model(sizes)
     opt = OPTIMIZER(model.parameters(), lr=0.01)
-    dl = acc.prepare_data_loader(loader(ds, batch))
+    (dl,) = Context(accelerator=accelerator()).prepare_loaders(loader(ds, batch))
 
     def epoch():
         for x, y in dl:

@@ -26,7 +26,7 @@ N1, N2 = 64, 320
 LOOPS = ("raw", "raw+loader", "raw+loader+optimizer", "accelerate", "trainfold_step", "trainfold", "trainfold+nan_guard", "trainfold+log_every",
          "trainfold+progress_bar", "trainfold_full")
 #: The per-component breakdown: each line's cost is its loop's instructions minus the loop before it.
-BREAKDOWN = (("Accelerate's loader (DataLoaderShard: its look-ahead, device placement)", "raw+loader", "raw"),
+BREAKDOWN = (("Accelerate's loader as ctx.prepare_loaders prepares it (DataLoaderShard: its look-ahead; no placement on a CPU device)", "raw+loader", "raw"),
              ("Accelerate's optimizer wrapper (AcceleratedOptimizer.step, zero_grad)", "raw+loader+optimizer", "raw+loader"),
              ("trainfold's step over the raw body on the prepared loader (stages, update, state, running sums)", "trainfold_step", "raw+loader"),
              ("run_epoch over calling the step (the cursor, checks, the epoch's end)", "trainfold", "trainfold_step"))
@@ -52,11 +52,11 @@ if which == "raw":
         loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
 elif which in ("raw+loader", "raw+loader+optimizer"):  # the raw body; Accelerate's loader (and optimizer wrapper) around it
     from accelerate import Accelerator
+    from trainfold import Context
     acc = Accelerator(cpu=True)
-    if which == "raw+loader":
-        dl = acc.prepare_data_loader(dl)
-    else:
-        opt, dl = acc.prepare_optimizer(opt), acc.prepare_data_loader(dl)
+    (dl,) = Context(accelerator=acc).prepare_loaders(dl)  # the loader a trainfold run gets (no placement on a CPU device)
+    if which == "raw+loader+optimizer":
+        opt = acc.prepare_optimizer(opt)
     for x, y in dl:
         loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
 elif which == "trainfold_step":  # the step called in a plain loop over the prepared loader: no run_epoch
