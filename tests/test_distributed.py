@@ -384,3 +384,24 @@ def test_an_unprepared_loader_on_two_processes_is_refused_with_the_two_ways_out(
 def test_a_loader_that_shards_itself_is_taken_on_two_processes(kind):
     for outcomes in testing.run_distributed(_unprepared_on_this_rank, kind, nprocs=2, timeout=60):
         assert ["ran", "ran", "ran"] == outcomes
+
+
+def _environment_and_threads():
+    import os
+
+    return os.environ.get("TRAINFOLD_PROBE"), "TRAINFOLD_GONE" in os.environ, torch.get_num_threads()
+
+
+def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(monkeypatch):
+    """The processes come from a server started at the first call; what the caller's environment says at a later call
+    (a variable set, one removed, the thread count) is what each process has, as a spawned interpreter would."""
+    monkeypatch.setenv("TRAINFOLD_GONE", "1")
+    testing.run_distributed(_environment_and_threads, nprocs=2)  # the server has started, with TRAINFOLD_GONE set
+    monkeypatch.setenv("TRAINFOLD_PROBE", "set after the server started")
+    monkeypatch.delenv("TRAINFOLD_GONE")
+    for threads in (1, 2):
+        monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
+
+        got = testing.run_distributed(_environment_and_threads, nprocs=2)
+
+        assert got == [("set after the server started", False, threads)] * 2

@@ -63,6 +63,11 @@ def test_unwrapping_without_the_fp32_wrapper_still_takes_autocast_off():
     assert "_original_forward" not in bare.__dict__
 
 
+def test_an_outputs_to_fp32_that_is_not_a_bool_is_refused():
+    with pytest.raises(TypeError, match="'outputs_to_fp32' must be True or False"):
+        _create(outputs_to_fp32="no")
+
+
 def test_without_mixed_precision_there_is_nothing_to_drop():
     _, state = _create("no", outputs_to_fp32=False)
 

@@ -194,8 +194,9 @@ class TrainState:
             A TrainState at step 0, epoch 0.
 
         Raises:
-            TypeError: ``model`` or ``optimizer`` is not what it must be, or
-                ``scheduler`` is a class instead of a scheduler.
+            TypeError: ``model`` or ``optimizer`` is not what it must be,
+                ``scheduler`` is a class instead of a scheduler, or
+                ``outputs_to_fp32`` is not a bool.
             ValueError: the optimizer updates none of the model's parameters, a
                 learning rate is NaN or infinite, or the scheduler was built on
                 another optimizer.
@@ -239,6 +240,8 @@ class TrainState:
             )
         if not config_optimizer:
             _check_optimizer_fits(model, optimizer, scheduler, optimizer.param_groups)
+        if not isinstance(outputs_to_fp32, bool):
+            raise TypeError(f"'outputs_to_fp32' must be True or False (got {outputs_to_fp32!r}).")
         ctx.check()
         acc = ctx.accelerator
         if deepspeed_micro_batch_unset(acc):
