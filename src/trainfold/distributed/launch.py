@@ -107,7 +107,8 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
 
     The processes are forked from multiprocessing's forkserver, which has imported
     torch, Accelerate and trainfold and done nothing else (0.1 s to start instead of
-    ~2 s for a new interpreter; spawned interpreters where there is no forkserver).
+    ~2 s for a new interpreter; spawned interpreters where there is no forkserver). The
+    server starts at the first call and stays for the life of the calling process.
     Each starts with the caller's environment as it is at the call, plus what torchrun
     would give it (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free local port), so
