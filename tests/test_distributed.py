@@ -405,3 +405,24 @@ def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(m
         got = testing.run_distributed(_environment_and_threads, nprocs=2)
 
         assert got == [("set after the server started", False, threads)] * 2
+
+
+
+def _a_sub_group_formed_after_rank_zero_returned():
+    import time
+
+    acc = Accelerator(cpu=True)
+    if acc.process_index == 0:
+        return None
+    time.sleep(1.0)  # rank 0's function has long returned; its process holds the group's TCP store
+    group = torch.distributed.new_group([1, 2], use_local_synchronization=True)  # only the members: through the store
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=group)
+    return total.item()
+
+
+def test_no_process_leaves_while_the_others_still_need_the_group_s_store():
+    """A mesh's sub-groups are set up through rank 0's TCP store; a rank that returned first (a refusal before any
+    collective) must not take the store with it: nobody leaves before every rank has its result (without that wait,
+    the other ranks fail with 'Broken pipe')."""
+    assert testing.run_distributed(_a_sub_group_formed_after_rank_zero_returned, nprocs=3) == [None, 2.0, 2.0]

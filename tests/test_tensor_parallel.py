@@ -82,18 +82,9 @@ def _accelerates_loop(layout, ga, clip):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     dl = torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
-    model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
-    for _ in range(2):
-        model.train()
-        for batch in dl:
-            with acc.accumulate(model):
-                acc.backward(helpers.ce_loss(model, batch))
-                if clip is not None and acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-    return _full_params(acc.unwrap_model(model))
+    params, _ = helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2, clip_norm=clip,
+                                       read=lambda acc, model: _full_params(acc.unwrap_model(model)))
+    return params
 
 
 def _composed_and_accelerates(layout, ga, clip):
@@ -218,11 +209,15 @@ def test_a_tensor_parallel_checkpoint_reshards_to_other_meshes_every_sample_once
 
 
 def _inspected(root):
-    """``trainfold inspect --json`` of the newest checkpoint under ``root``: (processes, data-parallel ranks)."""
-    out = io.StringIO()
+    """``trainfold inspect --json`` of the newest checkpoint under ``root``: (processes, data-parallel ranks), which
+    the text form tells as well."""
+    out, text = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out):
         assert 0 == cli.main(["inspect", str(latest_checkpoint(root)), "--json"])
+    with contextlib.redirect_stdout(text):
+        assert 0 == cli.main(["inspect", str(latest_checkpoint(root))])
     doc = json.loads(out.getvalue())
+    assert f"{doc['processes']} process(es) in {doc['data_ranks']} data-parallel rank(s)" in text.getvalue()
     return doc["processes"], doc["data_ranks"]
 
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 from trainfold.base.io import read_into
 from trainfold.checkpoint import safetensors as _safetensors
-from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, parse_json, read_manifest_json, read_verified
+from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
 from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
 from trainfold.checkpoint.storage import checkpoint_at, is_url, open_root
 from trainfold.errors import CheckpointError
@@ -115,8 +115,7 @@ def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
         "micro_step": manifest.get("micro_step"),
         "format": FORMAT_NAMES.get(manifest.get("format", -1), f"unknown ({manifest.get('format')})"),
         "processes": manifest.get("world_size"),
-        # under tensor parallelism a group of processes is one share of the data; older checkpoints: one per process
-        "data_ranks": manifest.get("data_ranks", manifest.get("world_size")),
+        "data_ranks": data_ranks(manifest),  # under tensor parallelism a group of processes is one share of the data
         "finite": manifest.get("finite", True),
         "bytes": sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)),
     }

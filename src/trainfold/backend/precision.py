@@ -8,7 +8,7 @@ import torch
 from accelerate.utils.operations import ConvertOutputsToFp32
 
 
-def drop_fp32_outputs(model: torch.nn.Module) -> int:
+def drop_fp32_outputs(model: torch.nn.Module) -> None:
     """Keep autocast on a prepared model's forward but take off the float32 conversion of its outputs.
 
     Under native mixed precision (``mixed_precision="bf16"`` or ``"fp16"``) Accelerate's
@@ -22,16 +22,12 @@ def drop_fp32_outputs(model: torch.nn.Module) -> int:
     wrapper, or on a compiled model's wrapper. Each module of the prepared tree whose
     ``forward`` Accelerate replaced gets back the autocast wrapper alone, as a method
     where Accelerate made one; its ``_original_forward`` stays, so
-    ``unwrap_model(keep_fp32_wrapper=False)`` still removes autocast. Returns how
-    many conversions were taken off: none under fp32, under DeepSpeed, or with an
-    fp8 backend that does not use one.
+    ``unwrap_model(keep_fp32_wrapper=False)`` still removes autocast. There is none
+    to take off under fp32, under DeepSpeed, or with an fp8 backend that does not use one.
     """
-    dropped = 0
     for module in model.modules():
         forward = module.__dict__.get("forward")
         converter = getattr(forward, "__wrapped__", None)
         if isinstance(converter, ConvertOutputsToFp32):
             autocast_forward = converter.model_forward
             module.forward = MethodType(autocast_forward, module) if isinstance(forward, MethodType) else autocast_forward
-            dropped += 1
-    return dropped

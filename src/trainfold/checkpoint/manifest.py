@@ -170,6 +170,12 @@ def read_manifest_json(stored: Stored) -> dict[str, Any]:
     return manifest
 
 
+def data_ranks(manifest: Mapping[str, Any]) -> Any:
+    """The data-parallel ranks that saved a checkpoint, as its manifest records them; older checkpoints recorded none
+    and had one per process (``world_size``). :func:`read_manifest` checks the value."""
+    return manifest.get("data_ranks", manifest.get("world_size"))
+
+
 def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
     """The checkpoint's manifest, checked: its format, its world size, and that it lists every file the format needs and no other.
 
@@ -192,7 +198,7 @@ def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
     world = manifest.get("world_size")
     if not isinstance(files, dict) or not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
-    ranks = manifest.get("data_ranks", world)  # older checkpoints: a data-parallel rank per process
+    ranks = data_ranks(manifest)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1 or world % ranks:
         raise CheckpointError(f"{path} is damaged: 'data_ranks' must be a positive int that divides 'world_size' ({world}).")
     for name, entry in files.items():

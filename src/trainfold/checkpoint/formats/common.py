@@ -11,6 +11,7 @@ import torch
 from trainfold.backend.engine import is_dtensor
 from trainfold.backend.mesh import data_layout
 from trainfold.base import rng as _rng
+from trainfold.checkpoint.manifest import data_ranks
 from trainfold.checkpoint.storage.protocol import Staging, Stored
 from trainfold.core.context import Context
 from trainfold.core.cursor import Resume
@@ -105,8 +106,7 @@ def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
     """Whether a checkpoint was saved by another layout of the data than this run's: another number of processes, or
     as many grouped otherwise (tensor parallelism's processes share a data-parallel rank). Then the processes' own files
     do not map one to one onto this run's, and the epoch continues by its position in samples."""
-    world = manifest["world_size"]
-    return bool(world != acc.num_processes or manifest.get("data_ranks", world) != data_layout(acc).size)
+    return bool(manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size)
 
 
 def layout_words(processes: int, ranks: int) -> str:
@@ -121,8 +121,7 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
     The epoch's running train sums were each process's own and cannot be dealt out
     anew: they restart empty, with a warning (the next epochs' train values are exact).
     """
-    world = manifest["world_size"]
-    saved = layout_words(world, manifest.get("data_ranks", world))
+    saved = layout_words(manifest["world_size"], data_ranks(manifest))
     now = layout_words(acc.num_processes, data_layout(acc).size)
     _check_elastic(folder, run, resume, saved_steps, saved, now)
     run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
