@@ -60,7 +60,7 @@ def _copy(version: str, name: str, into: Path) -> None:
     shutil.move(str(extracted / "src" / "trainfold"), str(into / name))
 
 
-def child(packages: Path, configs: list[str], rounds: int, seed: int) -> dict[str, list[float]]:
+def child(packages: Path, configs: list[str], rounds: int, seed: int, optimizer: str) -> dict[str, list[float]]:
     """Microseconds per step of every contender, one value per round."""
     import torch
 
@@ -68,6 +68,7 @@ def child(packages: Path, configs: list[str], rounds: int, seed: int) -> dict[st
     torch.set_num_threads(1)
     import bench
 
+    bench.OPTIMIZER_NAME = optimizer
     specs: dict[str, tuple[str, str] | None] = {"raw": None}
     specs.update({f"{p}:{c}": (p, c) for p in ("trainfold_a", "trainfold_b") for c in configs})
     rng = random.Random(seed)
@@ -109,6 +110,13 @@ def report(runs: list[dict[str, list[float]]], configs: list[str]) -> None:
         print(f"{config:22s} {statistics.median(diffs):+7.4f} {faster:9.0%}   ({len(diffs)} rounds, in units of the raw step)")
 
 
+def _optimizers() -> list[str]:
+    sys.path.insert(0, str(HERE))
+    from bench import OPTIMIZERS
+
+    return list(OPTIMIZERS)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", help="the base version: a directory holding trainfold/ or src/trainfold/, or a git revision")
@@ -117,13 +125,15 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--optimizer", default="sgd-fused", choices=_optimizers(),
+                        help="every contender's, as bench.py's --optimizer (default: sgd-fused)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configs = args.configs.split(",")
     if unknown := set(configs) - set(CONFIGS):
         parser.error(f"unknown configuration(s) {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
     if args.child:
-        print(json.dumps(child(Path(args.child), configs, args.rounds, args.seed)))
+        print(json.dumps(child(Path(args.child), configs, args.rounds, args.seed, args.optimizer)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         materialize(args.a, "trainfold_a", Path(tmp))
@@ -131,10 +141,11 @@ def main() -> None:
         runs = []
         for k in range(args.processes):
             cmd = [sys.executable, __file__, args.a, args.b, "--configs", args.configs, "--rounds", str(args.rounds),
-                   "--seed", str(args.seed + k), "--child", tmp]
+                   "--seed", str(args.seed + k), "--optimizer", args.optimizer, "--child", tmp]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             runs.append(json.loads(out.strip().splitlines()[-1]))
             print(f"process {k + 1}/{args.processes} done", file=sys.stderr, flush=True)
+    print(f"optimizer: {args.optimizer}")
     report(runs, configs)
 
 

@@ -88,12 +88,22 @@ def make_data(sizes: tuple[int, ...], batch: int, batches: int) -> torch.utils.d
     return torch.utils.data.TensorDataset(torch.randn(n, sizes[0], generator=g), torch.randint(0, sizes[-1], (n,), generator=g))
 
 
+#: the optimizers ``--optimizer`` chooses from, as a user builds them (torch's defaults otherwise)
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd-fused": lambda params, lr: torch.optim.SGD(params, lr=lr, fused=True),
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+    "adamw-fused": lambda params, lr: torch.optim.AdamW(params, lr=lr, fused=True),
+}
+
+#: every contender's optimizer (--optimizer); fused SGD by default: the cheapest update, so the loops' own
+#: cost is the largest share of a step, and one that nan_guard can skip on the device
+OPTIMIZER_NAME = "sgd-fused"
+
+
 def OPTIMIZER(params, lr):
-    """Fused SGD for every contender: the same update everywhere, and one that nan_guard can skip on the device."""
-    return torch.optim.SGD(params, lr=lr, fused=FUSED)
-
-
-FUSED = True
+    """The same optimizer for every contender (``OPTIMIZER_NAME``)."""
+    return OPTIMIZERS[OPTIMIZER_NAME](params, lr)
 
 
 def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -385,7 +395,7 @@ def in_processes(args: argparse.Namespace, models: list[str], rounds: int) -> tu
             out = os.path.join(tmp, f"{i}.json")
             cmd = [sys.executable, __file__, "--seed", str(i), "--rounds", str(rounds), "--models", *models,
                    "--device", args.device, "--times-json", out]
-            cmd += ["--pin"] * args.pin + ["--unfused"] * args.unfused + ["--breakdown"] * args.breakdown
+            cmd += ["--pin"] * args.pin + ["--optimizer", args.optimizer] + ["--breakdown"] * args.breakdown
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 child = json.load(f)
@@ -448,10 +458,11 @@ def import_time() -> dict:
 def machine() -> str:
     gpu = f", {torch.cuda.get_device_name()}{', pinned non-blocking batches' if PIN else ''}" if DEVICE != "cpu" else ""
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {'fused' if FUSED else 'foreach'} SGD")
+            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {OPTIMIZER_NAME}")
 
 
 def main() -> None:
+    global OPTIMIZER_NAME, DEVICE, PIN
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="3 rounds, tiny model only, no import timing")
@@ -460,7 +471,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--pin", action="store_true", help="pinned batches, copied to the GPU without blocking (every contender)")
     parser.add_argument("--json")
-    parser.add_argument("--unfused", action="store_true", help="plain (foreach) SGD: nan_guard then reads a flag per update")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default=OPTIMIZER_NAME,
+                        help="every contender's optimizer (default: fused SGD; unfused, nan_guard reads a flag per update)")
     parser.add_argument("--processes", type=int, default=1, help="repeat in this many fresh processes and pool the rounds")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the order contenders are built and run in")
     parser.add_argument("--breakdown", action="store_true",
@@ -469,8 +481,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.breakdown:
         CONTENDERS.update(BREAKDOWN)
-    global FUSED, DEVICE, PIN
-    FUSED = not args.unfused
+    OPTIMIZER_NAME = args.optimizer
     DEVICE, PIN = args.device, args.pin
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # the harness measures framework overhead, not BLAS threading

@@ -45,11 +45,12 @@ def test_the_benchmark_ab_script_compares_two_versions_in_one_process():
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "ab.py"), "HEAD", str(root),
-         "--configs", "plain", "--processes", "1", "--rounds", "1"],
+         "--configs", "plain", "--processes", "1", "--rounds", "1", "--optimizer", "adamw"],
         capture_output=True, text=True, timeout=300,
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]
+    assert "optimizer: adamw" in result.stdout
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
     assert float(rows["trainfold_a:plain"][0]) > 0 and float(rows["trainfold_b:plain"][0]) > 0
     assert "rounds," in " ".join(rows["plain"])
