@@ -9,6 +9,7 @@ Works unchanged under ``torchrun --nproc_per_node 2 examples/digits.py --cpu``.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -65,13 +66,16 @@ def main() -> None:
     with Context(accelerator=Accelerator(cpu=args.cpu)) as ctx:
         train_ds, test_ds = datasets(args.seed)
         model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs * 23)  # 23 updates per epoch
-        state = TrainState.create(ctx, model=model, optimizer=optimizer, scheduler=scheduler)
         train_dl, test_dl = ctx.prepare_loaders(
             torch.utils.data.DataLoader(train_ds, batch_size=64, shuffle=True),
             torch.utils.data.DataLoader(test_ds, batch_size=128),
         )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)
+        # Accelerate steps a prepared scheduler num_processes times per update: size it so (docs/guides/loop.md)
+        updates_per_epoch = math.ceil(len(train_dl) / ctx.gradient_accumulation_steps)  # this process's batches
+        scheduler_steps = epochs * updates_per_epoch * ctx.accelerator.num_processes
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=scheduler_steps)
+        state = TrainState.create(ctx, model=model, optimizer=optimizer, scheduler=scheduler)
 
         step = make_step(ctx, loss_fn, clip_grad_norm=1.0)
         epoch = compose(report(ctx, time.perf_counter()), evaluate(ctx, loss_fn, test_dl), run_epoch(ctx, step, train_dl))
