@@ -11,6 +11,7 @@ raw step.
 
     python benchmarks/ab.py HEAD .                  # the last commit against the working tree
     python benchmarks/ab.py HEAD~3 HEAD --configs plain,guard,full --processes 6 --rounds 8
+    python benchmarks/ab.py HEAD . --optimizer adamw    # every contender with another optimizer (bench.py's)
 
 A version is a directory holding ``trainfold/`` or ``src/trainfold/``, or a git revision.
 """
