@@ -93,6 +93,15 @@ def child(packages: Path, configs: list[str], rounds: int, seed: int, optimizer:
     return times
 
 
+def built_optimizer() -> str:
+    """What every contender's optimizer is in this process (after :func:`child`): its class, and "fused" where it is."""
+    import bench
+    import torch
+
+    opt = bench.OPTIMIZER(torch.nn.Linear(1, 1).parameters(), lr=0.01)
+    return type(opt).__name__ + (" (fused)" if opt.defaults.get("fused") else "")
+
+
 def report(runs: list[dict[str, list[float]]], configs: list[str]) -> None:
     def ratios(run: dict[str, list[float]], key: str) -> list[float]:
         return [t / r for t, r in zip(run[key], run["raw"])]
@@ -134,7 +143,8 @@ def main() -> None:
     if unknown := set(configs) - set(CONFIGS):
         parser.error(f"unknown configuration(s) {sorted(unknown)}: choose from {', '.join(CONFIGS)}")
     if args.child:
-        print(json.dumps(child(Path(args.child), configs, args.rounds, args.seed, args.optimizer)))
+        times = child(Path(args.child), configs, args.rounds, args.seed, args.optimizer)
+        print(json.dumps({"optimizer": built_optimizer(), "times": times}))
         return
     with tempfile.TemporaryDirectory() as tmp:
         materialize(args.a, "trainfold_a", Path(tmp))
@@ -144,9 +154,11 @@ def main() -> None:
             cmd = [sys.executable, __file__, args.a, args.b, "--configs", args.configs, "--rounds", str(args.rounds),
                    "--seed", str(args.seed + k), "--optimizer", args.optimizer, "--child", tmp]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(out.strip().splitlines()[-1]))
+            done = json.loads(out.strip().splitlines()[-1])
+            runs.append(done["times"])
+            built = done["optimizer"]
             print(f"process {k + 1}/{args.processes} done", file=sys.stderr, flush=True)
-    print(f"optimizer: {args.optimizer}")
+    print(f"optimizer: {args.optimizer}, built as {built}")
     report(runs, configs)
 
 

@@ -407,7 +407,6 @@ def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(m
         assert got == [("set after the server started", False, threads)] * 2
 
 
-
 def _a_sub_group_formed_after_rank_zero_returned():
     import time
 

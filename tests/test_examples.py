@@ -50,7 +50,7 @@ def test_the_benchmark_ab_script_compares_two_versions_in_one_process():
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]
-    assert "optimizer: adamw" in result.stdout
+    assert "optimizer: adamw, built as AdamW\n" in result.stdout  # what the timed processes built
     rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
     assert float(rows["trainfold_a:plain"][0]) > 0 and float(rows["trainfold_b:plain"][0]) > 0
     assert "rounds," in " ".join(rows["plain"])
