@@ -143,7 +143,9 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     to_device = _begin_again(loader, restore_epoch_start)
     base_iter = iter(loader.base_dataloader)
     has_ahead, ahead = read_ahead
-    skip = consumed + (1 if has_ahead else 0)
+    # Nothing read ahead: the loader had yielded its last batch, and the epoch only needs closing (reading it again
+    # would cost a whole epoch of a stream for nothing; the random state is the checkpoint's either way).
+    skip = consumed + 1 if has_ahead else 0
     sampler_iter = getattr(base_iter, "_sampler_iter", None)
     template = None
     if has_ahead and skip:
@@ -151,11 +153,13 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         # container types the checkpoint could not keep (namedtuple, BatchEncoding...).
         template = next(base_iter)
         skip -= 1
-    if sampler_iter is not None and loader.base_dataloader.num_workers == 0:
+    if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
         for _ in range(skip):  # draws the permutation, loads nothing
             next(sampler_iter)
     else:
-        for _ in range(skip):  # workers or an iterable dataset: load and drop (order exact)
+        # Workers, or an iterable dataset (whose sampler is an endless run of Nones: skipping it would advance
+        # nothing and train the consumed part again): read the consumed batches and drop them, in order.
+        for _ in range(skip):
             next(base_iter)
     restore_now()
     if template is not None:
@@ -186,6 +190,12 @@ def _look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Call
     loader.end()
 
 
+def is_streamed(loader: Any) -> bool:
+    """Whether ``loader`` reads an iterable dataset (a stream: no sampler's order, no length it must have)."""
+    base = getattr(loader, "base_dataloader", loader)
+    return isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset)
+
+
 def samples_per_batch(loader: Any) -> int | None:
     """How many samples of the epoch's order one batch of every process covers together (None where unknown).
 
@@ -196,10 +206,9 @@ def samples_per_batch(loader: Any) -> int | None:
     """
     from accelerate.data_loader import BatchSamplerShard
 
-    base = getattr(loader, "base_dataloader", None)
-    if isinstance(getattr(base, "dataset", None), torch.utils.data.IterableDataset):
+    if is_streamed(loader):
         return None
-    sampler = getattr(base, "batch_sampler", None)
+    sampler = getattr(getattr(loader, "base_dataloader", None), "batch_sampler", None)
     if isinstance(sampler, BatchSamplerShard):
         size = getattr(sampler, "batch_size", None)
         return None if size is None else size if sampler.split_batches else size * sampler.num_processes

@@ -12,6 +12,7 @@ from toolz import curry
 from trainfold.backend.loaders import (
     abandon_epoch,
     is_resumable_loader,
+    is_streamed,
     loader_generators,
     resumed_by_samples,
     resumed_epoch,
@@ -207,6 +208,8 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
             restore_now=lambda: restore(resume.now, generators),
         )
         return EpochCursor(iterator, loader, epoch_start, resumed_at=(resume.samples_done, state.batch_in_epoch))
+    if is_streamed(loader) and resume.read_ahead[0]:
+        _warn_replay(ctx, state, loader)
     iterator = resumed_epoch(
         loader,
         state.batch_in_epoch,
@@ -215,6 +218,25 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         restore_now=lambda: rng.restore(resume.now, generators),
     )
     return EpochCursor(iterator, loader, epoch_start)
+
+
+def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
+    """Say once per run that an interrupted epoch over a stream is continued by reading its consumed part again."""
+    key = f"stream replay:{state.run_id}"
+    if key in ctx.flags:
+        return
+    ctx.flags.add(key)
+    read = state.batch_in_epoch + 1  # and the batch the loader had read ahead
+    dataset = type(getattr(getattr(loader, "base_dataloader", loader), "dataset", None)).__name__
+    warnings.warn(
+        f"run_epoch: the checkpoint stopped at batch {state.batch_in_epoch} of epoch {state.epoch}, and this loader reads a "
+        f"stream ({dataset}, an iterable dataset): trainfold continues it exactly by reading the epoch's first {read} "
+        "batches again and dropping them (the same samples in the same order, as long as the stream yields its epoch "
+        "in the same order again: seeded shuffles, set_epoch). A resume costs as much reading as the part of the epoch "
+        "already trained; checkpoints between epochs cost none.",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _check_position(state: TrainState, resume: Resume, loader: Any) -> None:
