@@ -514,3 +514,41 @@ def test_a_position_past_the_end_of_the_epoch_is_refused_with_both_numbers(tmp_p
     resumed = load_checkpoint(ctx, folder, fresh)
     with pytest.raises(ValueError, match=r"stopped at batch 1000000 of its epoch, but this loader has 4 batches per epoch"):
         run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, resumed)
+
+
+# --- what was verified is what is used ---------------------------------------------------------
+
+
+def test_a_file_rewritten_or_truncated_after_it_was_read_changes_nothing_the_load_uses(ckpt):
+    """The storage's read is a copy: the bytes hashed are the bytes decoded, whatever happens to the file after.
+
+    A private map of the file (what trainfold read through before) shows a rewrite in place made after the hash was
+    taken (a weight of 1234.5 reached the model), and dies of SIGBUS when the file is truncated under it.
+    """
+    from trainfold.checkpoint.storage import checkpoint_at
+
+    folder, _ = ckpt
+    path = folder / "model.safetensors"
+    original = path.read_bytes()
+    buf = checkpoint_at(folder).read("model.safetensors", len(original))
+
+    with open(path, "r+b") as f:  # overwritten in place, same size
+        f.write(bytes(255 - b for b in original))
+    assert original == bytes(buf)
+    os.truncate(path, 0)  # truncated under the reader
+    assert original == bytes(buf)
+
+
+def test_a_file_removed_or_shrunk_while_a_checkpoint_is_read_is_a_checkpoint_error(ckpt):
+    """A reader racing keep_last: the documented CheckpointError, never FileNotFoundError or a signal."""
+    from trainfold.checkpoint.storage import checkpoint_at
+
+    folder, secret = ckpt
+    size = (folder / "model.safetensors").stat().st_size
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors (is missing|was removed)"):
+        checkpoint_at(folder).read("model.safetensors", size)
+    with pytest.raises(CheckpointError, match="model.safetensors was removed while the checkpoint was read"):
+        list(checkpoint_at(folder).chunks("model.safetensors"))
+    (folder / "state.safetensors").write_bytes((folder / "state.safetensors").read_bytes()[:-8])
+    _load_refused(folder, secret, "is missing|has .* bytes, the manifest says")

@@ -1,4 +1,4 @@
-"""Durable file writes and mapped reads: fsynced files, atomic replacement, a file as one private map."""
+"""Durable file writes and whole reads: fsynced files, atomic replacement, a file read once into memory of its own."""
 
 from __future__ import annotations
 
@@ -69,20 +69,37 @@ def write_durably(path: str | os.PathLike[str], chunks: Iterable[Any], seen: Cal
 
 
 def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
-    """The file's ``size`` bytes as one buffer: a private (copy-on-write) map of it, no link followed.
+    """The file's ``size`` bytes, read once into memory of their own (an anonymous map), no link followed.
 
-    Nothing is copied: hashing the buffer and viewing tensors in it read the
-    file's pages where the kernel has them; a page is copied only if something
-    writes to it. The map stays open while a tensor viewing it lives.
+    What the caller hashes is what it uses: a copy, which no later write to the
+    file (overwritten in place, truncated, removed) can change or take away (a
+    map of the file itself would show a rewrite made after the hash was taken,
+    and die of SIGBUS on a truncated file). The buffer starts at a page boundary,
+    so a tensor at an aligned offset of the file is aligned in it too.
 
     Raises:
-        ValueError: the file does not have ``size`` bytes (it changed since it was measured).
+        ValueError: the file does not have ``size`` bytes (it changed since it was measured, or while it was read).
+        FileNotFoundError: the file is gone.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError(f"{path} has another size than {size} bytes")
-        return bytearray() if size == 0 else mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        if size == 0:
+            return bytearray()
+        buf = mmap.mmap(-1, size)
+        view, done = memoryview(buf), 0
+        try:
+            while done < size:
+                n = os.readv(fd, [view[done:]])
+                if n == 0:
+                    raise ValueError(f"{path} ended after {done} of {size} bytes")
+                done += n
+            if os.read(fd, 1):
+                raise ValueError(f"{path} grew past {size} bytes while it was read")
+        finally:
+            view.release()
+        return buf
     finally:
         os.close(fd)
 

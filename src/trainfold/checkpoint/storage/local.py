@@ -33,8 +33,17 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def _read_all(path: Path, limit: int) -> bytes:
-    with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
-        return f.read(limit + 1)
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
+            return f.read(limit + 1)
+    except FileNotFoundError:
+        raise _removed(path.parent, path.name) from None
+
+
+def _removed(folder: Path, name: str) -> CheckpointError:
+    """A file gone between listing and reading: a ``keep_last`` of the run writing there removed the checkpoint meanwhile."""
+    return CheckpointError(f"{folder}: file {name} was removed while the checkpoint was read (a keep_last of the run "
+                           "that writes there removed it?); read the root again for its newest checkpoint.")
 
 
 @attrs.frozen
@@ -85,7 +94,7 @@ class LocalCheckpoint:
         return st.st_size
 
     def read(self, name: str, size: int) -> bytearray | mmap.mmap:
-        """The file as one private map (``base/io.read_into``): nothing copied, no link followed."""
+        """The file read once into memory of its own (``base/io.read_into``): what is verified is what is used; no link followed."""
         actual = self.size(name)
         if actual != size:
             raise wrong_size(self.path, name, actual, size)
@@ -93,13 +102,22 @@ class LocalCheckpoint:
             return read_into(self.path / name, size)
         except ValueError:
             raise CheckpointError(f"{self.path}: file {name} changed size while it was read: altered.") from None
+        except FileNotFoundError:
+            raise _removed(self.path, name) from None
 
     def chunks(self, name: str) -> Iterator[bytes]:
-        with os.fdopen(os.open(self.path / name, os.O_RDONLY | _NOFOLLOW), "rb") as f:
+        try:
+            fd = os.open(self.path / name, os.O_RDONLY | _NOFOLLOW)
+        except FileNotFoundError:
+            raise _removed(self.path, name) from None
+        with os.fdopen(fd, "rb") as f:
             yield from iter(lambda: f.read(1 << 22), b"")
 
     def names(self) -> list[str]:
-        return [p.name for p in self.path.iterdir()]
+        try:
+            return [p.name for p in self.path.iterdir()]
+        except FileNotFoundError:
+            raise _removed(self.path.parent, self.path.name) from None
 
     def local_folder(self) -> str | None:
         return str(self.path)
