@@ -151,6 +151,26 @@ def test_closing_one_of_two_contexts_that_write_a_root_keeps_it_locked(tmp_path)
 
 
 @pytest.mark.multiprocess
+def test_one_folder_reached_by_two_paths_is_one_root_with_one_lock(tmp_path):
+    """Keyed by the folder, not the spelling: through a symbolic link (or ``..``) a second Context of this process
+    shares the lock, and closing it keeps the folder locked (a second descriptor of the lock file, closed, had dropped
+    the process's lock, and a requeued copy then saved beside the live run)."""
+    root, link = tmp_path / "ckpts", tmp_path / "link"
+    root.mkdir()
+    link.symlink_to(root)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    state = save_checkpoint(ctx, root, _state_for(ctx))
+    other = ctx.with_accumulation(2)
+    save_checkpoint(other, link, attrs.evolve(state, step=1))
+    save_checkpoint(other, tmp_path / "link" / ".." / "ckpts", attrs.evolve(state, step=2))
+
+    other.close()
+    assert _second_copy(link).startswith("refused")  # the first Context still writes there
+    ctx.close()
+    assert "taken" == _second_copy(link)
+
+
+@pytest.mark.multiprocess
 def test_a_root_deleted_under_a_live_run_is_made_again_and_stays_locked(tmp_path):
     root = tmp_path / "ckpts"
     ctx, state, dl = _setup()
@@ -161,6 +181,10 @@ def test_a_root_deleted_under_a_live_run_is_made_again_and_stays_locked(tmp_path
 
     assert 1 == len(list_checkpoints(root))
     verify_checkpoint(latest_checkpoint(root))
+    assert _second_copy(root).startswith("refused")
+    other = ctx.with_accumulation(2)  # the folder made again is found as the same hold: one descriptor
+    save_checkpoint(other, root, attrs.evolve(state, step=99))
+    other.close()
     assert _second_copy(root).startswith("refused")
     ctx.close()
 

@@ -181,7 +181,7 @@ class LocalRoot:
 
     @property
     def key(self) -> str:
-        return os.path.abspath(self.folder)
+        return os.path.realpath(self.folder)  # a link's target: one root, however it is spelled
 
     @property
     def shared(self) -> bool:

@@ -11,7 +11,8 @@ that names the owner. The kernel drops the lock when the owning process dies,
 however it dies, so a stale lock of a dead run is simply taken over.
 
 The kernel also drops a POSIX lock when *any* descriptor of the file is closed
-by the process, so the process holds one descriptor per root, counted by the
+by the process, so the process holds one descriptor per root, whatever path
+names it (the table is keyed by the folder's device and inode), counted by the
 Contexts that use it (:data:`_HELD`, the one process-wide table here: it mirrors
 the kernel's per-process lock), and closes it when the last of them releases it.
 A lock file removed under a live run (a clean-up script deleted the root) is
@@ -39,7 +40,7 @@ LOCK_NAME = ".trainfold.lock"
 
 logger = logging.getLogger("trainfold")
 
-#: the lock this process holds per root (its absolute path): [descriptor, Contexts using it, run id]
+#: the lock this process holds per root (the folder's identity, :func:`_identity`): [descriptor, Contexts using it, run id]
 _HELD: dict[str, list[object]] = {}
 
 
@@ -64,7 +65,8 @@ def acquire(root: Path, run_id: str) -> PosixLock:
         CheckpointError: another live process holds the lock (named in the message), or the
             lock's path is not a regular file.
     """
-    key = os.path.abspath(root)
+    root.mkdir(parents=True, exist_ok=True)
+    key = _identity(root)
     held = _HELD.get(key)
     if held is not None:
         confirm(key, root)
@@ -73,6 +75,13 @@ def acquire(root: Path, run_id: str) -> PosixLock:
         return PosixLock(key, root)
     _HELD[key] = [_take(root, run_id), 1, run_id]
     return PosixLock(key, root)
+
+
+def _identity(root: Path) -> str:
+    """The folder itself, not the spelling of its path: its device and inode (a symbolic link, ``..``, a bind mount or
+    another spelling of one folder is one root, whose lock this process holds once)."""
+    st = os.stat(root)
+    return f"{st.st_dev}:{st.st_ino}"
 
 
 def _take(root: Path, run_id: str) -> int:
@@ -118,8 +127,9 @@ def confirm(key: str, root: Path) -> None:
     try:
         held[0] = _take(root, str(held[2]))
     except BaseException:
-        del _HELD[key]
+        _forget(held)
         raise
+    _HELD[_identity(root)] = held  # the folder made again is another inode: the same hold, under its new identity too
 
 
 def release(key: str) -> None:
@@ -130,11 +140,17 @@ def release(key: str) -> None:
     held[1] = int(held[1]) - 1  # type: ignore[call-overload]
     if int(held[1]) > 0:  # type: ignore[call-overload]
         return
-    del _HELD[key]
+    _forget(held)
     try:
         os.close(int(held[0]))  # type: ignore[call-overload]
     except OSError:
         pass
+
+
+def _forget(held: list[object]) -> None:
+    """Drop a hold from the table, under every identity it was recorded by."""
+    for key in [k for k, v in _HELD.items() if v is held]:
+        del _HELD[key]
 
 
 def _lock(fd: int, root: Path) -> None:
