@@ -146,7 +146,10 @@ def s3_env(options):
 # --- the manifest is the commit ------------------------------------------------------------------
 
 
-def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_at_the_next_commit(s3):
+def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_when_the_next_job_takes_the_root(s3):
+    """Objects without a manifest: a save that died (its job killed) or one another job is writing. The job holding the
+    lock removes none after its commits (they might be a job's that took its lock over while it stalled); the next job
+    to take the lock removes them, since no other job can be writing then."""
     root, options, fs = s3
     ctx, state, dl = _setup(ga=1)
     state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
@@ -155,9 +158,15 @@ def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_at_the_next
 
     assert [f"{root}/ckpt-0000000006"] == list_checkpoints(root, storage_options=options)
     assert 6 == load_checkpoint(ctx, root, state, storage_options=options).step
-    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    assert fs.exists(f"{where}/ckpt-0000000099")  # not this job's to remove while it holds the lock
+    ctx.close()
+
+    ctx, fresh, dl = _setup(ga=1)  # the next job
+    save_checkpoint(ctx, root, load_checkpoint(ctx, root, fresh, storage_options=options), storage_options=options)
     assert not fs.exists(f"{where}/ckpt-0000000099")
     assert [f"{root}/ckpt-0000000006", f"{root}/ckpt-0000000012"] == list_checkpoints(root, storage_options=options)
+    ctx.close()
 
 
 def test_keep_last_deletes_after_the_commit_and_never_the_newest_finite_checkpoint():
@@ -279,6 +288,58 @@ def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, 
     assert root not in lease._HELD
 
 
+_HOLDING_COPY = """
+import json, sys
+from trainfold import load_checkpoint, save_checkpoint, testing
+ctx, state, *_ = testing.tiny_setup(seed=0)
+options = json.loads(sys.argv[2])
+save_checkpoint(ctx, sys.argv[1], load_checkpoint(ctx, sys.argv[1], state, storage_options=options), storage_options=options)
+print("saved", flush=True)
+sys.stdin.read()  # holds the lock (renewing it) until the test closes stdin
+ctx.close()
+"""
+
+
+def test_a_live_owner_whose_renewals_stopped_loses_the_lock_and_commits_nothing_after(s3, monkeypatch):
+    """Issue 52's second probe: the owner's renewal thread stops while its training thread works on (the stand-in for
+    a lease clock that froze). A requeued copy takes the lock after one lease and saves; the owner learns it at its
+    next save, which commits nothing and removes nothing, and every checkpoint there verifies."""
+    from trainfold.checkpoint.storage import lease
+
+    monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", "2")  # inherited by the second job
+    root, options, _ = s3
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
+    lease._HELD[root][0]._stop.set()  # no more renewals; the job itself goes on
+
+    copy = subprocess.Popen([sys.executable, "-c", _HOLDING_COPY, root, json.dumps(options)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert "saved" == copy.stdout.readline().strip()  # the event: it took the lock over and saved; it holds it
+        with pytest.raises(CheckpointError, match="no longer holds the root's lock.*another job took it over"):
+            save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
+    finally:
+        copy.communicate("", timeout=120)  # stdin closed: the copy ends and gives the lock up
+    ctx.close()
+    checkpoints = list_checkpoints(root, storage_options=options)
+    assert [f"{root}/ckpt-0000000004"] == checkpoints  # the copy saved the same position again, whole
+    verify_checkpoint(checkpoints[0], storage_options=options)
+
+
+def test_a_lock_removed_under_a_live_job_alone_is_taken_again_not_called_a_takeover(s3, caplog):
+    """No job took it (a clean-up script removed the lock object): the job goes on saving, as on a local root."""
+    root, options, fs = s3
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = save_checkpoint(ctx, root, state, storage_options=options)
+    fs.rm(f"{root.removeprefix('s3://')}/.trainfold.lock")
+
+    save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
+    assert "was removed while this job held it, and no other job had taken it; taking it again" in caplog.text
+    assert json.loads(fs.cat_file(f"{root.removeprefix('s3://')}/.trainfold.lock"))["pid"] == os.getpid()
+    assert helpers.second_job(root, options).startswith("refused")  # still the root's one writer
+    ctx.close()
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -382,11 +443,12 @@ def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_ev
 def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_path, monkeypatch):
     """Counted at the server: a request to a real store is a round trip (tens of milliseconds on S3), paid at every save.
 
-    A save: the lock (created only if absent and read for its ETag; renewed at the next save), one listing and each
-    checkpoint's manifest read once (the run check), one listing to see that the position was not saved before, the
-    files, the manifest; then one listing and each manifest again (an unfinished save is cleaned); with ``keep_last``,
-    one more listing and manifests, and an old checkpoint removed manifest first, then its objects. A load: the root
-    (not a checkpoint), its listing and manifests, then each file in one read (its size checked by that read).
+    A save: the lock (created only if absent and read for its ETag, then one listing for what dead saves left; renewed
+    at the next save), one listing and each checkpoint's manifest read once (the run check), one listing to see that
+    the position was not saved before, the files, the lock rewritten with the commit in it (the fence: only while this
+    job holds the lease), the manifest; with ``keep_last``, the lease confirmed (one more conditional write), one more
+    listing and manifests, and an old checkpoint removed manifest first, then its objects. A load: the root (not a
+    checkpoint), its listing and manifests, then each file in one read (its size checked by that read).
     """
     monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", "600")  # the lease is renewed every 200 s: not within this test
     with helpers.moto_server(log=tmp_path / "requests.log") as server:
@@ -406,7 +468,7 @@ def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_p
         load = requests.since()
         ctx.close()
 
-    assert first == ["PUT", "HEAD", "LIST", "LIST"] + ["PUT"] * files + ["PUT", "LIST", "GET"]
-    assert second == (["PUT", "LIST", "GET", "LIST"] + ["PUT"] * files + ["PUT", "LIST", "GET", "GET"]
-                      + ["LIST", "GET", "GET", "DELETE", "LIST", "DELETE"])
+    assert first == ["PUT", "HEAD", "LIST", "LIST", "LIST"] + ["PUT"] * files + ["PUT", "PUT"]
+    assert second == (["PUT", "LIST", "GET", "LIST"] + ["PUT"] * files + ["PUT", "PUT"]
+                      + ["PUT", "LIST", "GET", "GET", "DELETE", "LIST", "DELETE"])
     assert load == ["GET", "LIST", "GET"] + ["GET"] * files

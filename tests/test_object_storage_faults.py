@@ -188,3 +188,107 @@ def test_credentials_that_may_not_write_are_refused_at_the_first_save_and_nothin
             save_checkpoint(ctx, "s3://read-only/run", state, storage_options=reader)
         assert [] == list_checkpoints("s3://read-only/run", storage_options=reader)
         ctx.close()
+
+
+# --- a stalled owner: the lease fences the commit -------------------------------------------------
+
+STALLED = Path(__file__).resolve().parent / "scripts" / "stalled_writer.py"
+
+
+def _stalled_writer(root, options, updates, stop, marker):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINFOLD_LOCK_LEASE_S": "3"}
+    return subprocess.Popen([sys.executable, str(STALLED), root, json.dumps(options), str(updates), stop, str(marker)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _until_stopped(proc, marker, what):
+    """Wait for the event: the job created its marker and the kernel shows it stopped (state T); a hang-guard only."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if marker.exists() and Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not stop itself (exit {proc.poll()}): {proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+@pytest.mark.parametrize("store", ["s3", "az"])
+def test_an_owner_stopped_past_its_lease_commits_nothing_and_removes_nothing_of_the_job_that_took_over(store, server, tmp_path):
+    """Issue 52's probe, with real SIGSTOPs: the owner stops inside its save of ckpt-8 for longer than its lease; a
+    requeued copy takes the lock over (after one lease), continues from ckpt-4 and stops with ckpt-6 uploaded but not
+    committed; the owner is continued. Before, it committed ckpt-8 under the other job's lock and its clean-up deleted
+    ckpt-6's objects, which the copy then committed over nothing ("file model.safetensors is missing"). Now its commit
+    is refused by the lease (a conditional write on the lock it no longer holds) and it removes nothing."""
+    with (helpers.azurite_server(tmp_path / "azurite") if store == "az" else _as_context(server)) as service:
+        root = (service.container("stalled") if store == "az" else service.bucket(f"stalled-{os.getpid()}")) + "/run"
+        options = service.options()
+        owner = _stalled_writer(root, options, 4, "write:ckpt-0000000008", tmp_path / "owner-stopped")
+        copy = None
+        try:
+            _until_stopped(owner, tmp_path / "owner-stopped", "the owner")
+            copy = _stalled_writer(root, options, 2, "commit:ckpt-0000000006", tmp_path / "copy-stopped")
+            _until_stopped(copy, tmp_path / "copy-stopped", "the requeued copy")
+
+            owner.send_signal(signal.SIGCONT)
+            said, _ = owner.communicate(timeout=300)
+            assert 3 == owner.returncode, said
+            assert "refused" in said and "ckpt-0000000008 was not committed: this job no longer holds the root's lock" in said
+            assert [f"{root}/ckpt-0000000004"] == list_checkpoints(root, storage_options=options)
+
+            copy.send_signal(signal.SIGCONT)
+            said, _ = copy.communicate(timeout=300)
+            assert 0 == copy.returncode, said
+            assert "committed ckpt-0000000006\ncommitted ckpt-0000000008" in said
+        finally:
+            for proc in (owner, copy):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.communicate(timeout=30)
+        checkpoints = list_checkpoints(root, storage_options=options)
+        assert [f"{root}/ckpt-000000000{n}" for n in (4, 6, 8)] == checkpoints
+        for checkpoint in checkpoints:  # every file there, every digest right: nothing removed under the copy
+            verify_checkpoint(checkpoint, storage_options=options)
+
+
+def test_a_commit_fenced_before_its_owner_stopped_is_finished_by_the_job_that_takes_the_lock_over(server, tmp_path):
+    """The owner stops after its fence (the lock holds its commit of ckpt-8) and before writing the manifest. The job
+    that takes the lock over finishes that commit: the files were all written before the fence. The owner, continued,
+    finds its own manifest there and reports the commit; the copy's later saves go on (ckpt-8 saved again by it)."""
+    root, options = server.bucket(f"fenced-{os.getpid()}") + "/run", server.options()
+    owner = _stalled_writer(root, options, 4, "manifest:ckpt-0000000008", tmp_path / "owner-stopped")
+    copy = None
+    try:
+        _until_stopped(owner, tmp_path / "owner-stopped", "the owner")
+        assert [f"{root}/ckpt-0000000004"] == list_checkpoints(root, storage_options=options)
+        copy = _stalled_writer(root, options, 2, "commit:ckpt-0000000006", tmp_path / "copy-stopped")
+        _until_stopped(copy, tmp_path / "copy-stopped", "the requeued copy")
+        assert [f"{root}/ckpt-0000000004", f"{root}/ckpt-0000000008"] == list_checkpoints(root, storage_options=options)
+        verify_checkpoint(f"{root}/ckpt-0000000008", storage_options=options)
+
+        owner.send_signal(signal.SIGCONT)
+        said, _ = owner.communicate(timeout=300)
+        assert 0 == owner.returncode and "committed ckpt-0000000008" in said, said
+        copy.send_signal(signal.SIGCONT)
+        said, _ = copy.communicate(timeout=300)
+        assert 0 == copy.returncode and "committed ckpt-0000000006\ncommitted ckpt-0000000008" in said, said
+    finally:
+        for proc in (owner, copy):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=30)
+    checkpoints = list_checkpoints(root, storage_options=options)
+    assert [f"{root}/ckpt-000000000{n}" for n in (4, 6, 8)] == checkpoints
+    for checkpoint in checkpoints:
+        verify_checkpoint(checkpoint, storage_options=options)
+
+
+class _as_context:
+    """The module's S3 server as a context manager, beside Azurite's."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def __enter__(self):
+        return self.server
+
+    def __exit__(self, *exc):
+        return False

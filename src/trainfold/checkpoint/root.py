@@ -127,6 +127,9 @@ def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, 
     staging.commit(manifest)
     storage.clean()
     if keep_last is not None:
+        held = ctx.checkpoint_locks.get(storage.key)
+        if held is not None:
+            held.confirm()  # still the root's one writer: a job that stalled past its lease removes nothing
         _prune(storage, keep_last)
 
 

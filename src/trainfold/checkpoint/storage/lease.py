@@ -13,6 +13,13 @@ conditional on the ETag it watched, so of two takers one wins. An owner whose
 renewal finds another ETag has lost the lock: its next save raises instead of
 writing beside the job that took it over. No clocks are compared.
 
+The lease also fences the commit (:meth:`LeaseLock.fenced_commit`): the owner
+rewrites the lock, conditional on its ETag, with the commit in it (name and
+manifest), and only then writes the manifest, so an owner that stalled past its
+lease and was taken over commits nothing. A job that takes a lock over is handed
+the commit recorded in it (``inherited``), which the root's storage finishes. A
+lock removed under a live job that no other job took is created again.
+
 Conditional writes are what S3 (and S3-protocol servers that honour them),
 GCS and Azure Blob offer; trainfold issues them through s3fs for ``s3://``,
 through adlfs (Azure's ``upload_blob`` with ``overwrite=False``, and an ``etag`` with
@@ -33,7 +40,7 @@ import time
 import uuid
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from trainfold.checkpoint.storage.requests import call, protocol_of
 from trainfold.errors import CheckpointError
@@ -45,12 +52,14 @@ LEASE_S = 30.0
 MAX_LEASE_S = 600.0
 #: how often a job waiting on another's lease looks at the lock
 POLL_S = 0.5
+#: the most of a lock a job taking it over reads: the owner and a commit in flight (a manifest, escaped as a JSON string)
+MAX_LOCK_BYTES = 4 << 20
 
 logger = logging.getLogger("trainfold")
 
 #: the lock this process holds per root URL: [LeaseLock, Contexts using it]
 _HELD: dict[str, list[Any]] = {}
-_MEMORY = threading.Lock()  # memory://'s conditional writes: the store lives in this process
+MEMORY = threading.Lock()  # memory://'s conditional writes: the store lives in this process
 _S3, _AZURE = ("s3", "s3a"), ("abfs", "az", "abfss")
 #: the stores whose writes trainfold makes conditional (memory:// in-process)
 CONDITIONAL = (*_S3, *_AZURE, "memory")
@@ -58,6 +67,10 @@ CONDITIONAL = (*_S3, *_AZURE, "memory")
 
 class _Lost(Exception):
     """A conditional write found another ETag (or an object where none was expected)."""
+
+
+class _Gone(_Lost):
+    """A conditional write found no object at all: the lock was removed (by hand, a clean-up script), not taken over."""
 
 
 def _fresh(fs: Any, path: str) -> None:
@@ -96,7 +109,7 @@ def _create(fs: Any, path: str, body: bytes) -> None:
     """Write ``path`` only if it does not exist (``If-None-Match: *``); raise _Lost if it does."""
     kind = protocol_of(fs)
     if kind == "memory":
-        with _MEMORY:
+        with MEMORY:
             if fs.exists(path):
                 raise _Lost
             fs.pipe_file(path, body)
@@ -111,8 +124,10 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
     """Write ``path`` only if it still has ``etag`` (``If-Match``); return the new ETag, or raise _Lost."""
     kind = protocol_of(fs)
     if kind == "memory":
-        with _MEMORY:
-            if not fs.exists(path) or _memory_tag(fs, path) != etag:
+        with MEMORY:
+            if not fs.exists(path):
+                raise _Gone
+            if _memory_tag(fs, path) != etag:
                 raise _Lost
             fs.pipe_file(path, body)
             return _memory_tag(fs, path)
@@ -120,7 +135,7 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
         try:
             out = call(fs, "renewing the lock", "pipe_file", path, body, IfMatch=etag)
         except FileNotFoundError:
-            raise _Lost from None
+            raise _Gone from None
         except OSError as exc:
             if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower():
                 raise _Lost from None
@@ -132,14 +147,20 @@ def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
         try:
             out = call(fs, "renewing the lock", "pipe_file", path, body, etag=etag, match_condition=MatchConditions.IfNotModified)
         except FileNotFoundError:
-            raise _Lost from None
+            raise _Gone from None
         except OSError as exc:  # 412 (another ETag) or 404 (removed), as azure-core's errors
-            if type(exc.__cause__).__name__ in ("ResourceModifiedError", "ResourceNotFoundError"):
+            if type(exc.__cause__).__name__ == "ResourceNotFoundError":
+                raise _Gone from None
+            if type(exc.__cause__).__name__ == "ResourceModifiedError":
                 raise _Lost from None
             raise
         return str(out.get("etag", "")) if isinstance(out, dict) else _etag(fs, path)
     # no conditional write known for this store: best effort (see the module's docstring)
-    if _etag(fs, path) != etag:
+    try:
+        now = _etag(fs, path)
+    except FileNotFoundError:
+        raise _Gone from None
+    if now != etag:
         raise _Lost
     call(fs, "renewing the lock", "pipe_file", path, body)
     return _etag(fs, path)
@@ -161,14 +182,21 @@ class LeaseLock:
         self.token = uuid.uuid4().hex
         self.etag = ""
         self.lost: str | None = None
+        #: the commit this owner is making (:meth:`fenced_commit`), written into the lock while it is made
+        self.committing: dict[str, str] | None = None
+        #: the commit a stalled or dead owner had fenced but maybe not finished, found in the lock this job took over
+        self.inherited: dict[str, Any] | None = None
         self._guard = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lease_s = lease_s()
 
     def body(self) -> bytes:
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
-                           "expires": time.time() + self.lease_s, "lease_s": self.lease_s}).encode()
+        owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
+                                 "expires": time.time() + self.lease_s, "lease_s": self.lease_s}
+        if self.committing is not None:
+            owner["committing"] = self.committing
+        return json.dumps(owner).encode()
 
     def take(self) -> None:
         """Create the lock, or take over one whose lease ran out.
@@ -195,7 +223,7 @@ class LeaseLock:
         ETag it watched. Watching for a renewal, not comparing clocks, is what makes
         this safe between machines whose clocks differ.
         """
-        etag, owner = _tag(self.fs, self.path), _read_owner(self.fs, self.path)
+        etag, owner = _tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
         declared = owner.get("lease_s")
         watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
@@ -217,6 +245,9 @@ class LeaseLock:
             self.etag = _replace(self.fs, self.path, self.body(), etag)
         except _Lost:
             raise CheckpointError(self._refusal(_read_owner(self.fs, self.path))) from None
+        # the body read before watching is the one replaced (any write since would have changed the ETag)
+        committing = owner.get("committing")
+        self.inherited = committing if isinstance(committing, dict) else None
         logger.warning("trainfold: took over the lock of %s, whose owner did not renew it for its whole lease (%s).", self.url, _describe(owner))
 
     def _refusal(self, owner: dict[str, Any]) -> str:
@@ -226,13 +257,55 @@ class LeaseLock:
     def renew(self) -> None:
         """Extend the lease (a write conditional on the ETag this process wrote last)."""
         with self._guard:
-            if self.lost is not None:
-                return
+            if self.lost is None:
+                self._write_conditionally()
+
+    def _write_conditionally(self) -> None:
+        """Write the lock's body if this job still holds it (its ETag unchanged); else record that it was lost.
+
+        A lock removed by hand (no job took it: nothing is there) is created again, as a local root's lock is;
+        one created meanwhile by another job is lost to it. Called with ``_guard`` held.
+        """
+        try:
+            self.etag = _replace(self.fs, self.path, self.body(), self.etag)
+            return
+        except _Gone:
             try:
-                self.etag = _replace(self.fs, self.path, self.body(), self.etag)
+                _create(self.fs, self.path, self.body())
+                self.etag = _tag(self.fs, self.path)
+                logger.warning("trainfold: %s (the lock of the run's checkpoint root) was removed while this job held it, "
+                               "and no other job had taken it; taking it again.", self.path)
+                return
             except _Lost:
-                self.lost = _describe(_read_owner(self.fs, self.path))
-                self._stop.set()
+                pass
+        except _Lost:
+            pass
+        self.lost = _describe(_read_owner(self.fs, self.path))
+        self._stop.set()
+
+    def fenced_commit(self, name: str, manifest: bytes, write: Any) -> None:
+        """Commit checkpoint ``name`` only while holding the lease: the fence and the commit are one conditional write.
+
+        The lock is rewritten, conditional on the ETag this job wrote last, with the commit in it (the checkpoint's
+        name and its manifest); only if that write succeeds is ``write`` (the manifest, created only if absent)
+        called. A job that stalled past its lease (a GC pause, SIGSTOP, a swapped-out node) finds another ETag and
+        commits nothing; a job that takes the lock over from an owner stalled after its fence finds the commit in the
+        lock and finishes it (``inherited``). The record stays in the lock until ``write`` returns.
+
+        Raises:
+            CheckpointError: this job no longer holds the lock (it was taken over); nothing was committed.
+        """
+        with self._guard:
+            if self.lost is None:
+                self.committing = {"name": name, "manifest": manifest.decode()}
+                self._write_conditionally()
+            if self.lost is not None:
+                self.committing = None
+                raise CheckpointError(self._lost_message(f"{name} was not committed: "))
+        try:
+            write()
+        finally:
+            self.committing = None  # the next renewal writes the lock without it
 
     def _start_renewing(self) -> None:
         ref = weakref.ref(self)
@@ -254,11 +327,12 @@ class LeaseLock:
     def confirm(self) -> None:
         self.renew()
         if self.lost is not None:
-            raise CheckpointError(
-                f"{self.url}: this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
+            raise CheckpointError(self._lost_message())
+
+    def _lost_message(self, what: str = "") -> str:
+        return (f"{self.url}: {what}this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
                 f"job stalled for over {self.lease_s:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
-                "there; stop this job, or give it another root."
-            )
+                "there, and nothing of the other job's is removed; stop this job, or give it another root.")
 
     def release_now(self) -> None:
         self._stop.set()
@@ -296,8 +370,12 @@ class Held:
             held[0].release_now()
 
 
-def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
+def acquire(fs: Any, path: str, url: str, run_id: str, on_take: Callable[[dict[str, Any] | None], None]) -> Held:
     """Lock the root at ``url`` for this process (or count one more user of the lock it holds).
+
+    ``on_take`` runs once, when this process takes the lock (not when it counts one more user), with the commit
+    a previous owner had fenced in the lock (None if none): the root's storage finishes it and removes what dead
+    saves left.
 
     Raises:
         CheckpointError: another live job holds it.
@@ -311,7 +389,24 @@ def acquire(fs: Any, path: str, url: str, run_id: str) -> Held:
     lock = LeaseLock(fs, path, url, run_id)
     lock.take()
     _HELD[url] = [lock, 1]
+    try:
+        on_take(lock.inherited)
+    except BaseException:
+        Held(url).release()
+        raise
     return Held(url)
+
+
+def fenced_commit(url: str, name: str, manifest: bytes, write: Callable[[], None]) -> None:
+    """Commit checkpoint ``name`` of the root at ``url`` under this process's lease (:meth:`LeaseLock.fenced_commit`).
+
+    Raises:
+        CheckpointError: this process does not hold the root's lock, or lost it; nothing was committed.
+    """
+    held = _HELD.get(url)
+    if held is None:
+        raise CheckpointError(f"{url}: this process no longer holds the root's lock (its Context was closed): {name} was not committed.")
+    held[0].fenced_commit(name, manifest, write)
 
 
 def _exists(fs: Any, path: str) -> bool:
@@ -321,11 +416,12 @@ def _exists(fs: Any, path: str) -> bool:
     return bool(call(fs, "reading the lock", "exists", path))
 
 
-def _read_owner(fs: Any, path: str) -> dict[str, Any]:
+def _read_owner(fs: Any, path: str, limit: int = 4096) -> dict[str, Any]:
+    """The lock's body (its first ``limit`` bytes: a longer one, or one that is not a JSON object, says nothing)."""
     try:
-        owner = json.loads(bytes(call(fs, "reading the lock", "cat_file", path))[:4096])
+        owner = json.loads(bytes(call(fs, "reading the lock", "cat_file", path, start=0, end=limit)))
         return owner if isinstance(owner, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
 
 

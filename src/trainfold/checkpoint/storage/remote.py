@@ -23,6 +23,8 @@ the object, so a save fails on every process together and commits nothing. One w
 
 from __future__ import annotations
 
+import json
+import logging
 import posixpath
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
@@ -34,6 +36,8 @@ from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, 
 from trainfold.checkpoint.storage import lease as _lease
 from trainfold.checkpoint.storage.requests import call, guarded, protocol_of
 from trainfold.errors import CheckpointError
+
+logger = logging.getLogger("trainfold")
 
 #: a ranged read's size, and how many run at once
 READ_PART = 64 << 20
@@ -154,6 +158,7 @@ class RemoteCheckpoint:
             yield call(self.fs, f"reading {self.url}/{name}", "cat_file", self._object(name), start=start, end=end)
 
     def names(self) -> list[str]:
+        self.fs.invalidate_cache(self.where)  # adlfs lists from its cache, whatever refresh says
         found = call(self.fs, f"listing {self.url}", "ls", self.where, detail=False, refresh=True)
         return [posixpath.basename(p.rstrip("/")) for p in found]
 
@@ -166,6 +171,8 @@ class RemoteStaging:
     """A checkpoint being written under its final prefix, without its manifest until :meth:`commit`."""
 
     checkpoint: RemoteCheckpoint
+    #: the root's URL: its lease fences the commit
+    root_url: str
 
     def __str__(self) -> str:
         return f"{self.checkpoint.url} (uncommitted)"
@@ -194,11 +201,41 @@ class RemoteStaging:
         return _digest.entry(size, h)
 
     def commit(self, manifest: bytes) -> None:
+        """Write the manifest under the root's lease: only while this job holds it (``lease.fenced_commit``), and only
+        where no manifest is (a job that took the lock over may have finished this very commit already)."""
         ckpt = self.checkpoint
-        call(ckpt.fs, f"committing {ckpt.url}", "pipe_file", ckpt._object(MANIFEST), manifest)
+        _lease.fenced_commit(self.root_url, ckpt.name, manifest, lambda: _create_manifest(ckpt, manifest))
 
     def discard(self) -> None:
         _remove_quietly(self.checkpoint)
+
+
+def _create_manifest(ckpt: RemoteCheckpoint, manifest: bytes) -> None:
+    """Write the checkpoint's manifest only if it has none (``If-None-Match: *`` where the store offers it).
+
+    One that is there already with these bytes is this commit, finished by a job that took the lock over; with
+    other bytes it is another job's commit, which is left as it is.
+
+    Raises:
+        CheckpointError: another manifest is there.
+    """
+    path, what = ckpt._object(MANIFEST), f"committing {ckpt.url}"
+    kind = protocol_of(ckpt.fs)
+    try:
+        if kind == "memory":
+            with _lease.MEMORY:
+                if ckpt.fs.exists(path):
+                    raise FileExistsError(path)
+                ckpt.fs.pipe_file(path, manifest)
+        elif kind in _lease.CONDITIONAL:
+            call(ckpt.fs, what, "pipe_file", path, manifest, mode="create")
+        else:
+            call(ckpt.fs, what, "pipe_file", path, manifest)
+    except FileExistsError:
+        if bytes(call(ckpt.fs, what, "cat_file", path)) != manifest:
+            raise CheckpointError(f"{ckpt.url} was committed by another job meanwhile (its manifest is not this save's): this save "
+                                  "committed nothing and removed nothing.") from None
+    ckpt.forget()
 
 
 def _upload(fs: Any, path: str, chunks: Iterable[Any]) -> int:
@@ -313,10 +350,41 @@ class RemoteRoot:
         return bool(call(self.fs, f"looking for {self.url}", "exists", self.where))
 
     def lock(self, run_id: str) -> _lease.Held:
-        return _lease.acquire(self.fs, posixpath.join(self.where, _lease.LOCK_NAME), self.url, run_id)
+        return _lease.acquire(self.fs, posixpath.join(self.where, _lease.LOCK_NAME), self.url, run_id, self._taken)
+
+    def _taken(self, inherited: dict[str, Any] | None) -> None:
+        """This job has just taken the root's lock: finish the commit a previous owner fenced in it, then remove what
+        dead saves left (no other job writes here now; a stalled one commits nothing, its fence fails)."""
+        if inherited is not None:
+            self._finish(inherited)
+        for name in self.unfinished():
+            _remove_quietly(self.checkpoint(name))
+
+    def _finish(self, inherited: dict[str, Any]) -> None:
+        """Write the manifest of a commit its owner fenced and may not have written, if its files are all there."""
+        name, manifest = inherited.get("name"), inherited.get("manifest")
+        if not (isinstance(name, str) and NAME.fullmatch(name) and isinstance(manifest, str) and len(manifest) <= MAX_MANIFEST_BYTES):
+            logger.warning("trainfold: %s: the lock taken over records a commit that is not one trainfold makes; ignored.", self.url)
+            return
+        ckpt = self.checkpoint(name)
+        try:
+            files = json.loads(manifest).get("files", {})
+            missing = sorted(set(files) - set(ckpt.names())) if isinstance(files, dict) else ["(no files)"]
+        except (ValueError, AttributeError, RecursionError):
+            missing = ["(a manifest that is not JSON)"]
+        if missing:
+            logger.warning("trainfold: %s: the previous owner's commit of %s lacks %s; it stays uncommitted (and is removed).",
+                           self.url, name, ", ".join(missing[:3]))
+            return
+        try:
+            _create_manifest(ckpt, manifest.encode())
+            logger.warning("trainfold: %s: finished the commit of %s, which the previous owner of the lock had begun.", self.url, name)
+        except CheckpointError:
+            pass  # another manifest is there: that commit was made
 
     def _listing(self) -> list[str]:
-        try:
+        self.fs.invalidate_cache(self.where)  # adlfs lists from its cache, whatever refresh says (a stale listing hid a
+        try:                                  # checkpoint saved again, whose old manifest then stayed)
             found = call(self.fs, f"listing {self.url}", "ls", self.where, detail=False, refresh=True)
         except FileNotFoundError:
             return []
@@ -339,7 +407,7 @@ class RemoteRoot:
                 call(ckpt.fs, f"replacing {ckpt.url}", "rm", ckpt._object(MANIFEST))
                 ckpt.forget()
             _remove_quietly(ckpt)
-        return RemoteStaging(ckpt)
+        return RemoteStaging(ckpt, self.url)
 
     def remove(self, name: str) -> None:
         ckpt = self.checkpoint(name)
@@ -348,5 +416,5 @@ class RemoteRoot:
         _remove_quietly(ckpt)
 
     def clean(self) -> None:
-        for name in self.unfinished():
-            _remove_quietly(self.checkpoint(name))
+        """Nothing after a commit: on a store a job that stalled past its lease could otherwise remove the objects of the
+        job that took its lock over; what dead saves left is removed when a job takes the lock (:meth:`_taken`)."""
