@@ -552,3 +552,35 @@ def test_a_file_removed_or_shrunk_while_a_checkpoint_is_read_is_a_checkpoint_err
         list(checkpoint_at(folder).chunks("model.safetensors"))
     (folder / "state.safetensors").write_bytes((folder / "state.safetensors").read_bytes()[:-8])
     _load_refused(folder, secret, "is missing|has .* bytes, the manifest says")
+
+
+def _forge_piece(folder, change):
+    """Replace the first model tensor's piece in shard-0.safetensors by ``change(piece)`` and re-sign the file."""
+    from safetensors.torch import load_file, save_file
+
+    pieces = load_file(folder / "shard-0.safetensors")
+    key = next(k for k, v in pieces.items() if k.startswith("model.") and v.dim() == 2)
+    pieces[key] = change(pieces[key]).contiguous()
+    save_file(pieces, folder / "scratch.safetensors")
+    _rewrite(folder, "shard-0.safetensors", (folder / "scratch.safetensors").read_bytes())
+    (folder / "scratch.safetensors").unlink()
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda t: t[: t.shape[0] // 2], r"\(a torch.float32 piece of shape \(8, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
+    (lambda t: t.half(), r"\(a torch.float16 piece of shape \(16, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
+])
+def test_a_piece_of_fewer_rows_or_another_dtype_is_refused_by_load_and_by_export_alike(sharded, tmp_path, capsys, change, match):
+    """Export reads what a load reads, through the same check: it wrote a piece holding half the declared rows into the
+    first half and left the rest uninitialised (values of 1e37), and converted a float16 piece silently, exiting 0."""
+    from trainfold import checkpoint_weights, cli
+
+    folder, secret, _ = sharded
+    _forge_piece(folder, change)
+
+    _load_refused(folder, secret, "file shard-0.safetensors does not hold the piece of .*" + match)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint_weights(folder)
+    assert 2 == cli.main(["export", str(folder), str(tmp_path / "out.safetensors")])
+    assert "does not hold the piece" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()

@@ -102,12 +102,10 @@ class Sharded:
                 whole = out[index.fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)  # type: ignore[union-attr]
             if file not in read:
                 read[file] = parse_tensors(folder, file, read_verified(folder, manifest, [file])[file])
-            piece = read[file].get(key)
+            try:  # exactly the declared chunk, as a load reads it: the chunks tile the tensor, so every element is written
+                piece = dcp.check_piece(metadata, index, file, read[file].get(key))
+            except CheckpointError as exc:
+                raise CheckpointError(f"{folder}: {exc}") from None
             offsets = tuple(index.offset or ())
-            if piece is None:
-                raise CheckpointError(f"{folder}: {file} does not hold the piece {key!r} its {dcp_metadata.METADATA} names.")
-            target = whole[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))] if offsets else whole
-            if tuple(target.shape) != tuple(piece.shape):
-                raise CheckpointError(f"{folder}: the piece {key!r} of {index.fqn!r} does not fit where {dcp_metadata.METADATA} puts it.")
-            target.copy_(piece)
+            whole[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))].copy_(piece)
         return {k[len(dcp.MODEL):]: v for k, v in out.items()}
