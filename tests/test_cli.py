@@ -177,3 +177,92 @@ def test_export_to_a_transformers_folder_without_transformers_names_the_install_
     assert (2, "") == (code, out)
     assert 1 == len(err.strip().splitlines()) and "pip install transformers" in err
     assert not (tmp_path / "hf").exists()
+
+
+# --- export writes only where it says, and leaves nothing behind -------------------------------
+
+
+def _big_checkpoint(folder, features=4096, outputs=4096):
+    """A checkpoint whose model.safetensors is ``features * outputs * 4`` bytes (64 MB by default)."""
+    import torch
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(features, outputs, bias=False)
+    save_checkpoint(ctx, folder, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    ctx.close()
+    return latest_checkpoint(folder)
+
+
+def test_export_never_writes_through_a_link_planted_at_a_temporary_name(root, tmp_path, capsys):
+    """The old temporary name (``.<out>.tmp``) planted as a link to a victim file: the victim is untouched, the export
+    written under a fresh name of its own and renamed into place, and nothing else is left in the folder."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (out_dir / ".model.safetensors.tmp").symlink_to(victim)
+
+    assert 0 == _run(capsys, "export", str(root), str(out_dir / "model.safetensors"))[0]
+    assert "precious" == victim.read_text()
+    assert [".model.safetensors.tmp", "model.safetensors"] == sorted(p.name for p in out_dir.iterdir())
+
+
+def test_write_durably_refuses_a_name_that_is_a_link(tmp_path):
+    from trainfold.base.io import write_durably
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / "name").symlink_to(victim)
+    with pytest.raises(OSError):
+        write_durably(tmp_path / "name", [b"weights"])
+    assert "precious" == victim.read_text()
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    import helpers
+
+    ckpt = _big_checkpoint(tmp_path / "root", 512, 1024)  # 2 MB of weights
+    for disk in helpers.small_disk(tmp_path / "disk", "1m"):
+        code, out, err = _run(capsys, "export", str(ckpt), str(disk / "model.safetensors"))
+        assert 2 == code and "No space left on device" in err and 1 == len(err.strip().splitlines())
+        assert [] == list(disk.iterdir())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_an_export_stopped_by_a_signal_while_it_writes_leaves_nothing(signum, tmp_path):
+    """The signal lands once the temporary file exists (the event waited for): the process ends, the file is removed."""
+    import signal
+    import time
+
+    ckpt = _big_checkpoint(tmp_path / "root", 8192, 4096)  # 128 MB: the write takes long enough to be caught in it
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "export", str(ckpt), str(out_dir / "model.safetensors")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a hang-guard, not a wait
+    while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert proc.poll() is None, f"the export ended before the signal could land in its write: {proc.communicate()}"
+    proc.send_signal(getattr(signal, signum))
+    proc.communicate(timeout=120)
+    assert 0 != proc.returncode
+    assert [] == list(out_dir.iterdir())
+
+
+def test_export_never_offers_to_run_a_model_folders_code(root, tmp_path, capsys):
+    """A config with an ``auto_map`` names a class whose code is in the folder: refused by name before transformers
+    is asked anything (it would prompt for trust_remote_code, and "y" ran the folder's code)."""
+    config = tmp_path / "evil"
+    config.mkdir()
+    (config / "config.json").write_text(json.dumps({"architectures": ["EvilModel"], "auto_map": {"AutoModel": "modeling_evil.EvilModel"},
+                                                    "model_type": "evil"}))
+    (config / "modeling_evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+
+    code, out, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(config))
+    assert 2 == code and "has an auto_map" in err and "never runs a folder's code" in err
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "hf").exists()

@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from trainfold.base.io import read_into
 from trainfold.checkpoint import safetensors as _safetensors
@@ -61,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _verify(args.path, args.json)
         if args.command == "export":
             # what the libraries an export imports print (DeepSpeed's logger, progress bars) goes to stderr: stdout is the result
-            with contextlib.redirect_stdout(sys.stderr):
+            with contextlib.redirect_stdout(sys.stderr), _exit_on_sigterm():
                 doc = _export(args.path, Path(args.out), args.transformers)
             return _print(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
         if args.command == "diff":
@@ -76,6 +77,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ImportError, ValueError) as exc:  # a store that cannot be read: its package, its URL, the network
         print(f"trainfold {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) (as SIGINT raises KeyboardInterrupt), so what a write made is removed on the way out."""
+    def leave(signum: int, frame: Any) -> None:
+        del frame  # unused
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, leave)
+    except ValueError:  # not the main thread: leave the process's handlers alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _print(doc: Any, as_json: bool, text: Any) -> int:

@@ -58,7 +58,9 @@ def write_durably(path: str | os.PathLike[str], chunks: Iterable[Any], seen: Cal
     Returns the number of bytes written. Raises OSError when a write fails (a full disk: ENOSPC).
     """
     size = 0
-    with open(path, "wb") as f:
+    # never through a link: a name swapped for a symbolic link fails (ELOOP) instead of writing where it points
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    with os.fdopen(fd, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
             seen(chunk)

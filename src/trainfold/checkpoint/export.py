@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from trainfold.base.io import atomic_write
 from trainfold.checkpoint import safetensors as _safetensors
 from trainfold.checkpoint.formats import by_code
 from trainfold.checkpoint.manifest import read_manifest
@@ -60,8 +61,9 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
     """Write the model's weights of a checkpoint (see :func:`checkpoint_weights`) to ``out``.
 
     Offline and without a process group: every file is verified as it is read, and the
-    result is written next to ``out`` and renamed into place, so an interrupted export
-    leaves nothing under that name.
+    result is written under a fresh name next to ``out`` (created exclusively, never
+    through a link) and renamed into place, so an interrupted or failed export (a full
+    disk, an exception) leaves nothing behind, under that name or another.
 
     Args:
         path: a checkpoint folder, or a root (its newest checkpoint); any format
@@ -100,7 +102,9 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         from trainfold.checkpoint.pretrained import write_pretrained
 
         return write_pretrained(weights, Path(transformers_config), target)
-    tmp = target.with_name(f".{target.name}.tmp")
-    _safetensors.write(tmp, weights)
-    os.replace(tmp, target)
-    return target
+    # a fresh name beside the target, created exclusively, removed on any error or exception (a full disk, SIGINT,
+    # SIGTERM through the command line's handler): a name planted as a link is never written through
+    def write(tmp: Path) -> None:
+        _safetensors.write(tmp, weights)
+
+    return atomic_write(target, write)

@@ -9,6 +9,7 @@ only here, only when asked for.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -23,14 +24,34 @@ from trainfold.errors import CheckpointError
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
 
+def _check_no_code(config_dir: Path) -> None:
+    """Refuse a config whose model is code in the folder (``auto_map``): an export never runs a folder's code.
+
+    transformers would ask whether to trust it (``trust_remote_code``), and an answer of "y" runs the folder's
+    Python; the question is never asked.
+    """
+    path = config_dir / "config.json"
+    if not path.is_file() or path.is_symlink():
+        raise CheckpointError(f"{config_dir} has no config.json (a regular file): name the folder of a Hugging Face model "
+                              "(save_pretrained's, or its config alone).")
+    try:
+        config = json.loads(path.read_bytes()[: 1 << 20])
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is not a JSON config ({exc}).") from None
+    if isinstance(config, dict) and "auto_map" in config:
+        raise CheckpointError(
+            f"{path} has an auto_map: its model class is code in that folder, and trainfold never runs a folder's code "
+            "(transformers' trust_remote_code). Export without --transformers (one model.safetensors), or name the "
+            "config of a model class transformers has.")
+
+
 def _model_class(config_dir: Path) -> tuple[Any, Any]:
+    _check_no_code(config_dir)
     try:
         import transformers
     except ImportError:
         raise ImportError("exporting to a transformers folder needs transformers: pip install transformers") from None
-    if not (config_dir / "config.json").is_file():
-        raise CheckpointError(f"{config_dir} has no config.json: name the folder of a Hugging Face model (save_pretrained's, or its config alone).")
-    config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True, trust_remote_code=False)
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     if cls is None:
