@@ -266,3 +266,63 @@ def test_export_never_offers_to_run_a_model_folders_code(root, tmp_path, capsys)
     code, out, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(config))
     assert 2 == code and "has an auto_map" in err and "never runs a folder's code" in err
     assert not (tmp_path / "ran").exists() and not (tmp_path / "hf").exists()
+
+
+# --- errors, not tracebacks; JSON that is JSON ---------------------------------------------------
+
+
+def _with_history(ckpt, records):
+    """``ckpt``'s state.json with its history replaced, re-signed in the manifest (a forger who can write the folder)."""
+    import hashlib
+
+    doc = json.loads((ckpt / "state.json").read_text())
+    doc["state"]["history"] = records
+    data = json.dumps(doc, allow_nan=True).encode()
+    (ckpt / "state.json").write_bytes(data)
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    return ckpt
+
+
+@pytest.mark.parametrize("records", [[[1, 4, "train_loss", {"a": 1}]], [[1, 4, "train_loss", "abc"]], ["x"], [[1, 4]], {"a": 1},
+                                     [["1", 4, "train_loss", 2.0]]])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_inspect_of_history_records_of_the_wrong_shape_is_one_line_and_exit_status_2(root, capsys, records, as_json):
+    ckpt = _with_history(list((p for p in root.iterdir() if p.name == "ckpt-0000000004"))[0], records)
+    code, out, err = _run(capsys, "inspect", str(ckpt), *(["--json"] if as_json else []))
+    assert 2 == code and "" == out
+    assert 1 == len(err.strip().splitlines()) and "state.json is damaged: " in err and "history" in err
+
+
+def test_inspect_json_of_a_diverged_run_is_json_with_its_non_finite_values_as_strings(root, capsys):
+    ckpt = _with_history(root / "ckpt-0000000004", [[1, 4, "train_loss", float("nan")], [1, 4, "grad_norm", float("inf")]])
+    code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    doc = json.loads(out, parse_constant=refuse)
+    assert 0 == code and ["nan", "inf"] == [r["value"] for r in doc["last_records"]]
+
+
+def test_inspect_lists_the_last_eight_records_newest_last(tmp_path, capsys):
+    from trainfold import loop
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = save_checkpoint(ctx, tmp_path, loop(run_epoch(ctx, make_step(ctx, loss_fn), loader), max_epochs=12)(state))
+    ctx.close()
+    code, out, _ = _run(capsys, "inspect", str(tmp_path), "--json")
+    records = json.loads(out)["last_records"]
+    assert 0 == code and list(range(5, 13)) == [r["epoch"] for r in records]
+    assert [v for _, _, v in state.history.to_dict()["train_loss"][-8:]] == [r["value"] for r in records]
+
+
+@pytest.mark.parametrize("shape", [[2**63, 1], [2**62, 4], [-1, 4]])
+def test_a_safetensors_header_with_a_dimension_out_of_range_is_one_line_and_exit_status_2(tmp_path, capsys, shape):
+    import struct
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4]}}).encode()
+    (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    code, out, err = _run(capsys, "diff", str(tmp_path / "huge.safetensors"), str(tmp_path / "huge.safetensors"))
+    assert 2 == code and 1 == len(err.strip().splitlines()) and "is not a safetensors file" in err

@@ -476,3 +476,35 @@ def test_a_deepspeed_checkpoint_on_s3_resumes_exactly_on_two_processes(tmp_path)
     for (want, steps), (got, resumed_steps) in zip(full, resumed):
         assert steps == resumed_steps
         testing.assert_params_equal(want, got)
+
+
+def test_plain_values_where_a_deepspeed_file_holds_records_are_one_line_and_exit_status_2(tmp_path, capsys):
+    """Values of the wrong kind in ZeRO-2's optimizer file (re-signed, as a forger who can write the folder would):
+    `trainfold export` says so in one line with exit status 2, never a traceback, and writes nothing."""
+    import shutil
+
+    from trainfold import cli
+
+    testing.run_distributed(_train_and_save, 2, str(tmp_path / "root"), 1, nprocs=2)
+    original = latest_checkpoint(tmp_path / "root")
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    forgeries = {
+        "a number for the partitions": lambda o: o.__setitem__("single_partition_of_fp32_groups", [3.0]),
+        "a string for the partitions": lambda o: o.__setitem__("single_partition_of_fp32_groups", "abc"),
+        "no partitions": lambda o: o.__setitem__("single_partition_of_fp32_groups", []),
+        "a word for the stage": lambda o: o.__setitem__("zero_stage", "two"),
+        "a string among the partitions": lambda o: o.__setitem__("single_partition_of_fp32_groups", ["abc"]),
+    }
+    for what, forge in forgeries.items():
+        folder = tmp_path / what.replace(" ", "-") / original.name
+        shutil.copytree(original, folder)
+        states = torch.load(folder / name, weights_only=False)
+        forge(states["optimizer_state_dict"])
+        buffer = io.BytesIO()
+        torch.save(states, buffer)
+        _replace_file(folder, name, buffer.getvalue())
+
+        code = cli.main(["export", str(folder), str(tmp_path / "model.safetensors")])
+        out, err = capsys.readouterr()
+        assert 2 == code and 1 == len(err.strip().splitlines()) and err.startswith("trainfold export: "), (what, err)
+        assert not (tmp_path / "model.safetensors").exists(), what

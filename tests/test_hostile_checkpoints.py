@@ -16,7 +16,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing
+from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing, verify_checkpoint
 
 import helpers
 
@@ -584,3 +584,21 @@ def test_a_piece_of_fewer_rows_or_another_dtype_is_refused_by_load_and_by_export
     assert 2 == cli.main(["export", str(folder), str(tmp_path / "out.safetensors")])
     assert "does not hold the piece" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_manifest_declaring_a_billion_processes_is_refused_at_once_without_building_anything_per_rank(ckpt):
+    """1 KB that declares world_size 10^9: refused by what the folder lists, in bounded time and memory."""
+    import resource
+    import time
+
+    folder, secret = ckpt
+    doc = _manifest(folder)
+    doc["world_size"] = doc["data_ranks"] = 10**9
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+    before, started = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time()
+    _load_refused(folder, secret, r"declares 1000000000 processes but lists \d+ files")
+    with pytest.raises(CheckpointError, match="declares 1000000000 processes"):
+        verify_checkpoint(folder)
+    assert time.process_time() - started < 5  # a list of 10^9 names takes minutes and tens of GB
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

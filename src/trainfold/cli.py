@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any, Iterator, Sequence
 
 from trainfold.base.io import read_into
 from trainfold.checkpoint import safetensors as _safetensors
+from trainfold.checkpoint.encoding import decode_history
 from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
 from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
 from trainfold.checkpoint.storage import checkpoint_at, is_url, open_root
@@ -79,6 +81,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with each non-finite float as the string Python prints for it ("nan", "inf", "-inf"): JSON has no NaN,
+    and a diverged run's records hold them (``json.dumps`` would write the bare ``NaN`` that JSON parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 @contextlib.contextmanager
 def _exit_on_sigterm() -> Iterator[None]:
     """SIGTERM raises SystemExit(143) (as SIGINT raises KeyboardInterrupt), so what a write made is removed on the way out."""
@@ -98,7 +112,7 @@ def _exit_on_sigterm() -> Iterator[None]:
 
 
 def _print(doc: Any, as_json: bool, text: Any) -> int:
-    print(json.dumps(doc, indent=2) if as_json else text(doc))
+    print(json.dumps(_json_safe(doc), indent=2, allow_nan=False) if as_json else text(doc))
     return 0
 
 
@@ -220,13 +234,16 @@ def _inspect(path: str) -> dict[str, Any]:
     except CheckpointError as exc:
         raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
     state, acc = doc["state"], doc.get("accelerate", {})
-    history = state.get("history", [])
+    try:  # the records as a load checks them
+        history = decode_history(state.get("history", []))
+    except ValueError as exc:
+        raise _Refused(f"{folder}/state.json is damaged: {exc} (trainfold verify {folder} checks every file)") from None
     return {
         **_summary(folder, manifest),
         "checkpoint": str(folder),
         "batch_in_epoch": state.get("batch_in_epoch"),
         "stop": {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")},
-        "last_records": [{"epoch": r[0], "update": r[1], "name": r[2], "value": r[3]} for r in history[-8:] if isinstance(r, list) and len(r) == 4],
+        "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
         "layout": doc.get("layout", {}),

@@ -112,7 +112,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked
         if own is not None:
             sums = _decode_sums(own, per_rank, device, "nan_guard" in extras)
-        history = History(tuple(_record(r) for r in saved["history"]))
+        history = decode_history(saved["history"])
         optimizer = _codec.decode(doc["optimizer"], shared)
         scheduler = None if doc["scheduler"] is None else _codec.decode(doc["scheduler"], shared)
         scaler = None if doc["scaler"] is None else _codec.decode(doc["scaler"], shared)
@@ -154,7 +154,20 @@ def _check_counters(values: Mapping[str, Any]) -> None:
         raise ValueError(f"stop_reason is {values['stop_reason']!r}, not a str")
 
 
+def decode_history(saved: Any) -> History:
+    """The run's records as a checkpoint's ``state.json`` holds them (``[[epoch, step, name, value], ...]``), each checked.
+
+    Raises:
+        ValueError: not a list of such records (the record, and what it should be, named).
+    """
+    if not isinstance(saved, list):
+        raise ValueError(f"history is {type(saved).__name__}, not a list of [epoch, step, name, value] records")
+    return History(tuple(_record(r) for r in saved))
+
+
 def _record(r: Any) -> Record:
+    if not isinstance(r, list) or len(r) != 4:
+        raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
     epoch, step, name, value = r
     if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")

@@ -207,9 +207,12 @@ def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
         size, digest = (entry.get("size"), _digest.recorded(entry)) if isinstance(entry, dict) else (None, None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or digest is None:
             raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256).")
-    missing = [name for name in required_files(world, fmt) if name not in files]
-    if missing:
-        raise CheckpointError(f"{path} does not list {missing[0]}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
+    if world > len(files):  # each process writes a file of its own: bound the ranks by what is listed before counting them
+        raise CheckpointError(f"{path} is damaged: it declares {world} processes but lists {len(files)} files, and each "
+                              "process writes at least one of its own: refused.")
+    missing = next((name for name in required_files(world, fmt) if name not in files), None)
+    if missing is not None:
+        raise CheckpointError(f"{path} does not list {missing}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
     return manifest
 
 

@@ -97,7 +97,7 @@ class DeepSpeedFormat:
         files = read_verified(folder, manifest, sorted(n for n in manifest["files"] if is_engine_file(n)))
         try:
             return _deepspeed.merged_weights(_deepspeed.parse(files))
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:  # a file that parsed but does not add up
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError, OverflowError) as exc:  # parsed, does not add up
             hint = "" if importlib.util.find_spec("deepspeed") else (
                 " DeepSpeed is not installed here, and its files hold its record classes, admitted only with it: pip install deepspeed.")
             reason = str(exc) if isinstance(exc, ValueError) else f"has DeepSpeed files that do not fit together ({type(exc).__name__}: {exc}), refused."
