@@ -326,3 +326,19 @@ def test_a_safetensors_header_with_a_dimension_out_of_range_is_one_line_and_exit
     (tmp_path / "huge.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
     code, out, err = _run(capsys, "diff", str(tmp_path / "huge.safetensors"), str(tmp_path / "huge.safetensors"))
     assert 2 == code and 1 == len(err.strip().splitlines()) and "is not a safetensors file" in err
+
+
+def test_diff_of_files_whose_tensors_are_not_the_same_set_is_never_equal(tmp_path, capsys):
+    """A tensor only in B (or only in A) is a difference: exit status 1, the names said; none in common says so."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "a.safetensors")
+    save_file({"w": torch.ones(2), "value_head": torch.zeros(3)}, tmp_path / "b.safetensors")
+    save_file({"other": torch.ones(2)}, tmp_path / "c.safetensors")
+    a, b, c = (str(tmp_path / f"{n}.safetensors") for n in "abc")
+
+    assert (1, "0 of 1 tensors differ:\n  only in b: value_head\n") == _run(capsys, "diff", a, b)[:2]
+    assert (1, "0 of 1 tensors differ:\n  only in a: value_head\n") == _run(capsys, "diff", b, a)[:2]
+    code, out, _ = _run(capsys, "diff", a, c)
+    assert 1 == code and f"no tensor in common: {a} has w; {c} has other\n" == out

@@ -325,6 +325,9 @@ def _diff(a: str, b: str) -> dict[str, Any]:
 def _diff_text(d: dict[str, Any]) -> str:
     if d["equal"]:
         return f"equal: {d['compared']} tensors, bit for bit"
+    if not d["compared"]:
+        return (f"no tensor in common: {d['a']} has {', '.join(d['only_in']['a']) or 'none'}; "
+                f"{d['b']} has {', '.join(d['only_in']['b']) or 'none'}")
     lines = [f"{len(d['different'])} of {d['compared']} tensors differ:"]
     for r in d["different"]:
         lines.append(f"  {r['name']}: " + (f"shape {r['shapes'][0]} vs {r['shapes'][1]}" if r["max_abs_diff"] is None else f"max |a - b| {r['max_abs_diff']:.6g}"))
