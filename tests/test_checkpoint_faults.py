@@ -384,3 +384,37 @@ def test_verify_checkpoint_streams_every_file_and_names_the_altered_one(tmp_path
 
     with pytest.raises(CheckpointError, match=r"file state.safetensors does not match its digest \(xxh3_128\)"):
         verify_checkpoint(ckpt)
+
+
+def test_every_file_of_a_checkpoint_and_its_folder_are_fsynced_before_the_rename_that_commits_it(tmp_path, monkeypatch):
+    """A spy on os.fsync and os.replace during a save: each file the manifest lists, the manifest and the staging folder
+    reach the disk before the folder is renamed into place (after a power cut, a committed name holds whole files)."""
+    import json
+
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def spying_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def spying_replace(src, dst, **kwargs):
+        events.append(("replace", os.fspath(src), os.fspath(dst)))
+        return replace(src, dst, **kwargs)
+
+    ctx, state, dl = _setup()
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    monkeypatch.setattr(os, "fsync", spying_fsync)
+    monkeypatch.setattr(os, "replace", spying_replace)
+    save_checkpoint(ctx, tmp_path, state)
+    monkeypatch.undo()
+    ctx.close()
+
+    ckpt = latest_checkpoint(tmp_path)
+    commit = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(ckpt))
+    staging = events[commit][1]
+    synced = {e[1] for e in events[:commit] if e[0] == "fsync"}
+    files = [*json.loads((ckpt / "MANIFEST.json").read_text())["files"], "MANIFEST.json"]
+    assert [] == [name for name in files if os.path.join(staging, name) not in synced]
+    assert staging in synced  # the folder's entries too
+    assert ("fsync", str(tmp_path)) in events[commit:]  # and the rename itself
