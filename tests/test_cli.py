@@ -139,6 +139,16 @@ def test_export_puts_together_the_pieces_of_an_fsdp2_checkpoint_offline(tmp_path
 
     testing.assert_params_equal(full, checkpoint_weights(tmp_path))
 
+    # written before manifests recorded data_ranks: one data-parallel rank per process, as such checkpoints had
+    ckpt = latest_checkpoint(tmp_path)
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    assert 2 == manifest.pop("data_ranks")
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+    doc = json.loads(subprocess.run([sys.executable, "-m", "trainfold", "inspect", str(ckpt), "--json"], capture_output=True,
+                                    text=True, check=True).stdout)
+    assert (2, 2) == (doc["processes"], doc["data_ranks"])
+    testing.assert_params_equal(full, checkpoint_weights(tmp_path))
+
 
 def test_diff_says_equal_or_which_tensors_differ_and_by_how_much(tmp_path, capsys):
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
