@@ -132,3 +132,15 @@ def test_loop_takes_its_limit_by_keyword():
     """One order for the combinators: the schedule first, the epoch function last; loop's limit is a keyword."""
     with pytest.raises(TypeError):
         loop(_fake_epoch, 3)
+
+
+def test_every_epochs_runs_at_a_budgets_final_stop_whatever_the_number_of_epochs_done():
+    """A budget ending mid-epoch after 1 epoch (not a multiple of 2): the final model still gets what the epochs get."""
+    from trainfold import evaluate, max_steps
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 batches an epoch: update 6 is in epoch 2
+    epoch = compose(every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader))
+    final = loop(epoch, max_epochs=5)(state)
+    ctx.close()
+    assert (6, True) == (final.step, final.ended_mid_epoch)
+    assert [(1, 6)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]

@@ -263,3 +263,23 @@ def test_a_transformer_reads_every_batch_loss_past_the_running_sums_fold():
     assert len(seen) == 100 and all(not t.requires_grad for t in seen)
     assert torch.equal(torch.stack(seen), torch.stack(expected))
     assert aux_names == {"accuracy"}
+
+
+def test_a_run_stop_when_ends_mid_epoch_is_the_runs_end_its_final_model_evaluated_and_saved_as_best(tmp_path):
+    """stop_when's stop is final, not a preemption: the epoch functions run on the final state (its model evaluated,
+    logged, saved as best), as they do at a budget's end (TrainState.ended_mid_epoch)."""
+    from toolz import compose
+
+    from trainfold import evaluate, save_best
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 batches an epoch
+    step = stop_when(ctx, lambda s: s.step >= 6, check_every=1)(make_step(ctx, loss_fn))
+    epoch = compose(save_best(ctx, tmp_path / "best", "eval_loss"), evaluate(ctx, loss_fn, loader), run_epoch(ctx, step, loader))
+    final = loop(epoch, max_epochs=5)(state)
+    ctx.close()
+
+    assert (6, 2, True) == (final.step, final.batch_in_epoch, final.ended_mid_epoch)
+    assert [(1, 4), (1, 6)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]  # the final model too
+    losses = final.history["eval_loss"]
+    assert losses[1] < losses[0]  # so the final model is the best one, and save_best wrote it
+    assert 6 == final.extras["save_best:eval_loss"].step and (tmp_path / "best").exists()
