@@ -597,8 +597,8 @@ def test_a_manifest_declaring_a_billion_processes_is_refused_at_once_without_bui
     (folder / "MANIFEST.json").write_text(json.dumps(doc))
 
     before, started = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.process_time()
-    _load_refused(folder, secret, r"declares 1000000000 processes but lists \d+ files")
-    with pytest.raises(CheckpointError, match="declares 1000000000 processes"):
+    _load_refused(folder, secret, "does not list rank-1.json, a file every checkpoint of 1000000000 process")
+    with pytest.raises(CheckpointError, match="a file every checkpoint of 1000000000 process"):
         verify_checkpoint(folder)
     assert time.process_time() - started < 5  # a list of 10^9 names takes minutes and tens of GB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB

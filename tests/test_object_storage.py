@@ -429,7 +429,7 @@ def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
 def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_every_byte_in_order(sizes, part):
     """S3's multipart rule: every part but the last exactly ``part`` bytes, none empty unless the file is (an empty
     last part after an exact multiple would be refused); joined, the parts are the file."""
-    from trainfold.checkpoint.storage.remote import _parts
+    from trainfold.checkpoint.storage.upload import _parts
 
     chunks = [bytes(range(i, i + n)) for i, n in enumerate(sizes)]
     parts = [bytes(p) for p in _parts(chunks, part)]
@@ -472,3 +472,32 @@ def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_p
     assert second == (["PUT", "LIST", "GET", "LIST"] + ["PUT"] * files + ["PUT", "PUT"]
                       + ["PUT", "LIST", "GET", "GET", "DELETE", "LIST", "DELETE"])
     assert load == ["GET", "LIST", "GET"] + ["GET"] * files
+
+
+def test_a_file_larger_than_the_part_size_is_uploaded_in_numbered_parts_and_loads_bit_for_bit(s3, monkeypatch):
+    """The multipart path in-process (every file of the other tests is under the 16 MiB part): 5 MiB parts (S3's
+    smallest but the last) of a 12 MB model.safetensors. Parts numbered from 0 broke every such file on S3."""
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState
+    from trainfold.checkpoint.storage import upload
+
+    monkeypatch.setattr(upload, "WRITE_PART", 5 << 20)
+    root, options, fs = s3
+
+    def setup(seed):
+        testing.reset_accelerate_state()
+        torch.manual_seed(seed)
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(1000, 3000)
+        return ctx, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+    ctx, state = setup(0)
+    save_checkpoint(ctx, root, state, storage_options=options)
+    ctx.close()
+    info = fs.info(f"{root.removeprefix('s3://')}/ckpt-0000000000/model.safetensors")
+    assert 12_000_000 < info["size"] and info["ETag"].strip('"').endswith("-3")  # S3's ETag of a 3-part upload
+
+    ctx, fresh = setup(1)
+    testing.assert_params_equal(state, load_checkpoint(ctx, root, fresh, storage_options=options))
+    ctx.close()

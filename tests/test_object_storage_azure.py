@@ -87,20 +87,23 @@ def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_i
 
 def test_the_lock_blob_is_created_only_if_absent_and_renewed_only_on_its_etag(az):
     """The two conditional writes themselves, against the service: what makes two jobs one writer."""
-    from trainfold.checkpoint.storage import lease
+    from trainfold.checkpoint.storage import conditional
 
     root, _, fs = az
     path = f"{root.removeprefix('az://')}/probe"
-    lease._create(fs, path, b"first")
-    with pytest.raises(lease._Lost):
-        lease._create(fs, path, b"second")
-    tag = lease._tag(fs, path)
-    renewed = lease._replace(fs, path, b"third", tag)
-    with pytest.raises(lease._Lost):
-        lease._replace(fs, path, b"fourth", tag)  # the ETag it had before: stale
-    assert (b"third", renewed) == (fs.cat_file(path), lease._tag(fs, path))
+    conditional.create(fs, path, b"first")
+    with pytest.raises(conditional.Lost):
+        conditional.create(fs, path, b"second")
+    tag = conditional.tag(fs, path)
+    renewed = conditional.replace(fs, path, b"third", tag)
+    with pytest.raises(conditional.Lost):
+        conditional.replace(fs, path, b"fourth", tag)  # the ETag it had before: stale
+    assert (b"third", renewed) == (fs.cat_file(path), conditional.tag(fs, path))
 
     # a watcher sees the owner's renewal even where adlfs holds a listing of the folder (it answers info from one)
     fs.ls(path.rsplit("/", 1)[0], detail=True)
-    again = lease._replace(fs, path, b"fifth", renewed)
-    assert again != renewed and again == lease._tag(fs, path)
+    again = conditional.replace(fs, path, b"fifth", renewed)
+    assert again != renewed and again == conditional.tag(fs, path)
+    fs.rm(path)  # removed, not replaced by another version: told apart
+    with pytest.raises(conditional.Gone):
+        conditional.replace(fs, path, b"sixth", again)

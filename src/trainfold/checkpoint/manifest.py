@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Mapping, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
 
 import torch
 
@@ -71,9 +71,12 @@ def process_files(rank: int, fmt: int = FORMAT) -> tuple[str, ...]:
     return (*rank_files(rank), f"shard-{rank}.safetensors") if fmt == SHARDED else rank_files(rank)
 
 
-def required_files(world_size: int, fmt: int = FORMAT) -> list[str]:
-    """Every file a checkpoint of ``world_size`` processes must have, besides its manifest."""
-    return [*SHARED[fmt], *(name for r in range(world_size) for name in process_files(r, fmt))]
+def required_files(world_size: int, fmt: int = FORMAT) -> Iterator[str]:
+    """Every file a checkpoint of ``world_size`` processes must have, besides its manifest, one at a time (a manifest
+    may declare any number of processes: the first of them it does not list is found after as many as it lists)."""
+    yield from SHARED[fmt]
+    for rank in range(world_size):
+        yield from process_files(rank, fmt)
 
 
 #: A file's content before it is written: JSON bytes, or the tensors of a safetensors file.
@@ -207,9 +210,8 @@ def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
         size, digest = (entry.get("size"), _digest.recorded(entry)) if isinstance(entry, dict) else (None, None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or digest is None:
             raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256).")
-    if world > len(files):  # each process writes a file of its own: bound the ranks by what is listed before counting them
-        raise CheckpointError(f"{path} is damaged: it declares {world} processes but lists {len(files)} files, and each "
-                              "process writes at least one of its own: refused.")
+    # lazily: a manifest declaring 10^9 processes is refused at its first unlisted file, after as many names as it lists;
+    # one that passes lists a file of each process, so its world size is bounded by its own size
     missing = next((name for name in required_files(world, fmt) if name not in files), None)
     if missing is not None:
         raise CheckpointError(f"{path} does not list {missing}, a file every checkpoint of {world} process(es) has: incomplete, refused.")

@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from trainfold.backend.engine import is_dtensor, local
 from trainfold.checkpoint import safetensors as _safetensors
-from trainfold.checkpoint.formats.dcp_metadata import METADATA, metadata_json
+from trainfold.checkpoint.formats.dcp_metadata import METADATA, check_piece, metadata_json
 from trainfold.checkpoint.storage.protocol import Staging
 from trainfold.errors import CheckpointError
 
@@ -258,26 +258,6 @@ class _Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
-
-
-def check_piece(metadata: Metadata, index: MetadataIndex, file: str, piece: torch.Tensor | None) -> torch.Tensor:
-    """The piece ``index`` names, as read from ``file``: refused unless it is exactly the chunk the metadata declares there.
-
-    Its shape and dtype must be the chunk's (a piece of half the rows, or of float16 where float32 is declared, would
-    leave part of the tensor unwritten or be converted silently); the chunks tile the tensor (``parse_metadata``).
-    Load and export both read pieces through this.
-
-    Raises:
-        CheckpointError: no such piece, or one of another shape or dtype.
-    """
-    md = metadata.state_dict_metadata[index.fqn]
-    chunk = next((c for c in md.chunks if c.offsets == index.offset), None)  # type: ignore[union-attr]
-    if piece is None or chunk is None or tuple(piece.shape) != tuple(chunk.sizes) or piece.dtype != md.properties.dtype:  # type: ignore[union-attr]
-        held = "nothing" if piece is None else f"a {piece.dtype} piece of shape {tuple(piece.shape)}"
-        want = "no such piece" if chunk is None else f"{md.properties.dtype} of shape {tuple(chunk.sizes)}"  # type: ignore[union-attr]
-        raise CheckpointError(f"file {file} does not hold the piece of {index.fqn!r} that {METADATA} says it does ({held}; "
-                              f"declared: {want}): damaged, refused.")
-    return piece
 
 
 def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rest: Mapping[str, Any]) -> None:

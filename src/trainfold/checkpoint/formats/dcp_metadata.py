@@ -121,3 +121,23 @@ def _check_tiling(fqn: str, size: list[int], chunks: list[ChunkStorageMetadata])
             raise ValueError(f"the pieces of {fqn!r} cover {at} of the {length} places along its dimension {d}")
     if len(cells) != math.prod(len(axis) for axis in axes):
         raise ValueError(f"the pieces of {fqn!r} do not tile it: {len(cells)} pieces for a grid of {math.prod(len(a) for a in axes)}")
+
+
+def check_piece(metadata: Metadata, index: MetadataIndex, file: str, piece: torch.Tensor | None) -> torch.Tensor:
+    """The piece ``index`` names, as read from ``file``: refused unless it is exactly the chunk the metadata declares there.
+
+    Its shape and dtype must be the chunk's (a piece of half the rows, or of float16 where float32 is declared, would
+    leave part of the tensor unwritten or be converted silently); the chunks tile the tensor (``parse_metadata``).
+    Load and export both read pieces through this.
+
+    Raises:
+        CheckpointError: no such piece, or one of another shape or dtype.
+    """
+    md = metadata.state_dict_metadata[index.fqn]
+    chunk = next((c for c in md.chunks if c.offsets == index.offset), None)  # type: ignore[union-attr]
+    if piece is None or chunk is None or tuple(piece.shape) != tuple(chunk.sizes) or piece.dtype != md.properties.dtype:  # type: ignore[union-attr]
+        held = "nothing" if piece is None else f"a {piece.dtype} piece of shape {tuple(piece.shape)}"
+        want = "no such piece" if chunk is None else f"{md.properties.dtype} of shape {tuple(chunk.sizes)}"  # type: ignore[union-attr]
+        raise CheckpointError(f"file {file} does not hold the piece of {index.fqn!r} that {METADATA} says it does ({held}; "
+                              f"declared: {want}): damaged, refused.")
+    return piece

@@ -103,7 +103,7 @@ class Sharded:
             if file not in read:
                 read[file] = parse_tensors(folder, file, read_verified(folder, manifest, [file])[file])
             try:  # exactly the declared chunk, as a load reads it: the chunks tile the tensor, so every element is written
-                piece = dcp.check_piece(metadata, index, file, read[file].get(key))
+                piece = dcp_metadata.check_piece(metadata, index, file, read[file].get(key))
             except CheckpointError as exc:
                 raise CheckpointError(f"{folder}: {exc}") from None
             offsets = tuple(index.offset or ())

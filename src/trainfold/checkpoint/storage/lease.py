@@ -42,6 +42,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from trainfold.checkpoint.storage import conditional
 from trainfold.checkpoint.storage.requests import call, protocol_of
 from trainfold.errors import CheckpointError
 
@@ -59,31 +60,6 @@ logger = logging.getLogger("trainfold")
 
 #: the lock this process holds per root URL: [LeaseLock, Contexts using it]
 _HELD: dict[str, list[Any]] = {}
-MEMORY = threading.Lock()  # memory://'s conditional writes: the store lives in this process
-_S3, _AZURE = ("s3", "s3a"), ("abfs", "az", "abfss")
-#: the stores whose writes trainfold makes conditional (memory:// in-process)
-CONDITIONAL = (*_S3, *_AZURE, "memory")
-
-
-class _Lost(Exception):
-    """A conditional write found another ETag (or an object where none was expected)."""
-
-
-class _Gone(_Lost):
-    """A conditional write found no object at all: the lock was removed (by hand, a clean-up script), not taken over."""
-
-
-def _fresh(fs: Any, path: str) -> None:
-    """Forget what the filesystem cached of ``path`` and its folder's listing: adlfs answers ``info`` and ``exists``
-    from a listing it made earlier, where a watcher would never see the owner renew its lease."""
-    fs.invalidate_cache(path)
-    fs.invalidate_cache(fs._parent(path))
-
-
-def _etag(fs: Any, path: str) -> str:
-    _fresh(fs, path)
-    info = call(fs, "reading the lock", "info", path)
-    return str(info.get("ETag") or info.get("etag") or info.get("created") or "")
 
 
 def lease_s() -> float:
@@ -103,75 +79,6 @@ def lease_s() -> float:
         raise ValueError(f"TRAINFOLD_LOCK_LEASE_S={text!r}: the lease of a checkpoint root's lock must be a number of seconds "
                          f"above 0 and at most {MAX_LEASE_S:.0f}.")
     return value
-
-
-def _create(fs: Any, path: str, body: bytes) -> None:
-    """Write ``path`` only if it does not exist (``If-None-Match: *``); raise _Lost if it does."""
-    kind = protocol_of(fs)
-    if kind == "memory":
-        with MEMORY:
-            if fs.exists(path):
-                raise _Lost
-            fs.pipe_file(path, body)
-        return
-    try:
-        call(fs, "creating the lock", "pipe_file", path, body, mode="create")
-    except FileExistsError:
-        raise _Lost from None
-
-
-def _replace(fs: Any, path: str, body: bytes, etag: str) -> str:
-    """Write ``path`` only if it still has ``etag`` (``If-Match``); return the new ETag, or raise _Lost."""
-    kind = protocol_of(fs)
-    if kind == "memory":
-        with MEMORY:
-            if not fs.exists(path):
-                raise _Gone
-            if _memory_tag(fs, path) != etag:
-                raise _Lost
-            fs.pipe_file(path, body)
-            return _memory_tag(fs, path)
-    if kind in _S3:
-        try:
-            out = call(fs, "renewing the lock", "pipe_file", path, body, IfMatch=etag)
-        except FileNotFoundError:
-            raise _Gone from None
-        except OSError as exc:
-            if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower():
-                raise _Lost from None
-            raise
-        return str(out.get("ETag", "")) if isinstance(out, dict) else _etag(fs, path)
-    if kind in _AZURE:
-        from azure.core import MatchConditions
-
-        try:
-            out = call(fs, "renewing the lock", "pipe_file", path, body, etag=etag, match_condition=MatchConditions.IfNotModified)
-        except FileNotFoundError:
-            raise _Gone from None
-        except OSError as exc:  # 412 (another ETag) or 404 (removed), as azure-core's errors
-            if type(exc.__cause__).__name__ == "ResourceNotFoundError":
-                raise _Gone from None
-            if type(exc.__cause__).__name__ == "ResourceModifiedError":
-                raise _Lost from None
-            raise
-        return str(out.get("etag", "")) if isinstance(out, dict) else _etag(fs, path)
-    # no conditional write known for this store: best effort (see the module's docstring)
-    try:
-        now = _etag(fs, path)
-    except FileNotFoundError:
-        raise _Gone from None
-    if now != etag:
-        raise _Lost
-    call(fs, "renewing the lock", "pipe_file", path, body)
-    return _etag(fs, path)
-
-
-def _memory_tag(fs: Any, path: str) -> str:
-    return str(hash(bytes(fs.cat_file(path))))  # memory://: the store is this process's, no request
-
-
-def _tag(fs: Any, path: str) -> str:
-    return _memory_tag(fs, path) if protocol_of(fs) == "memory" else _etag(fs, path)
 
 
 class LeaseLock:
@@ -204,13 +111,13 @@ class LeaseLock:
         Raises:
             CheckpointError: a live owner holds it (named).
         """
-        if protocol_of(self.fs) not in CONDITIONAL:
+        if protocol_of(self.fs) not in conditional.CONDITIONAL:
             warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
                           "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=4)
         try:
-            _create(self.fs, self.path, self.body())
-            self.etag = _tag(self.fs, self.path)
-        except _Lost:
+            conditional.create(self.fs, self.path, self.body())
+            self.etag = conditional.tag(self.fs, self.path)
+        except conditional.Lost:
             self._take_over()
         self._start_renewing()
 
@@ -223,7 +130,7 @@ class LeaseLock:
         ETag it watched. Watching for a renewal, not comparing clocks, is what makes
         this safe between machines whose clocks differ.
         """
-        etag, owner = _tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
+        etag, owner = conditional.tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
         declared = owner.get("lease_s")
         watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
@@ -232,18 +139,18 @@ class LeaseLock:
         deadline = time.monotonic() + watch_s + 2 * POLL_S
         while time.monotonic() < deadline:
             time.sleep(POLL_S)
-            if not _exists(self.fs, self.path):  # released meanwhile: create it as a first owner does
+            if not conditional.exists(self.fs, self.path):  # released meanwhile: create it as a first owner does
                 try:
-                    _create(self.fs, self.path, self.body())
-                    self.etag = _tag(self.fs, self.path)
+                    conditional.create(self.fs, self.path, self.body())
+                    self.etag = conditional.tag(self.fs, self.path)
                     return
-                except _Lost:
+                except conditional.Lost:
                     raise CheckpointError(self._refusal(_read_owner(self.fs, self.path))) from None
-            if _tag(self.fs, self.path) != etag:
+            if conditional.tag(self.fs, self.path) != etag:
                 raise CheckpointError(self._refusal(_read_owner(self.fs, self.path)))
         try:
-            self.etag = _replace(self.fs, self.path, self.body(), etag)
-        except _Lost:
+            self.etag = conditional.replace(self.fs, self.path, self.body(), etag)
+        except conditional.Lost:
             raise CheckpointError(self._refusal(_read_owner(self.fs, self.path))) from None
         # the body read before watching is the one replaced (any write since would have changed the ETag)
         committing = owner.get("committing")
@@ -267,18 +174,18 @@ class LeaseLock:
         one created meanwhile by another job is lost to it. Called with ``_guard`` held.
         """
         try:
-            self.etag = _replace(self.fs, self.path, self.body(), self.etag)
+            self.etag = conditional.replace(self.fs, self.path, self.body(), self.etag)
             return
-        except _Gone:
+        except conditional.Gone:
             try:
-                _create(self.fs, self.path, self.body())
-                self.etag = _tag(self.fs, self.path)
+                conditional.create(self.fs, self.path, self.body())
+                self.etag = conditional.tag(self.fs, self.path)
                 logger.warning("trainfold: %s (the lock of the run's checkpoint root) was removed while this job held it, "
                                "and no other job had taken it; taking it again.", self.path)
                 return
-            except _Lost:
+            except conditional.Lost:
                 pass
-        except _Lost:
+        except conditional.Lost:
             pass
         self.lost = _describe(_read_owner(self.fs, self.path))
         self._stop.set()
@@ -341,7 +248,7 @@ class LeaseLock:
         with self._guard:
             if self.lost is None:
                 try:
-                    if _tag(self.fs, self.path) == self.etag:
+                    if conditional.tag(self.fs, self.path) == self.etag:
                         call(self.fs, "removing the lock", "rm", self.path)
                 except OSError:  # the store unreachable: the lease runs out on its own
                     pass
@@ -407,13 +314,6 @@ def fenced_commit(url: str, name: str, manifest: bytes, write: Callable[[], None
     if held is None:
         raise CheckpointError(f"{url}: this process no longer holds the root's lock (its Context was closed): {name} was not committed.")
     held[0].fenced_commit(name, manifest, write)
-
-
-def _exists(fs: Any, path: str) -> bool:
-    if protocol_of(fs) == "memory":
-        return bool(fs.exists(path))
-    _fresh(fs, path)
-    return bool(call(fs, "reading the lock", "exists", path))
 
 
 def _read_owner(fs: Any, path: str, limit: int = 4096) -> dict[str, Any]:

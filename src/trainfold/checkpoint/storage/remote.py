@@ -26,14 +26,16 @@ from __future__ import annotations
 import json
 import logging
 import posixpath
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
 import attrs
 
 from trainfold.checkpoint import digest as _digest
 from trainfold.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, NAME, wrong_size
+from trainfold.checkpoint.storage import conditional
 from trainfold.checkpoint.storage import lease as _lease
+from trainfold.checkpoint.storage import upload
 from trainfold.checkpoint.storage.requests import call, guarded, protocol_of
 from trainfold.errors import CheckpointError
 
@@ -42,9 +44,6 @@ logger = logging.getLogger("trainfold")
 #: a ranged read's size, and how many run at once
 READ_PART = 64 << 20
 READ_THREADS = 4
-#: a multipart upload's part (S3 takes 5 MiB to 5 GiB), and how many are uploaded at once
-WRITE_PART = 16 << 20
-WRITE_THREADS = 8
 
 
 class _OtherSize(Exception):
@@ -188,9 +187,9 @@ class RemoteStaging:
 
         path, what = ckpt._object(name), f"writing {ckpt.url}/{name}"
         if protocol_of(ckpt.fs) in ("s3", "s3a"):
-            size = _upload_s3(ckpt.fs, path, hashed(), what)
+            size = upload.upload_s3(ckpt.fs, path, hashed(), what)
         else:
-            size = guarded(what, lambda: _upload(ckpt.fs, path, hashed()))
+            size = guarded(what, lambda: upload.upload(ckpt.fs, path, hashed()))
         return _digest.entry(size, digest)
 
     def digest(self, name: str) -> dict[str, Any]:
@@ -220,101 +219,16 @@ def _create_manifest(ckpt: RemoteCheckpoint, manifest: bytes) -> None:
         CheckpointError: another manifest is there.
     """
     path, what = ckpt._object(MANIFEST), f"committing {ckpt.url}"
-    kind = protocol_of(ckpt.fs)
     try:
-        if kind == "memory":
-            with _lease.MEMORY:
-                if ckpt.fs.exists(path):
-                    raise FileExistsError(path)
-                ckpt.fs.pipe_file(path, manifest)
-        elif kind in _lease.CONDITIONAL:
-            call(ckpt.fs, what, "pipe_file", path, manifest, mode="create")
-        else:
+        if protocol_of(ckpt.fs) in conditional.CONDITIONAL:
+            conditional.create(ckpt.fs, path, manifest, what)
+        else:  # no condition to issue there (the object storage guide says so)
             call(ckpt.fs, what, "pipe_file", path, manifest)
-    except FileExistsError:
+    except conditional.Lost:
         if bytes(call(ckpt.fs, what, "cat_file", path)) != manifest:
             raise CheckpointError(f"{ckpt.url} was committed by another job meanwhile (its manifest is not this save's): this save "
                                   "committed nothing and removed nothing.") from None
     ckpt.forget()
-
-
-def _upload(fs: Any, path: str, chunks: Iterable[Any]) -> int:
-    """Any fsspec store: the filesystem's own writer."""
-    size = 0
-    with fs.open(path, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-            size += memoryview(chunk).nbytes
-    return size
-
-
-def _parts(chunks: Iterable[Any], size: int) -> Iterator[Any]:
-    """The chunks regrouped into parts of ``size`` bytes (the last shorter): slices of a large buffer, joins of small ones."""
-    pending: list[memoryview] = []
-    held, yielded = 0, False
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while len(view):
-            take = min(size - held, len(view))
-            pending.append(view[:take])
-            held += take
-            view = view[take:]
-            if held == size:
-                yield pending[0] if len(pending) == 1 else b"".join(pending)
-                pending, held, yielded = [], 0, True
-    if held or not yielded:  # the last, shorter part (or the one empty part of an empty file)
-        yield b"".join(pending)
-
-
-def _upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
-    """S3: one ``PutObject`` for a small file; a multipart upload for a large one, :data:`WRITE_THREADS` parts at once.
-
-    The parts are slices of the tensors' own memory where a tensor is at least a
-    part long; at most twice :data:`WRITE_THREADS` parts are held at once. A failed
-    upload is aborted (its parts are dropped by the store) and raised.
-    """
-    bucket, key, _ = fs.split_path(path)
-    parts = _parts(chunks, WRITE_PART)
-    first = next(parts)
-    second = next(parts, None)
-    if second is None:  # one part: a single request
-        call(fs, what, "call_s3", "put_object", Bucket=bucket, Key=key, Body=bytes(first))
-        return len(first)
-    upload = call(fs, what, "call_s3", "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-    size, done, inflight = 0, [], []
-
-    def send(number: int, body: Any) -> dict[str, Any]:
-        out = call(fs, what, "call_s3", "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=bytes(body))
-        return {"PartNumber": number, "ETag": out["ETag"]}
-
-    try:
-        with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
-            for number, body in enumerate(_chain(first, second, parts), start=1):
-                size += len(body)
-                inflight.append(pool.submit(send, number, body))
-                if len(inflight) >= 2 * WRITE_THREADS:
-                    done.append(inflight.pop(0).result())
-            done += [f.result() for f in inflight]
-        call(fs, what, "call_s3", "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
-    except BaseException:
-        _abort(fs, bucket, key, upload, inflight)
-        raise
-    return size
-
-
-def _chain(first: Any, second: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield second
-    yield from rest
-
-
-def _abort(fs: Any, bucket: str, key: str, upload: str, inflight: list[Future[Any]]) -> None:
-    for f in inflight:
-        f.cancel()
-    try:
-        call(fs, "aborting an upload", "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-    except OSError:  # the store unreachable: an unfinished upload is dropped by the bucket's lifecycle rules, never listed
-        pass
 
 
 def _remove_quietly(ckpt: RemoteCheckpoint) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, TypeVar
 
 from trainfold.errors import CheckpointError
 
-#: the longest one request to a store may take (a part of an upload is at most ``remote.WRITE_PART`` bytes)
+#: the longest one request to a store may take (a part of an upload is at most ``upload.WRITE_PART`` bytes)
 REQUEST_TIMEOUT_S = 120.0
 
 _T = TypeVar("_T")
