@@ -326,6 +326,23 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
     assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
 
 
+def test_a_signal_honoured_between_epochs_is_cleared_and_the_next_run_on_the_context_trains():
+    """The signal arrives in an epoch function that is not an evaluation (a tracker's flush) and loop honours it
+    between epochs: honoured is cleared, so a host's next trial on the same Context is not stopped by it at once."""
+    ctx, state, dl = _setup()
+
+    def flush(state):  # a tracker's flush, during which SIGTERM arrives
+        os.kill(os.getpid(), signal.SIGTERM)
+        return state
+
+    stopped = loop(compose(flush, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
+    assert (1, "signal SIGTERM") == (stopped.epoch, stopped.stop_reason)
+
+    _, fresh, _ = _setup(1, ctx=ctx)
+    second = loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=2)(fresh)
+    assert (2, False, "") == (second.epoch, second.should_stop, second.stop_reason)
+
+
 def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(tmp_path):
     """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: the loop's end
     saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
