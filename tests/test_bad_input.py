@@ -531,3 +531,22 @@ def test_a_step_of_ones_own_that_records_no_batch_is_named_instead_of_a_nan_epoc
 
     with pytest.raises(ValueError, match=r"the step 'count_batches' was given 4 batches and recorded none.*Wrap one"):
         run_epoch(ctx, count_batches, loader, state)
+
+
+@pytest.mark.parametrize("before", [0, 1, 63, 64, 65])  # a fold group's first batch, inside one, after a fold (64 a group)
+@pytest.mark.parametrize("first, then", [(False, True), (True, False)])
+def test_aux_values_that_appear_or_vanish_within_an_epoch_are_refused_naming_both(before, first, then):
+    """Batches without aux values, then one with them (or the reverse): refused, never the names silently dropped."""
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(1)
+        loss = testing.mse_loss(model, batch)
+        has_aux = first if len(seen) <= max(before, 1) else then
+        return (loss, {"acc": loss.detach()}) if has_aux else loss
+
+    step, state, batch = _step_with(loss_fn)
+    for _ in range(max(before, 1)):
+        state = step(state, batch)
+    with pytest.raises(ValueError, match=r"aux names \[(|'acc')\] but earlier batches of this epoch returned \[('acc'|)\]"):
+        step(state, batch)

@@ -78,9 +78,10 @@ class RunningSums:
             ValueError: ``aux`` has other names than the earlier batches'.
         """
         last = self.last
-        # the last batch's names are the earlier ones; two empty mappings need no comparison
-        if last is None or (aux or last[1]) and aux.keys() != last[1].keys():
+        if last is None:  # fresh sums, or restored from a checkpoint: what was summed says
             check_same_names(self.folded_aux, self.pending, aux)
+        elif (aux or last[1]) and aux.keys() != last[1].keys():  # the last batch's names are the earlier ones
+            raise ValueError(_aux_names_changed(last[1].keys(), aux))
         entry = detached(loss, aux)
         pending = (*self.pending, entry)
         if len(pending) < FOLD_EVERY:
