@@ -81,3 +81,25 @@ def test_the_command_writes_the_folder_and_refuses_a_folder_without_config_in_on
     assert (2, 1) == (again.returncode, len(again.stderr.strip().splitlines()))
     assert "exists" in again.stderr
     assert 2 == bare.returncode and "has no config.json" in bare.stderr and "Traceback" not in bare.stderr
+
+
+def test_weights_the_configs_model_lacks_are_refused_by_name_never_dropped(tmp_path, isolated):
+    """An RLHF-style model: GPT-2 plus a value head. Exported as the config's GPT2LMHeadModel, the head would be lost
+    silently: refused, naming it, nothing written."""
+    lm = _gpt2()
+    lm.save_pretrained(tmp_path / "config")
+
+    class WithValueHead(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer, self.lm_head = lm.transformer, lm.lm_head  # GPT2LMHeadModel's names
+            self.value_head = torch.nn.Linear(16, 1)
+
+    model = WithValueHead()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    save_checkpoint(ctx, tmp_path / "root", TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    ctx.close()
+
+    with pytest.raises(CheckpointError, match=r"do not fit .*: unexpected \['value_head.bias', 'value_head.weight'\]"):
+        export_checkpoint(tmp_path / "root", tmp_path / "hf", transformers_config=tmp_path / "config")
+    assert not (tmp_path / "hf").exists()
