@@ -60,12 +60,13 @@ def save_run_end(ctx: Context, state: TrainState) -> TrainState:
     functions evaluated it. The save is committed before it returns.
     """
     end = ctx.run_end_saves.get(state.run_id)
-    if end is None or ctx.saved_at.get(open_root(end.root, end.storage_options).key) == position_of(state):
+    if end is None:
         return state
-    saved = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save,
-                            storage_options=end.storage_options)
-    ctx.wait_for_checkpoints()
-    return saved
+    if ctx.saved_at.get(open_root(end.root, end.storage_options).key) != position_of(state):
+        state = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save,
+                                storage_options=end.storage_options)
+    ctx.wait_for_checkpoints()  # committed when the loop returns, whether this call submitted it or the step's own save did
+    return state
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
