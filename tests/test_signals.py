@@ -515,6 +515,30 @@ def _uneven_on_this_rank(kind):
     return "no error"
 
 
+def _two_runs_after_a_signal_in_the_last_round():
+    """Rank 0 gets SIGINT in the epoch's last step (3 a process), a check launches the round carrying it, the epoch ends
+    with that round in flight, and loop agrees the stop between epochs. Then a second run on the same Context."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True), stop_check_s=30.0)  # after the first rounds, one per 30 s: none more
+    ctx, state, dl = _setup(ctx=ctx, n=24)  # 6 batches: 3 a process
+    step = make_step(ctx, helpers.ce_loss)
+    first_step = _kill_self_at(3)(step) if ctx.accelerator.process_index == 0 else step
+    first = loop(run_epoch(ctx, first_step, dl), max_epochs=2)(state)
+    _, fresh, _ = _setup(1, ctx=ctx, n=24)
+    second = loop(run_epoch(ctx, step, dl), max_epochs=1)(fresh)
+    ctx.close()
+    return (first.epoch, first.step, first.stop_reason), (second.epoch, second.step, second.should_stop)
+
+
+@pytest.mark.multiprocess
+def test_a_round_still_in_flight_with_an_honoured_signal_is_dropped_and_the_next_run_trains():
+    """The stop was agreed (by loop, between epochs) while a round carrying the same signal was in flight: clear()
+    drains and drops it, so the next run on the Context is not stopped by it after one update."""
+    for first, second in testing.run_distributed(_two_runs_after_a_signal_in_the_last_round, nprocs=2, timeout=120):
+        assert (1, 3, "signal SIGINT") == first
+        assert (1, 3, False) == second
+
+
 @pytest.mark.multiprocess
 def test_processes_with_different_numbers_of_batches_fail_on_every_rank_at_the_epoch_start():
     messages = testing.run_distributed(_uneven_on_this_rank, "sized", nprocs=2, timeout=60)
