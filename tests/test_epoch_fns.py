@@ -191,3 +191,17 @@ def test_a_name_that_says_no_direction_needs_an_explicit_mode(fn):
     with pytest.raises(ValueError, match=rf"{fn}: cannot tell from the name 'eval_widgets'.*pass mode='min' or mode='max'"):
         getattr(trainfold, fn)("eval_widgets", s)
     assert not getattr(trainfold, fn)("eval_widgets", s, mode="max").should_stop
+
+
+@pytest.mark.parametrize("make", [
+    lambda ctx, tmp: early_stop("eval_los"),
+    lambda ctx, tmp: save_best(ctx, tmp / "best.safetensors", "eval_los"),
+    lambda ctx, tmp: reduce_lr_on_plateau("eval_los"),
+])
+def test_a_misspelt_metric_is_named_as_missing_with_the_recorded_names_not_as_a_missing_mode(make, tmp_path):
+    """'eval_los' says no direction, but the real cause is that no such record exists: that comes first."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    epoch = compose(make(ctx, tmp_path), evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader))
+    with pytest.raises(KeyError, match=r"no 'eval_los' has been recorded \(recorded: \['train_loss', 'eval_loss'\]\)\. Did you mean 'eval_loss'\?"):
+        loop(epoch, max_epochs=2)(state)
+    ctx.close()

@@ -8,6 +8,7 @@ decision reads values from ``state.history``, which ``run_epoch`` and
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -39,10 +40,14 @@ _HIGHER = frozenset({"acc", "accuracy", "f1", "fscore", "auroc", "auc", "auprc",
                      "exact", "match", "top1", "top5", "ndcg", "mrr", "psnr", "ssim", "score", "reward", "return"})
 
 
-def resolve_mode(metric: str, mode: str, where: str) -> str:
+def resolve_mode(metric: str, mode: str, where: str, state: TrainState | None = None) -> str:
     """``mode`` itself, or for ``"auto"`` the direction the metric's name says ("min" for a loss, "max" for an accuracy).
 
+    With ``state``, a name that says no direction and was never recorded is reported as what it most likely is: a
+    misspelt name (the recorded ones listed), not a missing ``mode``.
+
     Raises:
+        KeyError: ``state`` given, the name says no direction and is not recorded.
         ValueError: an unknown mode, or ``"auto"`` with a name that says neither (or both).
 
     Examples:
@@ -57,6 +62,8 @@ def resolve_mode(metric: str, mode: str, where: str) -> str:
     lower, higher = bool(words & _LOWER), bool(words & _HIGHER)
     if lower != higher:
         return "min" if lower else "max"
+    if state is not None and metric not in state.history and len(state.history):
+        raise _unrecorded(state, metric, where)
     raise ValueError(
         f"{where}: cannot tell from the name {metric!r} whether it improves by going down or up (mode='auto' knows losses, "
         "errors and perplexity as 'min', and accuracy, F1, AUROC, BLEU, precision, recall... as 'max'): pass mode='min' or "
@@ -66,11 +73,18 @@ def resolve_mode(metric: str, mode: str, where: str) -> str:
 
 def _latest(state: TrainState, metric: str, where: str) -> float:
     if metric not in state.history:
-        raise KeyError(
-            f"{where}: no {metric!r} has been recorded (recorded: {list(state.history.names)}). Compose "
-            f"it after the function that records it, e.g. compose({where}(...), evaluate(...), run_epoch(...))."
-        )
+        raise _unrecorded(state, metric, where)
     return state.history.latest(metric)
+
+
+def _unrecorded(state: TrainState, metric: str, where: str) -> KeyError:
+    names = list(state.history.names)
+    close = difflib.get_close_matches(metric, names, n=1)
+    guess = f" Did you mean {close[0]!r}?" if close else ""
+    return KeyError(
+        f"{where}: no {metric!r} has been recorded (recorded: {names}).{guess} Compose "
+        f"it after the function that records it, e.g. compose({where}(...), evaluate(...), run_epoch(...))."
+    )
 
 
 def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
@@ -139,7 +153,7 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
         (True, True, 'early_stop:eval_loss', PatienceState(best=0.5, bad_epochs=2))
     """
     state = expect_state("early_stop", state)
-    mode = resolve_mode(metric, mode, "early_stop")
+    mode = resolve_mode(metric, mode, "early_stop", state)
     if state.interrupted or state.ended_mid_epoch:
         return state  # no epoch ended: nothing to count
     key = f"early_stop:{metric}"
@@ -201,7 +215,7 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
         (0, True)
     """
     state = expect_owned("save_best", ctx, expect_state("save_best", state))
-    mode = resolve_mode(metric, mode, "save_best")
+    mode = resolve_mode(metric, mode, "save_best", state)
     key = f"save_best:{metric}"
     value = _latest(state, metric, "save_best")
     best: BestState | None = state.extras.get(key)
@@ -299,7 +313,7 @@ def reduce_lr_on_plateau(
         (0.05, 0.5)
     """
     state = expect_state("reduce_lr_on_plateau", state)
-    mode = resolve_mode(metric, mode, "reduce_lr_on_plateau")
+    mode = resolve_mode(metric, mode, "reduce_lr_on_plateau", state)
     if not 0.0 < factor < 1.0:
         raise ValueError(f"factor must be in (0, 1) (got {factor!r}).")
     if state.interrupted or state.ended_mid_epoch:
