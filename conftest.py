@@ -19,3 +19,16 @@ def _doctest_names(doctest_namespace):
     """Docstring examples see the public API as `from trainfold import *` gives it, and torch."""
     doctest_namespace.update({name: getattr(trainfold, name) for name in trainfold.__all__})
     doctest_namespace["torch"] = torch
+
+
+@pytest.fixture(autouse=True)
+def _no_lease_outlives_its_test():
+    """A Context a test leaves open on a store renews its root's lease from a thread, after the test's server is gone
+    ("renewing the lock ... failed" printed after the run): stop the renewals with the test (the thread only: the
+    server may be gone, and the lock object with it)."""
+    yield
+    from trainfold.checkpoint.storage import lease
+
+    for url, (lock, _) in list(lease._HELD.items()):
+        lock._stop.set()
+        del lease._HELD[url]

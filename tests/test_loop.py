@@ -144,3 +144,25 @@ def test_every_epochs_runs_at_a_budgets_final_stop_whatever_the_number_of_epochs
     ctx.close()
     assert (6, True) == (final.step, final.ended_mid_epoch)
     assert [(1, 6)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]
+
+
+def test_loop_refuses_at_the_call_what_it_could_not_call_with_the_state_naming_the_fix():
+    from trainfold import evaluate
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    epoch = run_epoch(ctx, make_step(ctx, loss_fn), loader)
+    with pytest.raises(TypeError, match=r"loop\(epoch_fn, max_epochs=20\): max_epochs is a keyword argument"):
+        loop(epoch, 20)
+    with pytest.raises(TypeError, match=r"loop takes an epoch function .* and was given a TrainState: a primitive given its state"):
+        loop(run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+    with pytest.raises(TypeError, match=r"loop takes an epoch function \(state -> state\); got 3, a int"):
+        loop(3, max_epochs=2)
+    with pytest.raises(TypeError, match=r"loop calls epoch_fn\(state\), with the state alone, and evaluate still needs loss_fn, loader, state"):
+        loop(evaluate(ctx), max_epochs=2)  # evaluate given the Context alone: still needs loss_fn and loader
+    with pytest.raises(TypeError, match=r"repeat calls epoch_fn\(state\), with the state alone, and <lambda> still needs state, loader"):
+        repeat(2, lambda state, loader: state)
+    with pytest.raises(TypeError, match=r"every_epochs takes an epoch function"):
+        every_epochs(2, state)
+    with pytest.raises(TypeError, match=r"until takes an epoch function"):
+        until(lambda s: True, None)
+    ctx.close()

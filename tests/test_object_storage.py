@@ -335,6 +335,7 @@ def test_a_lock_removed_under_a_live_job_alone_is_taken_again_not_called_a_takeo
 
     save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
     assert "was removed while this job held it, and no other job had taken it; taking it again" in caplog.text
+    assert [] == [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainfold")]  # the logger's name says it
     assert json.loads(fs.cat_file(f"{root.removeprefix('s3://')}/.trainfold.lock"))["pid"] == os.getpid()
     assert helpers.second_job(root, options).startswith("refused")  # still the root's one writer
     ctx.close()

@@ -177,7 +177,7 @@ def _ls_text(doc: dict[str, Any]) -> str:
     lines = [f"{doc['root']}:"]
     for e in doc["checkpoints"]:
         if not e["complete"]:
-            lines.append(f"    {e['name']:<28} debris of an unfinished save (removed at the next commit)")
+            lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
             continue
         where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" if e.get("batch_in_epoch") else f"after epoch {e['epoch']}"
         lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
@@ -258,7 +258,8 @@ def _inspect_text(d: dict[str, Any]) -> str:
     lines = [
         f"{d['checkpoint']}",
         f"  update {d['update']}, epoch {d['epoch']} done, batch {d['batch_in_epoch']} of the next, micro-batch {d['micro_step']}",
-        f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'running'}" + (f" ({stop['reason']})" if stop["reason"] else ""),
+        f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'none (a run resumed from it goes on)'}"
+        + (f" ({stop['reason']})" if stop["reason"] else ""),
         f"  {d['format']} format, {d['processes']} process(es){_ranks(d)}, {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {_size(d['bytes'])}",
         f"  gradient_accumulation_steps {d['gradient_accumulation_steps']}, mixed_precision {d['mixed_precision']}, layout {d['layout']}",
         f"  run {d['run_id']}, written by trainfold {d['trainfold_version']} with torch {d['torch_version']}",

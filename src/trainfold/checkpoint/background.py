@@ -103,7 +103,7 @@ def _finite(weights: Mapping[str, torch.Tensor]) -> bool:
 
 def _report_nonfinite(name: str) -> None:
     logger.error(
-        "trainfold: checkpoint %s holds non-finite weights (NaN or inf): the run has diverged. It is kept, but "
+        "checkpoint %s holds non-finite weights (NaN or inf): the run has diverged. It is kept, but "
         "keep_last never removes the newest checkpoint of finite weights because of it; resume from that one "
         "(see list_checkpoints) with a lower learning rate, clipping, or make_step(..., stages=[nan_guard()]).",
         name,

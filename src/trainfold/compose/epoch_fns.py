@@ -373,7 +373,7 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
     at = state.step if axis == "update" else state.epoch
     if state.interrupted:
         if ctx.is_main_process:
-            logger.warning("trainfold: stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
+            logger.warning("stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
         return state
     if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
         values = dict(state.metrics)

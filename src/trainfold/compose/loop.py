@@ -7,9 +7,12 @@ like ``every_steps(n, fn)``); ``loop(fn, max_epochs=...)`` takes its limit by ke
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from typing import Any
 
 import attrs
+from toolz.functoolz import no_default
 
 from trainfold.base.checks import name_of, named, positive_int
 from trainfold.checkpoint.every import save_run_end
@@ -51,7 +54,37 @@ def _ended(ctx: Context | None, state: TrainState) -> TrainState:
     return state if ctx is None else save_run_end(ctx, state)
 
 
-def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
+def expect_epoch_fn(where: str, fn: Any) -> None:
+    """Refuse, where the combinator is built, what cannot be called as ``fn(state)``: a state (a primitive given its state
+    runs at once and returns one), something not callable, a function that needs more than the state.
+
+    Raises:
+        TypeError: naming what was given and the fix.
+    """
+    if isinstance(fn, TrainState):
+        raise TypeError(
+            f"{where} takes an epoch function (state -> state) and was given a TrainState: a primitive given its state "
+            "(run_epoch(ctx, step, loader, state)) runs at once. Leave the state out to get the function: "
+            f"{where}(run_epoch(ctx, step, loader), ...)."
+        )
+    if not callable(fn):
+        raise TypeError(f"{where} takes an epoch function (state -> state); got {fn!r}, a {type(fn).__name__}.")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or a C callable: nothing to check
+        return
+    # toolz's curry shows the arguments it still needs with this default
+    required = [p.name for p in signature.parameters.values()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and (p.default is p.empty or p.default == no_default)]
+    if len(required) > 1 or any(signature.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in required):
+        raise TypeError(
+            f"{where} calls epoch_fn(state), with the state alone, and {name_of(fn)} still needs {', '.join(required)}. "
+            "Give it the rest first (a curried primitive takes everything but the state: evaluate(ctx, loss_fn, loader)), or "
+            "wrap it: lambda state: fn(state, ...)."
+        )
+
+
+def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) -> EpochFn:
     """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
 
     ::
@@ -76,7 +109,9 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
 
     Raises:
         ValueError: ``max_epochs`` is not a positive int (when the loop is built).
-        TypeError: ``epoch_fn`` returned something other than a TrainState.
+        TypeError: ``epoch_fn`` cannot be called as ``epoch_fn(state)`` (a TrainState, not callable, a function that
+            needs more), or ``max_epochs`` given by position (when the loop is built); ``epoch_fn`` returned something
+            other than a TrainState (when it runs).
         RuntimeError: ``epoch_fn`` did not advance ``state.epoch`` (it would loop
             forever): it must contain a ``run_epoch``.
 
@@ -87,6 +122,10 @@ def loop(epoch_fn: EpochFn, *, max_epochs: int | None = None) -> EpochFn:
         >>> state.epoch
         3
     """
+    if by_position:
+        raise TypeError(f"loop(epoch_fn, max_epochs={by_position[0]!r}): max_epochs is a keyword argument "
+                        f"(loop was given {len(by_position) + 1} arguments by position).")
+    expect_epoch_fn("loop", epoch_fn)
     if max_epochs is not None:
         positive_int("max_epochs", max_epochs)
 
@@ -131,6 +170,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
         2
     """
     positive_int("n", n)
+    expect_epoch_fn("repeat", fn)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("repeat", state)
@@ -164,6 +204,7 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
         >>> until(lambda s: s.step >= 6, run_epoch(ctx, make_step(ctx, loss_fn), loader))(state).step
         8
     """
+    expect_epoch_fn("until", fn)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("until", state)
@@ -206,6 +247,7 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
         [2, 4]
     """
     positive_int("n", n)
+    expect_epoch_fn("every_epochs", fn)
 
     def run(state: TrainState) -> TrainState:
         state = expect_state("every_epochs", state)

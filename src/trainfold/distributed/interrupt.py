@@ -213,7 +213,7 @@ class Handlers:
         self._request_previous(signum)
         if not interrupt.requested:
             interrupt.request(signum)
-            log.warning("trainfold: %s received: stopping at the next step boundary (a final checkpoint is written where you "
+            log.warning("%s received: stopping at the next step boundary (a final checkpoint is written where you "
                         "save); %s", signal_name(signum), "press Ctrl-C again to stop at once." if signum == signal.SIGINT else
                         "a repeated SIGTERM changes nothing; SIGKILL ends the process at once.")
             return
@@ -221,7 +221,7 @@ class Handlers:
             self.uninstall()
             self._pass_on(signum, frame)
             return
-        log.info("trainfold: %s received again: the stop already requested goes on.", signal_name(signum))
+        log.info("%s received again: the stop already requested goes on.", signal_name(signum))
 
     def _request_previous(self, signum: int) -> None:
         """Every live Context in the process sees the request: a Context's handler made before this one is asked too."""

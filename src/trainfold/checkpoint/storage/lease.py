@@ -134,7 +134,7 @@ class LeaseLock:
         declared = owner.get("lease_s")
         watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
-        logger.warning("trainfold: %s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
+        logger.warning("%s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
                        "killed leaves its lock behind).", self.url, _describe(owner), watch_s + 2 * POLL_S)
         deadline = time.monotonic() + watch_s + 2 * POLL_S
         while time.monotonic() < deadline:
@@ -155,7 +155,7 @@ class LeaseLock:
         # the body read before watching is the one replaced (any write since would have changed the ETag)
         committing = owner.get("committing")
         self.inherited = committing if isinstance(committing, dict) else None
-        logger.warning("trainfold: took over the lock of %s, whose owner did not renew it for its whole lease (%s).", self.url, _describe(owner))
+        logger.warning("took over the lock of %s, whose owner did not renew it for its whole lease (%s).", self.url, _describe(owner))
 
     def _refusal(self, owner: dict[str, Any]) -> str:
         return (f"{self.url} is being written by another job ({_describe(owner)}, which renews its lease): two writers would "
@@ -180,7 +180,7 @@ class LeaseLock:
             try:
                 conditional.create(self.fs, self.path, self.body())
                 self.etag = conditional.tag(self.fs, self.path)
-                logger.warning("trainfold: %s (the lock of the run's checkpoint root) was removed while this job held it, "
+                logger.warning("%s (the lock of the run's checkpoint root) was removed while this job held it, "
                                "and no other job had taken it; taking it again.", self.path)
                 return
             except conditional.Lost:
@@ -225,7 +225,7 @@ class LeaseLock:
                 try:
                     live.renew()
                 except Exception as exc:  # the store unreachable for a moment: the next renewal tries again
-                    logger.warning("trainfold: renewing the lock of %s failed (%s); retrying.", live.url, exc)
+                    logger.warning("renewing the lock of %s failed (%s); retrying.", live.url, exc)
                 del live
 
         self._thread = threading.Thread(target=renewing, args=(self._stop, self.lease_s / 3), name="trainfold-lease", daemon=True)

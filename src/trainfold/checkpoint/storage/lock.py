@@ -121,7 +121,7 @@ def confirm(key: str, root: Path) -> None:
     if _same_file(fd, root / LOCK_NAME):
         _lock(fd, root)  # one syscall: still ours
         return
-    logger.warning("trainfold: %s (the lock of the run's checkpoint folder) was removed while this run held it; taking it again.",
+    logger.warning("%s (the lock of the run's checkpoint folder) was removed while this run held it; taking it again.",
                    root / LOCK_NAME)
     os.close(fd)
     try:

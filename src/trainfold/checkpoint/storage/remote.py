@@ -278,7 +278,7 @@ class RemoteRoot:
         """Write the manifest of a commit its owner fenced and may not have written, if its files are all there."""
         name, manifest = inherited.get("name"), inherited.get("manifest")
         if not (isinstance(name, str) and NAME.fullmatch(name) and isinstance(manifest, str) and len(manifest) <= MAX_MANIFEST_BYTES):
-            logger.warning("trainfold: %s: the lock taken over records a commit that is not one trainfold makes; ignored.", self.url)
+            logger.warning("%s: the lock taken over records a commit that is not one trainfold makes; ignored.", self.url)
             return
         ckpt = self.checkpoint(name)
         try:
@@ -287,12 +287,12 @@ class RemoteRoot:
         except (ValueError, AttributeError, RecursionError):
             missing = ["(a manifest that is not JSON)"]
         if missing:
-            logger.warning("trainfold: %s: the previous owner's commit of %s lacks %s; it stays uncommitted (and is removed).",
+            logger.warning("%s: the previous owner's commit of %s lacks %s; it stays uncommitted (and is removed).",
                            self.url, name, ", ".join(missing[:3]))
             return
         try:
             _create_manifest(ckpt, manifest.encode())
-            logger.warning("trainfold: %s: finished the commit of %s, which the previous owner of the lock had begun.", self.url, name)
+            logger.warning("%s: finished the commit of %s, which the previous owner of the lock had begun.", self.url, name)
         except CheckpointError:
             pass  # another manifest is there: that commit was made
 
