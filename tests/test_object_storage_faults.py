@@ -201,6 +201,14 @@ def _stalled_writer(root, options, updates, stop, marker):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
+def _kill_left(*procs):
+    """Kill the jobs a failed test left running (stopped or not) and wait for them."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
 def _until_stopped(proc, marker, what):
     """Wait for the event: the job created its marker and the kernel shows it stopped (state T); a hang-guard only."""
     deadline = time.monotonic() + 300
@@ -239,10 +247,7 @@ def test_an_owner_stopped_past_its_lease_commits_nothing_and_removes_nothing_of_
             assert 0 == copy.returncode, said
             assert "committed ckpt-0000000006\ncommitted ckpt-0000000008" in said
         finally:
-            for proc in (owner, copy):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.communicate(timeout=30)
+            _kill_left(owner, copy)
         checkpoints = list_checkpoints(root, storage_options=options)
         assert [f"{root}/ckpt-000000000{n}" for n in (4, 6, 8)] == checkpoints
         for checkpoint in checkpoints:  # every file there, every digest right: nothing removed under the copy
@@ -271,10 +276,7 @@ def test_a_commit_fenced_before_its_owner_stopped_is_finished_by_the_job_that_ta
         said, _ = copy.communicate(timeout=300)
         assert 0 == copy.returncode and "committed ckpt-0000000006\ncommitted ckpt-0000000008" in said, said
     finally:
-        for proc in (owner, copy):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.communicate(timeout=30)
+        _kill_left(owner, copy)
     checkpoints = list_checkpoints(root, storage_options=options)
     assert [f"{root}/ckpt-000000000{n}" for n in (4, 6, 8)] == checkpoints
     for checkpoint in checkpoints:
