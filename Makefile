@@ -49,9 +49,12 @@ $(DS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
 	touch $(DS_STAMP)
 
-$(TP_STAMP): $(STAMP)
+# datasets too: Accelerate's loader imports it wherever it is installed (.venv has it for the streamed-data tests), and
+# .venv's needs a huggingface_hub this folder shadows; 4.4 takes hub 0.x (with httpx, which .venv lacks).
+$(TP_STAMP): $(STAMP) Makefile
 	rm -rf $(TP_SITE)
-	$(PY) -m pip install --quiet --no-deps --target $(TP_SITE) "transformers==4.57.6" "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<0.23"
+	$(PY) -m pip install --quiet --no-deps --target $(TP_SITE) "transformers==4.57.6" "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<0.23" \
+		"datasets==4.4.1" httpx httpcore h11
 	touch $(TP_STAMP)
 
 $(AZ_STAMP):

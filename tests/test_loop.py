@@ -166,3 +166,25 @@ def test_loop_refuses_at_the_call_what_it_could_not_call_with_the_state_naming_t
     with pytest.raises(TypeError, match=r"until takes an epoch function"):
         until(lambda s: True, None)
     ctx.close()
+
+
+def test_an_evaluation_composed_to_run_before_training_is_warned_about_at_the_first_epoch():
+    """compose(run_epoch, evaluate) read left to right evaluates before each epoch's training: said once, naming the fix."""
+    import warnings
+
+    from trainfold import evaluate
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
+    with pytest.warns(UserWarning, match=r"recorded 'eval_loss' at update 0, before the epoch's training \(which ended at update 4\)"
+                                          r": compose applies right to left") as caught:
+        wrong = loop(compose(run_epoch(ctx, make_step(ctx, loss_fn), loader), evaluate(ctx, loss_fn, loader)), max_epochs=3)(state)
+    assert 1 == len(caught)
+    assert [0, 4, 8] == [r.step for r in wrong.history if r.name == "eval_loss"]  # the final model (update 12) never
+    ctx.close()
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right order says nothing
+        right = loop(compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=3)(state)
+    assert [4, 8, 12] == [r.step for r in right.history if r.name == "eval_loss"]
+    ctx.close()

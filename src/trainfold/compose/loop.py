@@ -84,6 +84,25 @@ def expect_epoch_fn(where: str, fn: Any) -> None:
         )
 
 
+def warn_if_recorded_before_training(where: str, epoch_fn: EpochFn, before: TrainState, after: TrainState) -> None:
+    """Warn when an epoch recorded a value (an evaluation's) older than the training it did: the functions ran in the
+    order the composition reads left to right, not the one it applies (``compose(a, b)`` runs ``b`` first), and the
+    final model is never evaluated. Checked on a loop's first epoch (a few comparisons)."""
+    if after.step <= before.step:
+        return
+    early = [r for r in tuple(after.history)[len(before.history):] if not r.name.startswith("train_") and r.step < after.step]
+    if early:
+        r = early[0]
+        warnings.warn(
+            f"{where}: epoch function {name_of(epoch_fn)!r} recorded {r.name!r} at update {r.step}, before the epoch's training "
+            f"(which ended at update {after.step}): compose applies right to left, so in compose(run_epoch(...), "
+            "evaluate(...)) the evaluation runs first, on the model before each epoch, and the final model is never "
+            "evaluated. Put what runs after training on the left: compose(evaluate(...), run_epoch(...)).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) -> EpochFn:
     """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
 
@@ -132,6 +151,7 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
     def run(state: TrainState) -> TrainState:
         state = expect_state("loop", state)
         ctx = _context(state)
+        first = True
         while not state.should_stop and (max_epochs is None or state.epoch < max_epochs):
             state = _stop_requested(ctx, state)
             if state.should_stop:
@@ -142,6 +162,9 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
                     f"loop: epoch function {name_of(epoch_fn)!r} did not advance state.epoch "
                     f"(still {new.epoch}), so the loop would never end: compose it with run_epoch."
                 )
+            if first:
+                warn_if_recorded_before_training("loop", epoch_fn, state, new)
+                first = False
             state = new
         return _ended(ctx, state)
 
