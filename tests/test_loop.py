@@ -169,7 +169,8 @@ def test_loop_refuses_at_the_call_what_it_could_not_call_with_the_state_naming_t
 
 
 def test_an_evaluation_composed_to_run_before_training_is_warned_about_at_the_first_epoch():
-    """compose(run_epoch, evaluate) read left to right evaluates before each epoch's training: said once, naming the fix."""
+    """compose(run_epoch, evaluate) read left to right evaluates before each epoch's training: said once, naming the fix;
+    the right order and evaluations every few updates say nothing."""
     import warnings
 
     from trainfold import evaluate
@@ -187,4 +188,13 @@ def test_an_evaluation_composed_to_run_before_training_is_warned_about_at_the_fi
         warnings.simplefilter("error")  # the right order says nothing
         right = loop(compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=3)(state)
     assert [4, 8, 12] == [r.step for r in right.history if r.name == "eval_loss"]
+    ctx.close()
+
+    from trainfold import every_steps
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # evaluations inside the epoch, after updates, are not the wrong order either
+        inside = loop(run_epoch(ctx, every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
+    assert [2, 4, 6, 8] == [r.step for r in inside.history if r.name == "eval_loss"]
     ctx.close()

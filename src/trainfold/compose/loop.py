@@ -85,12 +85,13 @@ def expect_epoch_fn(where: str, fn: Any) -> None:
 
 
 def warn_if_recorded_before_training(where: str, epoch_fn: EpochFn, before: TrainState, after: TrainState) -> None:
-    """Warn when an epoch recorded a value (an evaluation's) older than the training it did: the functions ran in the
-    order the composition reads left to right, not the one it applies (``compose(a, b)`` runs ``b`` first), and the
-    final model is never evaluated. Checked on a loop's first epoch (a few comparisons)."""
+    """Warn when an epoch that trained recorded a value (an evaluation's) of the model it was given, before any update:
+    the functions ran in the order the composition reads left to right, not the one it applies (``compose(a, b)``
+    runs ``b`` first), and the final model is never evaluated. Values recorded during the epoch after an update
+    (``every_steps``) are not that. Checked on a loop's first epoch (a few comparisons)."""
     if after.step <= before.step:
         return
-    early = [r for r in tuple(after.history)[len(before.history):] if not r.name.startswith("train_") and r.step < after.step]
+    early = [r for r in tuple(after.history)[len(before.history):] if not r.name.startswith("train_") and r.step == before.step]
     if early:
         r = early[0]
         warnings.warn(
