@@ -78,9 +78,9 @@ def expect_epoch_fn(where: str, fn: Any) -> None:
                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and (p.default is p.empty or p.default == no_default)]
     if len(required) > 1 or any(signature.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in required):
         raise TypeError(
-            f"{where} calls epoch_fn(state), with the state alone, and {name_of(fn)} still needs {', '.join(required)}. "
-            "Give it the rest first (a curried primitive takes everything but the state: evaluate(ctx, loss_fn, loader)), or "
-            "wrap it: lambda state: fn(state, ...)."
+            f"{where} calls epoch_fn(state), with the state alone, and {name_of(fn)} still needs {', '.join(required)} "
+            f"(the state would be taken as {required[0]!r}). Give it the rest first (a curried primitive takes everything "
+            "but the state: evaluate(ctx, loss_fn, loader)), or wrap it: lambda state: fn(state, ...)."
         )
 
 
@@ -122,6 +122,7 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
 
     Args:
         epoch_fn: ``state -> state``; it must advance ``state.epoch`` (contain a ``run_epoch``).
+        by_position: nothing: ``max_epochs`` is a keyword argument, and a value given by position is refused naming it.
         max_epochs: the epoch count of the whole run at which to stop; None: only ``should_stop`` ends it.
 
     Returns:
