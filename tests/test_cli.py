@@ -352,3 +352,16 @@ def test_diff_of_files_whose_tensors_are_not_the_same_set_is_never_equal(tmp_pat
     assert (1, "0 of 1 tensors differ:\n  only in a: value_head\n") == _run(capsys, "diff", b, a)[:2]
     code, out, _ = _run(capsys, "diff", a, c)
     assert 1 == code and f"no tensor in common: {a} has w; {c} has other\n" == out
+
+
+def test_a_model_folder_of_links_is_read_as_its_files_and_its_auto_map_still_refused(root, tmp_path, capsys):
+    """A Hugging Face cache snapshot's files are links to its blobs: the config is read through them (it is the user's
+    folder, not a checkpoint's), so an auto_map there is refused as such, not as a folder without a config."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    (blobs / "abc123").write_text(json.dumps({"architectures": ["EvilModel"], "auto_map": {"AutoModel": "m.EvilModel"}}))
+    (snapshot / "config.json").symlink_to(blobs / "abc123")
+
+    code, _, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(snapshot))
+    assert 2 == code and "has an auto_map" in err

@@ -134,9 +134,12 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     ``consumed`` batches were stepped on and, if ``read_ahead[0]``, one more was
     read ahead. The sampler's permutation is drawn again under the epoch's
     starting random state, the consumed and read-ahead index batches are skipped
-    without loading their data (with ``num_workers=0``), then the random state of
-    the checkpoint is restored and iteration continues with the same one-batch
-    look-ahead, so every later batch is read with the same random numbers.
+    without loading their data (with ``num_workers=0``; with workers, and for an
+    iterable dataset, which has no sampler to skip, they are read and dropped),
+    then the random state of the checkpoint is restored and iteration continues
+    with the same one-batch look-ahead, so every later batch is read with the same
+    random numbers. With nothing read ahead the loader had ended: nothing is read,
+    the epoch is only closed.
     """
     from trainfold.base.batch import like
 

@@ -31,8 +31,8 @@ def _check_no_code(config_dir: Path) -> None:
     Python; the question is never asked.
     """
     path = config_dir / "config.json"
-    if not path.is_file() or path.is_symlink():
-        raise CheckpointError(f"{config_dir} has no config.json (a regular file): name the folder of a Hugging Face model "
+    if not path.is_file():  # through a link too: a Hugging Face cache snapshot's files are links to its blobs
+        raise CheckpointError(f"{config_dir} has no config.json: name the folder of a Hugging Face model "
                               "(save_pretrained's, or its config alone).")
     try:
         config = json.loads(path.read_bytes()[: 1 << 20])

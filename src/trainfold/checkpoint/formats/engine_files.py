@@ -236,10 +236,10 @@ def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     if not optim:  # no ZeRO partitions (stage 0): the module's states are the whole model
         weights.update({k: v for k, v in module.items() if isinstance(v, torch.Tensor)})
         return weights
-    stages = [o.get("zero_stage") if isinstance(o, Mapping) else None for o in optim]
+    stages: list[Any] = [o.get("zero_stage") if isinstance(o, Mapping) else None for o in optim]
     if any(not isinstance(s, int) or isinstance(s, bool) for s in stages) or len(set(stages)) != 1:
         raise ValueError(f"has ZeRO optimizer files whose stages are {stages} (one int, the same on every rank): refused.")
-    world, stage = len(optim), int(stages[0] or 0)  # an int, checked just above
+    world, stage = len(optim), int(stages[0])
     if stage <= 2:
         _merge_zero2(weights, first, optim, world)
     else:

@@ -297,8 +297,10 @@ class RemoteRoot:
             pass  # another manifest is there: that commit was made
 
     def _listing(self) -> list[str]:
-        self.fs.invalidate_cache(self.where)  # adlfs lists from its cache, whatever refresh says (a stale listing hid a
-        try:                                  # checkpoint saved again, whose old manifest then stayed)
+        # adlfs lists from its cache, whatever refresh says: a stale listing hid a checkpoint saved again, whose old
+        # manifest then stayed
+        self.fs.invalidate_cache(self.where)
+        try:
             found = call(self.fs, f"listing {self.url}", "ls", self.where, detail=False, refresh=True)
         except FileNotFoundError:
             return []
