@@ -5,11 +5,16 @@
 - Every public name (``trainfold.__all__``) must have an entry (``::: trainfold.NAME``) in a page of
   ``docs/api/``, and its docstring the parts a reference needs (:func:`docstring_problems`): each
   gap is a warning, which ``mkdocs build --strict`` (``make docs``, ``make test``) turns into a failure.
+- Every Sphinx role in the sources (``:func:`~trainfold.evaluate```, ``:meth:`close```, in a docstring or a
+  ``#:`` comment) must name something that exists (:func:`stale_references`): a module moved or a name renamed
+  leaves a reference that is a warning too.
   ``tests/test_docs.py`` runs the same checks in the in-process tests.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -48,6 +53,66 @@ def _alias_docstring(name: str) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+SRC = DOCS.parent / "src"
+_SOURCE_ROLE = re.compile(r":(?:func|class|attr|meth|mod|data|exc|obj):`~?([\w.]+)`")
+_MISSING = object()
+
+
+def _lookup(scope: Any, dotted: str) -> Any:
+    """``scope.a.b`` for ``dotted`` ``"a.b"``, or ``_MISSING``; a module's submodule is imported where no attribute has its name."""
+    for part in dotted.split("."):
+        found = getattr(scope, part, _MISSING)
+        if found is _MISSING and inspect.ismodule(scope):
+            try:
+                found = importlib.import_module(f"{scope.__name__}.{part}")
+            except ImportError:
+                found = _MISSING
+        if found is _MISSING:
+            return _MISSING
+        scope = found
+    return scope
+
+
+def _resolves(target: str, module: Any, classes: list[Any]) -> bool:
+    """Whether a role's target names something: from the enclosing classes outward, then the module, then as an import path."""
+    first = target.split(".", 1)[0]
+    for scope in (*reversed(classes), module):
+        if hasattr(scope, first):
+            return _lookup(scope, target) is not _MISSING
+        if inspect.isclass(scope) and first in getattr(scope, "__annotations__", {}):  # a field with no class attribute
+            return "." not in target
+    try:
+        top = importlib.import_module(first)
+    except ImportError:
+        return False
+    rest = target.split(".", 1)[1] if "." in target else ""
+    return not rest or _lookup(top, rest) is not _MISSING
+
+
+def stale_references(src: Path = SRC) -> list[str]:
+    """Every Sphinx role in the package's sources whose target names nothing (a moved module, a renamed function).
+
+    Each ``.py`` file under ``src`` is imported as the module its path names; a role is resolved, Sphinx's way, in the
+    classes around it (innermost first), then the module's names, then as an absolute path (``trainfold.x.y``).
+    """
+    problems = []
+    for path in sorted(src.rglob("*.py")):
+        parts = path.relative_to(src).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        text = path.read_text()
+        if _SOURCE_ROLE.search(text) is None or name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        spans = [(n.lineno, n.end_lineno or n.lineno, n.name) for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+        for number, line in enumerate(text.splitlines(), 1):
+            for match in _SOURCE_ROLE.finditer(line):
+                around = sorted((s for s in spans if s[0] <= number <= s[1]), key=lambda s: s[0])
+                classes = [c for c in (_lookup(module, s[2]) for s in around) if c is not _MISSING]
+                if not _resolves(match.group(1), module, classes):
+                    problems.append(f"{path.relative_to(src)}:{number}: {match.group(0)} names nothing that exists")
+    return problems
 
 
 def docstring_problems(name: str, obj: Any) -> list[str]:
@@ -108,6 +173,8 @@ def on_pre_build(config: Any) -> None:
     _ENTRIES.update(api_entries())
     for problem in reference_problems():
         log.warning("API reference: %s", problem)
+    for problem in stale_references():
+        log.warning("docstring reference: %s", problem)
 
 
 _INCLUDE = re.compile(r'^--8<-- "([\w./-]+)"\s*$')

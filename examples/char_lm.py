@@ -131,10 +131,11 @@ def main() -> None:
         state = load_checkpoint(ctx, root, state)
         ctx.accelerator.print(f"resumed from {latest_checkpoint(root).name} at update {state.step}")
 
+    saving = checkpoint_every(ctx, root, 2 if args.smoke else 50, keep_last=2)  # and at a stop; saving.at_end saves the end
     step = compose(
         max_steps(updates),
         log_every(ctx, 2 if args.smoke else 25),
-        checkpoint_every(ctx, root, 2 if args.smoke else 50, keep_last=2),
+        saving,
         lr_schedule(warmup_cosine(3e-3, warmup_steps=min(30, updates // 4), total_steps=updates, end_lr=3e-4)),
     )(make_step(ctx, loss_fn, clip_grad_norm=1.0, normalize="tokens"))
 
@@ -146,7 +147,7 @@ def main() -> None:
         ctx.accelerator.print(f"epoch {s.epoch}  update {s.step}  train_loss {loss:.3f} nats/char ({loss / math.log(2):.2f} bits)")
         return s
 
-    state = loop(compose(report, run_epoch(ctx, step, train_dl)))(state)
+    state = compose(saving.at_end, loop(compose(report, run_epoch(ctx, step, train_dl))))(state)
     ctx.accelerator.print(f"{len(data)} sequences, {len(vocab)} characters, {state.step} updates. A sample:\n")
     ctx.accelerator.print(sample(ctx.accelerator.unwrap_model(state.model), vocab, "def ", 20 if args.smoke else 300))
     ctx.close()

@@ -45,7 +45,7 @@ def test_an_async_save_returns_before_the_write_and_holds_the_state_of_its_momen
     before = testing.parameters(state)
 
     save_checkpoint(ctx, tmp_path, state, async_save=True, sharded=sharded)
-    in_flight, visible = ctx.saver.in_flight, latest_checkpoint(tmp_path)
+    in_flight, visible = ctx.runtime.saver.in_flight, latest_checkpoint(tmp_path)
     _nudge(state)  # training goes on while the thread writes
     ctx.wait_for_checkpoints()
 
@@ -210,16 +210,16 @@ def test_a_signal_during_the_wait_for_the_last_background_save_lets_it_land(tmp_
 
     assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(tmp_path)]
     verify_checkpoint(latest_checkpoint(tmp_path))
-    assert 0 != ctx.interrupt.requested  # recorded as a stop request, nothing more
+    assert 0 != ctx.runtime.interrupt.requested  # recorded as a stop request, nothing more
 
 
 @pytest.mark.parametrize("end, every", [("max_epochs", 100), ("max_steps", 100), ("max_steps", 6)])
-def test_a_loop_returns_only_once_its_run_end_background_checkpoint_is_committed(end, every, tmp_path, monkeypatch):
-    """With async_save=True the loop's end is saved in the background, and the loop waits for its commit: code after the
-    loop sees it (and a kill after the loop loses nothing). The background write is held on an event, so a loop that
-    returned before the commit is seen returning while it is held. A budget's stop (max_steps) is saved by
-    checkpoint_every itself; where its periodic save falls on that update, the run's end is that save, already
-    submitted: the loop waits for it too."""
+def test_the_run_end_save_returns_only_once_its_background_checkpoint_is_committed(end, every, tmp_path, monkeypatch):
+    """With async_save=True the loop's end is saved (checkpoint_every's at_end) in the background, and at_end waits for
+    its commit: code after it sees it (and a kill after it loses nothing). The background write is held on an event, so
+    a call that returned before the commit is seen returning while it is held. A budget's stop (max_steps) is saved by
+    checkpoint_every's step itself; where its periodic save falls on that update, the run's end is that save, already
+    submitted: at_end waits for it too."""
     import threading
 
     from trainfold import checkpoint_every, latest_checkpoint, loop, make_step, max_steps, run_epoch, testing
@@ -234,12 +234,13 @@ def test_a_loop_returns_only_once_its_run_end_background_checkpoint_is_committed
         return commit(ctx, job, group)
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
-    step = checkpoint_every(ctx, tmp_path, every, async_save=True)(make_step(ctx, loss_fn))
+    saving = checkpoint_every(ctx, tmp_path, every, async_save=True)
+    step = saving(make_step(ctx, loss_fn))
     if end == "max_steps":
         step = max_steps(6)(step)
     monkeypatch.setattr(save, "write_and_commit", held)
     returned = []
-    runner = threading.Thread(target=lambda: returned.append(loop(run_epoch(ctx, step, loader), max_epochs=2)(state)))
+    runner = threading.Thread(target=lambda: returned.append(saving.at_end(loop(run_epoch(ctx, step, loader), max_epochs=2)(state))))
     runner.start()
     assert writing.wait(timeout=300)  # the event: the run-end save is being written
     runner.join(timeout=1.0)

@@ -107,8 +107,9 @@ def _train(stage, root, *, ga=1, stop_after=None, resume=False, epochs=2, async_
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    step = checkpoint_every(ctx, root, 2, async_save=async_save)(step)
-    state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
+    saving = checkpoint_every(ctx, root, 2, async_save=async_save)
+    step = saving(step)
+    state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state))
     params = _full_params(acc, state.model)
     ctx.close()
     return params, state.step, state.epoch
@@ -315,7 +316,8 @@ def _config_composed(stage, ga, root):
     ctx = Context(accelerator=acc)
     (dl,) = ctx.prepare_loaders(dl)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 2)(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
+    saving = checkpoint_every(ctx, root, 2)
+    state = saving.at_end(loop(run_epoch(ctx, saving(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state))
     params = _full_params(acc, state.model)
     lr = state.optimizer.param_groups[0]["lr"]
     ctx.close()
@@ -456,8 +458,9 @@ def _train_on_store(stage, root, options, *, stop_after=None, resume=False):
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    step = checkpoint_every(ctx, root, 2, storage_options=options)(step)
-    state = loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+    saving = checkpoint_every(ctx, root, 2, storage_options=options)
+    step = saving(step)
+    state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=2)(state))
     params = _full_params(acc, state.model)
     ctx.close()
     return params, state.step

@@ -97,3 +97,31 @@ def test_the_readme_becomes_the_home_page_with_the_sites_links():
     assert text.startswith("# trainfold")
     assert "](guides/step.md)" in text and "](docs/" not in text
     assert "](examples/" not in text  # the site does not hold the examples: their names stay, as text
+
+
+def test_no_docstring_reference_names_something_that_does_not_exist():
+    assert [] == hooks.stale_references()
+
+
+def test_a_planted_stale_reference_is_found_and_live_ones_are_not(tmp_path, monkeypatch):
+    """The checker on a package of its own: a moved module and a renamed method are found; a public name, a method
+    named from inside its class, a name the module imports and a module path are not."""
+    package = tmp_path / "src" / "planted_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(
+        '"""Uses :func:`~trainfold.evaluate`, :mod:`trainfold.core.runtime`, :func:`compose` and :class:`Thing`."""\n'
+        "from toolz import compose\n\n\n"
+        "class Thing:\n"
+        '    """See :meth:`go`, not :meth:`gone`; and :class:`trainfold.interrupt.Handlers`."""\n\n'
+        "    def go(self):\n"
+        '        """Go (:meth:`Thing.go`)."""\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+
+    found = hooks.stale_references(tmp_path / "src")
+
+    assert found == [
+        "planted_pkg/mod.py:6: :meth:`gone` names nothing that exists",
+        "planted_pkg/mod.py:6: :class:`trainfold.interrupt.Handlers` names nothing that exists",
+    ]

@@ -47,10 +47,10 @@ def _rounds_on_this_rank():
     ctx = Context(accelerator=Accelerator(cpu=True))
     _, state, loader, loss_fn = testing.tiny_setup(accelerator=ctx.accelerator, n=64)
     run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
-    in_flight = ctx.interrupt._pending
+    in_flight = ctx.runtime.interrupt._pending
     launched = in_flight is not None
     ctx.accelerator.end_training()
-    return launched, ctx.interrupt._pending is None, in_flight is None or in_flight[0].is_completed()
+    return launched, ctx.runtime.interrupt._pending is None, in_flight is None or in_flight[0].is_completed()
 
 
 @pytest.mark.multiprocess

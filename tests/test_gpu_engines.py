@@ -84,7 +84,8 @@ def _train(root, *, stop_after=None, resume=False, ga=1):
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 2)(step), dl), max_epochs=2)(state)
+    saving = checkpoint_every(ctx, root, 2)
+    state = saving.at_end(loop(run_epoch(ctx, saving(step), dl), max_epochs=2)(state))
     params = _full(ctx.accelerator, state.model)
     ctx.close()
     return params, state.step

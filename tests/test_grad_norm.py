@@ -6,7 +6,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, grad_norm, log_every, loop, make_step, run_epoch, testing
+from trainfold import Context, TrainState, clip_by_norm, log_every, loop, make_step, run_epoch, testing
 
 import helpers
 
@@ -61,7 +61,7 @@ def _check(expected, got):
 
 @pytest.mark.parametrize("ga,clip", [(1, 0.5), (3, 0.5), (1, math.inf), (3, math.inf)])
 def test_the_recorded_norm_is_the_mean_of_clip_grad_norms_over_each_epochs_updates(ga, clip):
-    """With clipping (the norm before clipping) and without (grad_norm(): training unchanged, as clip_grad_norm_(inf) is)."""
+    """With clipping (the norm before clipping) and without (the norm alone: training unchanged, as clip_grad_norm_(inf) is)."""
     _check(*_both_ways(ga, clip))
 
 
@@ -71,12 +71,12 @@ def test_on_two_processes_the_norm_is_that_of_the_averaged_gradients():
         _check(expected, got)
 
 
-def test_grad_norm_leaves_training_bit_for_bit_unchanged():
-    def run(stages):
+def test_recording_the_norm_leaves_training_bit_for_bit_unchanged():
+    def run(record):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
-        return loop(run_epoch(ctx, make_step(ctx, loss_fn, stages=stages), loader), max_epochs=3)(state)
+        return loop(run_epoch(ctx, make_step(ctx, loss_fn, record_grad_norm=record), loader), max_epochs=3)(state)
 
-    plain, recorded = run([]), run([grad_norm()])
+    plain, recorded = run(False), run(True)
 
     testing.assert_params_equal(plain, recorded)
     assert plain.history["train_loss"] == recorded.history["train_loss"]
@@ -95,7 +95,7 @@ def test_log_every_reports_the_mean_norm_of_the_updates_since_its_last_report():
 
         return read
 
-    step = log_every(ctx, 3)(reading(make_step(ctx, loss_fn, stages=[grad_norm()])))
+    step = log_every(ctx, 3)(reading(make_step(ctx, loss_fn, record_grad_norm=True)))
     state = run_epoch(ctx, step, loader, state)
 
     report = state.extras["log_every"]
@@ -107,9 +107,9 @@ def test_log_every_reports_the_mean_norm_of_the_updates_since_its_last_report():
 def test_recording_the_norm_adds_no_host_sync_to_a_step():
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
     batches = list(loader)
-    for stages in ([], [grad_norm()]):
+    for record in (False, True):
         with testing.count_host_syncs() as syncs:
-            testing.run_steps(make_step(ctx, loss_fn, stages=stages), state, batches)
+            testing.run_steps(make_step(ctx, loss_fn, record_grad_norm=record), state, batches)
         assert syncs.total == 0
 
 
@@ -117,3 +117,23 @@ def test_record_grad_norm_must_be_a_bool():
     ctx, *_ = testing.tiny_setup(seed=0)
     with pytest.raises(TypeError, match="record_grad_norm must be True or False"):
         make_step(ctx, lambda m, b: m(b[0]).sum(), record_grad_norm="yes")
+
+
+def test_record_grad_norm_makes_a_clip_by_norm_stage_record_the_norm_it_computes():
+    """One way to record the norm: with a clip_by_norm among the stages it is that stage's norm, computed once, and the
+    run is the one clip_grad_norm= gives, bit for bit."""
+
+    calls = []
+
+    def run(**options):
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
+        clip = ctx.accelerator.clip_grad_norm_
+        ctx.accelerator.clip_grad_norm_ = lambda *args: calls.append(args[1]) or clip(*args)  # counted, Accelerate's own
+        return loop(run_epoch(ctx, make_step(ctx, loss_fn, record_grad_norm=True, **options), loader), max_epochs=2)(state)
+
+    by_option, by_stage = run(clip_grad_norm=0.5), run(stages=[clip_by_norm(0.5)])
+
+    assert calls == [0.5] * 16  # 8 updates each: one norm per update, the clipping's
+    testing.assert_params_equal(by_option, by_stage)
+    assert by_option.history == by_stage.history
+    assert len(by_stage.history["train_grad_norm"]) == 2

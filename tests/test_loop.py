@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from toolz import compose, pipe
 
-from trainfold import TrainState, every, every_epochs, loop, make_step, repeat, run_epoch, testing, until
+from trainfold import TrainState, every_epochs, loop, make_step, repeat, run_epoch, testing, until
 
 
 def _fake_state(**kw):
@@ -122,11 +122,11 @@ def test_pipe_of_primitives_catches_missing_state_argument():
         pipe(state, run_epoch(ctx, make_step(ctx, loss_fn)), evaluate(ctx, loss_fn, loader))
 
 
-def test_every_is_the_deprecated_name_of_every_epochs():
-    with pytest.warns(DeprecationWarning, match="renamed every_epochs"):
-        fn = every(2, _fake_epoch)
+def test_the_unreleased_alias_every_is_gone():
+    """One name per thing: every_epochs (and every_steps) count what their names say."""
+    import trainfold
 
-    assert "every_epochs(2, _fake_epoch)" == fn.__name__
+    assert not hasattr(trainfold, "every") and "every" not in trainfold.__all__
 
 
 def test_loop_takes_its_limit_by_keyword():

@@ -60,7 +60,9 @@ _setup = helpers.noisy_setup
 
 
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=3):
-    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+    """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
+    end = getattr(wrap, "at_end", lambda s: s)
+    return end(loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state))
 
 
 # --- one process: resume bit for bit -------------------------------------------------------------

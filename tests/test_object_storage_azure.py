@@ -33,7 +33,9 @@ def az(azurite, request):
 
 
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=2):
-    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+    """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
+    end = getattr(wrap, "at_end", lambda s: s)
+    return end(loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state))
 
 
 def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):

@@ -111,9 +111,11 @@ def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, e
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
+    end = lambda s: s  # noqa: E731
     if sharded is None:
-        step = checkpoint_every(ctx, root, 2, async_save=async_save)(step)
-    state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
+        saving = checkpoint_every(ctx, root, 2, async_save=async_save)
+        step, end = saving(step), saving.at_end
+    state = end(loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state))
     if sharded is not None:
         save_checkpoint(ctx, root, state, sharded=sharded)
     params = _full_params(state)

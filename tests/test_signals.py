@@ -344,13 +344,14 @@ def test_a_signal_honoured_between_epochs_is_cleared_and_the_next_run_on_the_con
 
 
 def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(tmp_path):
-    """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: the loop's end
-    saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
+    """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: at_end, composed
+    after the loop, saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
     ctx, state, dl = _setup()
     loss_fn = _sigterm_in_first_loss()
 
-    step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, helpers.ce_loss))
-    final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3)(state)
+    saving = checkpoint_every(ctx, tmp_path, 5)
+    step = saving(make_step(ctx, helpers.ce_loss))
+    final = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
 
     assert (12, 1, "signal SIGTERM") == (final.step, final.epoch, final.stop_reason)
     assert [f"ckpt-{n:010d}" for n in (5, 10, 12)] == [p.name for p in list_checkpoints(tmp_path)]
@@ -362,20 +363,25 @@ def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(t
 
 
 def test_the_end_of_a_run_is_checkpointed_and_starting_the_finished_job_again_trains_nothing(tmp_path):
-    """36 updates, a checkpoint every 5: the last periodic one is update 35, the end (36) is saved too."""
+    """36 updates, a checkpoint every 5: the last periodic one is update 35, the end (36) is saved too (at_end). The
+    finished job started again loads the end, trains nothing, and saves nothing: the root holds what it loaded."""
 
     def job(seed):
         ctx, state, dl = _setup(seed)
         if latest_checkpoint(tmp_path) is not None:
             state = load_checkpoint(ctx, tmp_path, state)
-        step = checkpoint_every(ctx, tmp_path, 5, keep_last=2)(make_step(ctx, helpers.ce_loss))
-        return loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3)(state)
+        saving = checkpoint_every(ctx, tmp_path, 5, keep_last=2)
+        step = saving(make_step(ctx, helpers.ce_loss))
+        return compose(saving.at_end, loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
 
     finished = job(0)
     assert [f"ckpt-{n:010d}" for n in (35, 36)] == [p.name for p in list_checkpoints(tmp_path)]
+    end = (tmp_path / "ckpt-0000000036").stat().st_ino
 
     again = job(99)
     assert (36, 3) == (again.step, again.epoch)
+    assert [f"ckpt-{n:010d}" for n in (35, 36)] == [p.name for p in list_checkpoints(tmp_path)]
+    assert end == (tmp_path / "ckpt-0000000036").stat().st_ino  # not written again
     testing.assert_params_equal(finished, again)
     assert finished.history == again.history
 
@@ -386,11 +392,12 @@ def test_a_budget_that_ends_inside_an_epoch_is_evaluated_by_the_composed_epoch_f
     is evaluated (a port crashed with KeyError: 'eval_loss' when the budget ended in epoch 1, and reported epoch 1's
     eval_loss as final when it ended in epoch 2)."""
     ctx, state, dl = _setup()
-    step = checkpoint_every(ctx, tmp_path, 100)(max_steps(budget)(make_step(ctx, helpers.ce_loss)))
+    saving = checkpoint_every(ctx, tmp_path, 100)
+    step = saving(max_steps(budget)(make_step(ctx, helpers.ce_loss)))
     epoch = compose(save_best(ctx, tmp_path / "best.safetensors", "eval_loss"), log_epoch(ctx), early_stop("eval_loss", patience=1),
                     evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl))
 
-    final = loop(epoch, max_epochs=5)(state)
+    final = compose(saving.at_end, loop(epoch, max_epochs=5))(state)
 
     assert (budget, budget // 12, budget % 12, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.stop_reason)
     ctx2, fresh, _ = _setup(99)

@@ -7,6 +7,7 @@ from trainfold.base.metrics import RunningSums as RunningSums
 from trainfold.base.records import register_record as register_record
 from trainfold.base.types import Batch as Batch
 from trainfold.base.types import LossFn as LossFn
+from trainfold.checkpoint.every import CheckpointEvery as CheckpointEvery
 from trainfold.checkpoint.every import checkpoint_every as checkpoint_every
 from trainfold.checkpoint.export import checkpoint_weights as checkpoint_weights
 from trainfold.checkpoint.export import export_checkpoint as export_checkpoint
@@ -27,7 +28,6 @@ from trainfold.compose.evaluate import evaluate as evaluate
 from trainfold.compose.fit import fit as fit
 from trainfold.compose.local_sgd import average_parameters as average_parameters
 from trainfold.compose.local_sgd import local_sgd as local_sgd
-from trainfold.compose.loop import every as every
 from trainfold.compose.loop import every_epochs as every_epochs
 from trainfold.compose.loop import loop as loop
 from trainfold.compose.loop import repeat as repeat
@@ -48,6 +48,7 @@ from trainfold.compose.transforms import log_every as log_every
 from trainfold.compose.transforms import lr_schedule as lr_schedule
 from trainfold.compose.transforms import max_steps as max_steps
 from trainfold.core.context import Context as Context
+from trainfold.core.runtime import Runtime as Runtime
 from trainfold.core.guard import nan_guard as nan_guard
 from trainfold.core.snapshot import Snapshot as Snapshot
 from trainfold.core.snapshot import restore as restore
@@ -57,7 +58,6 @@ from trainfold.core.stages import Stage as Stage
 from trainfold.core.stages import StageSpec as StageSpec
 from trainfold.core.stages import clip_by_norm as clip_by_norm
 from trainfold.core.stages import clip_by_value as clip_by_value
-from trainfold.core.stages import grad_norm as grad_norm
 from trainfold.core.state import TrainState as TrainState
 from trainfold.core.step import make_step as make_step
 from trainfold.core.tokens import normalize_tokens as normalize_tokens
@@ -70,6 +70,7 @@ __all__ = [
     "Batch",
     "BatchSizeFound",
     "CheckpointError",
+    "CheckpointEvery",
     "Context",
     "EpochFn",
     "History",
@@ -77,6 +78,7 @@ __all__ = [
     "MicroBatch",
     "Record",
     "RunningSums",
+    "Runtime",
     "Snapshot",
     "Stage",
     "StageSpec",
@@ -95,13 +97,11 @@ __all__ = [
     "ema_model",
     "evaluate",
     "evaluate_metrics",
-    "every",
     "every_epochs",
     "every_steps",
     "export_checkpoint",
     "find_batch_size",
     "fit",
-    "grad_norm",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

@@ -45,9 +45,10 @@ def main():
         time.sleep(0.02)
         return inner(s, b)
 
-    step = checkpoint_every(ctx, root, 1000)(slow)  # no periodic save: only the final one on a stop
+    saving = checkpoint_every(ctx, root, 1000)  # no periodic save: only the final one on a stop, and the end
+    step = saving(slow)
     print("ready", flush=True)
-    state = loop(run_epoch(ctx, step, dl), max_epochs=4)(state)
+    state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=4)(state))
     if state.stop_reason.startswith("signal"):
         print("interrupted at update", state.step, flush=True)
         sys.exit(130)

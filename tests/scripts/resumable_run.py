@@ -54,7 +54,8 @@ def main():
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     if latest_checkpoint(root) is not None:
         state = load_checkpoint(ctx, root, state)
-    step = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in sys.argv)(make_step(ctx, loss_fn, clip_grad_norm=1.0))
+    saving = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in sys.argv)
+    step = saving(make_step(ctx, loss_fn, clip_grad_norm=1.0))
     if "--slow-saves" in sys.argv:  # widen the window in which a kill lands during a save
         inner, pause = step, 0.05 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.01
 
@@ -64,7 +65,7 @@ def main():
 
     os.write(1, f"ready {os.getpid()}\n".encode())  # one system call: two workers share the pipe (print may write twice)
     with ctx:  # waits for the last background save and every process, then ends the run
-        state = loop(run_epoch(ctx, step, dl), max_epochs=6)(state)
+        state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=6)(state))
         model = ctx.accelerator.unwrap_model(state.model)
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
         if ctx.is_main_process:

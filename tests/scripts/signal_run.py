@@ -58,10 +58,11 @@ def main():
                 say(f"update {new.step}")
             return new
 
-        step = checkpoint_every(ctx, args.root, 10_000)(slow)  # no periodic save: only the final one on a stop
+        saving = checkpoint_every(ctx, args.root, 10_000)  # no periodic save: only the final one on a stop, and the end
+        step = saving(slow)
         say(f"ready {rank} {os.getpid()}")
         try:
-            state = loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
+            state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=2)(state))
         except ValueError as exc:
             if not args.uneven:
                 raise

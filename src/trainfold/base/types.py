@@ -1,17 +1,23 @@
 """The types trainfold is built from, named once, each with its contract.
 
 Every public function is typed in terms of these names. They are aliases and
-protocols only; importing this module does nothing.
+protocols, and :func:`read_only`, the converter of frozen classes' mapping
+fields; importing this module does nothing.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Union
 
 import torch
 
 if TYPE_CHECKING:
     pass
+
+def read_only(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A read-only copy of ``mapping`` (empty for None): what a frozen class keeps of a mapping it is given."""
+    return MappingProxyType(dict(mapping or {}))
 
 
 Batch = Any

@@ -72,7 +72,7 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
     if job.format.partitioned:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
         finite = _finite(job.weights)
         if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
-            reports = gather_objects(ctx.control.group() if group is None else group, (entries, finite))
+            reports = gather_objects(ctx.runtime.control.group() if group is None else group, (entries, finite))
             entries = {k: v for files_of, _ in reports for k, v in files_of.items()}
             finite = all(f for _, f in reports)
     else:

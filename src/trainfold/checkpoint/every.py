@@ -1,4 +1,4 @@
-"""``checkpoint_every``: saving every n updates, at a stop, and at the end of the run's loop (``save_run_end``).
+"""``checkpoint_every``: saving every n updates and at a stop, and (``.at_end``, composed after the loop) at the run's end.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from trainfold.checkpoint.storage import open_root
 from trainfold.core.context import Context
 from trainfold.core.cursor import EpochCursor
 from trainfold.core.state import TrainState
-from trainfold.core.types import Step, StepTransformer
+from trainfold.core.types import Step
 
 
 def _check_resumable(state: TrainState, batch: Batch) -> None:
@@ -40,47 +40,99 @@ def _check_resumable(state: TrainState, batch: Batch) -> None:
         raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
 
 
-@attrs.frozen
-class RunEndSave:
-    """The saving ``checkpoint_every`` composed for a run: what :func:`save_run_end` writes when its loop ends."""
+@attrs.frozen(eq=False)
+class CheckpointEvery:
+    """What :func:`checkpoint_every` returns: a step transformer, and :meth:`at_end`, the run's final save.
 
-    root: str
-    keep_last: int | None
-    sharded: bool | None
-    async_save: bool
-    storage_options: Mapping[str, Any] | None = None
+    Calling it on a step (``saving(step)``) gives the step that saves every ``n`` updates and at a stop
+    inside an epoch. :meth:`at_end` is the epoch function that saves the state a loop ended with;
+    compose it after the loop: ``compose(saving.at_end, loop(...))``. It holds the settings it was
+    made with and nothing that changes.
 
-
-def save_run_end(ctx: Context, state: TrainState) -> TrainState:
-    """Checkpoint the state a run's loop ends with, where its ``checkpoint_every`` saves, unless that root holds it already.
-
-    Called by ``loop``, ``repeat`` and ``until`` as they return (every process
-    calls them): the normal end (``max_epochs``), an early stop, a stop agreed
-    during an evaluation or between two epochs, a budget's end after the epoch
-    functions evaluated it. The save is committed before it returns.
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> saving = checkpoint_every(ctx, tempfile.mkdtemp(), 2)
+        >>> saving.n, callable(saving), saving.at_end(state).step
+        (2, True, 0)
     """
-    end = ctx.run_end_saves.get(state.run_id)
-    if end is None:
+
+    ctx: Context = attrs.field(repr=False)
+    root: str
+    n: int
+    keep_last: int | None = None
+    sharded: bool | None = None
+    async_save: bool = False
+    storage_options: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+
+    def __call__(self, step: Step) -> Step:
+        """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
+        ctx, n, interrupt = self.ctx, self.n, self.ctx.runtime.interrupt
+        checked = ""  # the run whose first step was checked
+
+        def saving(state: TrainState, batch: Batch) -> TrainState:
+            nonlocal checked
+            if checked != state.run_id:  # once per run: what would fail at the first save, refused at the first step
+                _check_resumable(state, batch)
+                checked = state.run_id
+            new = step(state, batch)
+            due = new.step != state.step and new.step % n == 0
+            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
+            stopping = (new.should_stop and not state.should_stop) or (
+                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+            )
+            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
+                saved = self._save(new)
+                ctx.wait_for_checkpoints()
+                return saved
+            return self._save(new) if due else new
+
+        return named(saving, f"checkpoint_every({n})({name_of(step)})")
+
+    def at_end(self, state: TrainState) -> TrainState:
+        """Commit a checkpoint of ``state`` (what a loop ended with) to the root, unless the root holds it already.
+
+        Compose it after the loop, on every process: ``compose(saving.at_end, loop(...))``. It saves
+        the normal end of the run (``max_epochs``), an early stop, a stop agreed during an evaluation
+        or between two epochs, and what the epoch functions recorded after a budget's stop. A state
+        this process already saved there, or loaded from there (a finished job started again), is
+        not saved again. The save is committed before it returns, even with ``async_save``.
+
+        Args:
+            state: the state the run's loop returned.
+
+        Returns:
+            The state (as ``save_checkpoint`` returns it when it saves).
+        """
+        if self.ctx.runtime.held_position(open_root(self.root, self.storage_options).key) != position_of(state):
+            state = self._save(state)
+        self.ctx.wait_for_checkpoints()  # committed when this returns, whether this call submitted it or the step's own save did
         return state
-    if ctx.saved_at.get(open_root(end.root, end.storage_options).key) != position_of(state):
-        state = save_checkpoint(ctx, end.root, state, keep_last=end.keep_last, sharded=end.sharded, async_save=end.async_save,
-                                storage_options=end.storage_options)
-    ctx.wait_for_checkpoints()  # committed when the loop returns, whether this call submitted it or the step's own save did
-    return state
+
+    def _save(self, state: TrainState) -> TrainState:
+        return save_checkpoint(self.ctx, self.root, state, keep_last=self.keep_last, sharded=self.sharded, async_save=self.async_save,
+                               storage_options=self.storage_options)
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
-                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> StepTransformer:
-    """A step transformer that saves a checkpoint after every ``n``-th optimizer update, when the run stops, and when it ends.
+                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> CheckpointEvery:
+    """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
     A final checkpoint is written after the step at which the run stops for any
     reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
     which ``run_epoch`` turns into a stop at the next step boundary agreed by
-    every process), so an interrupted run loses nothing. The state a ``loop``
-    (``repeat``, ``until``) ends with is saved there too, unless this root holds
-    it already: the normal end of the run, a stop agreed during an evaluation
-    or between epochs, and what the epoch functions after a budget's stop
-    recorded. Starting a finished job again trains nothing.
+    every process), so an interrupted run loses nothing. The state a loop ends
+    with is saved by the returned value's :meth:`~CheckpointEvery.at_end`,
+    composed after the loop (unless this root holds it already): the normal end
+    of the run, a stop agreed during an evaluation or between epochs, and what
+    the epoch functions after a budget's stop recorded. Starting a finished job
+    again trains and saves nothing::
+
+        saving = checkpoint_every(ctx, root, 100)
+        train = loop(compose(log_epoch, run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
+        state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state) if latest_checkpoint(root) else state)
+
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
     ``sharded``, ``async_save`` and ``storage_options`` are ``save_checkpoint``'s (``root``
@@ -99,7 +151,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         storage_options: options for the store's fsspec filesystem (a URL root only).
 
     Returns:
-        A step transformer.
+        A :class:`CheckpointEvery`: a step transformer, with :meth:`~CheckpointEvery.at_end` for the run's end.
 
     Raises:
         ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.
@@ -111,38 +163,15 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> root = tempfile.mkdtemp()
-        >>> state = run_epoch(ctx, checkpoint_every(ctx, root, 2, keep_last=1)(make_step(ctx, loss_fn)), loader, state)
+        >>> saving = checkpoint_every(ctx, root, 3)
+        >>> state = saving.at_end(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)(state))
         >>> [p.name for p in list_checkpoints(root)]
-        ['ckpt-0000000004']
+        ['ckpt-0000000003', 'ckpt-0000000006', 'ckpt-0000000008']
     """
     positive_int("checkpoint_every", n)
+    if keep_last is not None:
+        positive_int("keep_last", keep_last)
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
     flag("async_save", async_save)
     open_root(root, storage_options)  # an unknown protocol, or the store's package missing, refused now
-    interrupt = ctx.interrupt
-
-    def transform(step: Step) -> Step:
-        checked = [""]
-
-        def saving(state: TrainState, batch: Batch) -> TrainState:
-            if checked[0] != state.run_id:  # once per run: what would fail at the first save, refused at the first step
-                _check_resumable(state, batch)
-                ctx.run_end_saves[state.run_id] = RunEndSave(os.fspath(root), keep_last, sharded, async_save, storage_options)
-                checked[0] = state.run_id
-            new = step(state, batch)
-            due = new.step != state.step and new.step % n == 0
-            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
-            stopping = (new.should_stop and not state.should_stop) or (
-                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
-            )
-            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
-                saved = save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save, storage_options=storage_options)
-                ctx.wait_for_checkpoints()
-                return saved
-            if due:
-                return save_checkpoint(ctx, root, new, keep_last=keep_last, sharded=sharded, async_save=async_save, storage_options=storage_options)
-            return new
-
-        return named(saving, f"checkpoint_every({n})({name_of(step)})")
-
-    return transform
+    return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options)

@@ -15,7 +15,8 @@ from trainfold._version import __version__
 from trainfold.checkpoint.formats import for_load
 from trainfold.checkpoint.manifest import read_manifest, verify
 from trainfold.checkpoint.root import resolve
-from trainfold.checkpoint.storage import checkpoint_at
+from trainfold.checkpoint.save import position_of
+from trainfold.checkpoint.storage import checkpoint_at, open_root
 from trainfold.core.checks import expect_context, expect_owned, expect_state
 from trainfold.core.context import Context
 from trainfold.core.state import TrainState
@@ -124,4 +125,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
     folder = resolve(_folder("load_checkpoint", path), storage_options)
     manifest = read_manifest(folder, version=__version__)
-    return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+    loaded = for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+    # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
+    ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
+    return loaded

@@ -63,7 +63,7 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
         import torch.distributed as dist
 
         flag = torch.tensor([float(failed)])
-        dist.all_reduce(flag, group=ctx.control.group() if group is None else group)
+        dist.all_reduce(flag, group=ctx.runtime.control.group() if group is None else group)
         failed = bool(flag.item() > 0)  # sync: none, a CPU tensor
     if not failed:
         return result
@@ -81,13 +81,13 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
 def hold_lock(ctx: Context, storage: Storage, state: TrainState) -> None:
     """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
     key = storage.key
-    if key in ctx.checkpoint_locks:
-        held = ctx.checkpoint_locks[key]
+    if ctx.runtime.holds_lock(key):
+        held = ctx.runtime.lock_for(key)
         # a call or two on the main process: still ours (a removed lock is taken again)
         agreed(ctx, lambda: None if held is None else held.confirm(), f"locking {storage}")
         return
     lock = agreed(ctx, lambda: storage.lock(state.run_id) if ctx.is_main_process else None, f"locking {storage}")
-    ctx.checkpoint_locks[key] = lock
+    ctx.runtime.keep_lock(key, lock)
 
 
 def check_same_run(storage: Storage, state: TrainState) -> None:
@@ -127,7 +127,7 @@ def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, 
     staging.commit(manifest)
     storage.clean()
     if keep_last is not None:
-        held = ctx.checkpoint_locks.get(storage.key)
+        held = ctx.runtime.lock_for(storage.key)
         if held is not None:
             held.confirm()  # still the root's one writer: a job that stalled past its lease removes nothing
         _prune(storage, keep_last)

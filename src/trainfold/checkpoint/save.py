@@ -169,7 +169,7 @@ def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
 
 
 def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
-    ctx.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
+    ctx.runtime.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
@@ -182,11 +182,11 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
     agreed(ctx, lambda: _start(storage, name, state) if main else None, f"creating {name} in {storage}")
     job = SaveJob(storage, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt)
     if async_save:
-        group = ctx.saver.group(acc.num_processes)
-        ctx.saver.submit(lambda: write_and_commit(ctx, job, group))
+        group = ctx.runtime.saver.group(acc.num_processes)
+        ctx.runtime.saver.submit(lambda: write_and_commit(ctx, job, group))
     else:
         write_and_commit(ctx, job)
-    ctx.saved_at[storage.key] = position_of(state)
+    ctx.runtime.note_held(storage.key, position_of(state))
     return state
 
 

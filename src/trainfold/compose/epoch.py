@@ -70,7 +70,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
     Args:
         ctx: the run's Context.
-        step: a Step, from :func:`make_step` and step transformers.
+        step: a Step, from :func:`~trainfold.make_step` and step transformers.
         loader: a loader prepared with ``ctx.prepare_loaders``.
         state: the state to continue from.
         max_batches: end the epoch after this many batches (smoke tests; what
@@ -100,12 +100,12 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     length = length_or_none(loader)
     distributed = ctx.accelerator.num_processes > 1
     if distributed:
-        check_same_length(ctx.control, length, "run_epoch")
+        check_same_length(ctx.runtime.control, length, "run_epoch")
     state = attrs.evolve(state, cursor=_start_epoch(ctx, state, loader))
     iterator = state.cursor.iterator
     seen, started_at = 0, state.batch_in_epoch
     limit = max_batches if max_batches is not None else -1
-    interrupt = ctx.interrupt
+    interrupt = ctx.runtime.interrupt
     acc = ctx.accelerator
     with explaining_timeouts(ctx.accelerator.num_processes):
         for batch in iterator:
@@ -125,7 +125,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=not state.final_stop))
         else:
             if distributed and length is None:
-                check_same_count(ctx.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
+                check_same_count(ctx.runtime.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
     if seen == 0 and state.batch_in_epoch == 0:
         raise empty_loader("run_epoch", loader)
     _check_recorded(step, seen, started_at, state)
@@ -223,9 +223,8 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
 def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
     """Say once per run that an interrupted epoch over a stream is continued by reading its consumed part again."""
     key = f"stream replay:{state.run_id}"
-    if key in ctx.flags:
+    if not ctx.runtime.warn_once(key):
         return
-    ctx.flags.add(key)
     read = state.batch_in_epoch + 1  # and the batch the loader had read ahead
     dataset = type(getattr(getattr(loader, "base_dataloader", loader), "dataset", None)).__name__
     warnings.warn(
@@ -302,9 +301,8 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
 
 def _warn_if_diverged(ctx: Context, state: TrainState, loss: float | None) -> None:
     """A NaN or infinite epoch loss without nan_guard: said once per run (the run goes on; the user decides)."""
-    if loss is None or math.isfinite(loss) or f"diverged:{state.run_id}" in ctx.flags:
+    if loss is None or math.isfinite(loss) or not ctx.runtime.warn_once(f"diverged:{state.run_id}"):
         return
-    ctx.flags.add(f"diverged:{state.run_id}")
     if ctx.is_main_process:
         warnings.warn(
             f"run_epoch: epoch {state.epoch + 1}'s train_loss is {loss} (update {state.step}): the run has diverged and every "

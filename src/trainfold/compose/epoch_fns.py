@@ -338,7 +338,7 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
     The printed line names the records as the history does (``train_loss``,
     ``eval_loss``); the trackers get them as ``train/loss_epoch``, ``eval/loss``
     (the ``train/loss`` of :func:`~trainfold.log_every` is the running value
-    between its reports; see :func:`trainfold.tracking.epoch_key`). With
+    between its reports, so an epoch's mean of the train loss gets its own name). With
     ``echo=False`` nothing is printed and the line goes to the ``trainfold``
     logger at INFO instead, for a host that configures logging.
 

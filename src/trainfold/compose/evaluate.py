@@ -80,7 +80,7 @@ def evaluate(
         state: the state to record into.
         prefix: the names' prefix: ``{prefix}_loss``, ``{prefix}_{aux name}``.
         model: evaluate this model instead of ``state.model``, or a function of the
-            state that returns one (``model=ema_model`` for the :func:`ema` average).
+            state that returns one (``model=ema_model`` for the :func:`~trainfold.ema` average).
         max_batches: stop after this many batches.
         normalize: ``"mean"`` (the default): the loss and aux values are batch means,
             weighted by samples. ``"tokens"``: the loss function is the one of
@@ -116,7 +116,7 @@ def evaluate(
     sums = RunningSums.zero(acc.device, dtype=precision)
     count = 0
     batches = 0
-    interrupt = ctx.interrupt
+    interrupt = ctx.runtime.interrupt
     with explaining_timeouts(ctx.accelerator.num_processes), eval_mode(net, state.optimizer if net is state.model else None):
         for batch in loader:
             batches += 1

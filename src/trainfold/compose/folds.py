@@ -35,7 +35,7 @@ def checked(signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any, state:
     checked = expect_owned(where, ctx, expect_state(where, state))
     expect_shared_out(where, ctx, loader)
     ctx.check()
-    if checked.model is not None and checked.model in ctx.released:
+    if checked.model is not None and ctx.runtime.is_released(checked.model):
         raise ValueError(
             f"{where}: this state's objects were given back with ctx.release(state): the Accelerator no longer knows its model "
             "and optimizer. Train a new state (TrainState.create), or load a checkpoint of this one into a new state."

@@ -99,7 +99,7 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
             "shards (or the engine holds them): use DDP (several processes without FSDP or DeepSpeed)."
         )
     several = accelerator.num_processes > 1
-    interrupt = ctx.interrupt
+    interrupt = ctx.runtime.interrupt
     fresh = LocalSgdState(every)
 
     def transform(step: Step) -> Step:

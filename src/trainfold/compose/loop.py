@@ -15,7 +15,6 @@ import attrs
 from toolz.functoolz import no_default
 
 from trainfold.base.checks import name_of, named, positive_int
-from trainfold.checkpoint.every import save_run_end
 from trainfold.core.checks import expect_state, returned_state
 from trainfold.core.context import Context, context_of
 from trainfold.core.state import TrainState
@@ -34,24 +33,23 @@ def _stop_requested(ctx: Context | None, state: TrainState) -> TrainState:
     """
     if ctx is None or state.should_stop:
         return state
-    signum = ctx.interrupt.agree_now()
+    signum = ctx.runtime.interrupt.agree_now()
     if not signum:
         return state
-    ctx.interrupt.clear()  # honoured: a later run on this Context is not stopped by it
+    ctx.runtime.interrupt.clear()  # honoured: a later run on this Context is not stopped by it
     return state.with_stop(f"signal {signal_name(signum)}")
 
 
-def _ended(ctx: Context | None, state: TrainState) -> TrainState:
-    """The state a loop combinator returns: an interrupted epoch is no longer being unwound, and the end is saved.
+def _ended(state: TrainState) -> TrainState:
+    """The state a loop combinator returns: an interrupted epoch is no longer being unwound.
 
     The epoch functions composed after ``run_epoch`` passed it through; code after
-    the loop runs as written (``evaluate`` evaluates). It stays stopped and mid-epoch.
-    Where the run's ``checkpoint_every`` saves, a checkpoint of this state is
-    committed unless one holds it already (:func:`~trainfold.checkpoint.every.save_run_end`).
+    the loop runs as written (``evaluate`` evaluates, ``checkpoint_every(...).at_end``
+    saves). It stays stopped and mid-epoch.
     """
     if state.interrupted:
         state = attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False))
-    return state if ctx is None else save_run_end(ctx, state)
+    return state
 
 
 def expect_epoch_fn(where: str, fn: Any) -> None:
@@ -112,13 +110,14 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
         while not state.should_stop and state.epoch < max_epochs:
             stop if a signal arrived since the last check (agreed by every process)
             state = epoch_fn(state)        # must advance state.epoch
-        save the end where the run's checkpoint_every saves (unless saved already)
 
     ``max_epochs`` counts epochs of the whole run, so a state resumed at epoch
     5 runs epochs 6..max_epochs. With ``max_epochs=None`` only ``should_stop``
     ends the loop. A stop in the middle of an epoch (``state.interrupted``) is
     returned as it is, mid-epoch and stopped, with the interrupted flag
-    cleared: code after the loop (an ``evaluate``...) runs as written.
+    cleared: code after the loop (an ``evaluate``...) runs as written. The loop
+    saves nothing itself: a run that checkpoints composes its final save after it,
+    ``compose(saving.at_end, loop(...))`` (:func:`~trainfold.checkpoint_every`).
 
     Args:
         epoch_fn: ``state -> state``; it must advance ``state.epoch`` (contain a ``run_epoch``).
@@ -168,7 +167,7 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
                 warn_if_recorded_before_training("loop", epoch_fn, state, new)
                 first = False
             state = new
-        return _ended(ctx, state)
+        return _ended(state)
 
     return named(run, f"loop({name_of(epoch_fn)}, max_epochs={max_epochs})")
 
@@ -181,8 +180,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
         fn: the epoch function to apply.
 
     Returns:
-        An epoch function ``state -> state``; a stop (``should_stop``) ends it early, and the end is
-        saved where the run's ``checkpoint_every`` saves, as :func:`loop` does.
+        An epoch function ``state -> state``; a stop (``should_stop``) ends it early, as :func:`loop`'s does.
 
     Raises:
         ValueError: ``n`` is not a positive int.
@@ -205,7 +203,7 @@ def repeat(n: int, fn: EpochFn) -> EpochFn:
             if state.should_stop:
                 break
             state = returned_state(fn, fn(state))
-        return _ended(ctx, state)
+        return _ended(state)
 
     return named(run, f"repeat({n}, {name_of(fn)})")
 
@@ -239,7 +237,7 @@ def until(predicate: StatePredicate, fn: EpochFn) -> EpochFn:
             if state.should_stop:
                 break
             state = returned_state(fn, fn(state))
-        return _ended(ctx, state)
+        return _ended(state)
 
     return named(run, f"until({name_of(predicate)}, {name_of(fn)})")
 
@@ -284,27 +282,3 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
 
     return named(run, f"every_epochs({n}, {name_of(fn)})")
 
-
-def every(n: int, fn: EpochFn) -> EpochFn:
-    """Deprecated: the name :func:`every_epochs` had before the first release (easily confused with :func:`~trainfold.every_steps`).
-
-    Kept, with a ``DeprecationWarning``, for code written against the pre-release API; it goes in 0.2.0.
-
-    Args:
-        n: the period, in epochs.
-        fn: the epoch function to run every ``n`` epochs.
-
-    Returns:
-        ``every_epochs(n, fn)``.
-
-    Raises:
-        ValueError: ``n`` is not a positive int.
-
-    Examples:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True):
-        ...     warnings.simplefilter("always")
-        ...     fn = every(2, lambda state: state)
-    """
-    warnings.warn("trainfold.every is renamed every_epochs (every_steps counts updates); use every_epochs(n, fn).", DeprecationWarning, stacklevel=2)
-    return every_epochs(n, fn)

@@ -54,7 +54,7 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     dict (``evaluate``'s ``{"accuracy": ..., "f1": ...}``, a ``MetricCollection``), one
     record per key, ``<prefix>_<key>``; then the metric is reset.
     In eval mode under ``torch.no_grad()``; a state stopped in the middle of an
-    epoch is passed through, as by :func:`evaluate`.
+    epoch is passed through, as by :func:`~trainfold.evaluate`.
 
     Args:
         ctx: the run's Context.

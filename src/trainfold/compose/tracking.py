@@ -27,8 +27,7 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
     """
     if ctx.accelerator.trackers:
         ctx.accelerator.log(dict(values), step=step)
-    elif getattr(ctx.accelerator, "log_with", None) and "trackers not started" not in ctx.flags:
-        ctx.flags.add("trackers not started")
+    elif getattr(ctx.accelerator, "log_with", None) and ctx.runtime.warn_once("trackers not started"):
         if ctx.is_main_process:
             warnings.warn(
                 f"the Accelerator was made with log_with={[str(t) for t in ctx.accelerator.log_with]} but its trackers were "

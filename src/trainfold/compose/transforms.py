@@ -19,7 +19,7 @@ from trainfold.backend.engine import unwrap
 from trainfold.backend.optim import inner_optimizer
 from trainfold.base.checks import name_of, named, positive_int
 from trainfold.base.records import register_record
-from trainfold.base.types import Batch
+from trainfold.base.types import Batch, read_only
 from trainfold.compose.tracking import emit, step_key
 from trainfold.core.checks import returned_state
 from trainfold.core.context import Context
@@ -180,7 +180,7 @@ class LogState:
     epoch: int
     batches: int
     sums: Mapping[str, torch.Tensor] = attrs.field(eq=False, repr=False)
-    values: Mapping[str, float] = attrs.field(factory=dict)
+    values: Mapping[str, float] = attrs.field(default=MappingProxyType({}), converter=read_only)
 
 
 def log_every(ctx: Context, n: int) -> StepTransformer:
@@ -239,7 +239,7 @@ def _report(ctx: Context, state: TrainState) -> LogState:
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
     emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
-    return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), MappingProxyType(values))
+    return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), values)
 
 
 def every_steps(n: int, fn: EpochFn) -> StepTransformer:

@@ -21,9 +21,8 @@ from trainfold.core.settings import (
     signals_of,
     timeout_of,
 )
-from trainfold.distributed.control import Control, current_timeout, set_timeout
-from trainfold.distributed.interrupt import Handlers, Interrupt
-from trainfold.distributed.saver import Saver
+from trainfold.core.runtime import Runtime
+from trainfold.distributed.control import current_timeout, set_timeout
 
 
 def _accumulation_steps(ctx: Context) -> int:
@@ -39,12 +38,8 @@ def _is_main_process(ctx: Context) -> bool:
     return bool(ctx.accelerator.is_main_process)
 
 
-def _interrupt(ctx: Context) -> Interrupt:
-    return Interrupt(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.control, enabled=bool(ctx.signals))
-
-
-def _handlers(ctx: Context) -> Handlers:
-    return Handlers(ctx.interrupt, ctx.signals)
+def _runtime(ctx: Context) -> Runtime:
+    return Runtime(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.signals)
 
 
 def context_of(accelerator: Any) -> Context | None:
@@ -81,9 +76,9 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
                 live.wait_for_checkpoints()
         finally:
             if live is not None:
-                live.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
-                live.saver.forget()  # its group is destroyed next
-                live.control.forget()
+                live.runtime.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
+                live.runtime.saver.forget()  # its group is destroyed next
+                live.runtime.control.forget()
             end_training()
 
     finishing_saves_first.__doc__ = end_training.__doc__
@@ -92,7 +87,7 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
 
 @attrs.frozen(eq=False)
 class Context:
-    """The Accelerator and the run-wide settings trainfold reads.
+    """The Accelerator and the run-wide settings trainfold reads, and the run's :class:`~trainfold.Runtime`.
 
     trainfold keeps no global state of its own, but Accelerate does: its
     ``AcceleratorState`` and ``GradientState`` are shared by every Accelerator in
@@ -108,16 +103,20 @@ class Context:
             to stop at the next step boundary, the end of an evaluation or the next epoch of a
             loop, wherever they arrive (the saving you composed writes a final checkpoint; a
             repeated SIGTERM changes nothing, a second Ctrl-C acts at once; see
-            :class:`trainfold.interrupt.Handlers`). SIGINT and SIGTERM by default; ``signals=()``
+            :class:`~trainfold.Runtime`). SIGINT and SIGTERM by default; ``signals=()``
             leaves every signal to the host application. Made outside the main thread, a
             Context installs no handler (Python delivers signals to the main thread).
         stop_check_s: on several processes, the length of an agreement round in
             seconds: a stop requested on any process stops all of them within two
-            rounds and the optimizer update in progress (see :mod:`trainfold.distributed.interrupt`).
+            rounds and the optimizer update in progress.
         timeout: how long a collective waits for the other processes before it fails
             (a ``datetime.timedelta`` or seconds), set on the process group now. By
             default the group keeps what it was made with: torch's 30 minutes for
             gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
+        runtime: what the runs on this Context hold and change (locks, the background saver, the
+            processes' control channel, the signal handlers, warnings given): a :class:`~trainfold.Runtime`,
+            the one mutable part, made with the Context. Made, the Context also wraps its Accelerator's
+            ``end_training`` so that it first commits the save in flight (see :meth:`close`).
 
     Raises:
         TypeError: ``accelerator`` is not an Accelerator; a bad ``signals`` or ``timeout``.
@@ -146,25 +145,7 @@ class Context:
     signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=signals_of)
     stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=positive_seconds)
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=timeout_of)
-    #: the CPU channel the processes agree on: stop requests, batch counts (see :mod:`trainfold.distributed.control`)
-    control: Control = attrs.field(init=False, factory=Control, repr=False)
-    #: the stop request a signal sets (see :mod:`trainfold.distributed.interrupt`)
-    interrupt: Interrupt = attrs.field(init=False, default=attrs.Factory(_interrupt, takes_self=True), repr=False)
-    #: the checkpoint roots this run writes, by path: the lock's key on the main process (see
-    #: the storage's lock: held until :meth:`close` or the process ends), None on the others
-    checkpoint_locks: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
-    #: the thread that writes ``async_save`` checkpoints (see :mod:`trainfold.distributed.saver`)
-    saver: Saver = attrs.field(init=False, factory=Saver, repr=False)
-    #: the signal handlers installed for this Context's life (see :class:`trainfold.interrupt.Handlers`)
-    handlers: Handlers = attrs.field(init=False, default=attrs.Factory(_handlers, takes_self=True), repr=False)
-    #: the saving a ``checkpoint_every`` composed for a run, by the run's id: what the end of a loop saves
-    run_end_saves: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
-    #: the position each root's last checkpoint of this process holds (so that the end of a run is not saved twice)
-    saved_at: dict[str, Any] = attrs.field(init=False, factory=dict, repr=False)
-    #: what happened to this Context that changes what it may do: "closed", and the warnings already given once
-    flags: set[str] = attrs.field(init=False, factory=set, repr=False)
-    #: the models of states given back with :meth:`release` (they may not be trained or evaluated again)
-    released: weakref.WeakSet[Any] = attrs.field(init=False, factory=weakref.WeakSet, repr=False)
+    runtime: Runtime = attrs.field(init=False, default=attrs.Factory(_runtime, takes_self=True), repr=False)
 
     def __attrs_post_init__(self) -> None:
         check_launcher(self.accelerator)
@@ -185,7 +166,7 @@ class Context:
             RuntimeError: the Context was closed, or the accumulation steps or mixed precision
                 now in force differ from those this Context was made with.
         """
-        if "closed" in self.flags:
+        if self.runtime.closed:
             raise RuntimeError(
                 "this Context was closed (ctx.close(), or the end of 'with Context(...)'): its process group and trackers are "
                 "gone. Make a new Accelerator and Context for another run."
@@ -219,14 +200,7 @@ class Context:
             self.wait_for_checkpoints()
         except BaseException as exc:  # raised once the run is closed: a lost checkpoint is never silent
             failed = exc
-        self.saver.forget()
-        for lock in self.checkpoint_locks.values():
-            if lock is not None:
-                lock.release()
-        self.checkpoint_locks.clear()
-        self.control.forget()
-        self.handlers.uninstall()
-        self.flags.add("closed")
+        self.runtime.close()
         self.accelerator.end_training()
         if failed is not None:
             raise failed
@@ -292,7 +266,7 @@ class Context:
 
         cursor_loader = getattr(getattr(state, "cursor", None), "loader", None)
         if getattr(state, "model", None) is not None:
-            self.released.add(state.model)
+            self.runtime.release(state.model)
         release_prepared(self.accelerator, state, (*loaders, cursor_loader) if cursor_loader is not None else loaders)
 
     def __enter__(self) -> Context:
@@ -324,7 +298,7 @@ class Context:
             OSError, CheckpointError: that save failed (nothing was committed; the
                 previous checkpoints are intact).
         """
-        self.saver.wait()
+        self.runtime.saver.wait()
 
     def _group_alive(self) -> bool:
         """Whether the processes can still meet (False once ``accelerator.end_training()`` destroyed the group)."""

@@ -13,8 +13,8 @@ optax chains gradient transformations::
 
 Owned here: :class:`MicroBatch` (what a stage reads and changes), :class:`Stage`
 (a stage's hooks) and the clipping stages :func:`clip_by_norm` and
-:func:`clip_by_value`. ``nan_guard`` (:mod:`trainfold.guard`) and token
-normalisation (:mod:`trainfold.tokens`) are stages too, contributed from their
+:func:`clip_by_value`. ``nan_guard`` (:mod:`trainfold.core.guard`) and token
+normalisation (:mod:`trainfold.core.tokens`) are stages too, contributed from their
 own modules.
 """
 
@@ -169,7 +169,7 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-#: The aux name under which a stage records the gradient norm of each update (see :func:`grad_norm`).
+#: The aux name under which a stage records the gradient norm of each update (see :func:`recording_norm`).
 GRAD_NORM = "grad_norm"
 
 
@@ -186,10 +186,10 @@ class _Clip:
                 "clipping comes from the DeepSpeed config: set 'gradient_clipping' there")
             raise ValueError(
                 f"under DeepSpeed, {what}; leave clip_grad_norm/clip_grad_value/record_grad_norm (and clip_by_norm, "
-                "clip_by_value, grad_norm) out of make_step."
+                "clip_by_value) out of make_step."
             )
         threshold = self.threshold
-        name = "grad_norm()" if math.isinf(threshold) else f"clip_by_{self.kind}({threshold})"
+        name = "record_grad_norm" if math.isinf(threshold) else f"clip_by_{self.kind}({threshold})"
         if self.kind == "norm":
             clip: Callable[..., Any] = accelerator.clip_grad_norm_
         else:
@@ -217,20 +217,19 @@ class _Clip:
         return Stage(name, on_batch=on_batch, on_update=on_update_recording)
 
 
-def clip_by_norm(max_norm: float, *, record: bool = False) -> StageSpec:
+def clip_by_norm(max_norm: float) -> StageSpec:
     """A stage that clips the gradients' global norm to ``max_norm``, once per update.
 
     ``accelerator.clip_grad_norm_`` (which unscales fp16 gradients first and
     handles FSDP's sharded norms), on the micro-batches that update only.
     ``make_step(clip_grad_norm=x)`` is this stage.
 
-    With ``record=True`` the norm clipping computes (before clipping) is recorded
-    as :func:`grad_norm` records it: ``train_grad_norm`` in the history,
-    ``train/grad_norm`` from ``log_every``.
+    ``make_step(..., record_grad_norm=True)`` makes it record the norm it computes
+    (before clipping): ``train_grad_norm`` in the history, ``train/grad_norm`` from
+    ``log_every``.
 
     Args:
         max_norm: the largest global L2 norm of the gradients (a positive finite number).
-        record: record the norm before clipping as well.
 
     Returns:
         A stage spec for ``make_step(..., stages=[...])``; it binds to the Context when the step is built.
@@ -242,43 +241,32 @@ def clip_by_norm(max_norm: float, *, record: bool = False) -> StageSpec:
     Examples:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[clip_by_norm(0.5, record=True)]), loader, state)
+        >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[clip_by_norm(0.5)], record_grad_norm=True), loader, state)
         >>> round(state.metrics["train_grad_norm"], 4)  # the mean norm before clipping, over the epoch's updates
         3.7525
     """
-    return _Clip("norm", _positive("clip_grad_norm", max_norm), record)
+    return _Clip("norm", _positive("clip_grad_norm", max_norm))
 
 
-def grad_norm() -> StageSpec:
-    """A stage that records the gradients' global norm at every update, without clipping.
+def recording_norm(spec: StageSpec | None = None) -> StageSpec:
+    """``make_step(record_grad_norm=True)``'s stage: ``spec`` (a :func:`clip_by_norm`) made to record the norm it
+    computes before clipping, or, for None, a stage that records the norm without clipping.
 
-    The norm is ``accelerator.clip_grad_norm_(params, inf)``'s (fp16 gradients
-    unscaled, FSDP's shards combined; the gradients are multiplied by exactly 1.0,
-    so training is unchanged bit for bit). It is kept on the device in the
-    running sums as the aux value ``grad_norm``, weighted so that its means are
-    over updates, not micro-batches: ``train_grad_norm`` in the history is the
-    epoch's mean norm, and ``log_every`` reports ``train/grad_norm``, the mean
-    since its last report, both from the one reduction they already do (no added
-    sync). ``state.last_aux["grad_norm"]`` is the last update's norm (0 on a
-    micro-batch that did not update). With clipping, use
-    ``clip_by_norm(max_norm, record=True)`` (or ``make_step(clip_grad_norm=x,
-    record_grad_norm=True)``), which records the norm before clipping.
-
-    Returns:
-        A stage spec for ``make_step(..., stages=[...])``.
-
-    Raises:
-        ValueError (when ``make_step`` binds it): under DeepSpeed, whose engine
-            computes the norm itself.
-
-    Examples:
-        >>> from trainfold import testing
-        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> state = run_epoch(ctx, make_step(ctx, loss_fn, stages=[grad_norm()]), loader, state)
-        >>> round(state.metrics["train_grad_norm"], 4)
-        3.227
+    The norm is ``accelerator.clip_grad_norm_(params, inf)``'s (fp16 gradients unscaled, FSDP's shards combined;
+    the gradients are multiplied by exactly 1.0, so training is unchanged bit for bit). It is kept on the device
+    in the running sums as the aux value ``grad_norm``, weighted so that its means are over updates, not
+    micro-batches; ``state.last_aux["grad_norm"]`` is the last update's norm (0 on a micro-batch that did not update).
     """
-    return _Clip("norm", math.inf, True)
+    if spec is None:
+        return _Clip("norm", math.inf, True)
+    if not isinstance(spec, _Clip):
+        raise TypeError(f"only a clip_by_norm stage records the norm it computes (got {spec!r}).")
+    return attrs.evolve(spec, record=True)
+
+
+def is_norm_clip(spec: StageSpec) -> bool:
+    """Whether ``spec`` is a :func:`clip_by_norm` stage."""
+    return isinstance(spec, _Clip) and spec.kind == "norm"
 
 
 def clip_by_value(max_value: float) -> StageSpec:

@@ -89,7 +89,7 @@ class TrainState:
             resume from).
 
     Records:
-        sums: the :class:`~trainfold.metrics.RunningSums` of the current epoch's
+        sums: the :class:`~trainfold.RunningSums` of the current epoch's
             batch losses and aux values, kept on the device (never synchronised by
             a step); divided by ``batch_in_epoch`` they are the epoch's running
             means. ``loss_sum`` and ``aux_sums`` read them.

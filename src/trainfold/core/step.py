@@ -13,7 +13,7 @@ from trainfold.base.types import Batch, LossFn
 from trainfold.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold.core.context import Context
 from trainfold.core.loss import compute_loss
-from trainfold.core.stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, grad_norm
+from trainfold.core.stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, is_norm_clip, recording_norm
 from trainfold.core.state import TrainState
 from trainfold.core.types import Step
 from trainfold.core.update import Updates
@@ -33,7 +33,7 @@ def record(
 
     ``step`` +1 if ``updated``, ``micro_step`` and ``batch_in_epoch`` +1, the
     detached ``(loss, aux)`` added to the running sums (no kernel: see
-    :class:`~trainfold.metrics.RunningSums`); ``sums``, ``extras`` and
+    :class:`~trainfold.RunningSums`); ``sums``, ``extras`` and
     ``should_stop``, when given, replace the state's.
     """
     sums = (state.sums if sums is None else sums).add(loss, aux)
@@ -56,7 +56,11 @@ def stages_of(
     *, clip_grad_norm: float | None, clip_grad_value: float | None, normalize: str, stages: Sequence[StageSpec],
     record_grad_norm: bool = False,
 ) -> tuple[StageSpec, ...]:
-    """The stages ``make_step``'s options stand for, in order: token scaling, clipping (or the norm), then ``stages``."""
+    """The stages ``make_step``'s options stand for, in order: token scaling, clipping (or the norm), then ``stages``.
+
+    ``record_grad_norm`` makes the norm clipping (``clip_grad_norm``, or a ``clip_by_norm`` among ``stages``) record the
+    norm it computes; without one, a stage that records the norm without clipping goes where the clipping would.
+    """
     if clip_grad_norm is not None and clip_grad_value is not None:
         raise ValueError("give clip_grad_norm or clip_grad_value, not both.")
     if not isinstance(record_grad_norm, bool):
@@ -68,13 +72,17 @@ def stages_of(
         )
 
         chosen.append(normalize_tokens())
+    given = tuple(stages)
+    clipping = [i for i, spec in enumerate(given) if is_norm_clip(spec)]
     if clip_grad_norm is not None:
-        chosen.append(clip_by_norm(clip_grad_norm, record=record_grad_norm))
+        chosen.append(recording_norm(clip_by_norm(clip_grad_norm)) if record_grad_norm else clip_by_norm(clip_grad_norm))
+    elif record_grad_norm and clipping:  # the user's own clip_by_norm records the norm it computes
+        given = tuple(recording_norm(spec) if i == clipping[0] else spec for i, spec in enumerate(given))
     elif record_grad_norm:
-        chosen.append(grad_norm())  # before clip_by_value: the norm of the gradients as computed
+        chosen.append(recording_norm())  # before clip_by_value: the norm of the gradients as computed
     if clip_grad_value is not None:
         chosen.append(clip_by_value(clip_grad_value))
-    return (*chosen, *stages)
+    return (*chosen, *given)
 
 
 def make_step(
@@ -107,7 +115,7 @@ def make_step(
     synchronisation happens (no ``.item()``); Accelerate's own fp16
     ``GradScaler`` is the exception, as in any fp16 loop.
 
-    The pipeline is chosen here, once: the stages (see :mod:`trainfold.stages`),
+    The pipeline is chosen here, once: the stages (see :mod:`trainfold.core.stages`),
     and the update (plain, or gated by a stage's flag). Where Accelerate's
     wrappers have nothing to do, the step skips them, also decided here: on one
     process ``accumulate`` is only its ``_do_sync()`` (and with no accumulation,
@@ -131,9 +139,11 @@ def make_step(
             :func:`~trainfold.normalize_tokens`).
         stages: more stages, after those the options stand for: ``nan_guard(3)``,
             or your own :class:`~trainfold.Stage`.
-        record_grad_norm: record the gradients' global norm at every update (before
-            clipping, with ``clip_grad_norm``): ``train_grad_norm`` in the history and
-            ``train/grad_norm`` from ``log_every`` (the stage :func:`~trainfold.grad_norm`).
+        record_grad_norm: record the gradients' global norm at every update, the one way to: ``train_grad_norm``
+            in the history (the epoch's mean over updates) and ``train/grad_norm`` from ``log_every``, kept on
+            the device with no sync of its own. With clipping by norm (``clip_grad_norm``, or a
+            :func:`~trainfold.clip_by_norm` stage) it is the norm the clipping computes, before clipping;
+            without, the norm alone (training unchanged bit for bit).
 
     Returns:
         A plain function ``step(state, batch) -> state``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 from typing import Any, Mapping, Protocol
 
 import attrs
@@ -10,6 +11,7 @@ import torch
 
 from trainfold.backend.engine import is_dtensor
 from trainfold.backend.mesh import data_layout
+from trainfold.base.types import read_only
 from trainfold.base import rng as _rng
 from trainfold.checkpoint.manifest import data_ranks
 from trainfold.checkpoint.storage.protocol import Staging, Stored
@@ -30,7 +32,7 @@ class Captured:
     #: the weights whose finiteness the manifest records (this process's part)
     weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
     #: files the format writes as they are (DeepSpeed's engine files), by name
-    files: Mapping[str, bytes] = attrs.field(factory=dict, repr=False)
+    files: Mapping[str, bytes] = attrs.field(default=MappingProxyType({}), converter=read_only, repr=False)
     #: a sharded checkpoint's tensors, which the format's ``write_pieces`` writes; None otherwise
     shards: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
 

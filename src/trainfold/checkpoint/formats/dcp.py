@@ -14,7 +14,7 @@ nothing in a checkpoint can run code.
 Owned here: splitting a model and optimizer into DCP's flat tensors and the
 values JSON holds (:func:`split_state`), writing the pieces
 (:func:`write_shards`), reading and checking the metadata
-(:func:`parse_metadata`, :func:`check_layout`), and reading the pieces into
+(:func:`~trainfold.checkpoint.formats.dcp_metadata.parse_metadata`, :func:`check_layout`), and reading the pieces into
 the live layout (:func:`load_shards`). What else a checkpoint holds is
 ``encoding.py``'s.
 """

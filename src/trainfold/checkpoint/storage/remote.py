@@ -50,16 +50,20 @@ class _OtherSize(Exception):
     """A range read returned another number of bytes than the manifest's size implies."""
 
 
-@attrs.frozen
+@attrs.define
 class RemoteCheckpoint:
-    """A checkpoint under an fsspec URL (or a URL that may be one)."""
+    """A checkpoint under an fsspec URL (or a URL that may be one): a handle that keeps its manifest once read.
+
+    Mutable on purpose, and only in ``_read``: :meth:`_manifest` fills it with the one request a
+    listing makes per checkpoint, and :meth:`forget` empties it when the manifest is removed or replaced.
+    """
 
     fs: Any = attrs.field(repr=False)
     #: the store's path of the checkpoint (``bucket/run/ckpt-...``), and its URL
     where: str
     url: str
     #: its manifest once read (:meth:`_manifest`): a listing's one request per checkpoint serves the whole save or load
-    _read: list[bytes] = attrs.field(factory=list, eq=False, repr=False)
+    _read: bytes | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -95,7 +99,7 @@ class RemoteCheckpoint:
         A committed manifest never changes in place (a save of the same position removes it first, through
         :meth:`RemoteRoot.stage`, which forgets it), so what one listing read serves every later question about it.
         """
-        if not self._read:
+        if self._read is None:
             path, what = self._object(MANIFEST), f"reading {self.url}/{MANIFEST}"
             try:  # a ranged read: a hostile, huge object is not read past the limit
                 data = call(self.fs, what, "cat_file", path, start=0, end=limit + 1)
@@ -104,12 +108,12 @@ class RemoteCheckpoint:
             except OSError:  # a store that refuses the range (S3 does for an empty object): its size first
                 size = int(call(self.fs, what, "info", path)["size"])
                 data = call(self.fs, what, "cat_file", path, start=0, end=limit + 1) if size else b""
-            self._read.append(bytes(data))
-        return self._read[0]
+            self._read = bytes(data)
+        return self._read
 
     def forget(self) -> None:
         """Drop the manifest read (it is being removed or replaced)."""
-        self._read.clear()
+        self._read = None
 
     def size(self, name: str) -> int:
         try:
