@@ -141,7 +141,7 @@ def main() -> None:
 
     def report(s: TrainState) -> TrainState:
         if s.interrupted or s.ended_mid_epoch:  # Ctrl-C or max_steps stopped it mid-epoch: no epoch ended to report
-            ctx.accelerator.print(f"stopped at update {s.step} in epoch {s.epoch + 1} ({s.stop_reason})")
+            ctx.accelerator.print(f"stopped at update {s.step} in epoch {s.epoch + 1} ({s.stop.reason})")
             return s
         loss = s.metrics["train_loss"]
         ctx.accelerator.print(f"epoch {s.epoch}  update {s.step}  train_loss {loss:.3f} nats/char ({loss / math.log(2):.2f} bits)")

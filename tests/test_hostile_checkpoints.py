@@ -16,7 +16,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing, verify_checkpoint
+from trainfold import CheckpointError, Context, Stop, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing, verify_checkpoint
 
 import helpers
 
@@ -169,7 +169,8 @@ def test_a_crafted_dtype_name_is_refused(ckpt):
 
 
 @pytest.mark.parametrize("field,value", [("step", float("nan")), ("epoch", float("inf")), ("micro_step", -1), ("batch_in_epoch", "3"),
-                                         ("should_stop", "no"), ("end_of_epoch", 1), ("step", True)])
+                                         ("stop", "no"), ("stop", {"__record__": "Stop", "fields": {"reason": "x", "finished": "yes"}}),
+                                         ("end_of_epoch", 1), ("step", True)])
 def test_counters_must_be_what_they_are(ckpt, field, value):
     folder, secret = ckpt
 
@@ -178,6 +179,33 @@ def test_counters_must_be_what_they_are(ckpt, field, value):
 
     _edit_json(folder, "state.json", plant)
     _load_refused(folder, secret, rf"({field}|counter)")
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_checkpoint_with_the_older_stop_fields_loads_its_finished_stop(ckpt, finished):
+    """Before the stop was one value, state.json held should_stop, finished, stop_reason and final_stop: a finished run's stop
+    is carried on from them, as it is from a Stop; another stop is not."""
+    folder, secret = ckpt
+
+    def plant(doc):
+        doc["state"].pop("stop")
+        doc["state"].update(should_stop=True, finished=finished, stop_reason="early_stop:loss", final_stop=False)
+
+    _edit_json(folder, "state.json", plant)
+    ctx, state = _setup()
+    loaded = load_checkpoint(ctx, folder, state)
+    assert loaded.stop == (Stop("early_stop:loss", finished=True) if finished else None)
+
+
+def test_older_stop_fields_of_the_wrong_kind_are_refused(ckpt):
+    folder, secret = ckpt
+
+    def plant(doc):
+        doc["state"].pop("stop")
+        doc["state"].update(should_stop="yes", stop_reason=3)
+
+    _edit_json(folder, "state.json", plant)
+    _load_refused(folder, secret, "stop fields")
 
 
 @pytest.mark.parametrize("plant,match", [

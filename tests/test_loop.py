@@ -36,7 +36,7 @@ def test_loop_counts_epochs_of_the_whole_run():
 def test_loop_stops_when_the_state_says_so():
     def epoch(state):
         new = _fake_epoch(state)
-        return attrs.evolve(new, should_stop=new.epoch == 2)
+        return new.with_stop("two epochs") if new.epoch == 2 else new
 
     assert 2 == loop(epoch, max_epochs=10)(_fake_state()).epoch
 

@@ -158,7 +158,7 @@ def test_early_stop_keeps_a_stop_set_before_it():
 
     after = early_stop("eval_loss", state, patience=2)
 
-    assert after.should_stop and "max_steps" == after.stop_reason
+    assert after.should_stop and "max_steps" == after.stop.reason
 
 
 def test_reduce_lr_on_plateau_never_goes_below_min_lr():

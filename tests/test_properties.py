@@ -89,7 +89,7 @@ _CHANGES = {
     "step": st.integers(0, 10**6),
     "micro_step": st.integers(0, 10**6),
     "batch_in_epoch": st.integers(0, 10**6),
-    "should_stop": st.booleans(),
+    "stop": st.sampled_from([None, __import__("trainfold").Stop("max_steps", final=True), __import__("trainfold").Stop("x", finished=True)]),
     "sums": st.just(None).map(lambda _: __import__("trainfold").RunningSums.zero("cpu")),
     "run_id": st.text(max_size=4),
 }

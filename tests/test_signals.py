@@ -84,8 +84,8 @@ def test_a_signal_stops_at_the_next_step_boundary_and_puts_the_handlers_back(sig
 
     stopped = run_epoch(ctx, _kill_self_at(5, signum)(make_step(ctx, helpers.ce_loss)), dl, state)
 
-    assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop_reason)
-    assert stopped.interrupted and not stopped.finished
+    assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop.reason)
+    assert stopped.interrupted and not stopped.stop.finished
     ctx.close()
     assert before is signal.getsignal(signum)
 
@@ -114,7 +114,7 @@ def test_a_host_can_leave_its_signals_alone():
 def test_the_signals_are_configurable():
     ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGUSR1]))
     stopped = run_epoch(ctx, _kill_self_at(3, signal.SIGUSR1)(make_step(ctx, helpers.ce_loss)), dl, state)
-    assert (3, "signal SIGUSR1") == (stopped.batch_in_epoch, stopped.stop_reason)
+    assert (3, "signal SIGUSR1") == (stopped.batch_in_epoch, stopped.stop.reason)
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         Context(accelerator=Accelerator(cpu=True), signals=[signal.SIGKILL])
 
@@ -153,7 +153,7 @@ def test_a_repeated_sigterm_or_an_echoed_ctrl_c_stays_a_request(signum, gap, tmp
 
     stopped = run_epoch(ctx, twice, dl, state)
 
-    assert (4, f"signal {signal.Signals(signum).name}") == (stopped.batch_in_epoch, stopped.stop_reason)
+    assert (4, f"signal {signal.Signals(signum).name}") == (stopped.batch_in_epoch, stopped.stop.reason)
     assert [f"ckpt-{4:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
 
 
@@ -173,7 +173,7 @@ def test_a_signal_outside_any_trainfold_call_is_a_request_until_the_context_clos
     final = loop(compose(mine, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
 
     assert [1] == ran
-    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop_reason)
+    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop.reason)
     ctx.close()
     assert before is signal.getsignal(signal.SIGTERM)
 
@@ -194,7 +194,7 @@ def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_upd
     assert not armed and 1 == len(list_checkpoints(tmp_path))
 
     stopped = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
-    assert (1, "signal SIGINT") == (stopped.batch_in_epoch, stopped.stop_reason)
+    assert (1, "signal SIGINT") == (stopped.batch_in_epoch, stopped.stop.reason)
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_an_interrupted_epoch_stays_interrupted_and_its_checkpoint_continues_it(
     ctx, state, dl = _setup()
     state = epoch(ctx, dl)(state)  # one whole epoch, then Ctrl-C at batch 7 of the second
     stopped = loop(epoch(ctx, dl, _kill_self_at(7)), max_epochs=3)(state)
-    assert (1, 7, True, False) == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.finished)
+    assert (1, 7, True, False) == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop.finished)
     assert [1] == [r.epoch for r in stopped.history if r.name == "eval_loss"]  # no evaluation of a partial epoch
     assert state.extras["early_stop:eval_loss"] == stopped.extras["early_stop:eval_loss"]  # no epoch counted
     assert latest_checkpoint(tmp_path / "run").name == f"ckpt-{stopped.step:010d}"
@@ -281,8 +281,8 @@ def test_an_interrupted_epoch_goes_on_in_the_same_process_once_the_stop_is_clear
     stopped = loop(run_epoch(ctx, _kill_self_at(5)(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
     assert (0, 5) == (stopped.epoch, stopped.batch_in_epoch)
     with pytest.raises(ValueError, match="stopped in the middle of an epoch over another loader"):
-        run_epoch(ctx, make_step(ctx, helpers.ce_loss), [(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))], attrs.evolve(stopped, should_stop=False))
-    final = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(attrs.evolve(stopped, should_stop=False))
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), [(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))], attrs.evolve(stopped, stop=None))
+    final = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(attrs.evolve(stopped, stop=None))
     testing.assert_params_equal(expected, final)
     assert expected.history == final.history
 
@@ -296,7 +296,7 @@ def test_fit_interrupted_mid_epoch_resumes_to_the_same_end(tmp_path):
     kw["checkpoint_dir"] = tmp2
     ctx, state, dl = _setup()
     stopped = fit(ctx, helpers.ce_loss, dl, state, eval_loader=dl, transforms=[_kill_self_at(9)], **kw)
-    assert (0, 9, "signal SIGINT") == (stopped.epoch, stopped.batch_in_epoch, stopped.stop_reason)
+    assert (0, 9, "signal SIGINT") == (stopped.epoch, stopped.batch_in_epoch, stopped.stop.reason)
 
     ctx, state, dl = _setup(99)
     final = fit(ctx, helpers.ce_loss, dl, state, eval_loader=dl, **kw)
@@ -322,7 +322,7 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
     loss_fn = _sigterm_in_first_loss()
 
     final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
-    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop_reason)
+    assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop.reason)
     assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
 
 
@@ -336,11 +336,11 @@ def test_a_signal_honoured_between_epochs_is_cleared_and_the_next_run_on_the_con
         return state
 
     stopped = loop(compose(flush, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
-    assert (1, "signal SIGTERM") == (stopped.epoch, stopped.stop_reason)
+    assert (1, "signal SIGTERM") == (stopped.epoch, stopped.stop.reason)
 
     _, fresh, _ = _setup(1, ctx=ctx)
     second = loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=2)(fresh)
-    assert (2, False, "") == (second.epoch, second.should_stop, second.stop_reason)
+    assert (2, False, None) == (second.epoch, second.should_stop, second.stop)
 
 
 def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(tmp_path):
@@ -353,7 +353,7 @@ def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(t
     step = saving(make_step(ctx, helpers.ce_loss))
     final = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
 
-    assert (12, 1, "signal SIGTERM") == (final.step, final.epoch, final.stop_reason)
+    assert (12, 1, "signal SIGTERM") == (final.step, final.epoch, final.stop.reason)
     assert [f"ckpt-{n:010d}" for n in (5, 10, 12)] == [p.name for p in list_checkpoints(tmp_path)]
     ctx, fresh, dl = _setup(99)
     resumed = load_checkpoint(ctx, tmp_path, fresh)
@@ -399,7 +399,7 @@ def test_a_budget_that_ends_inside_an_epoch_is_evaluated_by_the_composed_epoch_f
 
     final = compose(saving.at_end, loop(epoch, max_epochs=5))(state)
 
-    assert (budget, budget // 12, budget % 12, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.stop_reason)
+    assert (budget, budget // 12, budget % 12, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.stop.reason)
     ctx2, fresh, _ = _setup(99)
     expected = evaluate(ctx2, helpers.ce_loss, dl, restore_params(fresh, final))
     assert pytest.approx(expected.metrics["eval_loss"], rel=1e-6) == final.metrics["eval_loss"]  # the final model's (another batch order)
@@ -448,11 +448,11 @@ def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
 
     ctx, state, dl = _setup()
     first = train(ctx, state, dl, 5, tmp_path)
-    assert (5, 5, True, False) == (first.step, first.batch_in_epoch, first.should_stop, first.finished)
+    assert (5, 5, True, False) == (first.step, first.batch_in_epoch, first.should_stop, first.stop.finished)
 
     ctx, fresh, dl = _setup(99)
     resumed = load_checkpoint(ctx, tmp_path, fresh)
-    assert (5, False, "") == (resumed.step, resumed.should_stop, resumed.stop_reason)
+    assert (5, False, None) == (resumed.step, resumed.should_stop, resumed.stop)
     testing.assert_params_equal(expected, train(ctx, resumed, dl, 20))
 
 
@@ -460,11 +460,11 @@ def test_a_finished_run_stays_finished_when_resumed(tmp_path):
     ctx, state, dl = _setup()
     epoch = compose(save_checkpoint(ctx, tmp_path), early_stop("train_loss", patience=1, min_delta=10.0), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl))
     done = loop(epoch, max_epochs=10)(state)
-    assert (2, True, True, "early_stop:train_loss") == (done.epoch, done.should_stop, done.finished, done.stop_reason)
+    assert (2, True, True, "early_stop:train_loss") == (done.epoch, done.should_stop, done.stop.finished, done.stop.reason)
 
     ctx, fresh, dl = _setup(99)
     resumed = load_checkpoint(ctx, tmp_path, fresh)
-    assert (True, True) == (resumed.should_stop, resumed.finished)
+    assert (True, True) == (resumed.should_stop, resumed.stop.finished)
     assert 2 == loop(epoch, max_epochs=10)(resumed).epoch
 
 
@@ -534,7 +534,7 @@ def _two_runs_after_a_signal_in_the_last_round():
     _, fresh, _ = _setup(1, ctx=ctx, n=24)
     second = loop(run_epoch(ctx, step, dl), max_epochs=1)(fresh)
     ctx.close()
-    return (first.epoch, first.step, first.stop_reason), (second.epoch, second.step, second.should_stop)
+    return (first.epoch, first.step, first.stop.reason), (second.epoch, second.step, second.should_stop)
 
 
 @pytest.mark.multiprocess

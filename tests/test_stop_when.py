@@ -105,7 +105,7 @@ def test_one_process_stops_where_set_trigger_and_check_trigger_stop(end):
     assert state.step == updates
     testing.assert_params_equal(params, got)
     if end == "run":
-        assert len(ends) == 1 and state.should_stop and state.finished and state.stop_reason == "stop_when"
+        assert len(ends) == 1 and state.should_stop and state.stop.finished and state.stop.reason == "stop_when"
         assert updates < EPOCHS * 7  # in the middle of the run
     else:
         assert len(ends) > 1  # several epochs ended early, and the run went on
@@ -151,7 +151,7 @@ def test_a_value_that_held_once_between_checks_stops_the_run_at_the_next_check(a
 
     _, state = _tiny(3, "run", predicate)
 
-    assert state.step == 6 and state.should_stop and state.stop_reason == "stop_when"
+    assert state.step == 6 and state.should_stop and state.stop.reason == "stop_when"
 
 
 def test_an_epoch_end_raised_after_the_last_check_of_an_epoch_is_dropped_with_that_epoch():
@@ -170,7 +170,7 @@ def test_a_stop_that_is_not_finished_leaves_a_resumable_run():
 
     state = loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
 
-    assert state.should_stop and not state.finished and state.step == 2
+    assert state.should_stop and not state.stop.finished and state.step == 2
 
 
 def test_a_device_predicate_is_read_once_per_check_only():

@@ -45,7 +45,7 @@ def test_max_steps_ends_run_epoch_early_and_loop_stops():
     final = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
 
     # 4 batches an epoch: stopped in the second epoch, which stays open at batch 2 (not counted, not recorded)
-    assert (6, 1, 2, True, False, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.should_stop, final.finished, final.stop_reason)
+    assert (6, 1, 2, True, False, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.should_stop, final.stop.finished, final.stop.reason)
     assert [1] == [r.epoch for r in final.history if r.name == "train_loss"]
     assert not final.interrupted  # loop has returned: code after it runs as written
 
@@ -185,7 +185,7 @@ def test_nan_guard_stops_the_run_after_k_in_a_row():
 
     final = run_epoch(ctx, step, dl, state)
 
-    assert final.should_stop and 4 == final.step and "nan_guard" == final.stop_reason and not final.finished
+    assert final.should_stop and 4 == final.step and "nan_guard" == final.stop.reason and not final.stop.finished
     assert 2 == final.extras["nan_guard"].skipped
 
 
@@ -535,7 +535,7 @@ def test_nan_guard_as_a_stage_in_isolation_flags_each_update_and_stops_at_its_ch
         stage.on_update(mb)
         flags.append(mb.skip.item())
         stage.after_update(mb)
-        stops.append(mb.should_stop)
+        stops.append(mb.stop is not None)
         unread.append(mb.extras["nan_guard"].unread)
         extras = mb.extras
 

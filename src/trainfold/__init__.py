@@ -59,6 +59,7 @@ from trainfold.core.stages import StageSpec as StageSpec
 from trainfold.core.stages import clip_by_norm as clip_by_norm
 from trainfold.core.stages import clip_by_value as clip_by_value
 from trainfold.core.state import TrainState as TrainState
+from trainfold.core.stop import Stop as Stop
 from trainfold.core.step import make_step as make_step
 from trainfold.core.tokens import normalize_tokens as normalize_tokens
 from trainfold.core.types import EpochFn as EpochFn
@@ -84,6 +85,7 @@ __all__ = [
     "StageSpec",
     "Step",
     "StepTransformer",
+    "Stop",
     "TrainState",
     "__version__",
     "average_parameters",

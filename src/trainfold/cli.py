@@ -242,7 +242,7 @@ def _inspect(path: str) -> dict[str, Any]:
         **_summary(folder, manifest),
         "checkpoint": str(folder),
         "batch_in_epoch": state.get("batch_in_epoch"),
-        "stop": {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")},
+        "stop": _stop(state),
         "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
@@ -251,6 +251,15 @@ def _inspect(path: str) -> dict[str, Any]:
         "trainfold_version": manifest.get("trainfold_version"),
         "torch_version": manifest.get("torch_version"),
     }
+
+
+def _stop(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's stop as ``state.json`` holds it: a ``Stop`` record (or null); older checkpoints' separate fields."""
+    if "stop" not in state:
+        return {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")}
+    stop = state["stop"]
+    fields = stop.get("fields", {}) if isinstance(stop, dict) else {}
+    return {"should_stop": stop is not None, "finished": fields.get("finished", False), "reason": fields.get("reason", "")}
 
 
 def _inspect_text(d: dict[str, Any]) -> str:

@@ -49,7 +49,7 @@ def main():
     step = saving(slow)
     print("ready", flush=True)
     state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=4)(state))
-    if state.stop_reason.startswith("signal"):
+    if state.stop is not None and state.stop.reason.startswith("signal"):
         print("interrupted at update", state.step, flush=True)
         sys.exit(130)
     save_file(testing.parameters(state), out)

@@ -70,7 +70,7 @@ def main():
             return
         if state.should_stop:
             if rank == 0:
-                say(f"stopped {state.step} {state.stop_reason}")
+                say(f"stopped {state.step} {state.stop.reason}")
             return
         if rank == 0:
             save_file(testing.parameters(state), args.out)

@@ -36,6 +36,7 @@ from trainfold.checkpoint.manifest import Content, json_bytes, parse_json, parse
 from trainfold.core.cursor import Resume
 from trainfold.core.runstate import NO_HANDLES, RunState
 from trainfold.core.state import TrainState
+from trainfold.core.stop import Stop
 from trainfold.errors import CheckpointError
 
 #: TrainState fields a checkpoint does not write: live handles, and the cursor (written per process).
@@ -101,8 +102,8 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template.model), device=device)
                   for f in _value_fields(type(template)) if f.name in saved}
         _check_counters(values)
-        if "finished" not in saved:  # written before trainfold told a finished run from a stopped one: keep its stop
-            values["finished"] = values.get("should_stop", False)
+        if "stop" not in saved:  # written before the stop was one value: only a finished run's stop is carried on
+            values["stop"] = _older_stop(saved)
         extras = values.get("extras", {})
         if not isinstance(extras, dict):
             raise TypeError(f"extras is a {type(extras).__name__}, not a mapping")
@@ -147,11 +148,21 @@ def _count(name: str, v: Any) -> int:
 def _check_counters(values: Mapping[str, Any]) -> None:
     for name in ("step", "micro_step", "epoch", "batch_in_epoch"):
         _count(name, values.get(name, 0))
-    for flag in ("should_stop", "finished", "end_of_epoch", "final_stop"):
-        if not isinstance(values.get(flag, False), bool):
-            raise ValueError(f"{flag} is {values[flag]!r}, not a bool")
-    if not isinstance(values.get("stop_reason", ""), str):
-        raise ValueError(f"stop_reason is {values['stop_reason']!r}, not a str")
+    if not isinstance(values.get("end_of_epoch", False), bool):
+        raise ValueError(f"end_of_epoch is {values['end_of_epoch']!r}, not a bool")
+    if not isinstance(values.get("stop"), (Stop, type(None))):
+        raise ValueError(f"stop is {values['stop']!r}, not a Stop or null")
+
+
+def _older_stop(saved: Mapping[str, Any]) -> Stop | None:
+    """The stop of a checkpoint written with ``should_stop``, ``finished``, ``stop_reason`` and ``final_stop``
+    fields (a finished run's; the oldest had no ``finished`` and kept any stop), each checked."""
+    flags = {k: saved.get(k, False) for k in ("should_stop", "finished", "final_stop")}
+    reason = saved.get("stop_reason", "")
+    if not all(isinstance(v, bool) for v in flags.values()) or not isinstance(reason, str):
+        raise ValueError(f"the stop fields {flags} and stop_reason {reason!r} are not bools and a str")
+    finished = flags["finished"] if "finished" in saved else flags["should_stop"]
+    return Stop(reason, final=flags["final_stop"], finished=True) if finished else None
 
 
 def decode_history(saved: Any) -> History:

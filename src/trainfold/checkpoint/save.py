@@ -192,7 +192,8 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
 
 def position_of(state: TrainState) -> tuple[int, ...]:
     """What tells two saves of a run apart: its counters, whether it is finished, and how many records it holds."""
-    return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(state.finished), len(state.history))
+    finished = state.stop is not None and state.stop.finished
+    return (state.step, state.micro_step, state.epoch, state.batch_in_epoch, int(finished), len(state.history))
 
 
 def _storage(ctx: Context, root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None) -> Storage:

@@ -122,7 +122,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
                 # later run_epoch). After a preemption (a signal, nan_guard) the epoch-level functions
                 # after this one pass it through; a final stop (a budget) is the run's own end, which they evaluate.
-                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=not state.final_stop))
+                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=not (state.stop is not None and state.stop.final)))
         else:
             if distributed and length is None:
                 check_same_count(ctx.runtime.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))

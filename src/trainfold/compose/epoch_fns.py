@@ -116,12 +116,12 @@ def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: 
 def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "auto", min_delta: float = 0.0) -> TrainState:
-    """Set ``should_stop`` when ``metric`` has not improved for ``patience`` epochs.
+    """Stop the run (``state.stop``) when ``metric`` has not improved for ``patience`` epochs.
 
     Reads the latest ``state.history[metric]`` (so compose it after the
     ``evaluate`` that records it); keeps its best value and count in
     ``state.extras["early_stop:<metric>"]``. No exception is raised: ``loop``
-    sees ``should_stop`` and ends. The run is ``finished``: resumed from its
+    sees the stop and ends. The run is finished (``state.stop.finished``): resumed from its
     checkpoint, it stays stopped. An interrupted epoch (``state.interrupted``)
     is passed through: no epoch ended, so none is counted.
 
@@ -149,8 +149,8 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
         >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
         >>> for v in (1.0, 0.5, 0.6, 0.7):
         ...     s = early_stop("eval_loss", attrs.evolve(s, history=s.history.add(epoch=0, step=0, values={"eval_loss": v})), patience=2)
-        >>> s.should_stop, s.finished, s.stop_reason, s.extras["early_stop:eval_loss"]
-        (True, True, 'early_stop:eval_loss', PatienceState(best=0.5, bad_epochs=2))
+        >>> s.stop, s.extras["early_stop:eval_loss"]
+        (Stop(reason='early_stop:eval_loss', final=False, finished=True), PatienceState(best=0.5, bad_epochs=2))
     """
     state = expect_state("early_stop", state)
     mode = resolve_mode(metric, mode, "early_stop", state)
@@ -371,15 +371,16 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
     if axis not in ("update", "epoch"):
         raise ValueError(f"log_epoch: axis must be 'update' (the records at state.step) or 'epoch' (at state.epoch), not {axis!r}.")
     at = state.step if axis == "update" else state.epoch
+    reason = state.stop.reason if state.stop is not None else ""
     if state.interrupted:
         if ctx.is_main_process:
-            logger.warning("stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, state.stop_reason or "should_stop set")
+            logger.warning("stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, reason or "stop set")
         return state
     if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
         values = dict(state.metrics)
         emit(ctx, {epoch_key(k): v for k, v in values.items()}, at, log=False)
         if ctx.is_main_process:
-            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({state.stop_reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
+            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
             print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}

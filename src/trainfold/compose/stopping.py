@@ -70,10 +70,10 @@ def stop_when(
             the next epoch starts afresh: a flag raised in an epoch is dropped at its end.
         check_every: read and agree the flag every this many updates (a decision waits
             up to ``check_every - 1`` updates; nothing raised between checks is missed).
-        finished: with ``end="run"``, the run is over for good (``state.finished``: a run
+        finished: with ``end="run"``, the run is over for good (``state.stop.finished``: a run
             resumed from its checkpoint stays stopped, as after ``early_stop``). Pass
             False for a stop that a resumed run should go on from (a time budget).
-        name: the record's key in ``state.extras`` and the ``stop_reason``.
+        name: the record's key in ``state.extras`` and the stop's reason (``state.stop.reason``).
 
     Returns:
         A step transformer.
@@ -88,8 +88,8 @@ def stop_when(
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> step = stop_when(ctx, lambda s: s.step >= 3, check_every=1)(make_step(ctx, loss_fn))
         >>> state = loop(run_epoch(ctx, step, loader), max_epochs=5)(state)
-        >>> state.step, state.stop_reason, state.finished
-        (3, 'stop_when', True)
+        >>> state.step, state.stop
+        (3, Stop(reason='stop_when', final=True, finished=True))
     """
     if end not in ("run", "epoch"):
         raise ValueError(f"stop_when: end must be 'run' or 'epoch' (got {end!r}).")

@@ -28,13 +28,13 @@ from trainfold.core.types import EpochFn, Step, StepTransformer
 
 
 def max_steps(n: int) -> StepTransformer:
-    """Stop the run after ``n`` optimizer updates: sets ``should_stop``, which ``run_epoch`` and ``loop`` obey.
+    """Stop the run after ``n`` optimizer updates: sets ``state.stop``, which ``run_epoch`` and ``loop`` obey.
 
     A state already at ``n`` updates is returned unchanged (stopped) without
     running the step. A budget ends this invocation, not the run: the stopped
     epoch stays open, and a run resumed from its checkpoint with a larger budget
-    (or none) goes on from there. It is the run's own end (a final stop,
-    :attr:`~trainfold.TrainState.final_stop`), so the epoch functions composed after
+    (or none) goes on from there. It is the run's own end (a final stop:
+    ``Stop("max_steps", final=True)``), so the epoch functions composed after
     ``run_epoch`` evaluate, log and save the final model.
 
     Args:
@@ -50,8 +50,8 @@ def max_steps(n: int) -> StepTransformer:
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> state = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
-        >>> state.step, state.should_stop, state.stop_reason, state.epoch, state.batch_in_epoch
-        (6, True, 'max_steps', 1, 2)
+        >>> state.step, state.stop, state.epoch, state.batch_in_epoch
+        (6, Stop(reason='max_steps', final=True, finished=False), 1, 2)
     """
     positive_int("max_steps", n)
 

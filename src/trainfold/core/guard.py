@@ -20,6 +20,7 @@ from trainfold.backend.optim import inner_optimizer
 from trainfold.base.checks import positive_int
 from trainfold.base.records import register_record
 from trainfold.core.stages import MicroBatch, Stage
+from trainfold.core.stop import Stop
 
 if TYPE_CHECKING:
     from trainfold.core.context import Context
@@ -221,9 +222,8 @@ class NanGuard:
             if guard.unread >= guard.check_every:
                 guard = guard.settle()  # sync: once every check_every updates
                 mb.extras = MappingProxyType({**mb.extras, NAME: guard})
-                if guard.tripped:
-                    mb.should_stop = True
-                    mb.stop_reason = "nan_guard"
+                if guard.tripped and mb.stop is None:
+                    mb.stop = Stop("nan_guard")
 
         name = f"nan_guard({max_consecutive})"
         return Stage(name, on_update=check, after_update=settle, gates_update=True, masks_nonfinite=True)

@@ -28,6 +28,7 @@ import torch
 
 from trainfold.backend.engine import owns_clipping
 from trainfold.base.metrics import WEIGHT
+from trainfold.core.stop import Stop
 
 if TYPE_CHECKING:
     from trainfold.core.context import Context
@@ -53,8 +54,8 @@ class MicroBatch:
             stage's state, e.g. ``MappingProxyType({**mb.extras, "mine": record})``).
         skip: a 0-d float32 flag on the device, set by a gating stage: the update is
             skipped where it is non-zero (the ``found_inf`` protocol of torch's GradScaler).
-        should_stop: the new state's ``should_stop``.
-        stop_reason: why a stage set ``should_stop`` (the new state's ``stop_reason``).
+        stop: the new state's :class:`~trainfold.Stop` (None: the run goes on); a stage that
+            stops the run sets it (``mb.stop = Stop("nan_guard")``).
 
     Examples:
         >>> from trainfold import testing
@@ -73,8 +74,7 @@ class MicroBatch:
     synced: bool
     extras: Mapping[str, Any]
     skip: torch.Tensor | None = None
-    should_stop: bool = False
-    stop_reason: str = ""
+    stop: Stop | None = None
 
 
 #: A stage's hook: reads and changes a :class:`MicroBatch`, returns nothing. No host sync.

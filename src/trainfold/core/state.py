@@ -18,6 +18,7 @@ from trainfold.base.history import History
 from trainfold.base.metrics import RunningSums
 from trainfold.core.context import Context
 from trainfold.core.cursor import EpochCursor
+from trainfold.core.stop import Stop
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -94,19 +95,11 @@ class TrainState:
             a step); divided by ``batch_in_epoch`` they are the epoch's running
             means. ``loss_sum`` and ``aux_sums`` read them.
         history: epoch-level :class:`~trainfold.History` of train and eval metrics.
-        should_stop: end this invocation: ``run_epoch``, ``loop`` and the other
-            combinators stop when it is set (by ``max_steps``, ``early_stop``,
-            ``nan_guard``, a signal, or your code).
-        finished: the run is over for good (``early_stop`` decided it converged): a
-            run resumed from its checkpoint stays stopped. A stop that only ends this
-            invocation (a budget, a signal) leaves it False, and a resumed run goes on.
-        stop_reason: who stopped it: ``"max_steps"``, ``"early_stop:<metric>"``,
-            ``"nan_guard"``, ``"signal SIGTERM"``... ("" for none given).
-        final_stop: the stop is where this invocation was meant to end (a step budget,
-            ``stop_when``'s condition), not a preemption: ``run_epoch`` leaves the epoch open
-            but not interrupted, so the epoch functions composed after it (``evaluate``,
-            ``save_best``, ``log_epoch``, ``save_checkpoint``) record and save the final model
-            (see :attr:`ended_mid_epoch`). A signal or ``nan_guard`` stop is not final.
+        stop: None while the run goes on; a :class:`~trainfold.Stop` (its reason, whether it
+            is final, whether the run is finished) once something decided to end this
+            invocation: ``run_epoch``, ``loop`` and the other combinators stop when it is set
+            (by ``max_steps``, ``early_stop``, ``nan_guard``, a signal, or your code:
+            :meth:`with_stop`). :attr:`should_stop` reads it.
         end_of_epoch: end the current epoch after this batch, as if the loader had
             ended (``stop_when(..., end="epoch")`` sets it): ``run_epoch`` records the
             epoch and clears the flag; training goes on with the next epoch.
@@ -142,11 +135,8 @@ class TrainState:
     batch_in_epoch: int = 0
     sums: RunningSums = attrs.field(factory=RunningSums, eq=False, repr=False)
     history: History = History()
-    should_stop: bool = False
-    finished: bool = False
-    stop_reason: str = ""
+    stop: Stop | None = None
     end_of_epoch: bool = False
-    final_stop: bool = False
     extras: Mapping[str, Any] = _EMPTY
     cursor: Any = attrs.field(default=None, repr=False, eq=False)
     run_id: str = attrs.field(default="", repr=False, eq=False)
@@ -310,14 +300,19 @@ class TrainState:
         return self.history.at(self.step)
 
     @property
+    def should_stop(self) -> bool:
+        """Whether this invocation ends here (:attr:`stop` is set): what ``run_epoch`` and the loops obey."""
+        return self.stop is not None
+
+    @property
     def ended_mid_epoch(self) -> bool:
-        """True when a final stop (:attr:`final_stop`: a budget, ``stop_when``) ended the run in the middle of an epoch.
+        """True when a final stop (``stop.final``: a budget, ``stop_when``) ended the run in the middle of an epoch.
 
         The epoch stays open (a checkpoint continues it), but the epoch functions run on
         this state: the final model is evaluated. ``early_stop`` and
         ``reduce_lr_on_plateau`` count completed epochs only and pass it through.
         """
-        return self.should_stop and self.final_stop and self.batch_in_epoch > 0
+        return self.stop is not None and self.stop.final and self.batch_in_epoch > 0
 
     @property
     def interrupted(self) -> bool:
@@ -335,16 +330,18 @@ class TrainState:
         return isinstance(self.cursor, EpochCursor) and self.cursor.interrupted
 
     def with_stop(self, reason: str, *, finished: bool = False, final: bool = False) -> TrainState:
-        """Return this state stopped: ``should_stop`` set, with its reason, ``finished`` if the run is over for good.
+        """Return this state stopped: :attr:`stop` set to ``Stop(reason, final, finished)``.
 
-        ``final=True``: the stop is where this invocation was meant to end (see :attr:`final_stop`).
+        A run already finished stays finished. ``final=True``: the stop is where this invocation
+        was meant to end; ``finished=True``: the run is over for good (see :class:`~trainfold.Stop`).
 
         Examples:
             >>> s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None).with_stop("max_steps")
-            >>> s.should_stop, s.finished, s.stop_reason
-            (True, False, 'max_steps')
+            >>> s.should_stop, s.stop
+            (True, Stop(reason='max_steps', final=False, finished=False))
         """
-        return attrs.evolve(self, should_stop=True, finished=self.finished or finished, stop_reason=reason, final_stop=final)
+        was_finished = self.stop is not None and self.stop.finished
+        return attrs.evolve(self, stop=Stop(reason, final=final, finished=was_finished or finished))
 
     def with_extra(self, name: str, value: Any) -> TrainState:
         """Return a state whose ``extras[name]`` is ``value`` (the others kept)."""

@@ -15,6 +15,7 @@ from trainfold.core.context import Context
 from trainfold.core.loss import compute_loss
 from trainfold.core.stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, is_norm_clip, recording_norm
 from trainfold.core.state import TrainState
+from trainfold.core.stop import Stop
 from trainfold.core.types import Step
 from trainfold.core.update import Updates
 
@@ -27,22 +28,22 @@ def record(
     updated: bool,
     sums: RunningSums | None = None,
     extras: Mapping[str, Any] | None = None,
-    should_stop: bool | None = None,
+    stop: Stop | None = None,
 ) -> TrainState:
     """The last stage: one new state with the counters advanced and the micro-batch's values added.
 
     ``step`` +1 if ``updated``, ``micro_step`` and ``batch_in_epoch`` +1, the
     detached ``(loss, aux)`` added to the running sums (no kernel: see
-    :class:`~trainfold.RunningSums`); ``sums``, ``extras`` and
-    ``should_stop``, when given, replace the state's.
+    :class:`~trainfold.RunningSums`); ``sums`` and ``extras``, when given, replace
+    the state's; ``stop``, when given, is the new state's (with ``extras`` only).
     """
     sums = (state.sums if sums is None else sums).add(loss, aux)
     if extras is None:
         advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums")
         return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums)
-    advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums", "extras", "should_stop")
-    stop = state.should_stop if should_stop is None else should_stop
-    return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums, extras, stop)
+    advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums", "extras", "stop")
+    return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums, extras,
+                   state.stop if stop is None else stop)
 
 
 def normalize_mode(normalize: str, where: str = "make_step") -> str:
@@ -229,7 +230,7 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
         model = state.model
         loss, aux = compute_loss(loss_fn, model, batch)
         backward(loss)
-        mb = MicroBatch(state, model, loss, aux, synced, state.extras, None, state.should_stop)
+        mb = MicroBatch(state, model, loss, aux, synced, state.extras, None, state.stop)
         for hook in on_batch:
             hook(mb)
         update = updates.of(state.optimizer)
@@ -245,7 +246,6 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
             state.scheduler.step()
         sums = state.sums if state.sums.mask_nonfinite or not masks else state.sums.masking()
         updated = synced and not update.ops.was_skipped()
-        new = record(state, mb.loss, mb.aux, updated=updated, sums=sums, extras=mb.extras, should_stop=mb.should_stop)
-        return new.with_stop(mb.stop_reason) if mb.should_stop and not state.should_stop else new
+        return record(state, mb.loss, mb.aux, updated=updated, sums=sums, extras=mb.extras, stop=mb.stop)
 
     return micro_batch

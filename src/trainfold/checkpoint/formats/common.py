@@ -91,8 +91,7 @@ def loaded(state: TrainState, resume: Resume) -> TrainState:
     if modes is not None and state.model.training:
         modes.train()
     # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
-    return attrs.evolve(state, cursor=resume, should_stop=state.finished, stop_reason=state.stop_reason if state.finished else "",
-                        final_stop=state.final_stop and state.finished)
+    return attrs.evolve(state, cursor=resume, stop=state.stop if state.stop is not None and state.stop.finished else None)
 
 
 def check_accumulation(ctx: Context, folder: Any, saved_steps: int) -> None:
