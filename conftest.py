@@ -27,7 +27,7 @@ def _no_lease_outlives_its_test():
     ("renewing the lock ... failed" printed after the run): stop the renewals with the test (the thread only: the
     server may be gone, and the lock object with it)."""
     yield
-    from trainfold.checkpoint.storage import lease
+    from trainfold._src.checkpoint.storage import lease
 
     for url, (lock, _) in list(lease._HELD.items()):
         lock._stop.set()

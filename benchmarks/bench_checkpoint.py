@@ -38,7 +38,7 @@ def _breakdown(folder: Path, results: dict[str, list[float]]) -> None:
 
     import xxhash
 
-    from trainfold.base.io import read_into
+    from trainfold._src.base.io import read_into
 
     files = [p for p in folder.iterdir() if p.name != "MANIFEST.json"]
     t = time.perf_counter()

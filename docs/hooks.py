@@ -127,7 +127,10 @@ def docstring_problems(name: str, obj: Any) -> list[str]:
     doc = inspect.getdoc(obj) or ""
     if not doc.strip():
         return [f"{name}: no docstring"]
-    problems = []
+    problems = [f"{name}: its docstring sends the reader into the implementation (trainfold._src)"] if "trainfold._src" in doc else []
+    if inspect.isclass(obj):
+        problems += [f"{name}.{k}: its docstring sends the reader into the implementation (trainfold._src)"
+                     for k, v in vars(obj).items() if not k.startswith("_") and "trainfold._src" in (inspect.getdoc(v) or "")]
     func = _function(obj)
     if func is not None:
         signature = inspect.signature(func)

@@ -223,7 +223,7 @@ def test_the_run_end_save_returns_only_once_its_background_checkpoint_is_committ
     import threading
 
     from trainfold import checkpoint_every, latest_checkpoint, loop, make_step, max_steps, run_epoch, testing
-    from trainfold.checkpoint import save
+    from trainfold._src.checkpoint import save
 
     release, writing = threading.Event(), threading.Event()
     commit = save.write_and_commit

@@ -411,7 +411,7 @@ def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path
     import subprocess
     import sys
 
-    from trainfold.distributed.launch import free_port
+    from trainfold._src.distributed.launch import free_port
 
     if torch.cuda.is_available():
         pytest.skip("with GPUs the Accelerator forms the group itself")
@@ -511,7 +511,7 @@ def test_context_and_sequence_parallelism_are_refused_naming_them(sizes, named):
 
     from accelerate.utils import ParallelismConfig
 
-    from trainfold.core.settings import check_parallelism
+    from trainfold._src.core.context import check_parallelism
 
     with pytest.raises(ValueError, match=re.escape(named)):
         check_parallelism(SimpleNamespace(parallelism_config=ParallelismConfig(**sizes)))

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
 from trainfold import Context, TrainState, find_batch_size, loop, make_step, run_epoch, testing
-from trainfold.compose.batch_size import batch_sizes
+from trainfold._src.compose.batch_size import batch_sizes
 
 import helpers
 

@@ -313,7 +313,7 @@ def test_register_record_refuses_what_it_cannot_keep_apart():
 
 def test_a_dtype_name_is_looked_up_in_a_fixed_list_not_on_the_torch_module(tmp_path):
     """A crafted {"__dtype__": "seed"} once decoded to torch.seed; now only real dtypes decode."""
-    from trainfold.checkpoint.codec import decode
+    from trainfold._src.checkpoint.codec import decode
 
     assert torch.bfloat16 is decode({"__dtype__": "bfloat16"}, {})
     for name in ("seed", "load", "__builtins__", ["float32"]):
@@ -326,8 +326,8 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
     """The streaming writer and the one-buffer reader speak the safetensors library's format."""
     from safetensors.torch import load_file, save_file
 
-    from trainfold.base.io import read_into
-    from trainfold.checkpoint import safetensors as _safetensors
+    from trainfold._src.base.io import read_into
+    from trainfold._src.checkpoint import safetensors as _safetensors
 
     g = torch.Generator().manual_seed(0)
     tensors = {"a": (torch.randn(3, 5, generator=g) * 10).to(dtype), "b": torch.ones((), dtype=dtype), "empty": torch.zeros(0, 2, dtype=dtype),
@@ -351,7 +351,7 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
 def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     import struct
 
-    from trainfold.checkpoint import safetensors as _safetensors
+    from trainfold._src.checkpoint import safetensors as _safetensors
 
     buf = bytearray(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(_safetensors.FormatError):
@@ -411,8 +411,8 @@ def _rewritten_as_before(ckpt):
     import hashlib
     import struct
 
-    from trainfold.base.io import read_into
-    from trainfold.checkpoint.safetensors import DTYPES, parse
+    from trainfold._src.base.io import read_into
+    from trainfold._src.checkpoint.safetensors import DTYPES, parse
 
     manifest = json.loads((ckpt / "MANIFEST.json").read_text())
     for name in manifest["files"]:
@@ -464,8 +464,8 @@ def test_a_written_file_keeps_its_tensors_where_torch_would_allocate_them_and_th
 
     from safetensors.torch import load_file
 
-    from trainfold.base.io import read_into
-    from trainfold.checkpoint import safetensors as ours
+    from trainfold._src.base.io import read_into
+    from trainfold._src.checkpoint import safetensors as ours
 
     tensors = {"odd": torch.randn(3), "big": torch.randn(64, 64), "ids": torch.arange(5), "half": torch.randn(16).half(),
                "wide": torch.randn(10, 32), "byte": torch.ones(7, dtype=torch.uint8)}

@@ -115,7 +115,7 @@ _PROBE = textwrap.dedent("""
     import sys
     from pathlib import Path
     from trainfold import CheckpointError
-    from trainfold.checkpoint.storage import lock as _lock
+    from trainfold._src.checkpoint.storage import lock as _lock
     try:
         _lock.acquire(Path(sys.argv[1]), "second-copy")
         print("taken")

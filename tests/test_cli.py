@@ -97,8 +97,8 @@ def test_python_dash_m_trainfold_runs_the_same_command_line(root):
 
 def test_export_writes_the_models_weights_of_each_format_bit_for_bit(tmp_path, capsys):
     from trainfold import checkpoint_weights, export_checkpoint
-    from trainfold.base.io import read_into
-    from trainfold.checkpoint.safetensors import parse
+    from trainfold._src.base.io import read_into
+    from trainfold._src.checkpoint.safetensors import parse
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
@@ -222,7 +222,7 @@ def test_export_never_writes_through_a_link_planted_at_a_temporary_name(root, tm
 
 
 def test_write_durably_refuses_a_name_that_is_a_link(tmp_path):
-    from trainfold.base.io import write_durably
+    from trainfold._src.base.io import write_durably
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")

@@ -110,7 +110,7 @@ def test_a_planted_stale_reference_is_found_and_live_ones_are_not(tmp_path, monk
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "mod.py").write_text(
-        '"""Uses :func:`~trainfold.evaluate`, :mod:`trainfold.core.runtime`, :func:`compose` and :class:`Thing`."""\n'
+        '"""Uses :func:`~trainfold.evaluate`, :mod:`trainfold._src.core.runtime`, :func:`compose` and :class:`Thing`."""\n'
         "from toolz import compose\n\n\n"
         "class Thing:\n"
         '    """See :meth:`go`, not :meth:`gone`; and :class:`trainfold.interrupt.Handlers`."""\n\n'
@@ -124,4 +124,21 @@ def test_a_planted_stale_reference_is_found_and_live_ones_are_not(tmp_path, monk
     assert found == [
         "planted_pkg/mod.py:6: :meth:`gone` names nothing that exists",
         "planted_pkg/mod.py:6: :class:`trainfold.interrupt.Handlers` names nothing that exists",
+    ]
+
+
+def test_a_public_docstring_that_sends_the_reader_into_the_implementation_is_a_problem():
+    class Thing:
+        """A thing (see :mod:`trainfold._src.core.stages`).
+
+        Examples:
+            >>> Thing()
+        """
+
+        def go(self):
+            """Go: :func:`trainfold._src.core.step.record`."""
+
+    assert hooks.docstring_problems("Thing", Thing) == [
+        "Thing: its docstring sends the reader into the implementation (trainfold._src)",
+        "Thing.go: its docstring sends the reader into the implementation (trainfold._src)",
     ]

@@ -177,7 +177,7 @@ def test_early_stop_infers_the_direction_from_the_metrics_name():
 @pytest.mark.parametrize("name,mode", [("eval_loss", "min"), ("train_error", "min"), ("eval_perplexity", "min"), ("eval_acc", "max"),
                                        ("eval_f1", "max"), ("val_auroc", "max"), ("eval_bleu", "max"), ("eval_max_error", "min")])
 def test_auto_mode_knows_the_common_names(name, mode):
-    from trainfold.compose.epoch_fns import resolve_mode
+    from trainfold._src.compose.epoch_fns import resolve_mode
 
     assert mode == resolve_mode(name, "auto", "early_stop")
 

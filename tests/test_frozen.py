@@ -41,7 +41,7 @@ FROZEN = _frozen_classes()
 
 
 def test_the_walk_finds_the_frozen_classes():
-    assert {"trainfold.core.state.TrainState", "trainfold.core.context.Context"} <= set(FROZEN)
+    assert {"trainfold._src.core.state.TrainState", "trainfold._src.core.context.Context"} <= set(FROZEN)
 
 
 @pytest.mark.parametrize("name", sorted(FROZEN))

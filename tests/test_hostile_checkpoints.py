@@ -473,7 +473,7 @@ def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
     """A 2-D mesh's pieces (a grid, the layout DTensor writes): 40,000 pieces checked in one pass, not 8*10^8 pairs."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from trainfold.checkpoint.formats.dcp_metadata import _check_tiling
+    from trainfold._src.checkpoint.formats.dcp_metadata import _check_tiling
 
     chunks = _grid(400, 300, 2, 3)
     _check_tiling("w", [400, 300], chunks)  # a quadratic check would not end within the suite's time
@@ -553,7 +553,7 @@ def test_a_file_rewritten_or_truncated_after_it_was_read_changes_nothing_the_loa
     A private map of the file (what trainfold read through before) shows a rewrite in place made after the hash was
     taken (a weight of 1234.5 reached the model), and dies of SIGBUS when the file is truncated under it.
     """
-    from trainfold.checkpoint.storage import checkpoint_at
+    from trainfold._src.checkpoint.storage import checkpoint_at
 
     folder, _ = ckpt
     path = folder / "model.safetensors"
@@ -569,7 +569,7 @@ def test_a_file_rewritten_or_truncated_after_it_was_read_changes_nothing_the_loa
 
 def test_a_file_removed_or_shrunk_while_a_checkpoint_is_read_is_a_checkpoint_error(ckpt):
     """A reader racing keep_last: the documented CheckpointError, never FileNotFoundError or a signal."""
-    from trainfold.checkpoint.storage import checkpoint_at
+    from trainfold._src.checkpoint.storage import checkpoint_at
 
     folder, secret = ckpt
     size = (folder / "model.safetensors").stat().st_size

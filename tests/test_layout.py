@@ -1,9 +1,12 @@
-"""The package's shape is part of its design: folders by concept, imports that point one way, no circle.
+"""The package's shape is part of its design: folders by concept, imports that point one way, no circle, a private line.
 
-Each folder may import only the folders below it in ``LAYERS`` (and itself);
+The implementation lives in ``trainfold/_src/``, one folder per concept. Each
+folder may import only the folders below it in ``LAYERS`` (and itself);
 ``errors`` and ``_version`` are leaves every module may use. Imports inside
 functions and under ``TYPE_CHECKING`` count: a layer that needs a higher one
-only for a type annotation still depends on it.
+only for a type annotation still depends on it. What a user may import is
+``trainfold``, ``trainfold.testing``, the command line and the pytest plugin;
+everything else is private by its name, and the docs never send a reader there.
 """
 
 import ast
@@ -15,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trainfold"
 #: bottom to top; the package's top-level modules (the API, the command line, testing) sit above all of them
 LAYERS = ("base", "backend", "distributed", "core", "checkpoint", "compose")
 LEAVES = ("trainfold.errors", "trainfold._version")
-MAX_LINES = 400
+#: the modules a user may import (and the package's own entry points)
+PUBLIC = {"trainfold", "trainfold.testing", "trainfold.cli", "trainfold.__main__", "trainfold.pytest_plugin", "trainfold.errors"}
 
 
 def _module(path: Path) -> str:
@@ -51,7 +55,7 @@ GRAPH = {_module(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 def _layer(module: str) -> int:
     parts = module.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 2 and parts[1] in LAYERS else len(LAYERS)
+    return LAYERS.index(parts[2]) if len(parts) > 3 and parts[1] == "_src" and parts[2] in LAYERS else len(LAYERS)
 
 
 def test_every_folder_imports_only_the_folders_below_it():
@@ -78,6 +82,15 @@ def test_no_import_circle():
     assert [m for m in GRAPH if m in reach(m)] == []
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_modules_stay_small(path):
-    assert len(path.read_text().splitlines()) <= MAX_LINES
+def test_every_module_outside_the_public_ones_is_private_by_name():
+    public_looking = [m for m in GRAPH if m not in PUBLIC and not any(part.startswith("_") for part in m.split(".")[1:])]
+    assert public_looking == []
+
+
+def test_the_layers_are_the_folders_of_the_implementation():
+    assert sorted(p.name for p in (PACKAGE / "_src").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(LAYERS)
+
+
+def test_the_docs_never_send_a_reader_into_the_implementation():
+    docs = [PACKAGE.parents[1] / "README.md", *sorted((PACKAGE.parents[1] / "docs").rglob("*.md"))]
+    assert [str(p.name) for p in docs if "trainfold._src" in p.read_text() or "trainfold/_src" in p.read_text()] == []

@@ -271,7 +271,7 @@ def test_a_second_job_on_the_same_root_is_refused_naming_the_owner_until_the_fir
 
 
 def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, monkeypatch):
-    from trainfold.checkpoint.storage import lease
+    from trainfold._src.checkpoint.storage import lease
 
     root, options, fs = s3
     where = root.removeprefix("s3://")
@@ -306,7 +306,7 @@ def test_a_live_owner_whose_renewals_stopped_loses_the_lock_and_commits_nothing_
     """Issue 52's second probe: the owner's renewal thread stops while its training thread works on (the stand-in for
     a lease clock that froze). A requeued copy takes the lock after one lease and saves; the owner learns it at its
     next save, which commits nothing and removes nothing, and every checkpoint there verifies."""
-    from trainfold.checkpoint.storage import lease
+    from trainfold._src.checkpoint.storage import lease
 
     monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", "2")  # inherited by the second job
     root, options, _ = s3
@@ -432,7 +432,7 @@ def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
 def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_every_byte_in_order(sizes, part):
     """S3's multipart rule: every part but the last exactly ``part`` bytes, none empty unless the file is (an empty
     last part after an exact multiple would be refused); joined, the parts are the file."""
-    from trainfold.checkpoint.storage.upload import _parts
+    from trainfold._src.checkpoint.storage.upload import _parts
 
     chunks = [bytes(range(i, i + n)) for i, n in enumerate(sizes)]
     parts = [bytes(p) for p in _parts(chunks, part)]
@@ -483,7 +483,7 @@ def test_a_file_larger_than_the_part_size_is_uploaded_in_numbered_parts_and_load
     from accelerate import Accelerator
 
     from trainfold import Context, TrainState
-    from trainfold.checkpoint.storage import upload
+    from trainfold._src.checkpoint.storage import upload
 
     monkeypatch.setattr(upload, "WRITE_PART", 5 << 20)
     root, options, fs = s3

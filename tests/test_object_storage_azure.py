@@ -89,7 +89,7 @@ def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_i
 
 def test_the_lock_blob_is_created_only_if_absent_and_renewed_only_on_its_etag(az):
     """The two conditional writes themselves, against the service: what makes two jobs one writer."""
-    from trainfold.checkpoint.storage import conditional
+    from trainfold._src.checkpoint.storage import conditional
 
     root, _, fs = az
     path = f"{root.removeprefix('az://')}/probe"

@@ -95,7 +95,7 @@ def _loaded_on_one_process(server, root):
 def test_a_server_that_stops_answering_in_the_middle_of_a_save_fails_it_in_bounded_time_and_commits_nothing(tmp_path, monkeypatch):
     """The server freezes (SIGSTOP) while a background save uploads: the save fails with an OSError within the bounded
     time of its requests (the job does not hang), nothing is committed, and the previous checkpoint stays the newest."""
-    from trainfold.checkpoint.storage import requests
+    from trainfold._src.checkpoint.storage import requests
 
     monkeypatch.setattr(requests, "REQUEST_TIMEOUT_S", 3.0)  # 120 s by default: the bound, not its value, is tested
     with helpers.moto_server() as server:

@@ -74,7 +74,7 @@ def test_schedules_rise_then_fall_within_their_bounds(args, kind):
 @given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=150), mask=st.booleans())
 def test_running_sums_equal_the_sum_of_what_was_added_however_often_they_fold(values, mask):
     """RunningSums holds up to FOLD_EVERY batches before adding them; its sums are the plain sums all the same."""
-    from trainfold.base.metrics import FOLD_EVERY, RunningSums
+    from trainfold._src.base.metrics import FOLD_EVERY, RunningSums
 
     sums = RunningSums.zero("cpu", mask_nonfinite=mask)
     for v in values:
@@ -102,7 +102,7 @@ def test_the_steps_generated_copier_is_attrs_evolve(changes):
     """The copier the step builds its new state with gives what attrs.evolve gives, for any set of changed fields."""
     import attrs
 
-    from trainfold.base.copier import copier
+    from trainfold._src.base.copier import copier
 
     _, state, _ = _setup(4, 2, 1)
 
@@ -116,7 +116,7 @@ def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_on
     """The generated code's own names cannot clash with a field's; attrs' kw_only fields go by keyword."""
     import attrs
 
-    from trainfold.base.copier import copier
+    from trainfold._src.base.copier import copier
 
     @attrs.frozen
     class Record:
@@ -140,7 +140,7 @@ def test_a_saves_finiteness_check_through_the_extremes_says_what_isfinite_says(v
     """checkpoint/background.py checks a weight's finiteness by its min and max (one pass): the same answer as
     ``isfinite(t).all()`` for every dtype a weight has, NaN and infinities anywhere (and a float32 value that is inf
     once cast to float16 is inf there, as it should be)."""
-    from trainfold.checkpoint.background import _finite_one
+    from trainfold._src.checkpoint.background import _finite_one
 
     t = torch.tensor(values, dtype=torch.float32).to(dtype)
 
@@ -153,7 +153,7 @@ def test_each_replicated_tensor_is_dealt_to_exactly_one_process_and_the_deal_is_
     """A sharded save's deal of the tensors every process holds whole (checkpoint/formats/dcp.py's own_share): the
     processes' shares are disjoint and cover every tensor (each written once), and no process gets more bytes than
     another plus the largest tensor (greedy, in name order: the same on every process)."""
-    from trainfold.checkpoint.formats.dcp import own_share
+    from trainfold._src.checkpoint.formats.dcp import own_share
 
     tensors = {f"model.t{i}": torch.zeros(n) for i, n in enumerate(sizes)}
 

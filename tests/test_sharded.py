@@ -426,8 +426,8 @@ def test_a_context_parallel_mesh_is_refused_before_training_naming_the_dimension
 
 def _host_copies_of_fsdp2_shards():
     """A background save's copy of FSDP2's CPU shards (checkpoint/formats/common.py's to_host): one copy each, apart."""
-    from trainfold.checkpoint.formats import dcp
-    from trainfold.checkpoint.formats.common import to_host
+    from trainfold._src.checkpoint.formats import dcp
+    from trainfold._src.checkpoint.formats.common import to_host
 
     ctx, state, _ = _setup("fsdp2")
     shards, _ = dcp.split_state(state.accelerator.unwrap_model(state.model), state.optimizer.optimizer)

@@ -40,8 +40,8 @@ from trainfold import (
     save_checkpoint,
     testing,
 )
-from trainfold.distributed import interrupt
-from trainfold.distributed.launch import free_port
+from trainfold._src.distributed import interrupt
+from trainfold._src.distributed.launch import free_port
 
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"

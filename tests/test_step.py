@@ -7,8 +7,8 @@ from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainfold import Context, TrainState, make_step, testing
-from trainfold.base.metrics import FOLD_EVERY
-from trainfold.core.step import record
+from trainfold._src.base.metrics import FOLD_EVERY
+from trainfold._src.core.step import record
 
 
 def _setup(gradient_accumulation_steps=1, lr=0.25):

@@ -20,7 +20,7 @@ from trainfold import (
     stop_when,
     testing,
 )
-from trainfold.base.checks import named
+from trainfold._src.base.checks import named
 
 import helpers
 

@@ -241,7 +241,7 @@ def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
 def test_check_finite_sets_the_flag_for_a_non_finite_gradient_and_changes_no_gradient(bad):
-    from trainfold.core.guard import check_finite
+    from trainfold._src.core.guard import check_finite
 
     grads = [torch.randn(3, 2), torch.randn(5)]
     if bad is not None:
@@ -295,7 +295,7 @@ def test_nan_guard_counts_each_continuation_of_a_state_apart():
 
 def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
     """An inner step run without the transformer's reads (a unit test of the step) keeps every flag."""
-    from trainfold.core.guard import NanGuardState
+    from trainfold._src.core.guard import NanGuardState
 
     guard = NanGuardState(3, check_every=2)
     for bad in [0.0, 1.0, 1.0, 0.0, 1.0]:
@@ -306,7 +306,7 @@ def test_nan_guard_flags_outlast_check_every_when_nothing_reads_them():
 
 def test_nan_guard_with_a_huge_check_every_grows_its_buffer_as_flags_come():
     """check_every=10**9 (in effect: never read) does not make a 10**9-slot buffer up front."""
-    from trainfold.core.guard import MAX_SLOTS, NanGuardState
+    from trainfold._src.core.guard import MAX_SLOTS, NanGuardState
 
     guard = NanGuardState(3, check_every=10**9)
     for i in range(MAX_SLOTS + 1):
@@ -499,7 +499,7 @@ def test_run_epoch_and_evaluate_can_limit_batches():
 
 
 def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes():
-    from trainfold.backend.engine import convert_sync_batchnorm
+    from trainfold._src.backend.engine import convert_sync_batchnorm
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))

@@ -27,12 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from trainfold.base.io import read_into
-from trainfold.checkpoint import safetensors as _safetensors
-from trainfold.checkpoint.encoding import decode_history
-from trainfold.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
-from trainfold.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
-from trainfold.checkpoint.storage import checkpoint_at, is_url, open_root
+from trainfold._src.base.io import read_into
+from trainfold._src.checkpoint import safetensors as _safetensors
+from trainfold._src.checkpoint.encoding import decode_history
+from trainfold._src.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
+from trainfold._src.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
+from trainfold._src.checkpoint.storage import checkpoint_at, is_url, open_root
 from trainfold.errors import CheckpointError
 
 FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
@@ -199,7 +199,7 @@ def _size(n: int) -> str:
 
 
 def _verify(path: str, as_json: bool) -> int:
-    from trainfold.checkpoint.load import verify_checkpoint
+    from trainfold._src.checkpoint.load import verify_checkpoint
 
     folder = _folder(path)
     try:
@@ -215,7 +215,7 @@ def _verify(path: str, as_json: bool) -> int:
 
 def _state(folder: str) -> dict[str, Any]:
     """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
-    from trainfold.checkpoint.manifest import read_manifest
+    from trainfold._src.checkpoint.manifest import read_manifest
 
     stored = checkpoint_at(folder)
     manifest = read_manifest(stored)
@@ -284,7 +284,7 @@ def _ranks(d: dict[str, Any]) -> str:
 
 
 def _export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:
-    from trainfold.checkpoint.export import export_checkpoint
+    from trainfold._src.checkpoint.export import export_checkpoint
 
     folder = _folder(path)
     if transformers_config is not None and not Path(transformers_config).is_dir():
@@ -303,7 +303,7 @@ def _export(path: str, out: Path, transformers_config: str | None) -> dict[str, 
 
 def _weights(where: str) -> dict[str, Any]:
     """A safetensors file's tensors, or a checkpoint's (a folder or a root, local or on a store) model weights."""
-    from trainfold.checkpoint.export import checkpoint_weights
+    from trainfold._src.checkpoint.export import checkpoint_weights
 
     path = Path(where)
     try:

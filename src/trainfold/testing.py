@@ -20,12 +20,12 @@ from typing import Any, Iterable, Iterator
 import torch
 from accelerate import Accelerator
 
-from trainfold.backend.engine import reset_process_state
-from trainfold.base.types import Batch
-from trainfold.core.context import Context
-from trainfold.core.state import TrainState
-from trainfold.core.types import Step
-from trainfold.distributed.launch import free_port, run_distributed
+from trainfold._src.backend.engine import reset_process_state
+from trainfold._src.base.types import Batch
+from trainfold._src.core.context import Context
+from trainfold._src.core.state import TrainState
+from trainfold._src.core.types import Step
+from trainfold._src.distributed.launch import free_port, run_distributed
 
 __all__ = [
     "SYNC_METHODS",

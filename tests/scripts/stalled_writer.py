@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from trainfold import CheckpointError, latest_checkpoint, load_checkpoint, make_step, run_epoch, save_checkpoint, testing
-from trainfold.checkpoint.storage import remote
+from trainfold._src.checkpoint.storage import remote
 
 
 def stop_at(where: str, name: str, marker: Path) -> None:

@@ -1,0 +1,126 @@
+"""Plain-value encoding for checkpoints: JSON for structure, a flat dict of tensors for safetensors.
+
+Nothing here unpickles or imports by name: decoding only rebuilds JSON values,
+tuples, dicts, tensors, torch dtypes (from a fixed list) and the record types
+registered with :func:`~trainfold.register_record`. That is what makes loading a
+checkpoint unable to run code.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import attrs
+import numpy as np
+import torch
+
+from trainfold._src.base.io import aligned
+from trainfold._src.base.records import RECORDS, record_name
+
+#: How deep a decoded value may nest (trainfold's own values nest a few levels).
+MAX_DEPTH = 64
+
+#: The dtypes a checkpoint may name, by name: decoding never looks a name up on the torch module.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+class Encoder:
+    """Collects tensors under unique keys while turning a value into JSON."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def tensor(self, key: str, t: torch.Tensor) -> dict[str, str]:
+        # not copied: the file is written from the tensor's memory right away (_safetensors.write)
+        self.tensors[key] = t.detach()
+        return {"__tensor__": key}
+
+    def encode(self, value: Any, path: str) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.tensor(path, value)
+        if isinstance(value, torch.nn.Module):
+            for k, t in value.state_dict().items():
+                self.tensor(f"{path}.{k}", t)
+            return {"__module__": path}
+        name = record_name(type(value)) if attrs.has(type(value)) else None
+        if name is not None:
+            fields = {f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value)) if f.init}
+            return {"__record__": name, "fields": fields}
+        if isinstance(value, tuple):
+            return {"__tuple__": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, Mapping):
+            return {"__dict__": [[self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{k}")] for i, (k, v) in enumerate(value.items())]}
+        if isinstance(value, torch.dtype):
+            return {"__dtype__": str(value).removeprefix("torch.")}
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            self.tensor(path, torch.from_numpy(np.ascontiguousarray(value)))
+            return {"__ndarray__": path}
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":
+            return value.item()
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            # kept as its fields; a resumed loader's own batches give the type back (_batch.like)
+            return {"__fields__": [[f.name, self.encode(getattr(value, f.name), f"{path}.{f.name}")] for f in dataclasses.fields(value)]}
+        raise TypeError(
+            f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
+            "numbers, strings, tensors, numpy arrays, tuples, lists, dicts, dataclasses and registered records: "
+            "decorate your attrs record with @trainfold.register_record, or keep other objects out of state.extras "
+            "(and out of batches)."
+        )
+
+
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[], torch.nn.Module] | None = None, device: Any = None) -> Any:
+    """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given."""
+
+    def go(o: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"a value nested more than {MAX_DEPTH} levels deep: not one trainfold writes")
+        depth += 1
+        if isinstance(o, list):
+            return [go(v, depth) for v in o]
+        if not isinstance(o, dict):
+            return o
+        if "__tensor__" in o:
+            t = tensors[o["__tensor__"]]
+            return aligned(t if device is None else t.to(device))  # kept by the run: where torch would have put it
+        if "__tuple__" in o:
+            return tuple(go(v, depth) for v in o["__tuple__"])
+        if "__ndarray__" in o:
+            return tensors[o["__ndarray__"]].numpy()
+        if "__fields__" in o:
+            return {name: go(v, depth) for name, v in o["__fields__"]}
+        if "__dict__" in o:
+            return {go(k, depth): go(v, depth) for k, v in o["__dict__"]}
+        if "__dtype__" in o:
+            dtype = DTYPES.get(o["__dtype__"]) if isinstance(o["__dtype__"], str) else None
+            if dtype is None:
+                raise ValueError(f"the checkpoint names an unknown dtype {o['__dtype__']!r}")
+            return dtype
+        if "__record__" in o:
+            cls = RECORDS.get(o["__record__"])
+            if cls is None:
+                raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r}")
+            return cls(**{k: go(v, depth) for k, v in o["fields"].items()})
+        if "__module__" in o:
+            if module_template is None:
+                raise ValueError("the checkpoint holds a model copy (an EMA?) but no model to copy its structure from")
+            prefix = o["__module__"] + "."
+            module = module_template()
+            module.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=True)
+            return module.to(device) if device is not None else module
+        raise ValueError(f"unreadable value in the checkpoint: {sorted(o)}")
+
+    return go(obj)
+
+
+def deep_template(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
+    return lambda: copy.deepcopy(model)

@@ -1,0 +1,177 @@
+"""``checkpoint_every``: saving every n updates and at a stop, and (``.at_end``, composed after the loop) at the run's end.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import attrs
+
+from trainfold._src.backend.loaders import is_resumable_loader
+from trainfold._src.base.checks import name_of, named, positive_int
+from trainfold._src.base.types import Batch
+from trainfold._src.checkpoint import codec as _codec
+from trainfold._src.checkpoint.save import flag, position_of, save_checkpoint, sharded_layout
+from trainfold._src.checkpoint.storage import open_root
+from trainfold._src.core.context import Context
+from trainfold._src.core.cursor import EpochCursor
+from trainfold._src.core.state import TrainState
+from trainfold._src.core.types import Step
+
+
+def _check_resumable(state: TrainState, batch: Batch) -> None:
+    """Refuse, at the first step, an epoch that a mid-epoch checkpoint could not record.
+
+    Raises:
+        TypeError: the loader is not prepared (``ctx.prepare_loaders``), or the batch holds
+            a value a checkpoint cannot hold (a custom object), named.
+    """
+    cursor = state.cursor
+    if isinstance(cursor, EpochCursor) and not is_resumable_loader(cursor.loader):
+        raise TypeError(
+            "checkpoint_every: the epoch runs over a loader that was not prepared "
+            f"(a {type(cursor.loader).__name__}); a checkpoint inside the epoch could not continue it. "
+            "Prepare it with ctx.prepare_loaders(loader)."
+        )
+    try:
+        _codec.Encoder().encode(batch, "batch")
+    except TypeError as exc:
+        raise TypeError(f"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: {exc}") from None
+
+
+@attrs.frozen(eq=False)
+class CheckpointEvery:
+    """What :func:`checkpoint_every` returns: a step transformer, and :meth:`at_end`, the run's final save.
+
+    Calling it on a step (``saving(step)``) gives the step that saves every ``n`` updates and at a stop
+    inside an epoch. :meth:`at_end` is the epoch function that saves the state a loop ended with;
+    compose it after the loop: ``compose(saving.at_end, loop(...))``. It holds the settings it was
+    made with and nothing that changes.
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> saving = checkpoint_every(ctx, tempfile.mkdtemp(), 2)
+        >>> saving.n, callable(saving), saving.at_end(state).step
+        (2, True, 0)
+    """
+
+    ctx: Context = attrs.field(repr=False)
+    root: str
+    n: int
+    keep_last: int | None = None
+    sharded: bool | None = None
+    async_save: bool = False
+    storage_options: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+
+    def __call__(self, step: Step) -> Step:
+        """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
+        ctx, n, interrupt = self.ctx, self.n, self.ctx.runtime.interrupt
+        checked = ""  # the run whose first step was checked
+
+        def saving(state: TrainState, batch: Batch) -> TrainState:
+            nonlocal checked
+            if checked != state.run_id:  # once per run: what would fail at the first save, refused at the first step
+                _check_resumable(state, batch)
+                checked = state.run_id
+            new = step(state, batch)
+            due = new.step != state.step and new.step % n == 0
+            # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
+            stopping = (new.should_stop and not state.should_stop) or (
+                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+            )
+            if stopping:  # the run ends here: its last checkpoint is committed before the step returns
+                saved = self._save(new)
+                ctx.wait_for_checkpoints()
+                return saved
+            return self._save(new) if due else new
+
+        return named(saving, f"checkpoint_every({n})({name_of(step)})")
+
+    def at_end(self, state: TrainState) -> TrainState:
+        """Commit a checkpoint of ``state`` (what a loop ended with) to the root, unless the root holds it already.
+
+        Compose it after the loop, on every process: ``compose(saving.at_end, loop(...))``. It saves
+        the normal end of the run (``max_epochs``), an early stop, a stop agreed during an evaluation
+        or between two epochs, and what the epoch functions recorded after a budget's stop. A state
+        this process already saved there, or loaded from there (a finished job started again), is
+        not saved again. The save is committed before it returns, even with ``async_save``.
+
+        Args:
+            state: the state the run's loop returned.
+
+        Returns:
+            The state (as ``save_checkpoint`` returns it when it saves).
+        """
+        if self.ctx.runtime.held_position(open_root(self.root, self.storage_options).key) != position_of(state):
+            state = self._save(state)
+        self.ctx.wait_for_checkpoints()  # committed when this returns, whether this call submitted it or the step's own save did
+        return state
+
+    def _save(self, state: TrainState) -> TrainState:
+        return save_checkpoint(self.ctx, self.root, state, keep_last=self.keep_last, sharded=self.sharded, async_save=self.async_save,
+                               storage_options=self.storage_options)
+
+
+def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
+                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> CheckpointEvery:
+    """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
+
+    A final checkpoint is written after the step at which the run stops for any
+    reason (``max_steps``, ``nan_guard``, or a signal such as Ctrl-C or SIGTERM,
+    which ``run_epoch`` turns into a stop at the next step boundary agreed by
+    every process), so an interrupted run loses nothing. The state a loop ends
+    with is saved by the returned value's :meth:`~CheckpointEvery.at_end`,
+    composed after the loop (unless this root holds it already): the normal end
+    of the run, a stop agreed during an evaluation or between epochs, and what
+    the epoch functions after a budget's stop recorded. Starting a finished job
+    again trains and saves nothing::
+
+        saving = checkpoint_every(ctx, root, 100)
+        train = loop(compose(log_epoch, run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
+        state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state) if latest_checkpoint(root) else state)
+
+    For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
+    after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
+    ``sharded``, ``async_save`` and ``storage_options`` are ``save_checkpoint``'s (``root``
+    may be a URL: ``s3://bucket/run``); with ``async_save`` the final checkpoint at a
+    stop is committed before the step returns. A root that cannot be used (an unknown
+    protocol, the store's package not installed) is refused here, not at the first save.
+
+    Args:
+        ctx: the run's Context.
+        root: the folder (or ``s3://...`` URL) that holds the run's checkpoints.
+        n: save after every ``n``-th optimizer update (a positive int).
+        keep_last: after each commit, delete all but the newest ``keep_last`` checkpoints (never the
+            newest finite one); None (the default) keeps every checkpoint.
+        sharded: as :func:`save_checkpoint`'s: each process writes its own shard.
+        async_save: write in the background while training goes on (:func:`save_checkpoint`).
+        storage_options: options for the store's fsspec filesystem (a URL root only).
+
+    Returns:
+        A :class:`CheckpointEvery`: a step transformer, with :meth:`~CheckpointEvery.at_end` for the run's end.
+
+    Raises:
+        ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.
+        CheckpointError: a root that cannot be used (an unknown protocol, the store's package not
+            installed), or another run's lock on it.
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> saving = checkpoint_every(ctx, root, 3)
+        >>> state = saving.at_end(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)(state))
+        >>> [p.name for p in list_checkpoints(root)]
+        ['ckpt-0000000003', 'ckpt-0000000006', 'ckpt-0000000008']
+    """
+    positive_int("checkpoint_every", n)
+    if keep_last is not None:
+        positive_int("keep_last", keep_last)
+    sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
+    flag("async_save", async_save)
+    open_root(root, storage_options)  # an unknown protocol, or the store's package missing, refused now
+    return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options)

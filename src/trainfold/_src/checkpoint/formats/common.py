@@ -1,0 +1,154 @@
+"""What the three checkpoint formats share: the interface, what a save captures, and how a loaded state is finished."""
+
+from __future__ import annotations
+
+import warnings
+from types import MappingProxyType
+from typing import Any, Mapping, Protocol
+
+import attrs
+import torch
+
+from trainfold._src.backend.engine import is_dtensor
+from trainfold._src.backend.mesh import data_layout
+from trainfold._src.base.types import read_only
+from trainfold._src.base import rng as _rng
+from trainfold._src.checkpoint.manifest import data_ranks
+from trainfold._src.checkpoint.storage.protocol import Staging, Stored
+from trainfold._src.core.context import Context
+from trainfold._src.core.cursor import Resume
+from trainfold._src.core.modes import optimizer_modes
+from trainfold._src.core.runstate import RunState
+from trainfold._src.core.state import TrainState
+from trainfold.errors import CheckpointError
+
+
+@attrs.frozen(eq=False)
+class Captured:
+    """What a format read from the live state for one save (copied to host memory for a background save)."""
+
+    #: the run state the shared and per-process files encode
+    run: RunState = attrs.field(repr=False)
+    #: the weights whose finiteness the manifest records (this process's part)
+    weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
+    #: files the format writes as they are (DeepSpeed's engine files), by name
+    files: Mapping[str, bytes] = attrs.field(default=MappingProxyType({}), converter=read_only, repr=False)
+    #: a sharded checkpoint's tensors, which the format's ``write_pieces`` writes; None otherwise
+    shards: Mapping[str, torch.Tensor] | None = attrs.field(default=None, repr=False)
+
+
+class Format(Protocol):
+    """A checkpoint format: its number in the manifest, what a save captures and writes, how a load reads and puts back."""
+
+    #: the format's number in the manifest
+    code: int
+    #: whether each process holds its own part of the weights (shards, ZeRO partitions), not a copy of the whole
+    partitioned: bool
+
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
+        """Read what this process saves (every process calls it; ``copied`` for a background save)."""
+        ...
+
+    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+        """Write the pieces :meth:`capture` put in ``Captured.shards`` (a collective); return their manifest entries."""
+        ...
+
+    def load(self, ctx: Context, stored: Stored, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
+        """Read, verify and check ``stored``, then put it into ``state``'s live objects; return the saved state."""
+        ...
+
+    def weights(self, stored: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The model's whole weights, by parameter name, on the CPU, read offline (no process group, no model)."""
+        ...
+
+
+def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``tensors`` in host memory (a DTensor's local shard copied, its layout kept): what a background save writes.
+
+    A DTensor already on the CPU is copied once, its shard into a new DTensor of the same layout; torch's
+    ``_create_cpu_state_dict``, which the rest goes through, deep-copies such a DTensor (its data twice) before
+    copying the data into it again: three copies, most of the time a background save keeps the caller.
+    """
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    tensors = dict(tensors)
+    on_cpu = {k: t for k, t in tensors.items() if is_dtensor(t) and t.device.type == "cpu" and t.dim()}
+    rest = {k: t for k, t in tensors.items() if k not in on_cpu}
+    copies = _copy_state_dict(rest, _create_cpu_state_dict(rest)) if rest else {}
+    for key, dtensor in on_cpu.items():
+        local = dtensor._local_tensor.detach()  # type: ignore[attr-defined]
+        host = torch.empty_like(local)
+        host.copy_(local)
+        make: Any = type(dtensor)  # DTensor(local, spec, *, requires_grad): the layout's spec kept, the shard ours
+        copies[key] = make(host, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return {k: copies[k] for k in tensors}
+
+
+def loaded(state: TrainState, resume: Resume) -> TrainState:
+    """The state a load returns: back in the run's train mode, at the saved position, its stop carried on only if the run finished."""
+    # A schedule-free optimizer was saved in eval mode (save_checkpoint switches it): back to the mode the run was in.
+    modes = optimizer_modes(state.optimizer)
+    if modes is not None and state.model.training:
+        modes.train()
+    # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
+    return attrs.evolve(state, cursor=resume, stop=state.stop if state.stop is not None and state.stop.finished else None)
+
+
+def check_accumulation(ctx: Context, folder: Any, saved_steps: int) -> None:
+    if saved_steps != ctx.gradient_accumulation_steps:
+        raise CheckpointError(
+            f"{folder} was saved with gradient_accumulation_steps={saved_steps}, this run "
+            f"uses {ctx.gradient_accumulation_steps}: the accumulation phase and the updates would not line up. "
+            "Resume with the same Accelerator settings."
+        )
+
+
+def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
+    """Whether a checkpoint was saved by another layout of the data than this run's: another number of processes, or
+    as many grouped otherwise (tensor parallelism's processes share a data-parallel rank). Then the processes' own files
+    do not map one to one onto this run's, and the epoch continues by its position in samples."""
+    return bool(manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size)
+
+
+def layout_words(processes: int, ranks: int) -> str:
+    """``"4 processes"``, or ``"4 processes (2 data-parallel ranks)"`` where tensor parallelism groups them."""
+    return f"{processes} processes" + ("" if ranks == processes else f" ({ranks} data-parallel ranks)")
+
+
+def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int, manifest: Mapping[str, Any], acc: Any) -> tuple[RunState, Resume]:
+    """A checkpoint of another layout (:func:`saved_elsewhere`), continued on this run's: checked, at a new accumulation
+    group, by its position in samples.
+
+    The epoch's running train sums were each process's own and cannot be dealt out
+    anew: they restart empty, with a warning (the next epochs' train values are exact).
+    """
+    saved = layout_words(manifest["world_size"], data_ranks(manifest))
+    now = layout_words(acc.num_processes, data_layout(acc).size)
+    _check_elastic(folder, run, resume, saved_steps, saved, now)
+    run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
+    if run.values.batch_in_epoch > 0:
+        warnings.warn(
+            f"load_checkpoint: {folder} was saved by {saved} in the middle of epoch {run.values.epoch + 1}; this run "
+            f"has {now}. The model, optimizer and data position continue exactly, but the epoch's running "
+            "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
+            "train_loss (and train aux values) will not be exact; the next epochs' are.",
+            UserWarning,
+            stacklevel=4,
+        )
+        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
+    return run, attrs.evolve(resume, elastic=True)
+
+
+def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str) -> None:
+    """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, with its position in samples."""
+    if run.accelerate_step % saved_steps or run.grads:
+        raise CheckpointError(
+            f"{folder} was saved by {saved} in the middle of an accumulation group (their partial gradients "
+            f"cannot be dealt out to {now}): resume it on {saved}, or from a checkpoint at an optimizer update "
+            "(checkpoint_every saves at updates)."
+        )
+    if run.values.batch_in_epoch > 0 and resume.samples_done is None:
+        raise CheckpointError(
+            f"{folder} was saved by {saved} in the middle of an epoch over a loader whose position in samples "
+            f"is unknown (an iterable dataset): resume it on {saved}, or from a checkpoint between epochs."
+        )

@@ -1,0 +1,131 @@
+"""Loading a checkpoint: all or nothing, every file verified as it is read, the run checked before anything changes.
+
+The format of the checkpoint (chosen once, from its manifest) reads, checks and
+puts it back; nothing here branches on the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, overload
+
+from toolz import curry
+
+from trainfold._version import __version__
+from trainfold._src.checkpoint.formats import for_load
+from trainfold._src.checkpoint.manifest import read_manifest, verify
+from trainfold._src.checkpoint.root import resolve
+from trainfold._src.checkpoint.save import position_of
+from trainfold._src.checkpoint.storage import checkpoint_at, open_root
+from trainfold._src.core.checks import expect_context, expect_owned, expect_state
+from trainfold._src.core.context import Context
+from trainfold._src.core.state import TrainState
+
+
+def _folder(where: str, path: Any) -> str | os.PathLike[str]:
+    if not isinstance(path, (str, os.PathLike)):
+        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
+        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
+    return path
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest and return the manifest.
+
+    The manifest must list every file the format needs, and only plain names
+    inside the folder; every file it lists (or, with ``rank``, the shared files
+    and that process's) must be a regular file (a symbolic link is refused,
+    never followed) with the recorded size and digest (XXH3-128; SHA-256 in older checkpoints).
+
+    Args:
+        path: a checkpoint folder (or its URL).
+        rank: check only the shared files and this process's; None: every file.
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The manifest, a dict (``format``, ``step``, ``world_size``, ``files``...).
+
+    Raises:
+        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
+            manifest, a newer format, or a missing, truncated, altered or linked file (named).
+        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
+            root without a complete checkpoint).
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> manifest = verify_checkpoint(latest_checkpoint(root))
+        >>> manifest["step"], manifest["world_size"], sorted(manifest["files"])[:2]
+        (0, 1, ['model.safetensors', 'rank-0.json'])
+    """
+    return verify(checkpoint_at(_folder("verify_checkpoint", path), storage_options), rank=rank, version=__version__)
+
+
+@overload
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...) -> Any: ...
+
+
+@overload
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
+
+
+@curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
+def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
+    """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
+
+    ``path`` is a checkpoint folder, or a root of them (then the newest complete
+    one, by the position it records). All or nothing: every file is read once
+    and verified against the manifest while it is read, every value is decoded
+    and the checkpoint is checked against the run (the same parameters, names and
+    shapes, the same optimizer layout, a scheduler on both sides or neither; for a
+    gathered checkpoint, the same number of processes) before anything is changed.
+    A sharded checkpoint written by another number of processes is resharded into
+    this run's layout, and its interrupted epoch continues by its position in
+    samples (see the guide "Sharded, elastic and background checkpoints"). A DeepSpeed
+    checkpoint's engine files are parsed with torch's restricted unpickler and checked against
+    the live engine (processes, ZeRO stage, parameter shapes) before DeepSpeed is given them.
+    Then the weights, optimizer,
+    scheduler, scaler and Accelerate's accumulation counter are restored in
+    place, the random states are restored, and a state is returned whose next
+    ``run_epoch`` continues the interrupted epoch from the next batch, in the
+    same order. Call ``run_epoch`` next: anything that draws random numbers in
+    between changes what follows.
+
+    Args:
+        ctx: the run's Context.
+        path: a checkpoint folder, or a root of them (its newest complete checkpoint); a local path or a URL.
+        state: the state to load into (made with ``TrainState.create`` for the same model and optimizer;
+            curried: ``load_checkpoint(ctx, path)`` is an epoch function).
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The saved state, with ``state``'s handles (the model, optimizer and scheduler, loaded in place).
+
+    Raises:
+        CheckpointError: a damaged or hostile checkpoint (naming the file), another model
+            (naming the first parameter that differs), another optimizer layout,
+            another world size, another accumulation setting, DeepSpeed on one side only.
+            Nothing is changed.
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> trained = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+        >>> resumed = load_checkpoint(ctx, root, state)
+        >>> resumed.step, resumed.epoch
+        (4, 1)
+    """
+    expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
+    state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
+    ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
+    folder = resolve(_folder("load_checkpoint", path), storage_options)
+    manifest = read_manifest(folder, version=__version__)
+    loaded = for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+    # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
+    ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
+    return loaded

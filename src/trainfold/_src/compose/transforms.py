@@ -1,0 +1,321 @@
+"""Step transformers: ``Step -> Step`` functions that add behaviour around a step.
+
+Compose them with ``toolz.compose``: in ``compose(a, b)(step)``, ``a`` is the
+outermost (it sees the batch first and the new state last). Each keeps its
+state in ``state.extras[name]``, never in a closure, so it is checkpointed,
+snapshotted and branched with the rest of the state.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import MappingProxyType
+from typing import Callable, Mapping, cast
+
+import attrs
+import torch
+
+from trainfold._src.backend.engine import unwrap
+from trainfold._src.backend.optim import inner_optimizer
+from trainfold._src.base.checks import name_of, named, positive_int
+from trainfold._src.base.records import register_record
+from trainfold._src.base.types import Batch, read_only
+from trainfold._src.compose.tracking import emit, step_key
+from trainfold._src.core.checks import returned_state
+from trainfold._src.core.context import Context
+from trainfold._src.core.state import TrainState
+from trainfold._src.core.types import EpochFn, Step, StepTransformer
+
+
+def max_steps(n: int) -> StepTransformer:
+    """Stop the run after ``n`` optimizer updates: sets ``state.stop``, which ``run_epoch`` and ``loop`` obey.
+
+    A state already at ``n`` updates is returned unchanged (stopped) without
+    running the step. A budget ends this invocation, not the run: the stopped
+    epoch stays open, and a run resumed from its checkpoint with a larger budget
+    (or none) goes on from there. It is the run's own end (a final stop:
+    ``Stop("max_steps", final=True)``), so the epoch functions composed after
+    ``run_epoch`` evaluate, log and save the final model.
+
+    Args:
+        n: the budget, in optimizer updates of the whole run (a positive int).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
+        >>> state.step, state.stop, state.epoch, state.batch_in_epoch
+        (6, Stop(reason='max_steps', final=True, finished=False), 1, 2)
+    """
+    positive_int("max_steps", n)
+
+    def transform(step: Step) -> Step:
+        def limited(state: TrainState, batch: Batch) -> TrainState:
+            if state.step >= n:
+                return state.with_stop("max_steps", final=True)
+            new = step(state, batch)
+            return new.with_stop("max_steps", final=True) if new.step >= n else new
+
+        return named(limited, f"max_steps({n})({name_of(step)})")
+
+    return transform
+
+
+@register_record
+@attrs.frozen
+class EmaState:
+    """``state.extras["ema"]``: the averaged copy of the model (a handle), its decay and update count."""
+
+    model: torch.nn.Module = attrs.field(repr=False, eq=False)
+    decay: float
+    updates: int = 0
+
+
+def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
+    """Keep an exponential moving average of the weights, updated on every optimizer update.
+
+    ``ema = decay * ema + (1 - decay) * weights`` on the device (``_foreach_lerp_``),
+    after each update the inner step performs (not per micro-batch, not per epoch).
+    The average starts as a copy of the weights when the transformer first runs.
+    Buffers (BatchNorm statistics) are copied, not averaged. Read it with
+    :func:`ema_model`, for example ``evaluate(ctx, loss_fn, loader, model=ema_model)``.
+
+    Args:
+        decay: the weight of the old average, in (0, 1).
+        name: the ``extras`` key of the average (two EMAs need two names).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``decay`` outside (0, 1).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, ema(0.9)(make_step(ctx, loss_fn)), loader, state)
+        >>> state.extras["ema"].updates, type(ema_model(state)).__name__
+        (4, 'Linear')
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"decay must be in (0, 1) (got {decay!r}).")
+
+    def transform(step: Step) -> Step:
+        def averaged(state: TrainState, batch: Batch) -> TrainState:
+            if name not in state.extras:
+                state = state.with_extra(name, EmaState(_ema_copy(state), decay))
+            new = step(state, batch)
+            if new.step == state.step:
+                return new
+            current: EmaState = new.extras[name]
+            _ema_update(current.model, _unwrap(new), decay)
+            return new.with_extra(name, attrs.evolve(current, updates=current.updates + 1))
+
+        return named(averaged, f"ema({decay})({name_of(step)})")
+
+    return transform
+
+
+def _unwrap(state: TrainState) -> torch.nn.Module:
+    return unwrap(state.accelerator, state.model)
+
+
+def _ema_copy(state: TrainState) -> torch.nn.Module:
+    copied = copy.deepcopy(_unwrap(state))
+    copied.requires_grad_(False)
+    return copied
+
+
+@torch.no_grad()
+def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    ema_params: list[torch.Tensor] = list(ema_model.parameters())
+    params = [p.detach() for p in model.parameters()]
+    torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+    for eb, b in zip(ema_model.buffers(), model.buffers()):
+        eb.copy_(b)
+
+
+def ema_model(state: TrainState, name: str = "ema") -> torch.nn.Module:
+    """The averaged model kept by :func:`ema` (pass ``model=ema_model`` to ``evaluate``).
+
+    Args:
+        state: a state an :func:`ema` transformer ran on.
+        name: the EMA's name (``ema``'s ``name``).
+
+    Returns:
+        The averaged model, a module of the model's class: a handle, as the state's model is (the next updates change it in
+        place; ``copy.deepcopy`` it to keep one).
+
+    Raises:
+        KeyError: no ``ema`` transformer has run on this state.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, ema(0.5)(make_step(ctx, loss_fn)), loader, state)
+        >>> "ema_loss" in evaluate(ctx, loss_fn, loader, state, prefix="ema", model=ema_model).metrics
+        True
+    """
+    try:
+        return cast(torch.nn.Module, state.extras[name].model)
+    except KeyError:
+        raise KeyError(
+            f"state.extras has no {name!r}: wrap the step with ema(decay) (and run at least one step) "
+            "before reading the averaged model."
+        ) from None
+
+
+@register_record
+@attrs.frozen
+class LogState:
+    """``state.extras["log_every"]``: the sums at the last report, and the values reported."""
+
+    step: int
+    epoch: int
+    batches: int
+    sums: Mapping[str, torch.Tensor] = attrs.field(eq=False, repr=False)
+    values: Mapping[str, float] = attrs.field(default=MappingProxyType({}), converter=read_only)
+
+
+def log_every(ctx: Context, n: int) -> StepTransformer:
+    """Report running means every ``n`` optimizer updates to Accelerate's trackers and the ``trainfold`` logger.
+
+    Every ``n`` updates, the loss and aux sums accumulated since the last report
+    are reduced over processes (one all-reduce and one host transfer: the only
+    sync), divided by the batches seen, and sent with the learning rate and epoch
+    to ``accelerator.log`` (TensorBoard, W&B... as configured with
+    ``Accelerator(log_with=...)`` and ``init_trackers``) and to
+    ``logging.getLogger("trainfold")`` at INFO, on the main process. The values
+    stay in ``state.extras["log_every"].values`` (the progress bar shows them).
+
+    Args:
+        ctx: the run's Context.
+        n: the period, in optimizer updates (a positive int).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
+        >>> state.extras["log_every"].step, sorted(state.extras["log_every"].values)
+        (4, ['epoch', 'loss', 'lr'])
+    """
+    positive_int("log_every", n)
+
+    def transform(step: Step) -> Step:
+        def logged(state: TrainState, batch: Batch) -> TrainState:
+            new = step(state, batch)
+            if new.step == state.step or new.step % n:
+                return new
+            return new.with_extra("log_every", _report(ctx, new))
+
+        return named(logged, f"log_every({n})({name_of(step)})")
+
+    return transform
+
+
+def _report(ctx: Context, state: TrainState) -> LogState:
+    last: LogState | None = state.extras.get("log_every")
+    # The folded sums are read, not kept: the run's own sums are added in the same groups
+    # with or without logging, so logging never changes train_loss, even in the last bit.
+    folded = state.sums.folded()
+    sums = folded.as_dict()
+    same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
+    since = last.sums if same_epoch else None  # type: ignore[union-attr]
+    base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
+    means = folded.means(ctx.accelerator, state.batch_in_epoch - base_batches, since=since)
+    values = {**means, "epoch": float(state.epoch)}
+    if state.optimizer is not None:
+        values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
+    emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
+    return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), values)
+
+
+def every_steps(n: int, fn: EpochFn) -> StepTransformer:
+    """Run the epoch function ``fn`` (an ``evaluate``, a checkpoint) after every ``n``-th optimizer update.
+
+    For evaluation inside long epochs: ``every_steps(500, evaluate(ctx, loss_fn, eval_dl))``.
+
+    Args:
+        n: the period, in optimizer updates (a positive int).
+        fn: the epoch function to run (``evaluate``, ``save_checkpoint``...).
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+        TypeError: ``fn`` returned something other than a TrainState (when run).
+
+    Examples:
+        >>> from trainfold import testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> step = every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn))
+        >>> [r.step for r in run_epoch(ctx, step, loader, state).history if r.name == "eval_loss"]
+        [2, 4]
+    """
+    positive_int("every_steps", n)
+
+    def transform(step: Step) -> Step:
+        def periodic(state: TrainState, batch: Batch) -> TrainState:
+            new = step(state, batch)
+            if new.step != state.step and new.step % n == 0:
+                return returned_state(fn, fn(new))
+            return new
+
+        return named(periodic, f"every_steps({n}, {name_of(fn)})({name_of(step)})")
+
+    return transform
+
+
+LR_SCALE = "lr_scale"
+
+
+def lr_schedule(schedule: Callable[[int], float]) -> StepTransformer:
+    """Set every parameter group's learning rate to ``schedule(state.step)`` before each step.
+
+    ``state.step`` counts optimizer updates, identical on every process, so the
+    schedule's meaning does not depend on the number of processes or the
+    accumulation steps. Use it instead of a torch scheduler, not with one. A
+    factor recorded by :func:`~trainfold.reduce_lr_on_plateau` in
+    ``state.extras["lr_scale"]`` multiplies the scheduled value.
+
+    Args:
+        schedule: ``update -> learning rate``, such as :class:`~trainfold.warmup_cosine`.
+
+    Returns:
+        A step transformer.
+
+    Raises:
+        Exception: nothing of its own; what ``schedule`` raises comes out of the step that calls it.
+
+    Examples:
+        >>> from trainfold import testing, warmup_linear
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> step = lr_schedule(warmup_linear(0.1, warmup_steps=2, total_steps=4))(make_step(ctx, loss_fn))
+        >>> state = run_epoch(ctx, step, loader, state)
+        >>> state.optimizer.param_groups[0]["lr"]  # set before the 4th update: schedule(3)
+        0.05
+    """
+
+    def transform(step: Step) -> Step:
+        def scheduled(state: TrainState, batch: Batch) -> TrainState:
+            lr = schedule(state.step) * state.extras.get(LR_SCALE, 1.0)
+            for group in inner_optimizer(state.optimizer).param_groups:
+                group["lr"] = lr
+            return step(state, batch)
+
+        return named(scheduled, f"lr_schedule({schedule!r})({name_of(step)})")
+
+    return transform

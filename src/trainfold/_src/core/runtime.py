@@ -1,0 +1,119 @@
+"""Runtime: what a Context's runs hold and change, in one openly mutable object.
+
+A :class:`~trainfold.Context` is a frozen value: the Accelerator and the
+settings a run was made with. What changes while runs go on — the locks on
+checkpoint roots, the thread that writes background saves, the channel the
+processes agree on, the signal handlers, which checkpoint each root holds,
+the warnings already given, the states given back — lives here, reached as
+``ctx.runtime``, and is changed only through the methods below, each named by
+what it does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Sequence
+
+from trainfold._src.distributed.control import Control
+from trainfold._src.distributed.interrupt import Handlers, Interrupt
+from trainfold._src.distributed.saver import Saver
+
+
+class Runtime:
+    """What a Context's runs hold and change: services, and what happened so far.
+
+    One per Context, made with it (``ctx.runtime``); a Context made by
+    :meth:`~trainfold.Context.with_accumulation` gets its own. Nothing of it is
+    checkpointed: a resumed run starts with a fresh one.
+
+    Services, each with its own lifetime and documentation:
+        control: the CPU channel the processes agree on (stop requests, batch counts, a save's outcome).
+        interrupt: the stop request a signal sets, agreed at step boundaries.
+        saver: the thread that writes ``async_save`` checkpoints (one in flight at most).
+        handlers: the signal handlers installed from the Context's creation to :meth:`close`.
+
+    What happened, changed only by the named methods:
+        the checkpoint roots locked (:meth:`keep_lock`, by ``save_checkpoint``'s first save to a root;
+        :meth:`close` releases them); the position of the checkpoint this process last saved to or loaded
+        from each root (:meth:`note_held`, by ``save_checkpoint`` and ``load_checkpoint``; read by
+        ``checkpoint_every(...).at_end`` so that the end of a run is not saved twice); the warnings given once (:meth:`warn_once`, by ``run_epoch`` and the
+        trackers); the models of states given back (:meth:`release`, by ``Context.release``); and
+        whether the Context was closed (:meth:`close`, by ``Context.close``).
+
+    Args:
+        processes: the number of processes of the run.
+        stop_check_s: the length of a stop-agreement round, in seconds.
+        signals: the signals that request a stop (none: no handler is installed).
+
+    Examples:
+        >>> from accelerate import Accelerator
+        >>> from trainfold import Context
+        >>> runtime = Context(accelerator=Accelerator(cpu=True), signals=()).runtime
+        >>> runtime.warn_once("a key"), runtime.warn_once("a key"), runtime.closed
+        (True, False, False)
+    """
+
+    def __init__(self, processes: int, stop_check_s: float, signals: Sequence[int]) -> None:
+        self.control = Control()
+        self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))
+        self.saver = Saver()
+        self.handlers = Handlers(self.interrupt, signals)
+        self._locks: dict[str, Any] = {}
+        self._held: dict[str, Any] = {}
+        self._warned: set[str] = set()
+        self._released: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the Context's process group and trackers are gone."""
+        return self._closed
+
+    def holds_lock(self, root: str) -> bool:
+        """Whether this process took part in locking the checkpoint root ``root`` (a storage key)."""
+        return root in self._locks
+
+    def lock_for(self, root: str) -> Any:
+        """The lock held on the root ``root``: the storage's lock on the main process, None on the others or when none is held."""
+        return self._locks.get(root)
+
+    def keep_lock(self, root: str, lock: Any) -> None:
+        """Hold ``lock`` (None on a process other than the main one) on ``root`` until :meth:`close`."""
+        self._locks[root] = lock
+
+    def note_held(self, root: str, position: Any) -> None:
+        """Record that ``root`` holds a checkpoint of ``position``: this process saved it there, or loaded it from there."""
+        self._held[root] = position
+
+    def held_position(self, root: str) -> Any:
+        """The position noted for ``root`` by :meth:`note_held`, or None."""
+        return self._held.get(root)
+
+    def warn_once(self, key: str) -> bool:
+        """True the first time ``key`` is asked for, False after: a warning said once per Context (or per run, in the key)."""
+        if key in self._warned:
+            return False
+        self._warned.add(key)
+        return True
+
+    def release(self, model: Any) -> None:
+        """Mark a state's model as given back: the loops refuse it from now on (held weakly)."""
+        self._released.add(model)
+
+    def is_released(self, model: Any) -> bool:
+        """Whether ``model`` was given back with :meth:`release`."""
+        return model in self._released
+
+    def close(self) -> None:
+        """Forget the saver's and control channel's groups, release the roots' locks, put the signal handlers back.
+
+        The caller has waited for the save in flight (``Context.close`` does).
+        """
+        self.saver.forget()
+        for lock in self._locks.values():
+            if lock is not None:
+                lock.release()
+        self._locks.clear()
+        self.control.forget()
+        self.handlers.uninstall()
+        self._closed = True

@@ -1,5 +1,0 @@
-"""The only package that reads Accelerate's internals or branches on its backend (DDP, FSDP, DeepSpeed).
-
-It imports :mod:`trainfold.base` only. Decisions here are taken once, when a step
-or an evaluation is built, never per batch.
-"""
