@@ -44,6 +44,16 @@ def test_a_loss_fn_that_cannot_take_the_batch_shows_the_batch_structure():
     assert "batch of structure list(Tensor[4, 1] float32, Tensor[4, 1] float32)" in "\n".join(info.value.__notes__)
 
 
+def test_a_loss_fn_with_its_parameters_swapped_is_told_the_order_trainfold_calls_it_in():
+    """loss_fn(batch, model): the batch is taken as the model; the note says trainfold calls loss_fn(model, batch)."""
+    step, state, batch = _step_with(lambda batch, model: testing.mse_loss(model, batch))
+
+    with pytest.raises(Exception) as info:
+        step(state, batch)
+
+    assert "trainfold calls as loss_fn(model, batch): the model first" in "\n".join(getattr(info.value, "__notes__", []))
+
+
 def test_aux_names_must_not_change_within_an_epoch():
     calls = []
 

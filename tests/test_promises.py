@@ -49,13 +49,17 @@ def test_an_epoch_cut_short_by_max_batches_unregisters_its_loader():
     (True, False, r"has a scheduler but the state has none"),
     (False, True, r"has no scheduler but the state has one"),
 ])
-def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(saved_with, loaded_with, match, tmp_path):
+@pytest.mark.parametrize("built_on_both", [True, False])
+def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(saved_with, loaded_with, match, built_on_both, tmp_path):
+    """A scheduler adds initial_lr to the optimizer's parameter groups: built on one side only (a scheduler added between
+    runs), the groups differ too, and the scheduler, the cause, is what the error names."""
+
     def build(with_scheduler):
         testing.reset_accelerate_state()
         ctx = Context(accelerator=Accelerator(cpu=True))
         model = torch.nn.Linear(1, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)  # on both sides (it adds initial_lr to the optimizer)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1) if built_on_both or with_scheduler else None
         return ctx, TrainState.create(ctx, model=model, optimizer=opt, scheduler=scheduler if with_scheduler else None)
 
     ctx, saved = build(saved_with)

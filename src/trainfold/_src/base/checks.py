@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from types import FrameType
 from typing import Any, Callable, TypeVar
+
+import toolz
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -17,6 +22,24 @@ def named(fn: _F, name: str) -> _F:
     """Give a composed function a readable ``__name__`` and ``__qualname__`` (like toolz's Compose)."""
     fn.__name__ = fn.__qualname__ = name
     return fn
+
+
+#: where trainfold's and toolz's code lives: frames a warning is not attributed to
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+                 os.path.dirname(os.path.abspath(toolz.__file__)) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn`` name the first line outside trainfold and toolz: the user's.
+
+    Called as ``warnings.warn(..., stacklevel=user_stacklevel())``: a fixed level names the right line for one
+    composition only (through ``loop``, ``compose`` and a curried primitive, the warning pointed into toolz).
+    """
+    frame: FrameType | None = sys._getframe(1)  # the function that warns: level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -20,7 +20,7 @@ from trainfold._src.backend.loaders import (
     set_loader_epoch,
 )
 from trainfold._src.base import rng
-from trainfold._src.base.checks import length_or_none, name_of
+from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
 from trainfold._src.core.context import Context
@@ -101,8 +101,9 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     distributed = ctx.accelerator.num_processes > 1
     if distributed:
         check_same_length(ctx.runtime.control, length, "run_epoch")
-    state = attrs.evolve(state, cursor=_start_epoch(ctx, state, loader))
-    iterator = state.cursor.iterator
+    cursor = _start_epoch(ctx, state, loader)
+    state = attrs.evolve(state, cursor=cursor)
+    iterator = cursor.iterator
     seen, started_at = 0, state.batch_in_epoch
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.runtime.interrupt
@@ -122,7 +123,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
                 # later run_epoch). After a preemption (a signal, nan_guard) the epoch-level functions
                 # after this one pass it through; a final stop (a budget) is the run's own end, which they evaluate.
-                return attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=not (state.stop is not None and state.stop.final)))
+                return attrs.evolve(state, cursor=attrs.evolve(cursor, interrupted=not (state.stop is not None and state.stop.final)))
         else:
             if distributed and length is None:
                 check_same_count(ctx.runtime.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
@@ -234,7 +235,7 @@ def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
         "in the same order again: seeded shuffles, set_epoch). A resume costs as much reading as the part of the epoch "
         "already trained; checkpoints between epochs cost none.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -275,7 +276,7 @@ def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> 
         "another number of samples. To keep the global batch, make processes x batch_size x gradient_accumulation_steps "
         f"equal {per_batch * steps}.",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -310,5 +311,5 @@ def _warn_if_diverged(ctx: Context, state: TrainState, loss: float | None) -> No
             "with make_step(..., stages=[nan_guard(3)]); save_checkpoint's keep_last keeps the newest checkpoint of finite "
             "weights to resume from. Said once per run.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )

@@ -14,9 +14,10 @@ from typing import Any
 import attrs
 from toolz.functoolz import no_default
 
-from trainfold._src.base.checks import name_of, named, positive_int
+from trainfold._src.base.checks import name_of, named, positive_int, user_stacklevel
 from trainfold._src.core.checks import expect_state, returned_state
 from trainfold._src.core.context import Context, context_of
+from trainfold._src.core.cursor import EpochCursor
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import EpochFn, StatePredicate
 from trainfold._src.distributed.interrupt import signal_name
@@ -47,7 +48,7 @@ def _ended(state: TrainState) -> TrainState:
     the loop runs as written (``evaluate`` evaluates, ``checkpoint_every(...).at_end``
     saves). It stays stopped and mid-epoch.
     """
-    if state.interrupted:
+    if isinstance(state.cursor, EpochCursor) and state.cursor.interrupted:
         state = attrs.evolve(state, cursor=attrs.evolve(state.cursor, interrupted=False))
     return state
 
@@ -98,7 +99,7 @@ def warn_if_recorded_before_training(where: str, epoch_fn: EpochFn, before: Trai
             "evaluate(...)) the evaluation runs first, on the model before each epoch, and the final model is never "
             "evaluated. Put what runs after training on the left: compose(evaluate(...), run_epoch(...)).",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from trainfold._src.base.checks import name_of, named, positive_int
+from trainfold._src.base.checks import name_of, named, positive_int, user_stacklevel
 from trainfold._src.base.records import register_record
 from trainfold._src.base.types import Batch
 from trainfold._src.core.context import Context
@@ -144,7 +144,7 @@ def profile(
                         f"already in this run ({list(record.traces)}), so it is not profiled again (a run resumed from a "
                         "checkpoint does not repeat it); give a second window another trace_dir.",
                         UserWarning,
-                        stacklevel=2,
+                        stacklevel=user_stacklevel(),
                     )
                     run.over = True
                     return step(state, batch)

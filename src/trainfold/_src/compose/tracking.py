@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from trainfold._src.base.checks import name_of, named
+from trainfold._src.base.checks import name_of, named, user_stacklevel
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step, StepTransformer
@@ -34,7 +34,7 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
                 "never started, so nothing is sent to them: call ctx.accelerator.init_trackers('project-name', config={...}) "
                 "before training. Said once.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
     if log and ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))

@@ -28,7 +28,8 @@ def compute_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, need_
     try:
         out = loss_fn(model, batch)
     except Exception as exc:
-        add_note(exc, f"trainfold: raised by loss_fn on a batch of structure {describe_batch(batch)}")
+        add_note(exc, f"trainfold: raised by loss_fn, which trainfold calls as loss_fn(model, batch): the model first (here a "
+                      f"{type(model).__name__}), then a batch of structure {describe_batch(batch)}")
         raise
     return split_loss_output(out, need_grad=need_grad)
 

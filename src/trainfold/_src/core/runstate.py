@@ -153,16 +153,17 @@ def check_fits(run: RunState, state: TrainState) -> None:
         StateMismatch: other parameter names or shapes, another optimizer layout,
             or a scheduler on one side only.
     """
+    # First: a scheduler on one side only also changes the optimizer's parameter groups (initial_lr), the symptom
+    if (run.scheduler is None) != (state.scheduler is None):
+        has = "has no" if run.scheduler is None else "has a"
+        live_has = "has one" if state.scheduler is not None else "has none"
+        raise StateMismatch(f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had.")
     if not run.sharded:  # a sharded checkpoint's model and optimizer: _sharded.check_layout
         _check_model(unwrap(state.accelerator, state.model), run.weights)
         optimizer = inner_optimizer(state.optimizer)
         _check_optimizer(optimizer, run.optimizer)
         for saved, live in zip(run.optimizer["param_groups"], optimizer.state_dict()["param_groups"]):
             _check_like(saved, live, "optimizer parameter group")
-    if (run.scheduler is None) != (state.scheduler is None):
-        has = "has no" if run.scheduler is None else "has a"
-        live_has = "has one" if state.scheduler is not None else "has none"
-        raise StateMismatch(f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had.")
     if state.scheduler is not None:
         _check_like(run.scheduler, state.scheduler.state_dict(), "scheduler state")
     scaler = loss_scaler(state.accelerator)

@@ -17,7 +17,7 @@ from trainfold._src.backend.precision import drop_fp32_outputs
 from trainfold._src.base.history import History
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.core.context import Context
-from trainfold._src.core.cursor import EpochCursor
+from trainfold._src.core.cursor import EpochCursor, Resume
 from trainfold._src.core.stop import Stop
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -138,7 +138,7 @@ class TrainState:
     stop: Stop | None = None
     end_of_epoch: bool = False
     extras: Mapping[str, Any] = _EMPTY
-    cursor: Any = attrs.field(default=None, repr=False, eq=False)
+    cursor: EpochCursor | Resume | None = attrs.field(default=None, repr=False, eq=False)
     run_id: str = attrs.field(default="", repr=False, eq=False)
 
     @classmethod

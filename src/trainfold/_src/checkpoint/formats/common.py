@@ -11,8 +11,9 @@ import torch
 
 from trainfold._src.backend.engine import is_dtensor
 from trainfold._src.backend.mesh import data_layout
-from trainfold._src.base.types import read_only
 from trainfold._src.base import rng as _rng
+from trainfold._src.base.checks import user_stacklevel
+from trainfold._src.base.types import read_only
 from trainfold._src.checkpoint.manifest import data_ranks
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
@@ -133,7 +134,7 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
             "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
             "train_loss (and train aux values) will not be exact; the next epochs' are.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
         run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
     return run, attrs.evolve(resume, elastic=True)

@@ -42,6 +42,7 @@ import warnings
 import weakref
 from typing import Any, Callable
 
+from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.storage import conditional
 from trainfold._src.checkpoint.storage.requests import call, protocol_of
 from trainfold.errors import CheckpointError
@@ -113,7 +114,7 @@ class LeaseLock:
         """
         if protocol_of(self.fs) not in conditional.CONDITIONAL:
             warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
-                          "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=4)
+                          "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=user_stacklevel())
         try:
             conditional.create(self.fs, self.path, self.body())
             self.etag = conditional.tag(self.fs, self.path)
