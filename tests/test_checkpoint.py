@@ -449,7 +449,7 @@ def test_what_a_load_hands_to_the_run_is_aligned_as_torch_allocates(tmp_path, sh
     ctx, fresh, _ = _setup(ga=1, seed=123)
     loaded = load_checkpoint(ctx, tmp_path, fresh)
 
-    has, batch = loaded.cursor.read_ahead
+    has, batch = loaded.cursor.position.read_ahead
     moments = [v for per in loaded.optimizer.optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor) and v.ndim]
     assert has and moments
     assert [t.data_ptr() % 64 for t in [*batch, *moments]] == [0] * (len(batch) + len(moments))

@@ -33,7 +33,7 @@ from trainfold._src.base.history import History, Record
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.checkpoint import codec as _codec
 from trainfold._src.checkpoint.manifest import Content, json_bytes, parse_json, parse_tensors, rank_files
-from trainfold._src.core.cursor import Resume
+from trainfold._src.core.cursor import EpochPosition, Resume
 from trainfold._src.core.runstate import NO_HANDLES, RunState
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.stop import Stop
@@ -207,7 +207,7 @@ def _decode_sums(saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
     )
 
 
-def encode_rank(rank: int, run: RunState, resume: Resume | None) -> dict[str, Content]:
+def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dict[str, Content]:
     """This process's random states, gradients, running sums and (mid-epoch) data position, as its files' bytes.
 
     The running sums are each process's own (the epoch's train metrics reduce them
@@ -219,13 +219,13 @@ def encode_rank(rank: int, run: RunState, resume: Resume | None) -> dict[str, Co
     meta["running"] = _encode_sums(enc, run.values.sums)
     now_t, meta["now"] = _rng.to_record(run.rng)
     tensors.update({f"now.{k}": v for k, v in now_t.items()})
-    if resume is not None:
-        start_t, meta["epoch_start"] = _rng.to_record(resume.epoch_start)  # type: ignore[arg-type]
+    if position is not None:
+        start_t, meta["epoch_start"] = _rng.to_record(position.epoch_start)
         tensors.update({f"epoch_start.{k}": v for k, v in start_t.items()})
-        meta["epoch_length"] = resume.epoch_length
-        meta["samples_done"] = resume.samples_done
-        meta["by_samples"] = resume.by_samples
-        has, batch = resume.read_ahead
+        meta["epoch_length"] = position.epoch_length
+        meta["samples_done"] = position.samples_done
+        meta["by_samples"] = position.by_samples
+        has, batch = position.read_ahead
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
     tensors.update(enc.tensors)
     meta["grads"] = bool(run.grads)
@@ -253,14 +253,8 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
         _count("samples_done", done)
     if not isinstance(meta.get("by_samples", False), bool):
         raise ValueError(f"by_samples is {meta['by_samples']!r}, not a bool")
-    resume = Resume(
-        epoch_start=states("epoch_start") if "epoch_start" in meta else None,
-        now=states("now"),
-        read_ahead=read_ahead,
-        epoch_length=length,
-        samples_done=done,
-        by_samples=meta.get("by_samples", False),
-    )
+    position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False)) if "epoch_start" in meta else None
+    resume = Resume(now=states("now"), position=position)
     return grads, resume
 
 

@@ -32,7 +32,7 @@ from trainfold._src.checkpoint.root import agreed, check_same_run, checkpoint_na
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
-from trainfold._src.core.cursor import EpochCursor, Resume
+from trainfold._src.core.cursor import EpochCursor, EpochPosition
 from trainfold._src.core.modes import eval_mode
 from trainfold._src.core.runstate import values_of
 from trainfold._src.core.state import TrainState
@@ -229,7 +229,7 @@ def _generators(state: TrainState) -> list[torch.Generator]:
     return loader_generators(cursor.loader) if isinstance(cursor, EpochCursor) else []
 
 
-def _position(state: TrainState) -> Resume | None:
+def _position(state: TrainState) -> EpochPosition | None:
     """Where an interrupted epoch stands (for this process, and in samples over every process), or None between epochs."""
     cursor = state.cursor
     if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
@@ -243,9 +243,7 @@ def _position(state: TrainState) -> Resume | None:
     per_batch = samples_per_batch(cursor.loader)
     samples_before, batches_before = cursor.resumed_at or (0, 0)
     done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
-    # ``now`` is not written from here: the run state's random states are the moment of the save
-    return Resume(epoch_start=cursor.epoch_start, now=cursor.epoch_start, read_ahead=read_ahead, epoch_length=length_or_none(cursor.loader),
-                  samples_done=done, by_samples=cursor.resumed_at is not None)
+    return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None)
 
 
 def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:

@@ -179,10 +179,12 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
             f"ctx.prepare_loaders (got a {type(loader).__name__})."
         )
     _warn_if_global_batch_changed(ctx, resume, loader)
-    by_samples = resume.elastic or resume.by_samples
-    if state.batch_in_epoch > 0 and not by_samples and resume.epoch_length is not None and length_or_none(loader) not in (None, resume.epoch_length):
+    position = resume.position
+    by_samples = resume.elastic or (position is not None and position.by_samples)
+    saved_length = position.epoch_length if position is not None else None
+    if state.batch_in_epoch > 0 and not by_samples and saved_length is not None and length_or_none(loader) not in (None, saved_length):
         raise ValueError(
-            f"run_epoch: the interrupted epoch had {resume.epoch_length} batches, this loader has {length_or_none(loader)}: "
+            f"run_epoch: the interrupted epoch had {saved_length} batches, this loader has {length_or_none(loader)}: "
             "the data or the batch size changed, so the run cannot continue where it stopped. Resume with the "
             "same dataset and loader settings, or finish the epoch boundary first (resume from a checkpoint "
             "taken between epochs)."
@@ -195,26 +197,26 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         # at the random state the uninterrupted run leaves its loader with.
         restore(resume.now, generators)
         return EpochCursor(iter(()), loader, None)
-    if state.batch_in_epoch == 0 or resume.epoch_start is None:
+    if state.batch_in_epoch == 0 or position is None:
         restore(resume.now, generators)
         return EpochCursor(iter(loader), loader, rng.capture(generators))
-    epoch_start = resume.epoch_start
+    epoch_start = position.epoch_start
     if by_samples:
-        assert resume.samples_done is not None  # load_checkpoint refuses a checkpoint without it
+        assert position.samples_done is not None  # load_checkpoint refuses a checkpoint without it
         iterator = resumed_by_samples(
             loader,
-            resume.samples_done,
+            position.samples_done,
             epoch_start.generators,
             restore_epoch_start=lambda: restore(epoch_start, generators),
             restore_now=lambda: restore(resume.now, generators),
         )
-        return EpochCursor(iterator, loader, epoch_start, resumed_at=(resume.samples_done, state.batch_in_epoch))
-    if is_streamed(loader) and resume.read_ahead[0]:
+        return EpochCursor(iterator, loader, epoch_start, resumed_at=(position.samples_done, state.batch_in_epoch))
+    if is_streamed(loader) and position.read_ahead[0]:
         _warn_replay(ctx, state, loader)
     iterator = resumed_epoch(
         loader,
         state.batch_in_epoch,
-        resume.read_ahead,
+        position.read_ahead,
         restore_epoch_start=lambda: rng.restore(epoch_start, generators),
         restore_now=lambda: rng.restore(resume.now, generators),
     )
@@ -243,11 +245,12 @@ def _check_position(state: TrainState, resume: Resume, loader: Any) -> None:
     """Refuse a checkpoint whose position in the epoch lies past the loader's end (a damaged or hostile counter)."""
     if state.batch_in_epoch == 0:
         return
-    if resume.elastic or resume.by_samples:
+    done = resume.position.samples_done if resume.position is not None else None
+    if resume.elastic or (resume.position is not None and resume.position.by_samples):
         total = length_or_none(getattr(getattr(loader, "base_dataloader", loader), "dataset", None))
-        if resume.samples_done is not None and total is not None and resume.samples_done > total:
+        if done is not None and total is not None and done > total:
             raise ValueError(
-                f"run_epoch: the checkpoint says {resume.samples_done} samples of this epoch were trained, but the dataset has "
+                f"run_epoch: the checkpoint says {done} samples of this epoch were trained, but the dataset has "
                 f"{total}: its position does not belong to this data. Resume with the dataset it was trained on."
             )
         return

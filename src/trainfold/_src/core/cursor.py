@@ -1,4 +1,11 @@
-"""Where the run is inside an epoch: the live iteration, or what a checkpoint says to resume."""
+"""Where the run is inside an epoch: the live iteration (:class:`EpochCursor`), what a checkpoint records of it
+(:class:`EpochPosition`), and what a load found to resume it (:class:`Resume`).
+
+A state's ``cursor`` is one of the first and the last, or None before the first epoch. ``run_epoch``
+chooses, once per epoch, how an epoch starts from it (``_start_epoch``: go on in this process, start
+afresh, close an epoch a step ended, continue by the sampler's order, by reading the consumed part
+again, or by the position in samples on another number of processes).
+"""
 
 from __future__ import annotations
 
@@ -30,11 +37,16 @@ class EpochCursor:
 
 
 @attrs.frozen
-class Resume:
-    """What ``load_checkpoint`` found: the random states to restore and the batch read ahead, if any."""
+class EpochPosition:
+    """What a checkpoint records of an epoch in progress, per process: enough to continue it exactly.
 
-    epoch_start: RngStates | None = attrs.field(repr=False)
-    now: RngStates = attrs.field(repr=False)
+    Made by ``save_checkpoint`` from the live :class:`EpochCursor`, written in the process's own
+    files, read back into a :class:`Resume`.
+    """
+
+    #: the random states the epoch started from (the sampler's permutation is drawn again under them)
+    epoch_start: RngStates = attrs.field(repr=False)
+    #: whether the loader had read a batch ahead of the last one stepped on, and that batch
     read_ahead: tuple[bool, Any] = attrs.field(repr=False)
     #: batches per epoch of the interrupted epoch's loader (None if unknown)
     epoch_length: int | None = None
@@ -42,6 +54,16 @@ class Resume:
     samples_done: int | None = None
     #: the epoch can only be continued by its position in samples (it was itself continued on another number of processes)
     by_samples: bool = False
+
+
+@attrs.frozen
+class Resume:
+    """What ``load_checkpoint`` found: the random states of the moment of the save, and the epoch's position, if any."""
+
+    #: the random states at the save (restored before the next batch is read)
+    now: RngStates = attrs.field(repr=False)
+    #: the interrupted epoch's position; None when the checkpoint fell between epochs
+    position: EpochPosition | None = None
     #: what the saving run had: processes, samples per batch over every process, accumulation steps (for the warning)
     saved_layout: tuple[int, int | None, int] | None = None
     #: this run has another number of processes than the one that saved

@@ -148,7 +148,7 @@ def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, save
             f"cannot be dealt out to {now}): resume it on {saved}, or from a checkpoint at an optimizer update "
             "(checkpoint_every saves at updates)."
         )
-    if run.values.batch_in_epoch > 0 and resume.samples_done is None:
+    if run.values.batch_in_epoch > 0 and (resume.position is None or resume.position.samples_done is None):
         raise CheckpointError(
             f"{folder} was saved by {saved} in the middle of an epoch over a loader whose position in samples "
             f"is unknown (an iterable dataset): resume it on {saved}, or from a checkpoint between epochs."
