@@ -365,3 +365,30 @@ def test_a_model_folder_of_links_is_read_as_its_files_and_its_auto_map_still_ref
 
     code, _, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(snapshot))
     assert 2 == code and "has an auto_map" in err
+
+
+def test_help_and_a_usage_error_answer_without_importing_torch():
+    """``import trainfold`` loads its public names on first use, and the command line imports the library only once its
+    arguments are good: ``--help`` and a usage error cost a Python start, not torch's import (seconds of CPU)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, trainfold, trainfold.cli\n"
+             "for argv in (['--help'], ['ls']):\n"
+             "    try:\n"
+             "        trainfold.cli.main(argv)\n"
+             "    except SystemExit as exc:\n"
+             "        print('exit', exc.code)\n"
+             "print(sorted(m for m in ('torch', 'accelerate', 'trainfold._src') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+
+    assert out.splitlines()[-3:] == ["exit 0", "exit 2", "[]"]
+
+
+def test_the_public_names_load_on_first_use_and_are_the_modules_own():
+    import trainfold
+    from trainfold._src.core.step import make_step
+
+    assert trainfold.make_step is make_step and "make_step" in dir(trainfold)
+    with pytest.raises(AttributeError, match="no attribute 'make_stpe'"):
+        trainfold.make_stpe

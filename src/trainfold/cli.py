@@ -20,328 +20,47 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
-import signal
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
-
-from trainfold._src.base.io import read_into
-from trainfold._src.checkpoint import safetensors as _safetensors
-from trainfold._src.checkpoint.encoding import decode_history
-from trainfold._src.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
-from trainfold._src.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
-from trainfold._src.checkpoint.storage import checkpoint_at, is_url, open_root
-from trainfold.errors import CheckpointError
-
-FORMAT_NAMES = {FORMAT: "gathered", SHARDED: "sharded", DEEPSPEED: "deepspeed"}
-
-
-class _Refused(Exception):
-    """Bad input: one line on stderr, exit status 2."""
+from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return its exit status (0 done, 1 a checkpoint failed verification, 2 bad input)."""
     parser = argparse.ArgumentParser(prog="trainfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True)
     for name, what, places in (("ls", "list the checkpoints under a root", ("root",)), ("verify", "check a checkpoint against its manifest", ("path",)),
                                ("inspect", "what a checkpoint holds, besides its tensors", ("path",)),
                                ("export", "the model's weights as one safetensors file (or a save_pretrained folder)", ("path", "out")),
                                ("diff", "compare the weights of two checkpoints or safetensors files", ("a", "b"))):
-        sub = commands.add_parser(name, help=what)
+        sub = subparsers.add_parser(name, help=what)
         for place in places:
             sub.add_argument(place)
         sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
         if name == "export":
             sub.add_argument("--transformers", metavar="CONFIG_DIR", help="write OUT as a save_pretrained folder of this Hugging Face model folder's model")
     args = parser.parse_args(argv)
+    from trainfold._src import commands  # the library, imported once the arguments are good
+
     try:
         if args.command == "ls":
-            return _print(_ls(args.root), args.json, _ls_text)
+            return commands.show(commands.ls(args.root), args.json, commands.ls_text)
         if args.command == "verify":
-            return _verify(args.path, args.json)
+            return commands.verify(args.path, args.json)
         if args.command == "export":
             # what the libraries an export imports print (DeepSpeed's logger, progress bars) goes to stderr: stdout is the result
-            with contextlib.redirect_stdout(sys.stderr), _exit_on_sigterm():
-                doc = _export(args.path, Path(args.out), args.transformers)
-            return _print(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {_size(d['bytes'])}")
+            with contextlib.redirect_stdout(sys.stderr), commands.exit_on_sigterm():
+                doc = commands.export(args.path, Path(args.out), args.transformers)
+            return commands.show(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {commands.size_text(d['bytes'])}")
         if args.command == "diff":
             with contextlib.redirect_stdout(sys.stderr):
-                doc = _diff(args.a, args.b)
-            _print(doc, args.json, _diff_text)
+                doc = commands.diff(args.a, args.b)
+            commands.show(doc, args.json, commands.diff_text)
             return 0 if doc["equal"] else 1
-        return _print(_inspect(args.path), args.json, _inspect_text)
-    except _Refused as exc:
+        return commands.show(commands.inspect(args.path), args.json, commands.inspect_text)
+    except commands.Refused as exc:
         print(f"trainfold {args.command}: {exc}", file=sys.stderr)
         return 2
     except (OSError, ImportError, ValueError) as exc:  # a store that cannot be read: its package, its URL, the network
         print(f"trainfold {args.command}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with each non-finite float as the string Python prints for it ("nan", "inf", "-inf"): JSON has no NaN,
-    and a diverged run's records hold them (``json.dumps`` would write the bare ``NaN`` that JSON parsers refuse)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
-@contextlib.contextmanager
-def _exit_on_sigterm() -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) (as SIGINT raises KeyboardInterrupt), so what a write made is removed on the way out."""
-    def leave(signum: int, frame: Any) -> None:
-        del frame  # unused
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, leave)
-    except ValueError:  # not the main thread: leave the process's handlers alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _print(doc: Any, as_json: bool, text: Any) -> int:
-    print(json.dumps(_json_safe(doc), indent=2, allow_nan=False) if as_json else text(doc))
-    return 0
-
-
-def _name(where: str) -> str:
-    """The last part of a path or URL: a checkpoint's name."""
-    return where.rstrip("/").rsplit("/", 1)[-1]
-
-
-def _folder(where: str) -> str:
-    """``where`` itself if it is a checkpoint, else the newest checkpoint of the root it names (a path, or a store's URL)."""
-    if is_url(where):
-        try:
-            return str(resolve(where).path)
-        except CheckpointError as exc:
-            raise _Refused(f"{exc} Give a checkpoint (ckpt-...) or the root that holds them.") from None
-    path = Path(where)
-    if (path / "MANIFEST.json").exists():
-        return where
-    if not path.is_dir():
-        raise _Refused(f"{path} does not exist or is not a folder: give a checkpoint folder (ckpt-...) or the root that holds them.")
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise _Refused(f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside).")
-    return str(latest)
-
-
-def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
-    files = manifest.get("files", {})
-    return {
-        "name": _name(folder),
-        "update": manifest.get("step"),
-        "epoch": manifest.get("epoch"),
-        "micro_step": manifest.get("micro_step"),
-        "format": FORMAT_NAMES.get(manifest.get("format", -1), f"unknown ({manifest.get('format')})"),
-        "processes": manifest.get("world_size"),
-        "data_ranks": data_ranks(manifest),  # under tensor parallelism a group of processes is one share of the data
-        "finite": manifest.get("finite", True),
-        "bytes": sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)),
-    }
-
-
-def _ls(root: str) -> dict[str, Any]:
-    if not open_root(root).exists():
-        raise _Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
-                       "(what save_checkpoint was given).")
-    latest = latest_checkpoint(root)
-    latest = None if latest is None else str(latest)
-    entries = []
-    for folder in map(str, list_checkpoints(root)):
-        entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
-        try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
-            entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
-        except (CheckpointError, KeyError, TypeError):
-            entry["batch_in_epoch"] = None
-        entries.append(entry)
-    for debris in open_root(root).unfinished():
-        entries.append({"name": debris, "complete": False, "latest": False})
-    return {"root": str(root), "checkpoints": entries}
-
-
-def _ls_text(doc: dict[str, Any]) -> str:
-    lines = [f"{doc['root']}:"]
-    for e in doc["checkpoints"]:
-        if not e["complete"]:
-            lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
-            continue
-        where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" if e.get("batch_in_epoch") else f"after epoch {e['epoch']}"
-        lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
-                     f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {_size(e['bytes'])}")
-    if len(lines) == 1:
-        lines.append("    (no checkpoints)")
-    elif any(e.get("latest") for e in doc["checkpoints"]):
-        lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
-    return "\n".join(lines)
-
-
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
-
-
-def _verify(path: str, as_json: bool) -> int:
-    from trainfold._src.checkpoint.load import verify_checkpoint
-
-    folder = _folder(path)
-    try:
-        manifest = verify_checkpoint(folder)
-    except CheckpointError as exc:
-        print(json.dumps({"checkpoint": str(folder), "ok": False, "error": str(exc)}) if as_json else f"{folder}: FAILED: {exc}")
-        return 1
-    files = manifest["files"]
-    print(json.dumps({"checkpoint": str(folder), "ok": True, "files": len(files)}) if as_json else
-          f"{folder}: OK ({len(files)} files, {_size(sum(e['size'] for e in files.values()))}, every one of the size and digest its manifest records)")
-    return 0
-
-
-def _state(folder: str) -> dict[str, Any]:
-    """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
-    from trainfold._src.checkpoint.manifest import read_manifest
-
-    stored = checkpoint_at(folder)
-    manifest = read_manifest(stored)
-    data = read_verified(stored, manifest, ["state.json"])["state.json"]
-    doc = parse_json(folder, "state.json", data)
-    if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
-        raise CheckpointError(f"{folder}: state.json is not a trainfold run state.")
-    return doc
-
-
-def _inspect(path: str) -> dict[str, Any]:
-    folder = _folder(path)
-    try:
-        manifest = read_manifest_json(checkpoint_at(folder))
-        doc = _state(folder)
-    except CheckpointError as exc:
-        raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
-    state, acc = doc["state"], doc.get("accelerate", {})
-    try:  # the records as a load checks them
-        history = decode_history(state.get("history", []))
-    except ValueError as exc:
-        raise _Refused(f"{folder}/state.json is damaged: {exc} (trainfold verify {folder} checks every file)") from None
-    return {
-        **_summary(folder, manifest),
-        "checkpoint": str(folder),
-        "batch_in_epoch": state.get("batch_in_epoch"),
-        "stop": _stop(state),
-        "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
-        "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
-        "mixed_precision": acc.get("mixed_precision"),
-        "layout": doc.get("layout", {}),
-        "run_id": manifest.get("run_id"),
-        "trainfold_version": manifest.get("trainfold_version"),
-        "torch_version": manifest.get("torch_version"),
-    }
-
-
-def _stop(state: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's stop as ``state.json`` holds it: a ``Stop`` record (or null); older checkpoints' separate fields."""
-    if "stop" not in state:
-        return {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")}
-    stop = state["stop"]
-    fields = stop.get("fields", {}) if isinstance(stop, dict) else {}
-    return {"should_stop": stop is not None, "finished": fields.get("finished", False), "reason": fields.get("reason", "")}
-
-
-def _inspect_text(d: dict[str, Any]) -> str:
-    stop = d["stop"]
-    lines = [
-        f"{d['checkpoint']}",
-        f"  update {d['update']}, epoch {d['epoch']} done, batch {d['batch_in_epoch']} of the next, micro-batch {d['micro_step']}",
-        f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'none (a run resumed from it goes on)'}"
-        + (f" ({stop['reason']})" if stop["reason"] else ""),
-        f"  {d['format']} format, {d['processes']} process(es){_ranks(d)}, {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {_size(d['bytes'])}",
-        f"  gradient_accumulation_steps {d['gradient_accumulation_steps']}, mixed_precision {d['mixed_precision']}, layout {d['layout']}",
-        f"  run {d['run_id']}, written by trainfold {d['trainfold_version']} with torch {d['torch_version']}",
-    ]
-    if d["last_records"]:
-        lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
-    return "\n".join(lines)
-
-
-def _ranks(d: dict[str, Any]) -> str:
-    """", in N data-parallel ranks" where that is not one per process (tensor parallelism)."""
-    return "" if d["data_ranks"] == d["processes"] else f" in {d['data_ranks']} data-parallel rank(s)"
-
-
-def _export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:
-    from trainfold._src.checkpoint.export import export_checkpoint
-
-    folder = _folder(path)
-    if transformers_config is not None and not Path(transformers_config).is_dir():
-        raise _Refused(f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least).")
-    try:
-        written = export_checkpoint(folder, out, transformers_config=transformers_config)
-    except (FileExistsError, ImportError) as exc:
-        raise _Refused(str(exc)) from None
-    except CheckpointError as exc:
-        raise _Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
-    files = sorted(written.glob("*.safetensors")) if written.is_dir() else [written]
-    tensors = sum(len(_safetensors.parse(read_into(f, f.stat().st_size))) for f in files)
-    size = sum(f.stat().st_size for f in (written.iterdir() if written.is_dir() else [written]))
-    return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size}
-
-
-def _weights(where: str) -> dict[str, Any]:
-    """A safetensors file's tensors, or a checkpoint's (a folder or a root, local or on a store) model weights."""
-    from trainfold._src.checkpoint.export import checkpoint_weights
-
-    path = Path(where)
-    try:
-        if not is_url(where) and path.is_file():
-            return dict(_safetensors.parse(read_into(path, path.stat().st_size)))
-        return checkpoint_weights(_folder(where))
-    except _safetensors.FormatError as exc:
-        raise _Refused(f"{path} is not a safetensors file ({exc}).") from None
-    except CheckpointError as exc:
-        raise _Refused(str(exc)) from None
-
-
-def _diff(a: str, b: str) -> dict[str, Any]:
-    import torch
-
-    left, right = _weights(a), _weights(b)
-    rows: list[dict[str, Any]] = []
-    for name in sorted(left.keys() & right.keys()):
-        x, y = left[name], right[name]
-        if tuple(x.shape) != tuple(y.shape):
-            rows.append({"name": name, "shapes": [list(x.shape), list(y.shape)], "max_abs_diff": None})
-        elif not torch.equal(x, y):
-            rows.append({"name": name, "max_abs_diff": float((x.double() - y.double()).abs().max())})  # sync: none, CPU tensors
-    only = {"a": sorted(left.keys() - right.keys()), "b": sorted(right.keys() - left.keys())}
-    return {"a": str(a), "b": str(b), "compared": len(left.keys() & right.keys()), "different": rows, "only_in": only,
-            "equal": not rows and not only["a"] and not only["b"]}
-
-
-def _diff_text(d: dict[str, Any]) -> str:
-    if d["equal"]:
-        return f"equal: {d['compared']} tensors, bit for bit"
-    if not d["compared"]:
-        return (f"no tensor in common: {d['a']} has {', '.join(d['only_in']['a']) or 'none'}; "
-                f"{d['b']} has {', '.join(d['only_in']['b']) or 'none'}")
-    lines = [f"{len(d['different'])} of {d['compared']} tensors differ:"]
-    for r in d["different"]:
-        lines.append(f"  {r['name']}: " + (f"shape {r['shapes'][0]} vs {r['shapes'][1]}" if r["max_abs_diff"] is None else f"max |a - b| {r['max_abs_diff']:.6g}"))
-    for side in ("a", "b"):
-        if d["only_in"][side]:
-            lines.append(f"  only in {side}: {', '.join(d['only_in'][side])}")
-    return "\n".join(lines)
