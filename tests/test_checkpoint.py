@@ -483,3 +483,40 @@ def test_a_written_file_keeps_its_tensors_where_torch_would_allocate_them_and_th
         assert inside, name  # a view into the file's buffer, not a copy
         assert (t.data_ptr() % 64 == 0) == (t.nbytes % 64 == 0), name
     assert all(parsed[k].data_ptr() % parsed[k].element_size() == 0 for k in parsed)
+
+
+def test_a_resumed_epoch_over_a_map_style_dataset_loads_one_consumed_batch_again_not_all(tmp_path):
+    """Without workers, the consumed batches are passed over by the sampler's order: of them only one batch is loaded again
+    (the template of the batches' container types), however far the epoch had gone; a stream reads them all again
+    (tests/test_streams.py)."""
+
+    class Counting(torch.utils.data.Dataset):
+        def __init__(self):
+            self.data, self.reads = helpers.classification_data(64), []
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            self.reads.append(i)
+            return self.data[i]
+
+    def setup():
+        testing.reset_accelerate_state()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = helpers.mlp()
+        data = Counting()
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True))
+        return ctx, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), dl, data
+
+    ctx, state, dl, _ = setup()
+    run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(max_steps(10)(make_step(ctx, helpers.ce_loss))), dl, state)
+    ctx.close()
+    ctx, state, dl, data = setup()
+    resumed = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, load_checkpoint(ctx, tmp_path, state))
+
+    assert (1, 16) == (resumed.epoch, resumed.step)
+    # one consumed batch again, then the 5 after the batch read ahead (which the checkpoint holds): 6 batches of 4
+    assert 6 * 4 == len(data.reads)
+    ctx.close()

@@ -149,21 +149,13 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     # Nothing read ahead: the loader had yielded its last batch, and the epoch only needs closing (reading it again
     # would cost a whole epoch of a stream for nothing; the random state is the checkpoint's either way).
     skip = consumed + 1 if has_ahead else 0
-    sampler_iter = getattr(base_iter, "_sampler_iter", None)
     template = None
     if has_ahead and skip:
         # One consumed batch loaded again (its random draws are undone by restore_now): the
         # container types the checkpoint could not keep (namedtuple, BatchEncoding...).
         template = next(base_iter)
         skip -= 1
-    if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
-        for _ in range(skip):  # draws the permutation, loads nothing
-            next(sampler_iter)
-    else:
-        # Workers, or an iterable dataset (whose sampler is an endless run of Nones: skipping it would advance
-        # nothing and train the consumed part again): read the consumed batches and drop them, in order.
-        for _ in range(skip):
-            next(base_iter)
+    passing_over(loader, base_iter)(skip)
     restore_now()
     if template is not None:
         ahead = like(template, ahead)
@@ -173,6 +165,30 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
         loader.end()
         return
     yield from _look_ahead(loader, base_iter, to_device(ahead), to_device)
+
+
+def passing_over(loader: Any, base_iter: Any) -> Callable[[int], None]:
+    """How a resumed epoch passes over its consumed batches, one way per kind of loader, chosen once.
+
+    A map-style dataset read in this process (``num_workers=0``): its sampler's indices are drawn and
+    dropped, nothing is loaded. With workers (the indices are already in flight) or an iterable dataset
+    (its sampler is an endless run of Nones: skipping it would advance nothing and train the consumed
+    part again): the consumed batches are read and dropped, in order. (A loader that can say where it
+    is, ``state_dict()``, is the kind the streamed-data issue adds.)
+    """
+    sampler_iter = getattr(base_iter, "_sampler_iter", None)
+    if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
+        def by_sampler_order(n: int) -> None:
+            for _ in range(n):  # draws the permutation, loads nothing
+                next(sampler_iter)
+
+        return by_sampler_order
+
+    def by_reading_again(n: int) -> None:
+        for _ in range(n):
+            next(base_iter)
+
+    return by_reading_again
 
 
 def _look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Callable[[Any], Any]) -> Any:

@@ -130,7 +130,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     again trains and saves nothing::
 
         saving = checkpoint_every(ctx, root, 100)
-        train = loop(compose(log_epoch, run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
+        train = loop(compose(log_epoch(ctx), run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
         state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state) if latest_checkpoint(root) else state)
 
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
