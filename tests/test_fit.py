@@ -81,3 +81,21 @@ def test_fit_checkpoints_after_its_epoch_functions_so_a_resumed_run_is_exact(tmp
     assert whole.history == resumed.history
     assert 4 == len(resumed.history["probe"])
     assert 4 == load_checkpoint(ctx, tmp_path / "b", state).epoch  # the run's last checkpoint is its end
+
+
+def test_fit_checks_its_own_arguments_at_the_call_in_its_own_words():
+    """Before, a swapped state and loader failed inside loop, and an uncalled factory in epoch_fns after a whole epoch,
+    naming log_epoch."""
+    import pytest
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    before = {k: v.clone() for k, v in testing.parameters(state).items()}
+    with pytest.raises(TypeError, match=r"^fit: loader, the third argument of fit\(ctx, loss_fn, train_loader, state"):
+        fit(ctx, loss_fn, state, loader, max_epochs=1)
+    with pytest.raises(TypeError, match=r"^fit needs a TrainState"):
+        fit(ctx, loss_fn, loader, loader, max_epochs=1)
+    with pytest.raises(TypeError, match=r"^fit\(epoch_fns=\[...\]\) calls epoch_fn\(state\).*early_stop still needs metric, state"):
+        fit(ctx, loss_fn, loader, state, max_epochs=1, epoch_fns=[early_stop], progress=False)
+    with pytest.raises(TypeError, match=r"^fit\(transforms=\[...\]\) takes step transformers"):
+        fit(ctx, loss_fn, loader, state, max_epochs=1, transforms=[3], progress=False)
+    assert all(torch.equal(before[k], v) for k, v in testing.parameters(state).items())  # refused before any update

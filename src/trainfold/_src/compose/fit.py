@@ -15,9 +15,10 @@ from trainfold._src.checkpoint.save import save_checkpoint
 from trainfold._src.compose.epoch import run_epoch
 from trainfold._src.compose.epoch_fns import early_stop, log_epoch
 from trainfold._src.compose.evaluate import evaluate
-from trainfold._src.compose.loop import loop
+from trainfold._src.compose.loop import expect_epoch_fn, loop
 from trainfold._src.compose.tracking import progress_bar
 from trainfold._src.compose.transforms import log_every
+from trainfold._src.core.checks import expect_args, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.stages import StageSpec
 from trainfold._src.core.state import TrainState
@@ -99,6 +100,9 @@ def fit(
         The final state.
 
     Raises:
+        TypeError: an argument in another's place (``fit(ctx, loss_fn, state, train_loader)``), or an
+            epoch function that cannot be called as ``fn(state)`` (``epoch_fns=[early_stop]``, the factory
+            not called), or a transform that is not callable: said at the call, in fit's words.
         ValueError: ``patience`` watching a name nothing records before early stopping; bad options of
             the functions it composes (named by them).
         CheckpointError: a checkpoint to resume from that is damaged or of another model.
@@ -113,6 +117,14 @@ def fit(
         >>> state.epoch, sorted(state.metrics)
         (3, ['eval_loss', 'train_loss'])
     """
+    signature = "fit(ctx, loss_fn, train_loader, state, *, max_epochs=...)"
+    expect_args("fit", signature, ctx, "loss_fn", loss_fn, train_loader)
+    expect_state("fit", state)
+    for fn in epoch_fns:
+        expect_epoch_fn("fit(epoch_fns=[...])", fn)
+    for transform in transforms:
+        if not callable(transform):
+            raise TypeError(f"fit(transforms=[...]) takes step transformers (step -> step); got {transform!r}, a {type(transform).__name__}.")
     if patience is not None and not (monitor.startswith("train_") or (eval_loader is not None and monitor.startswith(("eval_", "eval")))):
         raise ValueError(
             f"fit: patience={patience} watches {monitor!r}, which nothing in this fit records before early stopping: "
