@@ -418,3 +418,10 @@ def test_every_file_of_a_checkpoint_and_its_folder_are_fsynced_before_the_rename
     assert [] == [name for name in files if os.path.join(staging, name) not in synced]
     assert staging in synced  # the folder's entries too
     assert ("fsync", str(tmp_path)) in events[commit:]  # and the rename itself
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, 1.5, True])
+def test_checkpoint_every_refuses_a_bad_keep_last_when_it_is_called_not_at_the_first_save(keep_last, tmp_path):
+    ctx, *_ = testing.tiny_setup(seed=0)
+    with pytest.raises(ValueError, match="keep_last must be a positive int"):
+        checkpoint_every(ctx, tmp_path, 2, keep_last=keep_last)

@@ -392,3 +392,22 @@ def test_the_public_names_load_on_first_use_and_are_the_modules_own():
     assert trainfold.make_step is make_step and "make_step" in dir(trainfold)
     with pytest.raises(AttributeError, match="no attribute 'make_stpe'"):
         trainfold.make_stpe
+
+
+def test_inspect_reads_the_stop_of_a_checkpoint_written_with_the_older_fields(root, capsys):
+    """Before the stop was one value, state.json held should_stop, finished and stop_reason: inspect reads those too."""
+    import hashlib
+
+    ckpt = latest_checkpoint(root)
+    doc = json.loads((ckpt / "state.json").read_text())
+    doc["state"].pop("stop")
+    doc["state"].update(should_stop=True, finished=True, stop_reason="early_stop:eval_loss", final_stop=False)
+    data = json.dumps(doc).encode()
+    (ckpt / "state.json").write_bytes(data)
+    manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+    manifest["files"]["state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
+
+    code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
+
+    assert (0, {"should_stop": True, "finished": True, "reason": "early_stop:eval_loss"}) == (code, json.loads(out)["stop"])
