@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -406,9 +408,10 @@ class AzureServer:
         return f"az://{name}"
 
 
-def kill_after_a_new_checkpoint(cmd, env, newest, delay: float) -> int:
-    """Start the 2-process torchrun job ``cmd`` (its workers print "ready <pid>"), SIGKILL the launcher and both workers
-    ``delay`` s after ``newest()`` (the newest committed checkpoint) changed; return the launcher's exit status.
+def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int = 2) -> int:
+    """Start the job ``cmd`` (torchrun and its ``processes`` workers, or one process; each prints "ready <pid>"), SIGKILL the
+    launcher and every worker ``delay`` s after ``newest()`` (the newest committed checkpoint) changed; return the launcher's
+    exit status.
 
     Waiting for that event, not for a fixed time: on a loaded machine a job once had no checkpoint at all when the kills
     came. A job that ended first is not killed (its status says so).
@@ -417,7 +420,7 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float) -> int:
 
     before = newest()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as proc:
-        lines = [proc.stdout.readline() for _ in range(2)]
+        lines = [proc.stdout.readline() for _ in range(processes)]
         if not all(line.startswith("ready") for line in lines):
             proc.kill()
             _, err = proc.communicate(timeout=30)
@@ -464,3 +467,18 @@ def noisy_setup(ga=3, seed=0):
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     return ctx, state, dl
+
+
+def rewrite_signed(folder, name, data):
+    """Replace a checkpoint's file and re-sign it in the manifest, as an attacker who can write the folder would."""
+    (folder / name).write_bytes(data)
+    doc = json.loads((folder / "MANIFEST.json").read_text())
+    doc["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "MANIFEST.json").write_text(json.dumps(doc))
+
+
+def edit_signed_json(folder, name, change):
+    """Change a checkpoint's JSON file in place (``change(doc)``) and re-sign it."""
+    doc = json.loads((folder / name).read_text())
+    change(doc)
+    rewrite_signed(folder, name, json.dumps(doc).encode())

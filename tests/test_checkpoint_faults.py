@@ -335,6 +335,23 @@ def test_an_unprepared_loader_with_checkpoint_every_is_refused_at_the_first_step
     assert not (tmp_path / ".tmp-ckpt-0000000000").exists()
 
 
+def test_a_map_style_dataset_dispatched_from_process_0_with_checkpoint_every_is_refused_naming_dispatch_batches(tmp_path):
+    """A checkpoint inside such an epoch could not continue it: said at the first step, with the setting to change."""
+    from accelerate import DataLoaderConfiguration
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=True)))
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4))
+    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+
+    with pytest.raises(TypeError, match=r"checkpoint_every: Accelerate dispatches this loader's batches from process 0 "
+                                        r"\(dispatch_batches=True\) over a map-style dataset.*Leave dispatch_batches unset"):
+        run_epoch(ctx, step, dl, state)
+    ctx.close()
+
+
 # --- save-best on several processes ----------------------------------------------------------------
 
 

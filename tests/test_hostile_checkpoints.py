@@ -76,18 +76,8 @@ def _manifest(folder):
     return json.loads((folder / "MANIFEST.json").read_text())
 
 
-def _rewrite(folder, name, data):
-    """Replace a file and re-sign it in the manifest, as an attacker who can write the folder would."""
-    (folder / name).write_bytes(data)
-    doc = _manifest(folder)
-    doc["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "MANIFEST.json").write_text(json.dumps(doc))
-
-
-def _edit_json(folder, name, change):
-    doc = json.loads((folder / name).read_text())
-    change(doc)
-    _rewrite(folder, name, json.dumps(doc).encode())
+_rewrite = helpers.rewrite_signed
+_edit_json = helpers.edit_signed_json
 
 
 def _load_refused(folder, secret, match):

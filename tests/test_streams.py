@@ -1,59 +1,109 @@
 """Streamed data (iterable datasets): a run interrupted inside an epoch continues where its checkpoint stands.
 
-A stream has no sampler's order to skip through: the resumed epoch reads the consumed part again and drops
-it, so every sample is trained on once and the parameters equal an uninterrupted run's bit for bit. The data
-is generated here: a Hugging Face ``datasets`` stream over shards with a shuffle buffer, and a plain torch
-``IterableDataset``.
+A stream that can say where it is (``state_dict()``/``load_state_dict()``: a ``datasets`` stream, torchdata's
+``StatefulDataLoader``, a user's class) continues from the state its checkpoint holds, reading none of the
+consumed part again. Any other stream has no sampler's order to skip through: the resumed epoch reads the
+consumed part again and drops it. Either way every sample is trained on once and the parameters equal an
+uninterrupted run's bit for bit. The data is generated here: Hugging Face ``datasets`` streams over shards
+(with and without a shuffle buffer), and torch ``IterableDataset`` classes of a user's, with and without a state.
 """
 
+import multiprocessing
 import warnings
 
+import helpers
 import pytest
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
+from trainfold import CheckpointError, Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
 
 SAMPLES, BATCH = 512, 16  # 32 batches an epoch
 
 
 class Numbers(torch.utils.data.IterableDataset):
-    """A user's own stream: the samples of a seeded permutation of its epoch, without a state of its own."""
+    """A user's own stream: the samples of a seeded permutation of its epoch, without a state of its own.
+
+    ``yielded`` counts the samples it yields, in every process and worker (shared memory).
+    """
 
     def __init__(self) -> None:
         self.epoch = 0
-        self.yielded = 0  # samples read from the stream (in this process: num_workers=0)
+        self.yielded = multiprocessing.Value("l", 0)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self):
+    def order(self) -> list[int]:
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + self.epoch))
         worker = torch.utils.data.get_worker_info()
         if worker is not None:  # each worker its share, as a sharded stream deals them
             order = order[worker.id::worker.num_workers]
-        for i in order.tolist():
-            self.yielded += 1
-            yield {"x": torch.tensor([i / SAMPLES]), "id": torch.tensor(i)}
+        return order.tolist()
+
+    def sample(self, i: int) -> dict:
+        with self.yielded.get_lock():
+            self.yielded.value += 1
+        return {"x": torch.tensor([i / SAMPLES]), "id": torch.tensor(i)}
+
+    def __iter__(self):
+        for i in self.order():
+            yield self.sample(i)
+
+
+class StatefulNumbers(Numbers):
+    """The same stream, able to say where it is: how far into its (worker's) order it has yielded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = self.start = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.start = state["epoch"], state["position"]
+
+    def __iter__(self):
+        start, self.start = self.start, 0
+        for self.position, i in enumerate(self.order()[start:], start + 1):
+            yield self.sample(i)
+
+
+def _counted(example):
+    _counted.yielded.value += 1
+    return example
 
 
 def _stream(kind: str):
-    if kind == "datasets":
+    if kind.startswith("datasets"):
         from datasets import Dataset
 
-        data = Dataset.from_dict({"x": [[i / SAMPLES] for i in range(SAMPLES)], "id": list(range(SAMPLES))}).with_format("torch")
-        return data.to_iterable_dataset(num_shards=16).shuffle(seed=7, buffer_size=64)
-    return Numbers()
+        data = Dataset.from_dict({"x": [[i / SAMPLES] for i in range(SAMPLES)], "id": list(range(SAMPLES))})
+        stream = data.to_iterable_dataset(num_shards=16)
+        if kind != "datasets-plain":
+            # a shuffle buffer of 64 (its state leaves the buffer out: read again), or the shards' order alone (O(1))
+            stream = stream.shuffle(seed=7, buffer_size=64 if kind == "datasets" else 1)
+        _counted.yielded = multiprocessing.Value("l", 0)
+        stream = stream.map(_counted).with_format("torch")
+        stream.yielded = _counted.yielded
+        return stream
+    return StatefulNumbers() if kind == "stateful" else Numbers()
 
 
-def _setup(kind: str, workers: int):
+def _setup(kind: str, workers: int, stateful_loader: bool = False, cpu: bool = True, dispatch: bool | None = None):
     testing.reset_accelerate_state()
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True))
+    config = DataLoaderConfiguration(use_stateful_dataloader=stateful_loader, dispatch_batches=dispatch)
+    ctx = Context(accelerator=Accelerator(cpu=cpu, dataloader_config=config))
     model = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_stream(kind), batch_size=BATCH, num_workers=workers))
     return ctx, state, dl
+
+
+def _yielded(dl) -> int:
+    return dl.base_dataloader.dataset.yielded.value
 
 
 class Crash(Exception):
@@ -64,7 +114,7 @@ def _loss(trained, crash_after=None):
     def loss_fn(model, batch):
         if len(trained) == crash_after:
             raise Crash
-        trained.extend(batch["id"].tolist())
+        trained.extend(batch["id"].tolist())  # (on CUDA, one sync a batch: a test's bookkeeping)
         return ((model(batch["x"]) - batch["x"].sin()) ** 2).mean()
 
     return loss_fn
@@ -115,4 +165,225 @@ def test_a_stream_saved_at_its_epochs_last_batch_resumes_without_reading_it_agai
         resumed = loop(run_epoch(ctx, make_step(ctx, _loss(trained)), dl), max_epochs=2)(resumed)
     ctx.close()
     assert (2, 64) == (resumed.epoch, resumed.step)
-    assert SAMPLES == len(trained) == dl.base_dataloader.dataset.yielded  # epoch 1 alone, read once
+    assert SAMPLES == len(trained) == _yielded(dl)  # epoch 1 alone, read once
+
+
+# --- streams that say where they are: O(1) ------------------------------------------------------------------
+
+O1_CASES = [
+    ("stateful", 0, False),  # a user's class, read in this process: its own state
+    ("datasets-shards", 0, False),  # a datasets stream, its shards shuffled: its own state
+    ("stateful", 2, True),  # torchdata's StatefulDataLoader collects its two workers' states
+    # (shuffled shards read by workers: datasets 5.2 fails to load its own state there, IndexError in its load_state_dict)
+    ("datasets-plain", 2, True),
+]
+
+
+def _interrupted(kind, workers, stateful_loader, root, crash_after):
+    """A run that saves every 10 updates and dies after ``crash_after`` updates; the ids it trained."""
+    ctx, state, dl = _setup(kind, workers, stateful_loader)
+    trained: list[int] = []
+    with pytest.raises(Crash):
+        loop(run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(trained, crash_after=crash_after * BATCH))), dl), max_epochs=2)(state)
+    ctx.close()
+    return trained
+
+
+def _resumed(kind, workers, stateful_loader, root, crash_after=None):
+    """The run resumed from the root's newest checkpoint (crashing again after ``crash_after`` updates, if given)."""
+    ctx, state, dl = _setup(kind, workers, stateful_loader)
+    trained: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no replay warning: nothing is read again
+        warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
+        resumed = load_checkpoint(ctx, latest_checkpoint(root), state)
+        run = loop(run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(trained, crash_after=crash_after and crash_after * BATCH))), dl), max_epochs=2)
+        if crash_after is not None:
+            with pytest.raises(Crash):
+                run(resumed)
+            resumed = None
+        else:
+            resumed = run(resumed)
+    ctx.close()
+    return resumed, trained, _yielded(dl)
+
+
+@pytest.mark.parametrize("kind, workers, stateful_loader", O1_CASES)
+def test_a_stream_with_a_state_resumes_reading_only_the_rest_of_its_epoch_and_equals_the_uninterrupted_run(kind, workers, stateful_loader, tmp_path):
+    """Killed after update 23, resumed from update 20: the stream yields the rest of epoch 0 (after the batch the
+    checkpoint holds, read ahead) and epoch 1, nothing consumed again; ids, parameters and history as uninterrupted."""
+    ctx, state, dl = _setup(kind, workers, stateful_loader)
+    expected_ids: list[int] = []
+    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
+    ctx.close()
+
+    before = _interrupted(kind, workers, stateful_loader, tmp_path, crash_after=23)
+    resumed, after, yielded = _resumed(kind, workers, stateful_loader, tmp_path)
+
+    assert 2 * 32 == resumed.step
+    assert expected_ids == before[: 20 * BATCH] + after  # every sample once, in the uninterrupted order
+    testing.assert_params_equal(expected, resumed)
+    assert expected.history == resumed.history
+    # read: the rest of epoch 0 after batch 21 (held by the checkpoint), and epoch 1; with workers, at most what
+    # each worker prefetches (2 batches) beyond that: never the 336 consumed samples again
+    rest = SAMPLES - 21 * BATCH + SAMPLES
+    assert rest <= yielded <= rest + (2 * workers * 2 * BATCH)
+
+
+@pytest.mark.parametrize("kind, workers, stateful_loader", [("stateful", 0, False), ("datasets-plain", 2, True)])
+def test_a_second_resume_inside_the_same_epoch_continues_from_the_second_checkpoint(kind, workers, stateful_loader, tmp_path):
+    """The datasets#8308 case: resumed at update 10, killed again after 23, resumed from 20 (a state saved by a resumed stream)."""
+    ctx, state, dl = _setup(kind, workers, stateful_loader)
+    expected_ids: list[int] = []
+    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
+    ctx.close()
+
+    first = _interrupted(kind, workers, stateful_loader, tmp_path, crash_after=13)
+    _, second, _ = _resumed(kind, workers, stateful_loader, tmp_path, crash_after=13)  # from update 10 to 23
+    assert tmp_path / "ckpt-0000000020" == latest_checkpoint(tmp_path)
+    resumed, third, _ = _resumed(kind, workers, stateful_loader, tmp_path)
+
+    assert expected_ids == first[: 10 * BATCH] + second[: 10 * BATCH] + third
+    testing.assert_params_equal(expected, resumed)
+
+
+def test_a_stream_state_is_refused_by_a_loader_that_cannot_take_it_before_the_first_batch(tmp_path):
+    """Saved by a stateful stream, resumed over a stream without a state: a CheckpointError naming both, nothing trained."""
+    _interrupted("stateful", 0, False, tmp_path, crash_after=13)
+    ctx, state, dl = _setup("plain", 0)
+    resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+    trained: list[int] = []
+    with pytest.raises(CheckpointError, match=r"said by a test_streams\.StatefulNumbers \(dataset\).*Numbers cannot say where it is"):
+        run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
+    ctx.close()
+    assert [] == trained and 0 == _yielded(dl)
+
+
+def test_a_loader_state_saved_with_two_workers_is_refused_with_another_number(tmp_path):
+    _interrupted("stateful", 2, True, tmp_path, crash_after=13)
+    ctx, state, dl = _setup("stateful", 1, True)
+    resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+    with pytest.raises(CheckpointError, match="the states of 2 loader worker.*num_workers=1.*Resume with num_workers=2"):
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
+    ctx.close()
+
+
+def test_a_stream_state_of_another_kind_of_source_is_refused_naming_both(tmp_path):
+    _interrupted("stateful", 0, False, tmp_path, crash_after=13)
+    ctx, state, dl = _setup("datasets-shards", 0)
+    resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+    with pytest.raises(CheckpointError, match=r"state of a test_streams\.StatefulNumbers \(dataset\).*said by a datasets\..*IterableDataset \(dataset\)"):
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
+    ctx.close()
+
+
+@pytest.mark.parametrize("kind, workers, stateful_loader, why", [
+    ("datasets", 0, False, "its IterableDataset shuffles through a buffer that its state_dict\\(\\) leaves out"),
+    ("stateful", 2, False, "its StatefulNumbers has a state, but 2 workers read it and a plain DataLoader does not collect their states.*use_stateful_dataloader=True"),
+    ("plain", 0, False, "its Numbers cannot say where it is: give it state_dict\\(\\) and load_state_dict\\(\\)"),
+])
+def test_a_stream_read_again_says_why_and_how_to_make_the_resume_o1(kind, workers, stateful_loader, why, tmp_path):
+    _interrupted(kind, workers, stateful_loader, tmp_path, crash_after=13)
+    ctx, state, dl = _setup(kind, workers, stateful_loader)
+    resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+    with pytest.warns(UserWarning, match=f"reading the epoch's first 11 batches again.*read again because {why}"):
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
+    ctx.close()
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: s.update(holder="sampler"), "stream holder 'sampler'"),
+    (lambda s: s.update(workers=-1), "'stream workers' is -1"),
+    (lambda s: s.pop("state"), "not {holder, kind, workers, state}"),
+])
+def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, match, tmp_path):
+    _interrupted("stateful", 0, False, tmp_path, crash_after=13)
+    folder = latest_checkpoint(tmp_path)
+    helpers.edit_signed_json(folder, "rank-0.json", lambda doc: change(doc["stream"]))
+    ctx, state, dl = _setup("stateful", 0)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ctx, folder, state)
+    ctx.close()
+
+
+def test_a_stream_saved_when_it_had_read_its_last_batch_ahead_resumes_with_that_batch_alone(tmp_path):
+    """Saved at update 31 of 32: the checkpoint holds batch 32; the resumed epoch trains it and reads nothing of epoch 0."""
+    ctx, state, dl = _setup("stateful", 0)
+    expected_ids: list[int] = []
+    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
+    ctx.close()
+
+    ctx, state, dl = _setup("stateful", 0)
+    before: list[int] = []
+    with pytest.raises(Crash):
+        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 31)(make_step(ctx, _loss(before, crash_after=31 * BATCH))), dl, state)
+    ctx.close()
+    resumed, after, yielded = _resumed("stateful", 0, False, tmp_path)
+
+    assert expected_ids == before + after
+    testing.assert_params_equal(expected, resumed)
+    assert SAMPLES == yielded  # epoch 1 alone: the stream had nothing left of epoch 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them")
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_run(kind, tmp_path):
+    """On a GPU, Accelerate's default for an iterable dataset is to dispatch it (DataLoaderDispatcher), on one process too:
+    killed after update 23, resumed from update 20, from the stream's state or by reading it again."""
+    ctx, state, dl = _setup(kind, 0, cpu=False)
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    assert type(dl) is DataLoaderDispatcher
+    expected_ids: list[int] = []
+    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
+    ctx.close()
+
+    ctx, state, dl = _setup(kind, 0, cpu=False)
+    before: list[int] = []
+    with pytest.raises(Crash):
+        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+    ctx.close()
+
+    ctx, state, dl = _setup(kind, 0, cpu=False)
+    after: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the replay's warning (tested on CPU)
+        resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+        resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
+    ctx.close()
+    assert expected_ids == before[: 20 * BATCH] + after
+    testing.assert_params_equal(expected, resumed)
+
+
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_a_stream_process_0_dispatches_resumes_to_the_uninterrupted_run(kind, tmp_path):
+    """dispatch_batches=True (Accelerate's default for a stream wherever it places batches: on a GPU) on one process:
+    a DataLoaderDispatcher. Killed after update 23 and resumed from 20, from the state or by reading again. (Before,
+    checkpoint_every refused the epoch at its first step, saying the loader was not prepared.)"""
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    ctx, state, dl = _setup(kind, 0, dispatch=True)
+    assert type(dl) is DataLoaderDispatcher
+    expected_ids: list[int] = []
+    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
+    ctx.close()
+
+    ctx, state, dl = _setup(kind, 0, dispatch=True)
+    before: list[int] = []
+    with pytest.raises(Crash):
+        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+    ctx.close()
+
+    ctx, state, dl = _setup(kind, 0, dispatch=True)
+    after: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+        resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
+    ctx.close()
+    assert expected_ids == before[: 20 * BATCH] + after
+    testing.assert_params_equal(expected, resumed)
+    read_again = [w for w in caught if "batches again" in str(w.message)]
+    assert (kind == "plain") == bool(read_again)
+    # from the state: the rest of epoch 0 after the batch the checkpoint holds, and epoch 1
+    assert _yielded(dl) == (SAMPLES - 21 * BATCH + SAMPLES if kind == "stateful" else SAMPLES + SAMPLES)

@@ -8,6 +8,8 @@ __all__ = ["CheckpointError"]
 class CheckpointError(ValueError):
     """A checkpoint that is damaged, incomplete, or does not fit the run it is loaded into.
 
-    Nothing was changed when it is raised: every check of a load runs before the
-    live model, optimizer and random states are touched.
+    Raised by a load, nothing was changed: every check of a load runs before the
+    live model, optimizer and random states are touched. Raised by ``run_epoch`` on
+    a loaded state (a stream's saved position that the loader cannot take), it comes
+    before the epoch reads its first batch.
     """

@@ -23,10 +23,15 @@ def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
     On a CPU device a batch from a ``DataLoader`` is already where the model is;
     Accelerate's ``send_to_device`` would still walk it and call ``.to("cpu")``
     on every tensor of every batch (~25,000 instructions a batch, 1.4% of a
-    tiny step). Everywhere else (and under DeepSpeed or Megatron-LM, which
-    refuse a custom placement) ``None``: Accelerate's own setting.
+    tiny step). Everywhere else (under DeepSpeed or Megatron-LM, which refuse
+    a custom placement, and where ``dispatch_batches=True`` is asked for, which
+    needs it) ``None``: Accelerate's own setting. (Left unset, Accelerate
+    dispatches an iterable dataset's batches only where it places them: on CPU,
+    each process reads the stream and keeps its share.)
     """
     if accelerator.device.type != "cpu" or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return None
+    if accelerator.dataloader_config.dispatch_batches:  # process 0 reads and sends each process its part: placed
         return None
     return [False] * count
 
@@ -83,9 +88,33 @@ def shares_out_data(loader: Any) -> bool:
 
 
 def is_resumable_loader(loader: Any) -> bool:
+    """Whether an epoch over ``loader`` can continue from a checkpoint: each process's shard, or a stream process 0 dispatches."""
     from accelerate.data_loader import DataLoaderShard
 
-    return isinstance(loader, DataLoaderShard)
+    return isinstance(loader, DataLoaderShard) or (is_dispatcher(loader) and is_streamed(loader))
+
+
+def not_resumable(where: str, loader: Any) -> TypeError | None:
+    """Why an epoch over ``loader`` cannot continue from a checkpoint taken inside it (for ``where`` to raise), or None."""
+    if is_resumable_loader(loader):
+        return None
+    if is_dispatcher(loader):
+        return TypeError(
+            f"{where}: Accelerate dispatches this loader's batches from process 0 (dispatch_batches=True) over a map-style "
+            "dataset, and trainfold continues a dispatched epoch from a checkpoint only for a stream. Leave dispatch_batches "
+            "unset (or False): each process then reads its share in the sampler's order, which a checkpoint continues."
+        )
+    return TypeError(
+        f"{where}: the epoch runs over a loader that was not prepared (a {type(loader).__name__}); a checkpoint inside the "
+        "epoch could not continue it. Prepare it with ctx.prepare_loaders(loader)."
+    )
+
+
+def is_dispatcher(loader: Any) -> bool:
+    """Whether process 0 reads ``loader``'s batches and sends each process its part (Accelerate's ``dispatch_batches``)."""
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    return isinstance(loader, DataLoaderDispatcher)
 
 
 def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
@@ -98,7 +127,7 @@ def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
     """
     if loader.end_of_dataloader:
         return False, None
-    while getattr(iterator, "gi_yieldfrom", None) is not None:  # resumed epochs delegate to _look_ahead
+    while getattr(iterator, "gi_yieldfrom", None) is not None:  # resumed epochs delegate to look_ahead
         iterator = iterator.gi_yieldfrom
     frame = getattr(iterator, "gi_frame", None)
     if frame is None or "next_batch" not in frame.f_locals:
@@ -109,7 +138,7 @@ def read_ahead_batch(iterator: Any, loader: Any) -> tuple[bool, Any]:
     return True, frame.f_locals["next_batch"]
 
 
-def _begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callable[[Any], Any]:
+def begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callable[[Any], Any]:
     """Begin an interrupted epoch again as ``DataLoaderShard.__iter__`` begins one; return how it sends a batch to the device.
 
     The random state of the epoch's start is restored and synchronised across
@@ -143,7 +172,7 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     """
     from trainfold._src.base.batch import like
 
-    to_device = _begin_again(loader, restore_epoch_start)
+    to_device = begin_again(loader, restore_epoch_start)
     base_iter = iter(loader.base_dataloader)
     has_ahead, ahead = read_ahead
     # Nothing read ahead: the loader had yielded its last batch, and the epoch only needs closing (reading it again
@@ -160,11 +189,9 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     if template is not None:
         ahead = like(template, ahead)
     if not has_ahead:
-        loader.end_of_dataloader = True
-        loader.iteration += 1
-        loader.end()
+        close_epoch(loader)
         return
-    yield from _look_ahead(loader, base_iter, to_device(ahead), to_device)
+    yield from look_ahead(loader, base_iter, to_device(ahead), to_device)
 
 
 def passing_over(loader: Any, base_iter: Any) -> Callable[[int], None]:
@@ -173,8 +200,8 @@ def passing_over(loader: Any, base_iter: Any) -> Callable[[int], None]:
     A map-style dataset read in this process (``num_workers=0``): its sampler's indices are drawn and
     dropped, nothing is loaded. With workers (the indices are already in flight) or an iterable dataset
     (its sampler is an endless run of Nones: skipping it would advance nothing and train the consumed
-    part again): the consumed batches are read and dropped, in order. (A loader that can say where it
-    is, ``state_dict()``, is the kind the streamed-data issue adds.)
+    part again): the consumed batches are read and dropped, in order. (A stream that can say where it
+    is, ``state_dict()``, is not passed over: it continues from its state, ``streams.py``.)
     """
     sampler_iter = getattr(base_iter, "_sampler_iter", None)
     if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
@@ -191,7 +218,14 @@ def passing_over(loader: Any, base_iter: Any) -> Callable[[int], None]:
     return by_reading_again
 
 
-def _look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Callable[[Any], Any]) -> Any:
+def close_epoch(loader: Any) -> None:
+    """End an epoch that yields no more batches as a prepared loader ends one: flagged, counted, unregistered."""
+    loader.end_of_dataloader = True
+    loader.iteration += 1
+    loader.end()
+
+
+def look_ahead(loader: Any, base_iter: Any, current_batch: Any, to_device: Callable[[Any], Any]) -> Any:
     """Yield the epoch's batches as ``DataLoaderShard.__iter__`` does: one read ahead, the last one flagged, then the epoch closed.
 
     The batch read ahead is the local ``next_batch`` (``read_ahead_batch`` finds it there).
@@ -286,7 +320,7 @@ def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[t
             "taken between epochs."
         )
 
-    to_device = _begin_again(loader, restore_epoch_start)
+    to_device = begin_again(loader, restore_epoch_start)
     whole = iter(base)  # draws what the epoch's own iteration draws before its order (the workers' seed)
     sampler = inner.sampler
     live = len(loader_generators(loader))
@@ -313,11 +347,9 @@ def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[t
     try:
         first = next(base_iter)
     except StopIteration:
-        loader.end_of_dataloader = True
-        loader.iteration += 1
-        loader.end()
+        close_epoch(loader)
         return
-    yield from _look_ahead(loader, base_iter, to_device(first), to_device)
+    yield from look_ahead(loader, base_iter, to_device(first), to_device)
 
 
 def abandon_epoch(iterator: Any, loader: Any) -> None:

@@ -6,7 +6,7 @@ A checkpoint is a folder holding::
     state.json             the TrainState's values, optimizer/scheduler/scaler structure, Accelerate's counter
     state.safetensors      every tensor of those (optimizer moments, running sums, EMA weights...)
     model.safetensors      the model's weights
-    rank-<r>.json          per process: random states (now and at the epoch's start)
+    rank-<r>.json          per process: random states (now and at the epoch's start), where a stream stood
     rank-<r>.safetensors   per process: their tensors, the batch read ahead, a partial accumulation's gradients
 
 A sharded checkpoint (format 2) has no ``model.safetensors`` and keeps no
@@ -28,6 +28,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from trainfold._src.backend.streams import StreamState
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.history import History, Record
 from trainfold._src.base.metrics import RunningSums
@@ -227,11 +228,25 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
         meta["by_samples"] = position.by_samples
         has, batch = position.read_ahead
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
+        if position.stream is not None:
+            s = position.stream
+            meta["stream"] = {"holder": s.holder, "kind": s.kind, "workers": s.workers, "state": enc.encode(s.state, "stream")}
     tensors.update(enc.tensors)
     meta["grads"] = bool(run.grads)
     tensors.update({f"grad.{n}": g for n, g in run.grads.items()})
     json_name, tensors_name = rank_files(rank)
     return {tensors_name: tensors, json_name: json_bytes(meta)}
+
+
+def _decode_stream(saved: Any, tensors: Mapping[str, torch.Tensor]) -> StreamState | None:
+    """Where a stream stood (``rank-<r>.json``'s ``stream``), each field checked."""
+    if saved is None:
+        return None
+    if not isinstance(saved, dict) or set(saved) != {"holder", "kind", "workers", "state"}:
+        raise ValueError(f"stream is {saved!r}, not {{holder, kind, workers, state}}")
+    if saved["holder"] not in ("loader", "dataset") or not isinstance(saved["kind"], str):
+        raise ValueError(f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader' or 'dataset' and a class name")
+    return StreamState(saved["holder"], saved["kind"], _count("stream workers", saved["workers"]), _codec.decode(saved["state"], tensors))
 
 
 def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Resume]:
@@ -253,7 +268,8 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
         _count("samples_done", done)
     if not isinstance(meta.get("by_samples", False), bool):
         raise ValueError(f"by_samples is {meta['by_samples']!r}, not a bool")
-    position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False)) if "epoch_start" in meta else None
+    position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),
+                             stream=_decode_stream(meta.get("stream"), tensors)) if "epoch_start" in meta else None
     resume = Resume(now=states("now"), position=position)
     return grads, resume
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from trainfold._src.backend.loaders import is_resumable_loader
+from trainfold._src.backend.loaders import not_resumable
 from trainfold._src.base.checks import name_of, named, positive_int
 from trainfold._src.base.types import Batch
 from trainfold._src.checkpoint import codec as _codec
@@ -24,16 +24,12 @@ def _check_resumable(state: TrainState, batch: Batch) -> None:
     """Refuse, at the first step, an epoch that a mid-epoch checkpoint could not record.
 
     Raises:
-        TypeError: the loader is not prepared (``ctx.prepare_loaders``), or the batch holds
+        TypeError: the loader is not prepared (``ctx.prepare_loaders``) or dispatches a map-style dataset, or the batch holds
             a value a checkpoint cannot hold (a custom object), named.
     """
     cursor = state.cursor
-    if isinstance(cursor, EpochCursor) and not is_resumable_loader(cursor.loader):
-        raise TypeError(
-            "checkpoint_every: the epoch runs over a loader that was not prepared "
-            f"(a {type(cursor.loader).__name__}); a checkpoint inside the epoch could not continue it. "
-            "Prepare it with ctx.prepare_loaders(loader)."
-        )
+    if isinstance(cursor, EpochCursor) and (refused := not_resumable("checkpoint_every", cursor.loader)) is not None:
+        raise refused
     try:
         _codec.Encoder().encode(batch, "batch")
     except TypeError as exc:

@@ -21,7 +21,8 @@ import torch
 from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters
-from trainfold._src.backend.loaders import is_resumable_loader, loader_generators, read_ahead_batch, samples_per_batch
+from trainfold._src.backend.loaders import is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
+from trainfold._src.backend.streams import stream_source
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
@@ -234,16 +235,16 @@ def _position(state: TrainState) -> EpochPosition | None:
     cursor = state.cursor
     if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
         return None
-    if not is_resumable_loader(cursor.loader):
-        raise TypeError(
-            "save_checkpoint: a checkpoint in the middle of an epoch needs a loader prepared with ctx.prepare_loaders "
-            f"(the epoch runs over a {type(cursor.loader).__name__}), so that it can continue where it stopped."
-        )
+    if (refused := not_resumable("save_checkpoint", cursor.loader)) is not None:
+        raise refused
     read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
     per_batch = samples_per_batch(cursor.loader)
     samples_before, batches_before = cursor.resumed_at or (0, 0)
     done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
-    return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None)
+    # a stream that can say where it is: its state after the batch read ahead (which the checkpoint holds too)
+    source = stream_source(cursor.loader) if is_streamed(cursor.loader) and read_ahead[0] else None
+    return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
+                         stream=None if source is None else source.capture())
 
 
 def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:

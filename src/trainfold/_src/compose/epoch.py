@@ -11,7 +11,8 @@ from toolz import curry
 
 from trainfold._src.backend.loaders import (
     abandon_epoch,
-    is_resumable_loader,
+    is_dispatcher,
+    not_resumable,
     is_streamed,
     loader_generators,
     resumed_by_samples,
@@ -19,6 +20,7 @@ from trainfold._src.backend.loaders import (
     samples_per_batch,
     set_loader_epoch,
 )
+from trainfold._src.backend.streams import check_saved, replay_advice, resumed_dispatch, resumed_from_state, stream_source
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.types import Batch
@@ -173,11 +175,8 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
     generators = loader_generators(loader)
     if resume is None:
         return EpochCursor(iter(loader), loader, rng.capture(generators))  # ~60 us, once per epoch
-    if not is_resumable_loader(loader):
-        raise TypeError(
-            "run_epoch: to continue a run from a checkpoint, the loader must be prepared with "
-            f"ctx.prepare_loaders (got a {type(loader).__name__})."
-        )
+    if (refused := not_resumable("run_epoch", loader)) is not None:
+        raise refused
     _warn_if_global_batch_changed(ctx, resume, loader)
     position = resume.position
     by_samples = resume.elastic or (position is not None and position.by_samples)
@@ -201,6 +200,23 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         restore(resume.now, generators)
         return EpochCursor(iter(loader), loader, rng.capture(generators))
     epoch_start = position.epoch_start
+
+    def restore_epoch_start() -> None:
+        rng.restore(epoch_start, generators)
+
+    def restore_now() -> None:
+        rng.restore(resume.now, generators)
+
+    if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1)
+        saved_processes = resume.saved_layout[0] if resume.saved_layout is not None else None
+        source = check_saved(position.stream, stream_source(loader), saved_processes, ctx.accelerator.num_processes, loader)
+        if is_dispatcher(loader):
+            iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, source, position.stream,
+                                        restore_epoch_start=restore_epoch_start, restore_now=restore_now)
+        else:
+            iterator = resumed_from_state(loader, source, position.stream, position.read_ahead,
+                                          restore_epoch_start=restore_epoch_start, restore_now=restore_now)
+        return EpochCursor(iterator, loader, epoch_start)
     if by_samples:
         assert position.samples_done is not None  # load_checkpoint refuses a checkpoint without it
         iterator = resumed_by_samples(
@@ -213,13 +229,11 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         return EpochCursor(iterator, loader, epoch_start, resumed_at=(position.samples_done, state.batch_in_epoch))
     if is_streamed(loader) and position.read_ahead[0]:
         _warn_replay(ctx, state, loader)
-    iterator = resumed_epoch(
-        loader,
-        state.batch_in_epoch,
-        position.read_ahead,
-        restore_epoch_start=lambda: rng.restore(epoch_start, generators),
-        restore_now=lambda: rng.restore(resume.now, generators),
-    )
+    if is_dispatcher(loader):
+        iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, None, None,
+                                    restore_epoch_start=restore_epoch_start, restore_now=restore_now)
+    else:
+        iterator = resumed_epoch(loader, state.batch_in_epoch, position.read_ahead, restore_epoch_start=restore_epoch_start, restore_now=restore_now)
     return EpochCursor(iterator, loader, epoch_start)
 
 
@@ -235,7 +249,7 @@ def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
         f"stream ({dataset}, an iterable dataset): trainfold continues it exactly by reading the epoch's first {read} "
         "batches again and dropping them (the same samples in the same order, as long as the stream yields its epoch "
         "in the same order again: seeded shuffles, set_epoch). A resume costs as much reading as the part of the epoch "
-        "already trained; checkpoints between epochs cost none.",
+        f"already trained; checkpoints between epochs cost none. It is read again because {replay_advice(loader)}.",
         UserWarning,
         stacklevel=user_stacklevel(),
     )

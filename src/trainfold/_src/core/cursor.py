@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from trainfold._src.backend.streams import StreamState
 from trainfold._src.base.rng import RngStates
 
 
@@ -54,6 +55,8 @@ class EpochPosition:
     samples_done: int | None = None
     #: the epoch can only be continued by its position in samples (it was itself continued on another number of processes)
     by_samples: bool = False
+    #: where the stream stood, said by a source with ``state_dict()`` (None: not a stream, or one read again)
+    stream: StreamState | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen

@@ -1,0 +1,288 @@
+"""Where a stream is: the data-position protocol, and how an interrupted epoch over a stream continues.
+
+A stream (an iterable dataset) has no sampler's order to skip through. One that can say where it is,
+``state_dict()`` and ``load_state_dict()``, continues in O(1): a checkpoint records that state per
+process, and the resumed epoch loads it and reads on. Which object says it is chosen once per loader
+(:func:`stream_source`):
+
+- torchdata's ``StatefulDataLoader`` (Accelerate's ``use_stateful_dataloader=True``) over a dataset with
+  a state of its own: the loader's state, which holds every worker's;
+- in this process (``num_workers=0``), the dataset itself: a ``datasets.IterableDataset``, or a
+  user's class with the two methods (also inside Accelerate's ``IterableDatasetShard``).
+
+Any other stream is read again up to the saved position and dropped (exact, and as costly as the part
+of the epoch already trained): a plain ``IterableDataset``; a stateful dataset read by workers that no
+``StatefulDataLoader`` asks; a ``datasets`` stream with a shuffle buffer, whose state leaves the buffer
+out (datasets#7901: loading it loses up to a buffer of samples and can repeat some).
+
+The state saved is the one after the batch the loader had read ahead, which the checkpoint also holds:
+the resumed epoch yields that batch first, then reads on from the state. Nothing is adjusted for
+read-ahead or prefetching (what Accelerate's ``adjust_state_dict_for_prefetch`` gets wrong on several
+processes, accelerate#3938).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import attrs
+
+from trainfold._src.backend.loaders import begin_again, close_epoch, look_ahead
+from trainfold._src.base.batch import like
+from trainfold.errors import CheckpointError
+
+
+@attrs.frozen
+class StreamState:
+    """What a checkpoint records of a stream that can say where it is, in one process."""
+
+    #: which object said it: ``"loader"`` (the base loader, which holds its workers' states) or ``"dataset"``
+    holder: str
+    #: that object's class, by module and name: a state of another kind of source is refused by it
+    kind: str
+    #: the loader's ``num_workers`` when it was saved (a loader's state is per worker)
+    workers: int
+    #: what its ``state_dict()`` returned
+    state: Any = attrs.field(repr=False)
+
+
+@attrs.frozen
+class StreamSource:
+    """The object of a stream that says where it is: chosen once per loader by :func:`stream_source`."""
+
+    holder: str
+    obj: Any = attrs.field(repr=False)
+    workers: int
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.obj)
+
+    def capture(self) -> StreamState:
+        return StreamState(self.holder, self.kind, self.workers, self.obj.state_dict())
+
+
+def kind_of(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def has_state(obj: Any) -> bool:
+    """Whether ``obj`` implements the protocol: callable ``state_dict`` and ``load_state_dict``."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _base_of(loader: Any) -> Any:
+    """The loader that reads ``loader``'s data (Accelerate's ``base_dataloader``, also while a resumed dispatch continues it)."""
+    base = getattr(loader, "base_dataloader", loader)
+    return base._base if isinstance(base, _Continued) else base
+
+
+def _dataset_of(loader: Any) -> tuple[Any, Any]:
+    """(the dataset the base loader reads, the user's dataset under Accelerate's ``IterableDatasetShard``)."""
+    from accelerate.data_loader import IterableDatasetShard
+
+    base = _base_of(loader)
+    dataset = getattr(base, "dataset", None)
+    return dataset, dataset.dataset if isinstance(dataset, IterableDatasetShard) else dataset
+
+
+def stream_source(loader: Any) -> StreamSource | None:
+    """The object whose state puts ``loader``'s stream back where it was, or None (then the epoch is read again)."""
+    base = _base_of(loader)
+    dataset, own = _dataset_of(loader)
+    workers = int(getattr(base, "num_workers", 0) or 0)
+    if not has_state(own) or drops_shuffle_buffer(own):
+        return None
+    if has_state(base) and dataset is own:  # a StatefulDataLoader asks the dataset in every worker
+        return StreamSource("loader", base, workers)
+    if workers == 0:  # read in this process: the dataset's own state is the stream's
+        return StreamSource("dataset", own, workers)
+    return None
+
+
+def drops_shuffle_buffer(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets`` stream with a shuffle buffer, which its state does not hold."""
+    found: list[Any] = [getattr(dataset, "_ex_iterable", None)]
+    seen = 0
+    while found and seen < 1000:
+        it = found.pop()
+        seen += 1
+        if it is None:
+            continue
+        if type(it).__name__ == "BufferShuffledExamplesIterable" and getattr(it, "buffer_size", 2) > 1 and "buffer" not in _keys(it):
+            return True
+        found.append(getattr(it, "ex_iterable", None))
+        found.extend(getattr(it, "ex_iterables", None) or ())
+    return False
+
+
+def _keys(it: Any) -> set[str]:
+    try:
+        state = it.state_dict()
+    except Exception:
+        return set()
+    return set(state) if isinstance(state, dict) else set()
+
+
+def replay_advice(loader: Any) -> str:
+    """Why ``loader``'s stream is read again on a resume, and what makes the resume O(1)."""
+    base = _base_of(loader)
+    dataset, own = _dataset_of(loader)
+    workers = int(getattr(base, "num_workers", 0) or 0)
+    name = type(own).__name__
+    if has_state(own) and drops_shuffle_buffer(own):
+        return (
+            f"its {name} shuffles through a buffer that its state_dict() leaves out (datasets#7901: loading it would "
+            "lose up to a buffer of samples): trainfold reads the epoch again instead. Shuffle the shards only "
+            "(a buffer_size=1 shuffle) for an O(1) resume"
+        )
+    if has_state(own) and dataset is not own:
+        return (
+            f"its {name} has a state, but Accelerate wraps it in an IterableDatasetShard read by {workers} workers, whose "
+            "states no loader collects: use num_workers=0 for an O(1) resume"
+        )
+    if has_state(own):
+        return (
+            f"its {name} has a state, but {workers} workers read it and a plain DataLoader does not collect their states: "
+            "prepare a torchdata StatefulDataLoader (Accelerator(dataloader_config=DataLoaderConfiguration("
+            "use_stateful_dataloader=True))) or use num_workers=0 for an O(1) resume"
+        )
+    return (
+        f"its {name} cannot say where it is: give it state_dict() and load_state_dict() (the guide 'Streamed data' "
+        "shows how) for an O(1) resume"
+    )
+
+
+def check_saved(saved: StreamState, source: StreamSource | None, saved_processes: int | None, processes: int, loader: Any) -> StreamSource:
+    """The live loader's source, checked against the state a checkpoint saved for it.
+
+    Raises:
+        CheckpointError: the loader cannot take the state (no such source now, another kind of source,
+            another number of workers or of processes), naming both sides.
+    """
+    if saved_processes is not None and saved_processes != processes:
+        raise CheckpointError(
+            f"run_epoch: the checkpoint stopped inside an epoch over a stream on {saved_processes} process(es), and this run "
+            f"has {processes}: each process saved where its own part of the stream stood, and a stream is not dealt out "
+            "anew to another number of processes. Resume on "
+            f"{saved_processes} process(es), or from a checkpoint taken between epochs."
+        )
+    if source is None:
+        raise CheckpointError(
+            f"run_epoch: the checkpoint holds where the stream stood, said by a {saved.kind} ({saved.holder}), but this "
+            f"loader's stream cannot take it ({replay_advice(loader)}). Resume with the loader and dataset that saved it."
+        )
+    if (source.holder, source.kind) != (saved.holder, saved.kind):
+        raise CheckpointError(
+            f"run_epoch: the checkpoint holds the state of a {saved.kind} ({saved.holder}), and this loader's stream is "
+            f"said by a {source.kind} ({source.holder}): a state of one kind of source does not fit another. Resume "
+            "with the loader and dataset that saved it."
+        )
+    if source.workers != saved.workers and source.holder == "loader":
+        raise CheckpointError(
+            f"run_epoch: the checkpoint holds the states of {saved.workers} loader worker(s), and this loader has "
+            f"num_workers={source.workers}: each worker read its own part of the stream. Resume with num_workers="
+            f"{saved.workers}."
+        )
+    return source
+
+
+def resumed_from_state(loader: Any, source: StreamSource, saved: StreamState, read_ahead: tuple[bool, Any],
+                       restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+    """Iterate the rest of an interrupted epoch over a stream from its saved state: nothing consumed is read again.
+
+    The epoch begins again as the loader begins one (its random state, so that workers draw the same
+    seeds), the state is loaded, the batch the loader had read ahead is yielded first, and the rest is
+    read from the stream at the random state of the save.
+    """
+    to_device = begin_again(loader, restore_epoch_start)
+    has_ahead, ahead = read_ahead
+    assert has_ahead, "a stream's state is saved only with the batch read ahead (save._position)"
+    _load(source, saved)
+    base_iter = iter(loader.base_dataloader)
+    restore_now()
+    try:
+        after = [next(base_iter)]
+    except StopIteration:  # the batch read ahead is the epoch's last
+        after = []
+    # the read-ahead batch as the checkpoint kept it, in the container types the loader's own batches have
+    yield from look_ahead(loader, _chain(after, base_iter), to_device(like(after[0], ahead) if after else ahead), to_device)
+
+
+def resumed_dispatch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], source: StreamSource | None, saved: StreamState | None,
+                     restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+    """Iterate the rest of an interrupted epoch whose stream process 0 reads and dispatches (``dispatch_batches``).
+
+    Accelerate's own dispatching loop runs over the base loader's batches as they would have come: on
+    process 0 first the batches of the dispatched batch it had read ahead (the checkpoint holds it), then
+    the stream from its saved state, or, for a stream that cannot say where it is, from its start with
+    the consumed batches read and dropped. The base loader's iterator is made under the epoch's starting
+    random state (its workers' seeds), and the reading goes on at the random state of the save. The other
+    processes read nothing, as in any dispatched epoch.
+
+    Under ``drop_last=False``, a stream whose length is no multiple of the dispatched batch has its last
+    batch completed with samples of the first batch Accelerate's loop dispatched, which after a resume is
+    the batch read ahead rather than the epoch's first.
+    """
+    from accelerate.data_loader import DataLoaderDispatcher
+    from accelerate.utils import find_batch_size, slice_tensors
+
+    has_ahead, ahead = read_ahead
+    if not has_ahead:  # the loader had yielded its epoch's last batch: nothing to read, the epoch only closes
+        restore_now()
+        close_epoch(loader)
+        return
+    base = loader.base_dataloader
+    pieces: list[Any] = []
+    if ahead is not None:  # process 0: the dispatched batch it had read ahead, as the base loader's batches it joined
+        step = base.batch_size
+        pieces = [slice_tensors(ahead, slice(i, i + step)) for i in range(0, find_batch_size(ahead), step)]
+    per_dispatch = 1 if loader.split_batches else loader.state.num_processes
+    # a stream without a state is read from its start: process 0 drops the consumed batches and those it had read ahead
+    skip = 0 if source is not None else (consumed + 1) * per_dispatch
+    position = functools.partial(_load, source, saved) if source is not None and saved is not None else (lambda: None)
+    restore_epoch_start()
+    loader.base_dataloader = _Continued(base, pieces, position, restore_now, skip)
+    try:
+        yield from DataLoaderDispatcher.__iter__(loader)
+    finally:
+        loader.base_dataloader = base
+
+
+class _Continued:
+    """A base loader whose next iteration continues an interrupted epoch: ``pieces`` first, then the stream, placed by ``position``."""
+
+    def __init__(self, base: Any, pieces: list[Any], position: Callable[[], None], restore_now: Callable[[], None], skip: int) -> None:
+        self._base, self._pieces, self._position, self._restore_now, self._skip = base, pieces, position, restore_now, skip
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def __iter__(self) -> Any:
+        self._position()  # a state is loaded before the iterator that reads it is made
+        real = iter(self._base)  # under the epoch's starting random state, as its first iterator was made
+        if self._pieces:  # process 0 (the others never read)
+            for _ in range(self._skip):
+                next(real)
+        self._restore_now()
+        return _chain(self._pieces, real)
+
+
+def _chain(first: list[Any], rest: Any) -> Any:
+    yield from first
+    yield from rest
+
+
+def _load(source: StreamSource, saved: StreamState) -> None:
+    try:
+        source.obj.load_state_dict(saved.state)
+    except Exception as exc:
+        raise CheckpointError(
+            f"run_epoch: the checkpoint's stream state does not load into this {source.kind} ({type(exc).__name__}: {exc}). "
+            "Resume with the loader and dataset that saved it."
+        ) from exc

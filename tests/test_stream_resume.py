@@ -1,0 +1,110 @@
+"""SIGKILL a run over a stream at random moments and resume it each time: every sample is trained once, in the order
+of an uninterrupted run, and the end is bit-identical (tests/scripts/stream_run.py). One process, loader workers, and
+each way Accelerate hands a stream to two processes: each reads it and keeps its share (``IterableDatasetShard``), one
+global batch split among them (``split_batches``), and process 0 reading and sending each its part (``dispatch_batches``)."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import helpers
+import pytest
+from safetensors.torch import load_file
+
+from trainfold import latest_checkpoint, testing, verify_checkpoint
+
+pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "stream_run.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+SAMPLES = 384  # stream_run.py's
+
+
+def _cmd(root, out, processes, extra):
+    if processes == 1:
+        return [sys.executable, str(SCRIPT), str(root), str(out), *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+            str(testing.free_port()), str(SCRIPT), str(root), str(out), *extra]
+
+
+def _to_end(root, out, processes, extra):
+    result = subprocess.run(_cmd(root, out, processes, extra), capture_output=True, text=True, timeout=300, env=ENV)
+    assert 0 == result.returncode, result.stderr[-3000:]
+    return load_file(str(out / "params.safetensors"))
+
+
+def _trained(out, rank):
+    """The ids this rank trained, over every run, as they count: a run's batches from the update it resumed from replace
+    what the runs before it trained from there on."""
+    batches: list[tuple[int, list[int]]] = []
+    for line in (out / f"trained-{rank}.txt").read_text().splitlines():
+        words = line.split()
+        if words[0] == "resumed":
+            batches = [b for b in batches if b[0] < int(words[1])]
+        else:
+            batches.append((int(words[0]), [int(w) for w in words[1:]]))
+    return [i for _, ids in batches for i in ids]
+
+
+# The four ways of dealing the same stream to two processes train each process on the same samples (the first test
+# proves it): they share one uninterrupted run. A kill per two-process job, two per one-process job.
+CASES = [
+    (1, ("--source", "stateful"), 2),
+    (1, ("--source", "datasets-plain", "--workers", "2", "--stateful-loader"), 2),
+    (2, ("--source", "datasets-plain", "--deal", "shard"), 1),
+    (2, ("--source", "stateful", "--deal", "shard"), 1),
+    (2, ("--source", "stateful", "--deal", "split"), 1),
+    (2, ("--source", "stateful", "--deal", "dispatch"), 1),
+    (2, ("--source", "plain", "--deal", "dispatch"), 1),  # no state: process 0 reads the consumed part again
+]
+IDS = ["1-own", "1-datasets-workers", "2-shard-datasets", "2-shard", "2-split", "2-dispatch", "2-dispatch-replay"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The uninterrupted run of each kind, run once: ``uninterrupted(processes, extra)`` -> (its out folder, its parameters)."""
+    runs = {}
+
+    def run(processes, extra):
+        source = extra[1]
+        key = (processes, source if processes == 1 or source == "datasets-plain" else "stateful", extra[2:] if processes == 1 else ())
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("uninterrupted")
+            # two processes: dealt as shards (the other ways deal the same samples); "plain" is "stateful" without a state
+            args = extra if processes == 1 else ("--source", key[1], "--deal", "shard")
+            runs[key] = folder / "out", _to_end(folder / "root", folder / "out", processes, args)
+        return runs[key]
+
+    return run
+
+
+def test_the_ways_accelerate_deals_a_stream_to_two_processes_train_each_on_the_same_samples(uninterrupted, tmp_path):
+    """What lets the kill tests share one uninterrupted run: shards, one split batch, and dispatching from process 0."""
+    shard_out, shard = uninterrupted(2, ("--source", "stateful", "--deal", "shard"))
+    for deal in ("split", "dispatch"):
+        params = _to_end(tmp_path / deal, tmp_path / f"{deal}-out", 2, ("--source", "stateful", "--deal", deal))
+        testing.assert_params_equal(shard, params)
+        assert [_trained(shard_out, r) for r in (0, 1)] == [_trained(tmp_path / f"{deal}-out", r) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("processes, extra, kills", CASES, ids=IDS)
+def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_to_the_same_parameters(processes, extra, kills, uninterrupted, tmp_path):
+    clean, expected = uninterrupted(processes, extra)
+
+    rng = random.Random(7)
+    root, out = tmp_path / "killed-root", tmp_path / "killed"
+    newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
+    killed = sum(helpers.kill_after_a_new_checkpoint(_cmd(root, out, processes, (*extra, "--slow")), ENV, newest, rng.uniform(0.05, 0.3),
+                                                     processes=processes) == -signal.SIGKILL for _ in range(kills))
+    progress = verify_checkpoint(latest_checkpoint(root))["step"]
+    resumed = _to_end(root, out, processes, extra)
+
+    assert killed >= 1 and 0 < progress < 48  # killed part-way (48 updates in all)
+    testing.assert_params_equal(expected, resumed)
+    for rank in range(processes):
+        assert _trained(clean, rank) == _trained(out, rank)  # the uninterrupted run's samples, in its order
+    every = sorted(i for rank in range(processes) for i in _trained(out, rank))
+    assert sorted(list(range(SAMPLES)) * 2) == every  # two epochs: every sample once in each
