@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import attrs
@@ -18,7 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError, Context, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step,
+    CheckpointError, Context, DamagedCheckpoint, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step,
     run_epoch, save_checkpoint, testing, verify_checkpoint,
 )
 
@@ -203,6 +204,73 @@ def test_a_lock_path_that_is_not_a_file_is_refused_by_name(kind, tmp_path):
         save_checkpoint(ctx, root, state)
     assert "Free space" not in str(raised.value)
     assert not (tmp_path / "elsewhere").exists()
+
+
+# --- a damaged newest checkpoint ---------------------------------------------------------------------
+
+
+def _three_checkpoints(root):
+    """A run saving at updates 2, 4 and 6; their names."""
+    ctx, state, dl = _setup()
+    run_epoch(ctx, checkpoint_every(ctx, root, 2)(make_step(ctx, helpers.ce_loss)), dl, state)
+    ctx.close()
+    return [p.name for p in list_checkpoints(root)]
+
+
+def _flip_a_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # a weight's bit, flipped on disk: the manifest's digest no longer matches
+    path.write_bytes(bytes(data))
+
+
+def test_a_root_whose_newest_checkpoint_is_damaged_loads_the_one_before_it_with_a_warning_naming_the_damage(tmp_path):
+    names = _three_checkpoints(tmp_path)
+    assert ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"] == names
+    _flip_a_bit(tmp_path / names[-1] / "model.safetensors")
+    ctx, state, _ = _setup()
+    expected = load_checkpoint(ctx, tmp_path / names[-2], state)
+    ctx.close()
+
+    ctx, state, _ = _setup()
+    with pytest.warns(UserWarning, match=r"ckpt-0000000006: file model.safetensors does not match its digest.*Loading "
+                                         r".*ckpt-0000000004, the newest checkpoint before it, instead"):
+        resumed = load_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+    assert 4 == resumed.step
+    testing.assert_params_equal(expected, resumed)
+
+
+def test_a_damaged_checkpoint_named_itself_is_refused_not_replaced(tmp_path):
+    names = _three_checkpoints(tmp_path)
+    (tmp_path / names[-1] / "rank-0.json").unlink()
+    ctx, state, _ = _setup()
+    with pytest.raises(DamagedCheckpoint, match="file rank-0.json is missing"):
+        load_checkpoint(ctx, tmp_path / names[-1], state)
+    ctx.close()
+
+
+def test_a_root_whose_every_checkpoint_is_damaged_is_refused_saying_so(tmp_path):
+    for name in _three_checkpoints(tmp_path):
+        _flip_a_bit(tmp_path / name / "model.safetensors")
+    ctx, state, _ = _setup()
+    with pytest.warns(UserWarning), pytest.raises(DamagedCheckpoint, match="ckpt-0000000002.*No checkpoint under the root loads"):
+        load_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+
+
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_without_falling_back(tmp_path):
+    """Only damage falls back: another model is the user's mistake, which an older checkpoint would hide."""
+    _three_checkpoints(tmp_path)
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    other = torch.nn.Linear(3, 3)
+    state = TrainState.create(ctx, model=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(CheckpointError, match="ckpt-0000000006") as refused:
+            load_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+    assert not isinstance(refused.value, DamagedCheckpoint)
 
 
 # --- a full disk, and debris ---------------------------------------------------------------------

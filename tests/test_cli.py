@@ -56,6 +56,24 @@ def test_verify_says_ok_or_names_the_damaged_file_with_exit_status_1(root, capsy
     assert not doc["ok"] and "shard-0.safetensors does not match its digest" in doc["error"]
 
 
+def test_ls_verify_marks_a_damaged_checkpoint_and_says_which_one_a_load_resumes_from_with_exit_status_1(root, capsys):
+    code, out, _ = _run(capsys, "ls", str(root), "--verify")
+    assert 0 == code and 2 == out.count("  verified") and "* the newest, what load_checkpoint" in out
+
+    shard = latest_checkpoint(root) / "shard-0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    code, out, _ = _run(capsys, "ls", str(root), "--verify")
+
+    assert 1 == code
+    newest = next(line for line in out.splitlines() if "ckpt-0000000006" in line)
+    assert "DAMAGED: " in newest and "shard-0.safetensors does not match its digest" in newest
+    assert "* the newest, damaged: load_checkpoint(ctx, root, state) resumes from ckpt-0000000004, the newest that verifies" in out
+    code, out, _ = _run(capsys, "ls", str(root), "--verify", "--json")
+    assert 1 == code and [True, False] == [e["ok"] for e in json.loads(out)["checkpoints"] if e["complete"]]
+
+
 def test_inspect_shows_counters_stop_records_settings_and_versions(root, capsys):
     code, out, _ = _run(capsys, "inspect", str(root), "--json")
     doc = json.loads(out)

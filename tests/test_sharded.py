@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from trainfold import (
     TrainState,
     checkpoint_every,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     loop,
     make_step,
@@ -451,3 +453,37 @@ def test_a_background_saves_copy_of_fsdp2_shards_keeps_their_layout_and_shares_n
     for checks, unchanged in testing.run_distributed(_host_copies_of_fsdp2_shards, nprocs=2):
         assert checks and all(all(c) for c in checks), checks
         assert unchanged
+
+
+def _loads_a_root_damaged_on_one_rank(root, sharded, damaged):
+    """2 DDP processes save checkpoints at updates 2, 4, 6; a bit of the newest's file ``damaged``, which only process 1
+    reads, flips; both load the root."""
+    import warnings
+
+    ctx, state, dl = _setup("ddp", n=48)  # 6 batches a process
+    state = run_epoch(ctx, checkpoint_every(ctx, root, 2, sharded=sharded)(make_step(ctx, helpers.ce_loss)), dl, state)
+    names = [p.name for p in list_checkpoints(root)]
+    ctx.accelerator.wait_for_everyone()
+    if ctx.accelerator.process_index == 1:  # what only process 1 reads
+        shard = Path(root) / names[-1] / damaged
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    ctx.accelerator.wait_for_everyone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(ctx, root, state)
+    ctx.close()
+    return names, loaded.step, [str(w.message) for w in caught if "the newest checkpoint before it" in str(w.message)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sharded, damaged", [(True, "shard-1.safetensors"), (False, "rank-1.safetensors")])
+def test_a_newest_checkpoint_damaged_in_one_process_s_file_makes_every_process_fall_back_to_the_one_before(sharded, damaged, tmp_path):
+    """Only process 1 reads the file and finds the flipped bit; the processes agree, and both load ckpt-4 (none loads
+    ckpt-6 while the other falls back, which would train two models)."""
+    (names, step0, warned0), (_, step1, warned1) = testing.run_distributed(_loads_a_root_damaged_on_one_rank, str(tmp_path), sharded, damaged, nprocs=2)
+    assert ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"] == names
+    assert (4, 4) == (step0, step1)
+    assert 1 == len(warned0) == len(warned1)
+    assert f"{damaged} does not match its digest" in warned1[0]

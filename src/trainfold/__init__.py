@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from trainfold._src.core.types import Step as Step
     from trainfold._src.core.types import StepTransformer as StepTransformer
     from trainfold.errors import CheckpointError as CheckpointError
+    from trainfold.errors import DamagedCheckpoint as DamagedCheckpoint
 
 #: each public name, and the module that defines it
 _WHERE: dict[str, str] = {
@@ -86,6 +87,7 @@ _WHERE: dict[str, str] = {
     "CheckpointError": "trainfold.errors",
     "CheckpointEvery": "trainfold._src.checkpoint.every",
     "Context": "trainfold._src.core.context",
+    "DamagedCheckpoint": "trainfold.errors",
     "EpochFn": "trainfold._src.core.types",
     "History": "trainfold._src.base.history",
     "LossFn": "trainfold._src.base.types",
@@ -168,6 +170,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointEvery",
     "Context",
+    "DamagedCheckpoint",
     "EpochFn",
     "History",
     "LossFn",

@@ -1,6 +1,7 @@
 """``python -m trainfold`` (and the ``trainfold`` command): what people do with checkpoints outside training.
 
     trainfold ls ROOT          each checkpoint under ROOT: update, epoch, position, format, processes, finite, size
+                               (--verify: each one's files checked too, a damaged one marked; exit 1 if any is)
     trainfold verify PATH      the manifest check of a checkpoint (exit 1 when it fails, naming the file and why)
     trainfold inspect PATH     counters, stop, the last records, accumulation and precision, layout, versions
     trainfold export PATH OUT  the model's weights as one safetensors file (gathered, sharded of any mesh, DeepSpeed ZeRO);
@@ -37,6 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for place in places:
             sub.add_argument(place)
         sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
+        if name == "ls":
+            sub.add_argument("--verify", action="store_true", help="check every checkpoint's files against its manifest, marking a damaged one (exit 1 if any is)")
         if name == "export":
             sub.add_argument("--transformers", metavar="CONFIG_DIR", help="write OUT as a save_pretrained folder of this Hugging Face model folder's model")
     args = parser.parse_args(argv)
@@ -44,7 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if args.command == "ls":
-            return commands.show(commands.ls(args.root), args.json, commands.ls_text)
+            listed = commands.ls(args.root, args.verify)
+            commands.show(listed, args.json, commands.ls_text)
+            return 1 if any(e.get("ok") is False for e in listed["checkpoints"]) else 0
         if args.command == "verify":
             return commands.verify(args.path, args.json)
         if args.command == "export":

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError"]
+__all__ = ["CheckpointError", "DamagedCheckpoint"]
 
 
 class CheckpointError(ValueError):
@@ -13,3 +13,13 @@ class CheckpointError(ValueError):
     a loaded state (a stream's saved position that the loader cannot take), it comes
     before the epoch reads its first batch.
     """
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose bytes are not what its manifest vouches for: a file missing, truncated, or
+    of another digest (a bit flipped on disk), or a manifest that is not JSON.
+
+    ``load_checkpoint`` of a root falls back from such a checkpoint to the newest one that loads
+    (warning about the damaged one); any other refusal stops the load.
+    """
+

@@ -99,7 +99,8 @@ def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def ls(root: str) -> dict[str, Any]:
+def ls(root: str, verify: bool = False) -> dict[str, Any]:
+    """The checkpoints under ``root``; with ``verify``, each one's files checked against its manifest (``ok``, ``error``)."""
     if not open_root(root).exists():
         raise Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
                        "(what save_checkpoint was given).")
@@ -112,6 +113,14 @@ def ls(root: str) -> dict[str, Any]:
             entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
         except (CheckpointError, KeyError, TypeError):
             entry["batch_in_epoch"] = None
+        if verify:
+            from trainfold._src.checkpoint.load import verify_checkpoint
+
+            try:
+                verify_checkpoint(folder)
+                entry["ok"], entry["error"] = True, None
+            except CheckpointError as exc:
+                entry["ok"], entry["error"] = False, str(exc)
         entries.append(entry)
     for debris in open_root(root).unfinished():
         entries.append({"name": debris, "complete": False, "latest": False})
@@ -125,12 +134,19 @@ def ls_text(doc: dict[str, Any]) -> str:
             lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
             continue
         where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" if e.get("batch_in_epoch") else f"after epoch {e['epoch']}"
+        checked = "" if "ok" not in e else "  verified" if e["ok"] else f"  DAMAGED: {e['error']}"
         lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
-                     f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}")
+                     f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}")
+    complete = [e for e in doc["checkpoints"] if e["complete"]]
     if len(lines) == 1:
         lines.append("    (no checkpoints)")
-    elif any(e.get("latest") for e in doc["checkpoints"]):
-        lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
+    elif any(e.get("latest") for e in complete):
+        sound = [e for e in complete if e.get("ok", True)]
+        if complete[-1].get("ok", True):
+            lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
+        else:
+            instead = f"from {sound[-1]['name']}, the newest that verifies" if sound else "from none: every checkpoint is damaged"
+            lines.append(f"* the newest, damaged: load_checkpoint(ctx, root, state) resumes {instead}")
     return "\n".join(lines)
 
 

@@ -7,19 +7,22 @@ puts it back; nothing here branches on the engine.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, overload
+import warnings
+from typing import Any, Callable, Mapping, overload
 
 from toolz import curry
 
 from trainfold._version import __version__
 from trainfold._src.checkpoint.formats import for_load
 from trainfold._src.checkpoint.manifest import read_manifest, verify
-from trainfold._src.checkpoint.root import resolve
+from trainfold._src.base.checks import user_stacklevel
+from trainfold._src.checkpoint.root import newest_first
 from trainfold._src.checkpoint.save import position_of
-from trainfold._src.checkpoint.storage import checkpoint_at, open_root
+from trainfold._src.checkpoint.storage import Stored, checkpoint_at, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
+from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 
 def _folder(where: str, path: Any) -> str | os.PathLike[str]:
@@ -77,7 +80,10 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 
     ``path`` is a checkpoint folder, or a root of them (then the newest complete
-    one, by the position it records). All or nothing: every file is read once
+    one, by the position it records; if its bytes are damaged, a bit flipped
+    on disk or a file truncated or missing, a warning names it and the newest
+    one before it that loads is loaded instead: on several processes, every
+    process falls back alike). All or nothing: every file is read once
     and verified against the manifest while it is read, every value is decoded
     and the checkpoint is checked against the run (the same parameters, names and
     shapes, the same optimizer layout, a scheduler on both sides or neither; for a
@@ -105,6 +111,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         The saved state, with ``state``'s handles (the model, optimizer and scheduler, loaded in place).
 
     Raises:
+        DamagedCheckpoint: the checkpoint ``path`` names, or every checkpoint of the root, is damaged (naming the file).
         CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
             another world size, another accumulation setting, DeepSpeed on one side only.
@@ -123,9 +130,55 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    folder = resolve(_folder("load_checkpoint", path), storage_options)
-    manifest = read_manifest(folder, version=__version__)
-    loaded = for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+    found = newest_first(_folder("load_checkpoint", path), storage_options)
+    for n, folder in enumerate(found):
+        try:
+            loaded = _agreed(ctx, lambda: _load(ctx, folder, state))
+            break
+        except DamagedCheckpoint as exc:
+            if n + 1 == len(found):
+                raise DamagedCheckpoint(f"{exc} No checkpoint under the root loads: each is damaged." if n else str(exc)) from None
+            _warn_damaged(ctx, exc, folder, found[n + 1])
     # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
     ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
     return loaded
+
+
+def _load(ctx: Context, folder: Stored, state: TrainState) -> TrainState:
+    manifest = read_manifest(folder, version=__version__)
+    return for_load(ctx, folder, manifest).load(ctx, folder, manifest, state)
+
+
+def _agreed(ctx: Context, work: Callable[[], TrainState]) -> TrainState:
+    """``work`` on every process, which agree (one all-reduce on several) on whether it loaded, met a damaged
+    checkpoint (every process then falls back alike) or was refused: a process's refusal is every process's."""
+    try:
+        result, error = work(), None
+    except Exception as exc:  # noqa: BLE001  # agreed first, raised below
+        result, error = None, exc
+    outcome = 0 if error is None else 1 if isinstance(error, DamagedCheckpoint) else 2
+    if ctx.accelerator.num_processes > 1:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(outcome)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.runtime.control.group())
+        outcome = int(flag.item())  # sync: none, a CPU tensor
+    if outcome == 0:
+        assert result is not None
+        return result
+    if outcome == 1:
+        raise error if error is not None else DamagedCheckpoint("a process found the checkpoint damaged (its warning names the file)")
+    if error is not None and not isinstance(error, DamagedCheckpoint):
+        raise error
+    raise CheckpointError("load_checkpoint was refused on another process (see its error); nothing is loaded here either.")
+
+
+def _warn_damaged(ctx: Context, exc: DamagedCheckpoint, damaged: Stored, previous: Stored) -> None:
+    warnings.warn(
+        f"load_checkpoint: {exc} Loading {previous}, the newest checkpoint before it, instead. The damaged one stays in "
+        f"the root ({damaged}): `trainfold verify` names what is wrong with it, and this run's save at its update "
+        "replaces it.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )

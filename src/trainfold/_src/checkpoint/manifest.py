@@ -19,7 +19,7 @@ import torch
 
 from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint import safetensors as _safetensors
-from trainfold.errors import CheckpointError
+from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 if TYPE_CHECKING:
     from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -118,9 +118,9 @@ def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES
 
 
 # --- reading files: each once, verified while read ------------------------------------------
-def wrong_size(stored: object, name: str, actual: int, expected: int) -> CheckpointError:
+def wrong_size(stored: object, name: str, actual: int, expected: int) -> DamagedCheckpoint:
     """The error for a file of another size than its manifest records (every storage says it alike)."""
-    return CheckpointError(f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered.")
+    return DamagedCheckpoint(f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered.")
 
 
 def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
@@ -139,7 +139,7 @@ def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: 
             h.update(chunk)
         digest = h.hexdigest()
     if digest != want:
-        raise CheckpointError(f"{stored}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
+        raise DamagedCheckpoint(f"{stored}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
     return data
 
 
@@ -167,7 +167,7 @@ def read_manifest_json(stored: Stored) -> dict[str, Any]:
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted.") from None
+        raise DamagedCheckpoint(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted.") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is damaged: not a JSON object; the checkpoint cannot be trusted.")
     return manifest

@@ -228,13 +228,22 @@ def resolve(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | N
     Raises:
         CheckpointError: neither (saying so when only unfinished saves are there).
     """
+    return newest_first(path, storage_options)[0]
+
+
+def newest_first(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> list[Stored]:
+    """The checkpoint at ``path`` alone, or the complete ones under it, the newest first (by the position each records).
+
+    Raises:
+        CheckpointError: neither (saying so when only unfinished saves are there).
+    """
     stored = checkpoint_at(path, storage_options)
     if stored.committed():
-        return stored
+        return [stored]
     storage = open_root(path, storage_options)
     found = _ordered(storage)
     if not found:
         if any(name.startswith(f".tmp-{PREFIX}") for name in storage.unfinished()):
             raise CheckpointError(f"{storage} holds only unfinished checkpoints (.tmp-*): no save completed.")
         raise CheckpointError(f"{storage} is neither a trainfold checkpoint nor a folder of checkpoints.")
-    return found[-1]
+    return found[::-1]

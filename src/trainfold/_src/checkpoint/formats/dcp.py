@@ -200,15 +200,16 @@ def write_shards(staging: Staging, tensors: Mapping[str, torch.Tensor], rank: in
 def _unwrapped(exc: CheckpointException) -> Exception:
     """DCP's exception (a BaseException that gathers every process's failure) as the first process's own error.
 
-    A full disk stays an ``OSError``, a damaged piece a ``CheckpointError``, so
-    callers handle them as they handle the same failure in trainfold's own writes.
+    A full disk stays an ``OSError``, a damaged piece a ``CheckpointError`` (of its own kind: a
+    ``DamagedCheckpoint`` stays one, which a load of a root falls back from), so callers handle them
+    as they handle the same failure in trainfold's own writes.
     """
     rank, (first, _) = min(exc.failures.items(), key=lambda kv: kv[0])
     text = f"on process {rank}: {type(first).__name__}: {first}"
     if isinstance(first, OSError):
         return OSError(first.errno, text)
     if isinstance(first, CheckpointError):
-        return CheckpointError(str(first))
+        return type(first)(str(first))
     if isinstance(first, TypeError):
         return TypeError(text)
     return RuntimeError(text)

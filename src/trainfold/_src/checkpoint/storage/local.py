@@ -27,7 +27,7 @@ from trainfold._src.base.io import fsync_dir, read_into, write_durably
 from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, NAME, wrong_size
 from trainfold._src.checkpoint.storage import lock as _lock
-from trainfold.errors import CheckpointError
+from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -86,7 +86,7 @@ class LocalCheckpoint:
         try:
             st = os.lstat(self.path / name)
         except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file {name} is missing; the checkpoint is damaged.") from None
+            raise DamagedCheckpoint(f"{self.path}: file {name} is missing; the checkpoint is damaged.") from None
         if stat.S_ISLNK(st.st_mode):
             raise CheckpointError(f"{self.path}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed.")
         if not stat.S_ISREG(st.st_mode):

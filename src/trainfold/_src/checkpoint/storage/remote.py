@@ -37,7 +37,7 @@ from trainfold._src.checkpoint.storage import conditional
 from trainfold._src.checkpoint.storage import lease as _lease
 from trainfold._src.checkpoint.storage import upload
 from trainfold._src.checkpoint.storage.requests import call, guarded, protocol_of
-from trainfold.errors import CheckpointError
+from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 logger = logging.getLogger("trainfold")
 
@@ -119,7 +119,7 @@ class RemoteCheckpoint:
         try:
             info = call(self.fs, f"reading {self.url}/{name}", "info", self._object(name))
         except FileNotFoundError:
-            raise CheckpointError(f"{self.url}: file {name} is missing; the checkpoint is damaged.") from None
+            raise DamagedCheckpoint(f"{self.url}: file {name} is missing; the checkpoint is damaged.") from None
         if info.get("type") != "file":
             raise CheckpointError(f"{self.url}: file {name} is not an object (a prefix of others): refused.")
         return int(info["size"])
