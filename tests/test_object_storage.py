@@ -137,6 +137,7 @@ def test_the_command_line_lists_verifies_inspects_exports_and_diffs_a_root_on_s3
     assert json.loads(inspected.stdout)["checkpoint"] == newest
     assert 0 == exported.returncode and 0 == diffed.returncode and "bit for bit" in diffed.stdout, exported.stderr + diffed.stderr
     assert 2 == missing.returncode and 1 == len(missing.stderr.strip().splitlines()) and "Traceback" not in missing.stderr
+    assert "the bucket (or container) 'no-such-bucket-here' does not exist" in missing.stderr
 
 
 def s3_env(options):
@@ -369,6 +370,24 @@ def test_a_bucket_that_does_not_exist_is_named_at_the_first_save_and_nothing_is_
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(OSError, match="no-such-bucket"):
         save_checkpoint(ctx, "s3://no-such-bucket/run", state, storage_options=options)
+    ctx.close()
+
+
+def test_a_typo_d_bucket_is_refused_when_the_checkpointing_is_composed(s3):
+    """issue 46: checkpoint_every accepted s3://lmrnus/run, and the first save failed n updates later."""
+    _, options, _ = s3
+    ctx, state, dl = _setup(ga=1)
+    with pytest.raises(CheckpointError, match=r"checkpoint_every: s3://lmrnus/run cannot hold checkpoints: the bucket \(or container\) "
+                                              r"'lmrnus' does not exist on this store: check its name"):
+        checkpoint_every(ctx, "s3://lmrnus/run", 2, storage_options=options)
+    ctx.close()  # (trainfold ls of such a root: the command-line test above)
+
+
+def test_a_local_root_under_a_file_is_refused_when_the_checkpointing_is_composed(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    ctx, state, dl = _setup(ga=1)
+    with pytest.raises(CheckpointError, match=r"cannot hold checkpoints: .*a-file is a file, not a folder"):
+        checkpoint_every(ctx, tmp_path / "a-file" / "run", 2)
     ctx.close()
 
 

@@ -18,6 +18,7 @@ from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step
+from trainfold.errors import CheckpointError
 
 
 def _check_resumable(state: TrainState, batch: Batch) -> None:
@@ -152,7 +153,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     Raises:
         ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.
         CheckpointError: a root that cannot be used (an unknown protocol, the store's package not
-            installed), or another run's lock on it.
+            installed, a bucket that does not exist, a folder that cannot be written), or another run's lock on it.
 
     Examples:
         >>> import tempfile
@@ -169,5 +170,8 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         positive_int("keep_last", keep_last)
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
     flag("async_save", async_save)
-    open_root(root, storage_options)  # an unknown protocol, or the store's package missing, refused now
+    # an unknown protocol, the store's package missing, a bucket that does not exist (one request): refused now, not at the first save
+    reason = open_root(root, storage_options).unusable()
+    if reason is not None:
+        raise CheckpointError(f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet.")
     return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options)

@@ -190,6 +190,16 @@ class LocalRoot:
     def exists(self) -> bool:
         return self.folder.is_dir()
 
+    def unusable(self) -> str | None:
+        place = self.folder
+        while not place.exists() and place != place.parent:  # the folder is made at the first save: its nearest existing ancestor
+            place = place.parent
+        if not place.is_dir():
+            return f"{place} is a file, not a folder"
+        if not os.access(place, os.W_OK | os.X_OK):
+            return f"this process may not write in {place}"
+        return None
+
     def __str__(self) -> str:
         return str(self.folder)
 

@@ -100,6 +100,10 @@ class Storage(Protocol):
     def exists(self) -> bool:
         """Whether the root is there at all (a folder; on a store, any object under its URL)."""
 
+    def unusable(self) -> str | None:
+        """Why no checkpoint could be written here, as far as one request tells (a bucket that does not exist, a
+        folder under a file or without write permission); None when nothing is against it."""
+
     def lock(self, run_id: str) -> Lock:
         """Lock the root for this process's run.
 

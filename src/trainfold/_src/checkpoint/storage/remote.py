@@ -267,6 +267,14 @@ class RemoteRoot:
     def exists(self) -> bool:
         return bool(call(self.fs, f"looking for {self.url}", "exists", self.where))
 
+    def unusable(self) -> str | None:
+        if self.url.startswith("memory://"):
+            return None
+        bucket = self.where.split("/", 1)[0]
+        if call(self.fs, f"looking for the bucket of {self.url}", "exists", bucket):
+            return None
+        return f"the bucket (or container) {bucket!r} does not exist on this store: check its name (a typo?), or create it"
+
     def lock(self, run_id: str) -> _lease.Held:
         return _lease.acquire(self.fs, posixpath.join(self.where, _lease.LOCK_NAME), self.url, run_id, self._taken)
 
