@@ -23,6 +23,7 @@ processes, accelerate#3938).
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable
 
@@ -60,7 +61,8 @@ class StreamSource:
         return kind_of(self.obj)
 
     def capture(self) -> StreamState:
-        return StreamState(self.holder, self.kind, self.workers, self.obj.state_dict())
+        # copied: a state_dict() may hand out its live values, and a background save writes them after training goes on
+        return StreamState(self.holder, self.kind, self.workers, copy.deepcopy(self.obj.state_dict()))
 
 
 def kind_of(obj: Any) -> str:

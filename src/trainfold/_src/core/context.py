@@ -364,7 +364,7 @@ class Context:
             try:
                 self.wait_for_checkpoints()
             except Exception:
-                logging.getLogger("trainfold").exception("trainfold: the checkpoint being written in the background failed")
+                logging.getLogger("trainfold").exception("the checkpoint being written in the background failed")
             self.close()
             return
         try:
