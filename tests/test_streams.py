@@ -325,34 +325,29 @@ def test_a_stream_saved_when_it_had_read_its_last_batch_ahead_resumes_with_that_
     assert SAMPLES == yielded  # epoch 1 alone: the stream had nothing left of epoch 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them")
-@pytest.mark.parametrize("kind", ["stateful", "plain"])
-def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_run(kind, tmp_path):
-    """On a GPU, Accelerate's default for an iterable dataset is to dispatch it (DataLoaderDispatcher), on one process too:
-    killed after update 23, resumed from update 20, from the stream's state or by reading it again."""
-    ctx, state, dl = _setup(kind, 0, cpu=False)
-    from accelerate.data_loader import DataLoaderDispatcher
-
-    assert type(dl) is DataLoaderDispatcher
+def _killed_at_23_and_resumed(kind, root, **setup):
+    """The run three times, set up with ``setup``: uninterrupted; saving every 10 updates and killed after update 23;
+    resumed from update 20. Returns (the ids and state of the first, the ids the second trained, those the third did,
+    its state, its warnings, its loader)."""
+    ctx, state, dl = _setup(kind, 0, **setup)
     expected_ids: list[int] = []
     expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
     ctx.close()
 
-    ctx, state, dl = _setup(kind, 0, cpu=False)
+    ctx, state, dl = _setup(kind, 0, **setup)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+        run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
     ctx.close()
 
-    ctx, state, dl = _setup(kind, 0, cpu=False)
+    ctx, state, dl = _setup(kind, 0, **setup)
     after: list[int] = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the replay's warning (tested on CPU)
-        resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = load_checkpoint(ctx, latest_checkpoint(root), state)
         resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
     ctx.close()
-    assert expected_ids == before[: 20 * BATCH] + after
-    testing.assert_params_equal(expected, resumed)
+    return (expected_ids, expected), before, after, resumed, [str(w.message) for w in caught], dl
 
 
 @pytest.mark.parametrize("kind", ["stateful", "plain"])
@@ -362,28 +357,23 @@ def test_a_stream_process_0_dispatches_resumes_to_the_uninterrupted_run(kind, tm
     checkpoint_every refused the epoch at its first step, saying the loader was not prepared.)"""
     from accelerate.data_loader import DataLoaderDispatcher
 
-    ctx, state, dl = _setup(kind, 0, dispatch=True)
+    (expected_ids, expected), before, after, resumed, caught, dl = _killed_at_23_and_resumed(kind, tmp_path, dispatch=True)
     assert type(dl) is DataLoaderDispatcher
-    expected_ids: list[int] = []
-    expected = loop(run_epoch(ctx, make_step(ctx, _loss(expected_ids)), dl), max_epochs=2)(state)
-    ctx.close()
-
-    ctx, state, dl = _setup(kind, 0, dispatch=True)
-    before: list[int] = []
-    with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
-    ctx.close()
-
-    ctx, state, dl = _setup(kind, 0, dispatch=True)
-    after: list[int] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
-        resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
-    ctx.close()
     assert expected_ids == before[: 20 * BATCH] + after
     testing.assert_params_equal(expected, resumed)
-    read_again = [w for w in caught if "batches again" in str(w.message)]
-    assert (kind == "plain") == bool(read_again)
+    assert (kind == "plain") == any("batches again" in w for w in caught)
     # from the state: the rest of epoch 0 after the batch the checkpoint holds, and epoch 1
     assert _yielded(dl) == (SAMPLES - 21 * BATCH + SAMPLES if kind == "stateful" else SAMPLES + SAMPLES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them")
+@pytest.mark.parametrize("kind", ["stateful", "plain"])
+def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_run(kind, tmp_path):
+    """On a GPU, Accelerate's default for an iterable dataset is to dispatch it (DataLoaderDispatcher), on one process too:
+    killed after update 23, resumed from update 20, from the stream's state or by reading it again."""
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    (expected_ids, expected), before, after, resumed, _, dl = _killed_at_23_and_resumed(kind, tmp_path, cpu=False)
+    assert type(dl) is DataLoaderDispatcher
+    assert expected_ids == before[: 20 * BATCH] + after
+    testing.assert_params_equal(expected, resumed)
