@@ -102,10 +102,10 @@ def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
 def ls(root: str, verify: bool = False) -> dict[str, Any]:
     """The checkpoints under ``root``; with ``verify``, each one's files checked against its manifest (``ok``, ``error``)."""
     storage = open_root(root)
-    reason = storage.unusable()
-    if reason is not None and not storage.exists():
-        raise Refused(f"{root}: {reason}.")
     if not storage.exists():
+        reason = storage.unusable()  # a bucket that does not exist (a typo?) says so
+        if reason is not None:
+            raise Refused(f"{root}: {reason}.")
         raise Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
                        "(what save_checkpoint was given).")
     latest = latest_checkpoint(root)

@@ -2,8 +2,8 @@
 
 A stream (an iterable dataset) has no sampler's order to skip through. One that can say where it is,
 ``state_dict()`` and ``load_state_dict()``, continues in O(1): a checkpoint records that state per
-process, and the resumed epoch loads it and reads on. Which object says it is chosen once per loader
-(:func:`stream_source`):
+process, and the resumed epoch loads it and reads on. Which object says it depends on the loader alone
+(:func:`stream_source`, asked at each save and at the resume):
 
 - torchdata's ``StatefulDataLoader`` (Accelerate's ``use_stateful_dataloader=True``) over a dataset with
   a state of its own: the loader's state, which holds every worker's;
@@ -50,7 +50,7 @@ class StreamState:
 
 @attrs.frozen
 class StreamSource:
-    """The object of a stream that says where it is: chosen once per loader by :func:`stream_source`."""
+    """The object of a stream that says where it is, as :func:`stream_source` finds it."""
 
     holder: str
     obj: Any = attrs.field(repr=False)

@@ -13,9 +13,9 @@ from typing import Any, Callable, Mapping, overload
 from toolz import curry
 
 from trainfold._version import __version__
+from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.formats import for_load
 from trainfold._src.checkpoint.manifest import read_manifest, verify
-from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.root import newest_first
 from trainfold._src.checkpoint.save import position_of
 from trainfold._src.checkpoint.storage import Stored, checkpoint_at, open_root
@@ -138,7 +138,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
         except DamagedCheckpoint as exc:
             if n + 1 == len(found):
                 raise DamagedCheckpoint(f"{exc} No checkpoint under the root loads: each is damaged." if n else str(exc)) from None
-            _warn_damaged(ctx, exc, folder, found[n + 1])
+            _warn_damaged(exc, folder, found[n + 1])
     # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
     ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
     return loaded
@@ -174,7 +174,7 @@ def _agreed(ctx: Context, work: Callable[[], TrainState]) -> TrainState:
     raise CheckpointError("load_checkpoint was refused on another process (see its error); nothing is loaded here either.")
 
 
-def _warn_damaged(ctx: Context, exc: DamagedCheckpoint, damaged: Stored, previous: Stored) -> None:
+def _warn_damaged(exc: DamagedCheckpoint, damaged: Stored, previous: Stored) -> None:
     warnings.warn(
         f"load_checkpoint: {exc} Loading {previous}, the newest checkpoint before it, instead. The damaged one stays in "
         f"the root ({damaged}): `trainfold verify` names what is wrong with it, and this run's save at its update "

@@ -12,9 +12,9 @@ from toolz import curry
 from trainfold._src.backend.loaders import (
     abandon_epoch,
     is_dispatcher,
-    not_resumable,
     is_streamed,
     loader_generators,
+    not_resumable,
     resumed_by_samples,
     resumed_epoch,
     samples_per_batch,
