@@ -33,12 +33,12 @@ def test_ls_lists_each_checkpoint_with_its_position_format_and_the_newest_marked
     first, second, debris = doc["checkpoints"]
     assert ("ckpt-0000000004", 4, 1, 0, "gathered", 1, True, False) == (
         first["name"], first["update"], first["epoch"], first["batch_in_epoch"], first["format"], first["processes"], first["finite"], first["latest"])
-    assert ("ckpt-0000000006", 6, 1, 2, "sharded", True) == (
-        second["name"], second["update"], second["epoch"], second["batch_in_epoch"], second["format"], second["latest"])
+    assert ("ckpt-0000000006", 6, 1, 2, 4, "sharded", True) == (
+        second["name"], second["update"], second["epoch"], second["batch_in_epoch"], second["epoch_length"], second["format"], second["latest"])
     assert second["bytes"] > 0
     assert (".tmp-ckpt-0000000009", False) == (debris["name"], debris["complete"])
     code, text, _ = _run(capsys, "ls", str(root))
-    assert "* ckpt-0000000006" in text and "epoch 2 batch 2" in text and "debris of an unfinished save" in text
+    assert "* ckpt-0000000006" in text and "epoch 2 batch 2/4 " in text and "debris of an unfinished save" in text
 
 
 def test_verify_says_ok_or_names_the_damaged_file_with_exit_status_1(root, capsys):

@@ -117,6 +117,7 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
             entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
         except (CheckpointError, KeyError, TypeError):
             entry["batch_in_epoch"] = None
+        entry["epoch_length"] = _epoch_length(folder) if entry["batch_in_epoch"] else None
         if verify:
             from trainfold._src.checkpoint.load import verify_checkpoint
 
@@ -137,7 +138,9 @@ def ls_text(doc: dict[str, Any]) -> str:
         if not e["complete"]:
             lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
             continue
-        where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" if e.get("batch_in_epoch") else f"after epoch {e['epoch']}"
+        where = f"after epoch {e['epoch']}"
+        if e.get("batch_in_epoch"):  # of how many: a save at an epoch's last batch reads "batch 44/44", not as if half-way
+            where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" + (f"/{e['epoch_length']}" if e.get("epoch_length") else "")
         checked = "" if "ok" not in e else "  verified" if e["ok"] else f"  DAMAGED: {e['error']}"
         lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
                      f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}")
@@ -176,6 +179,19 @@ def verify(path: str, as_json: bool) -> int:
     print(json.dumps({"checkpoint": str(folder), "ok": True, "files": len(files)}) if as_json else
           f"{folder}: OK ({len(files)} files, {size_text(sum(e['size'] for e in files.values()))}, every one of the size and digest its manifest records)")
     return 0
+
+
+def _epoch_length(folder: str) -> int | None:
+    """The batches of the interrupted epoch a checkpoint records (its first process's file), None where it records none."""
+    from trainfold._src.checkpoint.manifest import read_manifest
+
+    stored = checkpoint_at(folder)
+    try:
+        meta = parse_json(folder, "rank-0.json", read_verified(stored, read_manifest(stored), ["rank-0.json"])["rank-0.json"])
+    except (CheckpointError, KeyError):
+        return None
+    length = meta.get("epoch_length") if isinstance(meta, dict) else None
+    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
 
 def _state(folder: str) -> dict[str, Any]:
