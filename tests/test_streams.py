@@ -137,7 +137,7 @@ def test_a_streamed_epoch_resumed_mid_epoch_trains_every_sample_once_and_equals_
 
     ctx, state, dl = _setup(kind, workers)
     after: list[int] = []
-    with pytest.warns(UserWarning, match="stopped at batch 20 of epoch 0.*reading the epoch's first 21 batches again") as caught:
+    with pytest.warns(UserWarning, match=r"stopped at batch 20 of epoch 0.*reading the epoch's first 21 batches \(336 samples\) again") as caught:
         resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
         resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
     ctx.close()
@@ -286,7 +286,7 @@ def test_a_stream_read_again_says_why_and_how_to_make_the_resume_o1(kind, worker
     _interrupted(kind, workers, stateful_loader, tmp_path, crash_after=13)
     ctx, state, dl = _setup(kind, workers, stateful_loader)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
-    with pytest.warns(UserWarning, match=f"reading the epoch's first 11 batches again.*read again because {why}"):
+    with pytest.warns(UserWarning, match=rf"reading the epoch's first 11 batches \(176 samples\) again.*read again because {why}"):
         run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
     ctx.close()
 
@@ -361,7 +361,7 @@ def test_a_stream_process_0_dispatches_resumes_to_the_uninterrupted_run(kind, tm
     assert type(dl) is DataLoaderDispatcher
     assert expected_ids == before[: 20 * BATCH] + after
     testing.assert_params_equal(expected, resumed)
-    assert (kind == "plain") == any("batches again" in w for w in caught)
+    assert (kind == "plain") == any("process 0 reading the epoch's first 21 batches (336 samples) again" in w for w in caught)
     # from the state: the rest of epoch 0 after the batch the checkpoint holds, and epoch 1
     assert _yielded(dl) == (SAMPLES - 21 * BATCH + SAMPLES if kind == "stateful" else SAMPLES + SAMPLES)
 

@@ -242,12 +242,18 @@ def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
     key = f"stream replay:{state.run_id}"
     if not ctx.runtime.warn_once(key):
         return
+    base = getattr(loader, "base_dataloader", loader)
     read = state.batch_in_epoch + 1  # and the batch the loader had read ahead
-    dataset = type(getattr(getattr(loader, "base_dataloader", loader), "dataset", None)).__name__
+    if is_dispatcher(loader) and not loader.split_batches:  # process 0 reads a batch of the base loader per process
+        read *= ctx.accelerator.num_processes
+    size = getattr(base, "batch_size", None)
+    samples = f" ({read * size} samples)" if isinstance(size, int) else ""
+    who = "process 0 reading" if is_dispatcher(loader) else "reading"
     warnings.warn(
         f"run_epoch: the checkpoint stopped at batch {state.batch_in_epoch} of epoch {state.epoch}, and this loader reads a "
-        f"stream ({dataset}, an iterable dataset): trainfold continues it exactly by reading the epoch's first {read} "
-        "batches again and dropping them (the same samples in the same order, as long as the stream yields its epoch "
+        f"stream ({type(getattr(base, 'dataset', None)).__name__}, an iterable dataset): trainfold continues it exactly by "
+        f"{who} the epoch's first {read} batches{samples} again and dropping them (the same samples in the same order, as "
+        "long as the stream yields its epoch "
         "in the same order again: seeded shuffles, set_epoch). A resume costs as much reading as the part of the epoch "
         f"already trained; checkpoints between epochs cost none. It is read again because {replay_advice(loader)}.",
         UserWarning,
