@@ -14,7 +14,7 @@ import helpers
 import pytest
 from safetensors.torch import load_file
 
-from trainfold import latest_checkpoint, testing, verify_checkpoint
+from trainfold import CheckpointError, latest_checkpoint, testing, verify_checkpoint
 
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
@@ -108,3 +108,48 @@ def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_
         assert _trained(clean, rank) == _trained(out, rank)  # the uninterrupted run's samples, in its order
     every = sorted(i for rank in range(processes) for i in _trained(out, rank))
     assert sorted(list(range(SAMPLES)) * 2) == every  # two epochs: every sample once in each
+
+
+def _saves_inside_a_streamed_epoch(root):
+    """2 processes over a stream with a state (each its share): stopped after 5 batches and saved there."""
+    import torch
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, make_step, run_epoch, save_checkpoint
+    from test_streams import StatefulNumbers, _loss
+
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(StatefulNumbers(), batch_size=8))
+    inner = make_step(ctx, _loss([]))
+
+    def step(s, batch):
+        s = inner(s, batch)
+        return s.with_stop("test") if s.batch_in_epoch == 5 else s
+
+    save_checkpoint(ctx, root, run_epoch(ctx, step, dl, state))
+    ctx.close()
+
+
+def test_a_streamed_epoch_saved_on_two_processes_is_refused_on_one_by_the_load_before_anything_changes(tmp_path):
+    """Each process saved where its own part of the stream stood: on one process the epoch cannot go on (item 5 of the
+    streamed-data issue is open), and load_checkpoint says so, naming the processes that saved it; the model is untouched."""
+    import torch
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, load_checkpoint
+
+    testing.run_distributed(_saves_inside_a_streamed_epoch, str(tmp_path), nprocs=2)
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    torch.manual_seed(1)
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    before = testing.parameters(state)
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch over a loader whose position "
+                                              r"in samples is unknown \(an iterable dataset\): resume it on 2 processes"):
+        load_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+    testing.assert_params_equal(before, state)

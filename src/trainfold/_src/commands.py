@@ -113,11 +113,13 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
     entries = []
     for folder in map(str, list_checkpoints(root)):
         entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
-        try:  # the position inside the epoch is in state.json: read only when the manifest vouches for it
-            entry["batch_in_epoch"] = _state(folder)["state"].get("batch_in_epoch")
-        except (CheckpointError, KeyError, TypeError):
-            entry["batch_in_epoch"] = None
-        entry["epoch_length"] = _epoch_length(folder) if entry["batch_in_epoch"] else None
+        try:  # the position inside the epoch (state.json) and the epoch's length (rank-0.json), read as the manifest vouches
+            state, first = _verified_json(folder, "state.json", "rank-0.json")
+            entry["batch_in_epoch"] = state["state"].get("batch_in_epoch")
+            length = first.get("epoch_length") if entry["batch_in_epoch"] else None
+            entry["epoch_length"] = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+        except (CheckpointError, KeyError, TypeError, AttributeError):
+            entry["batch_in_epoch"] = entry["epoch_length"] = None
         if verify:
             from trainfold._src.checkpoint.load import verify_checkpoint
 
@@ -181,27 +183,19 @@ def verify(path: str, as_json: bool) -> int:
     return 0
 
 
-def _epoch_length(folder: str) -> int | None:
-    """The batches of the interrupted epoch a checkpoint records (its first process's file), None where it records none."""
+def _verified_json(folder: str, *names: str) -> list[Any]:
+    """The JSON files ``names`` of a checkpoint, read (the manifest once) after their sizes and digests are checked
+    against it: JSON only, nothing runs."""
     from trainfold._src.checkpoint.manifest import read_manifest
 
     stored = checkpoint_at(folder)
-    try:
-        meta = parse_json(folder, "rank-0.json", read_verified(stored, read_manifest(stored), ["rank-0.json"])["rank-0.json"])
-    except (CheckpointError, KeyError):
-        return None
-    length = meta.get("epoch_length") if isinstance(meta, dict) else None
-    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+    files = read_verified(stored, read_manifest(stored), list(names))
+    return [parse_json(folder, name, files[name]) for name in names]
 
 
 def _state(folder: str) -> dict[str, Any]:
-    """``state.json``, read after its size and digest are checked against the manifest (JSON only: nothing runs)."""
-    from trainfold._src.checkpoint.manifest import read_manifest
-
-    stored = checkpoint_at(folder)
-    manifest = read_manifest(stored)
-    data = read_verified(stored, manifest, ["state.json"])["state.json"]
-    doc = parse_json(folder, "state.json", data)
+    """``state.json``, verified (:func:`_verified_json`), and checked to be a run state."""
+    (doc,) = _verified_json(folder, "state.json")
     if not isinstance(doc, dict) or not isinstance(doc.get("state"), dict):
         raise CheckpointError(f"{folder}: state.json is not a trainfold run state.")
     return doc

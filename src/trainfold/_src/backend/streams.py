@@ -157,20 +157,14 @@ def replay_advice(loader: Any) -> str:
     )
 
 
-def check_saved(saved: StreamState, source: StreamSource | None, saved_processes: int | None, processes: int, loader: Any) -> StreamSource:
-    """The live loader's source, checked against the state a checkpoint saved for it.
+def check_saved(saved: StreamState, source: StreamSource | None, loader: Any) -> StreamSource:
+    """The live loader's source, checked against the state a checkpoint saved for it. (Another number of processes
+    never gets here: ``load_checkpoint`` refuses an epoch over a stream saved on another, before anything changes.)
 
     Raises:
         CheckpointError: the loader cannot take the state (no such source now, another kind of source,
-            another number of workers or of processes), naming both sides.
+            another number of workers), naming both sides.
     """
-    if saved_processes is not None and saved_processes != processes:
-        raise CheckpointError(
-            f"run_epoch: the checkpoint stopped inside an epoch over a stream on {saved_processes} process(es), and this run "
-            f"has {processes}: each process saved where its own part of the stream stood, and a stream is not dealt out "
-            "anew to another number of processes. Resume on "
-            f"{saved_processes} process(es), or from a checkpoint taken between epochs."
-        )
     if source is None:
         raise CheckpointError(
             f"run_epoch: the checkpoint holds where the stream stood, said by a {saved.kind} ({saved.holder}), but this "

@@ -208,8 +208,7 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         rng.restore(resume.now, generators)
 
     if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1)
-        saved_processes = resume.saved_layout[0] if resume.saved_layout is not None else None
-        source = check_saved(position.stream, stream_source(loader), saved_processes, ctx.accelerator.num_processes, loader)
+        source = check_saved(position.stream, stream_source(loader), loader)
         if is_dispatcher(loader):
             iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, source, position.stream,
                                         restore_epoch_start=restore_epoch_start, restore_now=restore_now)
