@@ -403,6 +403,19 @@ def test_help_and_a_usage_error_answer_without_importing_torch():
     assert out.splitlines()[-3:] == ["exit 0", "exit 2", "[]"]
 
 
+@pytest.mark.parametrize("argv", [["ls", "--verify"], ["verify"], ["inspect"], ["inspect", "--json"]])
+def test_ls_verify_and_inspect_of_a_local_root_answer_without_importing_torch(root, argv):
+    """They read manifests and JSON files, verified: torch's import (seconds of CPU, tens on a busy machine) is not
+    theirs to pay. Each answers as it should, of the root with a gathered and a sharded checkpoint."""
+    probe = ("import sys, trainfold.cli\n"
+             "code = trainfold.cli.main(sys.argv[1:])\n"
+             "print(code, sorted(m for m in ('torch', 'accelerate', 'numpy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe, *argv, str(root)], capture_output=True, text=True, timeout=120, check=True).stdout
+
+    assert out.splitlines()[-1] == "0 []"
+    assert ("ckpt-0000000006" in out) and ("verified" in out if argv[0] == "ls" else True)
+
+
 def test_the_public_names_load_on_first_use_and_are_the_modules_own():
     import trainfold
     from trainfold._src.core.step import make_step

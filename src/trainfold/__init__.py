@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from trainfold._src.checkpoint.export import checkpoint_weights as checkpoint_weights
     from trainfold._src.checkpoint.export import export_checkpoint as export_checkpoint
     from trainfold._src.checkpoint.load import load_checkpoint as load_checkpoint
-    from trainfold._src.checkpoint.load import verify_checkpoint as verify_checkpoint
+    from trainfold._src.checkpoint.root import verify_checkpoint as verify_checkpoint
     from trainfold._src.checkpoint.root import latest_checkpoint as latest_checkpoint
     from trainfold._src.checkpoint.root import list_checkpoints as list_checkpoints
     from trainfold._src.checkpoint.save import save_checkpoint as save_checkpoint
@@ -145,7 +145,7 @@ _WHERE: dict[str, str] = {
     "snapshot": "trainfold._src.core.snapshot",
     "stop_when": "trainfold._src.compose.stopping",
     "until": "trainfold._src.compose.loop",
-    "verify_checkpoint": "trainfold._src.checkpoint.load",
+    "verify_checkpoint": "trainfold._src.checkpoint.root",
     "warmup_cosine": "trainfold._src.compose.schedules",
     "warmup_linear": "trainfold._src.compose.schedules",
 }

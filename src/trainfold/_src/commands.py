@@ -1,5 +1,8 @@
 """The command line's commands (``trainfold ls``, ``verify``, ``inspect``, ``export``, ``diff``): what ``trainfold.cli``
 runs once it has parsed its arguments, so that ``--help`` and a usage error import nothing of the library.
+
+``ls``, ``verify`` and ``inspect`` read manifests and JSON files, verified: they import no torch (a second of CPU
+and more), so they answer at once; ``export`` and ``diff`` read tensors and import it when they run.
 """
 
 from __future__ import annotations
@@ -11,11 +14,10 @@ import signal
 from pathlib import Path
 from typing import Any, Iterator
 
+from trainfold._src.base.history import history_from_rows
 from trainfold._src.base.io import read_into
-from trainfold._src.checkpoint import safetensors as _safetensors
-from trainfold._src.checkpoint.encoding import decode_history
-from trainfold._src.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest_json, read_verified
-from trainfold._src.checkpoint.root import latest_checkpoint, list_checkpoints, resolve
+from trainfold._src.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest, read_manifest_json, read_verified
+from trainfold._src.checkpoint.root import latest_checkpoint, list_checkpoints, resolve, verify_checkpoint
 from trainfold._src.checkpoint.storage import checkpoint_at, is_url, open_root
 from trainfold.errors import CheckpointError
 
@@ -121,8 +123,6 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
         except (CheckpointError, KeyError, TypeError, AttributeError):
             entry["batch_in_epoch"] = entry["epoch_length"] = None
         if verify:
-            from trainfold._src.checkpoint.load import verify_checkpoint
-
             try:
                 verify_checkpoint(folder)
                 entry["ok"], entry["error"] = True, None
@@ -169,8 +169,6 @@ def size_text(n: int) -> str:
 
 
 def verify(path: str, as_json: bool) -> int:
-    from trainfold._src.checkpoint.load import verify_checkpoint
-
     folder = _folder(path)
     try:
         manifest = verify_checkpoint(folder)
@@ -186,8 +184,6 @@ def verify(path: str, as_json: bool) -> int:
 def _verified_json(folder: str, *names: str) -> list[Any]:
     """The JSON files ``names`` of a checkpoint, read (the manifest once) after their sizes and digests are checked
     against it: JSON only, nothing runs."""
-    from trainfold._src.checkpoint.manifest import read_manifest
-
     stored = checkpoint_at(folder)
     files = read_verified(stored, read_manifest(stored), list(names))
     return [parse_json(folder, name, files[name]) for name in names]
@@ -210,7 +206,7 @@ def inspect(path: str) -> dict[str, Any]:
         raise Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
     state, acc = doc["state"], doc.get("accelerate", {})
     try:  # the records as a load checks them
-        history = decode_history(state.get("history", []))
+        history = history_from_rows(state.get("history", []))
     except ValueError as exc:
         raise Refused(f"{folder}/state.json is damaged: {exc} (trainfold verify {folder} checks every file)") from None
     return {
@@ -259,6 +255,7 @@ def _ranks(d: dict[str, Any]) -> str:
 
 
 def export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:
+    from trainfold._src.checkpoint import safetensors as _safetensors
     from trainfold._src.checkpoint.export import export_checkpoint
 
     folder = _folder(path)
@@ -278,6 +275,7 @@ def export(path: str, out: Path, transformers_config: str | None) -> dict[str, A
 
 def _weights(where: str) -> dict[str, Any]:
     """A safetensors file's tensors, or a checkpoint's (a folder or a root, local or on a store) model weights."""
+    from trainfold._src.checkpoint import safetensors as _safetensors
     from trainfold._src.checkpoint.export import checkpoint_weights
 
     path = Path(where)

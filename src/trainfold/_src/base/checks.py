@@ -55,6 +55,13 @@ def positive_int(name: str, n: Any) -> int:
     return n
 
 
+def counter(name: str, v: Any) -> int:
+    """Return ``v`` if it is a non-negative int (a count read from a checkpoint), else raise a ValueError naming ``name``."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"counter {name!r} is {v!r}, not a non-negative int")
+    return v
+
+
 def length_or_none(x: Any) -> int | None:
     """``len(x)``, or None for an object without a length (an iterable loader)."""
     try:

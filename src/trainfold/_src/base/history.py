@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import attrs
+
+from trainfold._src.base.checks import counter
 
 
 @attrs.frozen
@@ -97,6 +99,36 @@ class History:
         for r in self.records:
             out.setdefault(r.name, []).append((r.epoch, r.step, r.value))
         return out
+
+
+def history_rows(history: History) -> list[list[Any]]:
+    """The records as JSON rows, ``[[epoch, step, name, value], ...]``: how a checkpoint's ``state.json`` holds them.
+
+    Examples:
+        >>> history_from_rows(history_rows(History().add(epoch=1, step=4, values={"loss": 0.5}))).latest("loss")
+        0.5
+    """
+    return [[r.epoch, r.step, r.name, r.value] for r in history.records]
+
+
+def history_from_rows(saved: Any) -> History:
+    """The run's records from the rows a checkpoint's ``state.json`` holds (:func:`history_rows`), each checked.
+
+    Raises:
+        ValueError: not a list of such records (the record, and what it should be, named).
+    """
+    if not isinstance(saved, list):
+        raise ValueError(f"history is {type(saved).__name__}, not a list of [epoch, step, name, value] records")
+    return History(tuple(_record(r) for r in saved))
+
+
+def _record(r: Any) -> Record:
+    if not isinstance(r, list) or len(r) != 4:
+        raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
+    epoch, step, name, value = r
+    if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
+    return Record(counter("history epoch", epoch), counter("history step", step), name, float(value))
 
 
 class _AtStep(Mapping[str, float]):

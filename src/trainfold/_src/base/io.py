@@ -8,8 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import torch
-
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or creation inside ``path`` durable."""
@@ -109,19 +107,3 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
 #: where torch's CPU allocator puts every tensor (c10's alignment, for AVX-512)
 ALIGNMENT = 64
 
-
-def aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` where torch would have allocated it: itself at an :data:`ALIGNMENT` boundary, else a copy.
-
-    A tensor read from a checkpoint is a view into the file's buffer, at the offset the file gives it. Copied into a
-    live tensor it needs nothing; kept by the run (a batch read ahead, an optimizer's state) it must sit where the
-    uninterrupted run's would: CPU kernels (a matmul's backward, a sum) add in another order at another alignment, so
-    a resumed run differed from an uninterrupted one in the last bits.
-
-    Examples:
-        >>> buf = bytearray(68)
-        >>> view = torch.frombuffer(buf, dtype=torch.float32, count=16, offset=4)
-        >>> aligned(view).data_ptr() % ALIGNMENT, torch.equal(aligned(view), view)
-        (0, True)
-    """
-    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 import attrs
 import torch
 
-from trainfold._src.checkpoint.manifest import Content, write_files
-from trainfold._src.checkpoint.root import agreed, commit
+from trainfold._src.checkpoint.content import Content, write_files
+from trainfold._src.checkpoint.commit import agreed, commit
 from trainfold._src.checkpoint.storage.protocol import Storage
 from trainfold._src.distributed.control import gather_objects
 

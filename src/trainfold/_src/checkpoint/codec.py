@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 import torch
 
-from trainfold._src.base.io import aligned
+from trainfold._src.base.io import ALIGNMENT
 from trainfold._src.base.records import RECORDS, record_name
 
 #: How deep a decoded value may nest (trainfold's own values nest a few levels).
@@ -28,6 +28,23 @@ DTYPES: dict[str, torch.dtype] = {
     for d in vars(torch).values()
     if isinstance(d, torch.dtype)
 }
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` where torch would have allocated it: itself at an :data:`ALIGNMENT` boundary, else a copy.
+
+    A tensor read from a checkpoint is a view into the file's buffer, at the offset the file gives it. Copied into a
+    live tensor it needs nothing; kept by the run (a batch read ahead, an optimizer's state) it must sit where the
+    uninterrupted run's would: CPU kernels (a matmul's backward, a sum) add in another order at another alignment, so
+    a resumed run differed from an uninterrupted one in the last bits.
+
+    Examples:
+        >>> buf = bytearray(68)
+        >>> view = torch.frombuffer(buf, dtype=torch.float32, count=16, offset=4)
+        >>> aligned(view).data_ptr() % ALIGNMENT, torch.equal(aligned(view), view)
+        (0, True)
+    """
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
 
 
 class Encoder:

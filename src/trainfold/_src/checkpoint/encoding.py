@@ -17,7 +17,7 @@ Owned here: encoding a :class:`~trainfold._src.core.runstate.RunState` (and a pr
 data position) into those files and decoding them back. Only JSON and
 safetensors are read: nothing can run code. The names, the manifest and the
 verified reads are ``manifest.py``'s; how a checkpoint is written atomically and
-found again, ``save.py``'s, ``root.py``'s and its storage's.
+found again, ``save.py``'s, ``commit.py``'s, ``root.py``'s and its storage's.
 """
 
 from __future__ import annotations
@@ -30,10 +30,12 @@ import torch
 
 from trainfold._src.backend.streams import StreamState
 from trainfold._src.base import rng as _rng
-from trainfold._src.base.history import History, Record
+from trainfold._src.base.checks import counter
+from trainfold._src.base.history import history_from_rows, history_rows
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.checkpoint import codec as _codec
-from trainfold._src.checkpoint.manifest import Content, json_bytes, parse_json, parse_tensors, rank_files
+from trainfold._src.checkpoint.content import Content, parse_tensors
+from trainfold._src.checkpoint.manifest import json_bytes, parse_json, rank_files
 from trainfold._src.core.cursor import EpochPosition, Resume
 from trainfold._src.core.runstate import NO_HANDLES, RunState
 from trainfold._src.core.state import TrainState
@@ -62,7 +64,7 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
     doc = {
         "state": {
             **{f.name: enc.encode(getattr(values, f.name), f"values.{f.name}") for f in _value_fields(type(values))},
-            "history": [[r.epoch, r.step, r.name, r.value] for r in values.history],
+            "history": history_rows(values.history),
             # the main process's, as older checkpoints held them (each process's own are in its rank files)
             **_encode_sums(enc, sums),
         },
@@ -114,12 +116,12 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked
         if own is not None:
             sums = _decode_sums(own, per_rank, device, "nan_guard" in extras)
-        history = decode_history(saved["history"])
+        history = history_from_rows(saved["history"])
         optimizer = _codec.decode(doc["optimizer"], shared)
         scheduler = None if doc["scheduler"] is None else _codec.decode(doc["scheduler"], shared)
         scaler = None if doc["scaler"] is None else _codec.decode(doc["scaler"], shared)
-        accelerate_step = _count("accelerate.step", doc["accelerate"]["step"])
-        accumulation = _count("gradient_accumulation_steps", doc["accelerate"]["gradient_accumulation_steps"])
+        accelerate_step = counter("accelerate.step", doc["accelerate"]["step"])
+        accumulation = counter("gradient_accumulation_steps", doc["accelerate"]["gradient_accumulation_steps"])
         grads, resume = _decode_rank(meta, per_rank)
         resume = attrs.evolve(resume, saved_layout=_layout(doc.get("layout"), accumulation))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
@@ -137,18 +139,12 @@ def _layout(layout: Any, accumulation: int) -> tuple[int, int | None, int] | Non
     if not isinstance(layout, dict) or "processes" not in layout:
         return None  # written before trainfold recorded it
     per_batch = layout.get("batch_samples")
-    return _count("processes", layout["processes"]), None if per_batch is None else _count("batch_samples", per_batch), accumulation
-
-
-def _count(name: str, v: Any) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ValueError(f"counter {name!r} is {v!r}, not a non-negative int")
-    return v
+    return counter("processes", layout["processes"]), None if per_batch is None else counter("batch_samples", per_batch), accumulation
 
 
 def _check_counters(values: Mapping[str, Any]) -> None:
     for name in ("step", "micro_step", "epoch", "batch_in_epoch"):
-        _count(name, values.get(name, 0))
+        counter(name, values.get(name, 0))
     if not isinstance(values.get("end_of_epoch", False), bool):
         raise ValueError(f"end_of_epoch is {values['end_of_epoch']!r}, not a bool")
     if not isinstance(values.get("stop"), (Stop, type(None))):
@@ -164,26 +160,6 @@ def _older_stop(saved: Mapping[str, Any]) -> Stop | None:
         raise ValueError(f"the stop fields {flags} and stop_reason {reason!r} are not bools and a str")
     finished = flags["finished"] if "finished" in saved else flags["should_stop"]
     return Stop(reason, final=flags["final_stop"], finished=True) if finished else None
-
-
-def decode_history(saved: Any) -> History:
-    """The run's records as a checkpoint's ``state.json`` holds them (``[[epoch, step, name, value], ...]``), each checked.
-
-    Raises:
-        ValueError: not a list of such records (the record, and what it should be, named).
-    """
-    if not isinstance(saved, list):
-        raise ValueError(f"history is {type(saved).__name__}, not a list of [epoch, step, name, value] records")
-    return History(tuple(_record(r) for r in saved))
-
-
-def _record(r: Any) -> Record:
-    if not isinstance(r, list) or len(r) != 4:
-        raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
-    epoch, step, name, value = r
-    if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
-    return Record(_count("history epoch", epoch), _count("history step", step), name, float(value))
 
 
 # --- the per-process files: random states, the data position, partial gradients --------------
@@ -246,7 +222,7 @@ def _decode_stream(saved: Any, tensors: Mapping[str, torch.Tensor]) -> StreamSta
         raise ValueError(f"stream is {saved!r}, not {{holder, kind, workers, state}}")
     if saved["holder"] not in ("loader", "dataset") or not isinstance(saved["kind"], str):
         raise ValueError(f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader' or 'dataset' and a class name")
-    return StreamState(saved["holder"], saved["kind"], _count("stream workers", saved["workers"]), _codec.decode(saved["state"], tensors))
+    return StreamState(saved["holder"], saved["kind"], counter("stream workers", saved["workers"]), _codec.decode(saved["state"], tensors))
 
 
 def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Resume]:
@@ -262,10 +238,10 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
         read_ahead = (bool(has), _codec.decode(encoded, tensors) if has else None)
     length = meta.get("epoch_length")
     if length is not None:
-        _count("epoch_length", length)
+        counter("epoch_length", length)
     done = meta.get("samples_done")
     if done is not None:
-        _count("samples_done", done)
+        counter("samples_done", done)
     if not isinstance(meta.get("by_samples", False), bool):
         raise ValueError(f"by_samples is {meta['by_samples']!r}, not a bool")
     position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),

@@ -15,56 +15,14 @@ from toolz import curry
 from trainfold._version import __version__
 from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.formats import for_load
-from trainfold._src.checkpoint.manifest import read_manifest, verify
-from trainfold._src.checkpoint.root import newest_first
+from trainfold._src.checkpoint.manifest import read_manifest
+from trainfold._src.checkpoint.root import expect_path, newest_first
 from trainfold._src.checkpoint.save import position_of
 from trainfold._src.checkpoint.storage import Stored, checkpoint_at, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
 from trainfold.errors import CheckpointError, DamagedCheckpoint
-
-
-def _folder(where: str, path: Any) -> str | os.PathLike[str]:
-    if not isinstance(path, (str, os.PathLike)):
-        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
-        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
-    return path
-
-
-def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Check a checkpoint folder against its manifest and return the manifest.
-
-    The manifest must list every file the format needs, and only plain names
-    inside the folder; every file it lists (or, with ``rank``, the shared files
-    and that process's) must be a regular file (a symbolic link is refused,
-    never followed) with the recorded size and digest (XXH3-128; SHA-256 in older checkpoints).
-
-    Args:
-        path: a checkpoint folder (or its URL).
-        rank: check only the shared files and this process's; None: every file.
-        storage_options: options for the store's fsspec filesystem (a URL only).
-
-    Returns:
-        The manifest, a dict (``format``, ``step``, ``world_size``, ``files``...).
-
-    Raises:
-        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
-            manifest, a newer format, or a missing, truncated, altered or linked file (named).
-        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
-            root without a complete checkpoint).
-
-    Examples:
-        >>> import tempfile
-        >>> from trainfold import testing
-        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
-        >>> root = tempfile.mkdtemp()
-        >>> _ = save_checkpoint(ctx, root, state)
-        >>> manifest = verify_checkpoint(latest_checkpoint(root))
-        >>> manifest["step"], manifest["world_size"], sorted(manifest["files"])[:2]
-        (0, 1, ['model.safetensors', 'rank-0.json'])
-    """
-    return verify(checkpoint_at(_folder("verify_checkpoint", path), storage_options), rank=rank, version=__version__)
 
 
 @overload
@@ -130,7 +88,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    found = newest_first(_folder("load_checkpoint", path), storage_options)
+    found = newest_first(expect_path("load_checkpoint", path), storage_options)
     for n, folder in enumerate(found):
         try:
             loaded = _agreed(ctx, lambda: _load(ctx, folder, state))

@@ -2,10 +2,12 @@
 
 Owned here: the names (a checkpoint's, :data:`NAME`; its files', :func:`required_files`
 and :func:`allowed_name`), the manifest (made by :func:`manifest_bytes`, read and
-checked by :func:`read_manifest`), writing a save's files into a staging
-(:func:`write_files`) and reading them back once each, verified as they are read
-(:func:`read_verified`, :func:`verify`). Where the bytes are is a storage's
-(``storage/``); what the files contain, ``encoding.py``'s and the formats'.
+checked by :func:`read_manifest`), and reading a checkpoint's files back once each,
+verified as they are read (:func:`read_verified`, :func:`verify`). JSON and bytes
+only, no torch: the command line lists and verifies checkpoints through this module
+without importing it. Where the bytes are is a storage's (``storage/``); what the
+files contain, ``content.py``'s (writing them, tensors parsed), ``encoding.py``'s
+and the formats'.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from trainfold._src.checkpoint import digest as _digest
-from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 if TYPE_CHECKING:
@@ -79,31 +78,8 @@ def required_files(world_size: int, fmt: int = FORMAT) -> Iterator[str]:
         yield from process_files(rank, fmt)
 
 
-#: A file's content before it is written: JSON bytes, or the tensors of a safetensors file.
-Content = Union[bytes, Mapping[str, torch.Tensor]]
-
-
 def json_bytes(value: Any) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
-
-
-def chunks_of(content: Content) -> list[Any]:
-    """The buffers a file is written from: JSON bytes as they are, tensors as a safetensors file (from their own memory)."""
-    return [content] if isinstance(content, bytes) else _safetensors.encode(content)
-
-
-def write_files(staging: Staging, files: Mapping[str, Content]) -> dict[str, dict[str, Any]]:
-    """Write every file (durably, two at a time) and return their manifest entries, hashed as written."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(staging.write, name, chunks_of(content)) for name, content in files.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
-def parse_tensors(folder: object, name: str, data: Any) -> dict[str, torch.Tensor]:
-    try:
-        return _safetensors.parse(data)
-    except _safetensors.FormatError as exc:
-        raise CheckpointError(f"{folder}: file {name} is not a readable safetensors file ({exc}).") from None
 
 
 def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:

@@ -1,31 +1,25 @@
-"""A run's checkpoint root, over any storage: the names checkpoints get, their order, the lock, and the commit.
+"""A run's checkpoint root, over any storage: the checkpoints it holds, their order, and one of them by path.
 
-Owned here: :func:`checkpoint_name`, :func:`list_checkpoints` and
-:func:`latest_checkpoint` (order by the position each manifest records, only
-names trainfold writes), :func:`hold_lock` (one writer per root),
-:func:`commit` (the manifest last, the debris of crashed saves, ``keep_last``)
-and :func:`resolve` (a folder or a root, to one checkpoint). How a commit is made
-atomic and a lock exclusive is the storage's (``storage/``).
+Owned here: :func:`list_checkpoints` and :func:`latest_checkpoint` (order by the
+position each manifest records, only names trainfold writes), :func:`resolve` (a
+folder or a root, to one checkpoint) and :func:`verify_checkpoint`. Manifests and
+file digests only, no torch: the command line lists and verifies through this
+module. Writing to a root (its names, the lock, the commit, ``keep_last``) is
+``commit.py``'s; how a commit is made atomic and a lock exclusive is the storage's
+(``storage/``).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Union
-
-import torch
+from typing import Any, Mapping, Union
 
 from trainfold._version import __version__
-from trainfold._src.backend.mesh import data_layout
-from trainfold._src.backend.optim import accumulation_counter
-from trainfold._src.checkpoint.manifest import FORMAT, PREFIX, manifest_bytes, read_manifest_json, required_files
+from trainfold._src.checkpoint.manifest import PREFIX, read_manifest_json, verify
 from trainfold._src.checkpoint.storage import checkpoint_at, open_root
-from trainfold._src.checkpoint.storage.protocol import Staging, Storage, Stored
-from trainfold._src.core.context import Context
-from trainfold._src.core.state import TrainState
+from trainfold._src.checkpoint.storage.protocol import Storage, Stored
 from trainfold.errors import CheckpointError
 
 logger = logging.getLogger("trainfold")
@@ -34,129 +28,7 @@ logger = logging.getLogger("trainfold")
 CheckpointPath = Union[Path, str]
 
 
-def checkpoint_name(ctx: Context, state: TrainState) -> str:
-    """``ckpt-<update>``: named by optimizer update, the unit ``checkpoint_every(n)`` counts in.
-
-    A save in the middle of an accumulation group adds the micro-batch count
-    (``ckpt-<update>-<micro_step>``), so it never replaces the save at the update.
-    """
-    mid_group = accumulation_counter(ctx.accelerator) % ctx.gradient_accumulation_steps
-    return f"{PREFIX}{state.step:010d}" + (f"-{state.micro_step}" if mid_group else "")
-
-
-def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None, *, group: Any = None) -> Any:
-    """Run ``work`` on every process and agree on whether it failed anywhere (one all-reduce on several).
-
-    Every process then raises or goes on together: none waits forever in the next collective.
-    The all-reduce is on the control channel (a CPU group: no device sync), or on ``group``
-    (a background save's own).
-    """
-    error: BaseException | None = None
-    result = None
-    try:
-        result = work()
-    except (OSError, TypeError, ValueError, RuntimeError) as exc:
-        error = exc
-    acc = ctx.accelerator
-    failed = error is not None
-    if acc.num_processes > 1:
-        import torch.distributed as dist
-
-        flag = torch.tensor([float(failed)])
-        dist.all_reduce(flag, group=ctx.runtime.control.group() if group is None else group)
-        failed = bool(flag.item() > 0)  # sync: none, a CPU tensor
-    if not failed:
-        return result
-    cleanup()
-    if isinstance(error, OSError):
-        advice = ("Free space (or lower keep_last) and save again." if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-                  "Check that the folder (or bucket) exists and this process may write there, and save again.")
-        text = f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. {advice}"
-        raise (OSError(error.errno, text) if error.errno is not None else OSError(text)) from error
-    if error is not None:
-        raise error
-    raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
-
-
-def hold_lock(ctx: Context, storage: Storage, state: TrainState) -> None:
-    """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
-    key = storage.key
-    if ctx.runtime.holds_lock(key):
-        held = ctx.runtime.lock_for(key)
-        # a call or two on the main process: still ours (a removed lock is taken again)
-        agreed(ctx, lambda: None if held is None else held.confirm(), f"locking {storage}")
-        return
-    lock = agreed(ctx, lambda: storage.lock(state.run_id) if ctx.is_main_process else None, f"locking {storage}")
-    ctx.runtime.keep_lock(key, lock)
-
-
-def check_same_run(storage: Storage, state: TrainState) -> None:
-    """Refuse to mix two runs' checkpoints in one root (the newest would silently win on resume)."""
-    found = _ordered(storage)
-    if not found or not state.run_id:
-        return
-    latest = found[-1]
-    other = read_manifest_json(latest).get("run_id")  # any format: the run id is what matters here
-    if other and other != state.run_id:
-        raise CheckpointError(
-            f"{storage} holds checkpoints of another run (run {other}, newest {latest.name}); this run is {state.run_id}. "
-            "Use one folder per run, or resume that run with load_checkpoint(ctx, root, state) before saving."
-        )
-
-
-def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
-           *, finite: bool = True, fmt: int = FORMAT, fields: dict[str, Any] | None = None) -> None:
-    """Write the manifest (every file's entry; the other processes' files not reported are read back) and commit."""
-    world = ctx.accelerator.num_processes
-    others = [n for n in required_files(world, fmt) if n not in entries]
-    entries = {**entries, **{n: staging.digest(n) for n in others}}
-    manifest = manifest_bytes(
-        entries,
-        fmt,
-        trainfold_version=__version__,
-        torch_version=torch.__version__,
-        world_size=world,
-        data_ranks=data_layout(ctx.accelerator).size,
-        run_id=state.run_id,
-        step=state.step,
-        epoch=state.epoch,
-        micro_step=state.micro_step,
-        finite=finite,
-        **(fields or {}),
-    )
-    staging.commit(manifest)
-    storage.clean()
-    if keep_last is not None:
-        held = ctx.runtime.lock_for(storage.key)
-        if held is not None:
-            held.confirm()  # still the root's one writer: a job that stalled past its lease removes nothing
-        _prune(storage, keep_last)
-
-
-def _prune(storage: Storage, keep_last: int) -> None:
-    """Remove all but the newest ``keep_last`` checkpoints, and never the newest one of finite weights.
-
-    A run that went non-finite (a NaN on one process, no ``nan_guard``) goes on
-    writing checkpoints of NaN weights: ``keep_last`` alone would push out the
-    last one worth resuming from.
-    """
-    found = _ordered(storage)
-    finite = [c for c in found if _is_finite(c)]
-    keep = {c.name for c in found[-keep_last:]} | {c.name for c in finite[-1:]}
-    for old in found:
-        if old.name not in keep:
-            storage.remove(old.name)
-
-
-def _is_finite(stored: Stored) -> bool:
-    """What the manifest says of the weights (a checkpoint written before trainfold recorded it: finite)."""
-    try:
-        return read_manifest_json(stored).get("finite", True) is not False
-    except CheckpointError:
-        return False
-
-
-def _ordered(storage: Storage) -> list[Stored]:
+def ordered(storage: Storage) -> list[Stored]:
     """The committed checkpoints of ``storage``, oldest first by the position their manifests record; damaged ones left out."""
     found = []
     for stored in storage.checkpoints():
@@ -197,7 +69,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[s
         >>> list_checkpoints("/nonexistent")
         []
     """
-    return [c.path for c in _ordered(open_root(root, storage_options))]
+    return [c.path for c in ordered(open_root(root, storage_options))]
 
 
 def latest_checkpoint(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointPath | None:
@@ -241,9 +113,52 @@ def newest_first(path: str | os.PathLike[str], storage_options: Mapping[str, Any
     if stored.committed():
         return [stored]
     storage = open_root(path, storage_options)
-    found = _ordered(storage)
+    found = ordered(storage)
     if not found:
         if any(name.startswith(f".tmp-{PREFIX}") for name in storage.unfinished()):
             raise CheckpointError(f"{storage} holds only unfinished checkpoints (.tmp-*): no save completed.")
         raise CheckpointError(f"{storage} is neither a trainfold checkpoint nor a folder of checkpoints.")
     return found[::-1]
+
+
+def expect_path(where: str, path: Any) -> str | os.PathLike[str]:
+    """``path`` if it is a path; else the TypeError that names what ``where`` was given (None: no checkpoint found)."""
+    if not isinstance(path, (str, os.PathLike)):
+        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
+        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
+    return path
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest and return the manifest.
+
+    The manifest must list every file the format needs, and only plain names
+    inside the folder; every file it lists (or, with ``rank``, the shared files
+    and that process's) must be a regular file (a symbolic link is refused,
+    never followed) with the recorded size and digest (XXH3-128; SHA-256 in older checkpoints).
+
+    Args:
+        path: a checkpoint folder (or its URL).
+        rank: check only the shared files and this process's; None: every file.
+        storage_options: options for the store's fsspec filesystem (a URL only).
+
+    Returns:
+        The manifest, a dict (``format``, ``step``, ``world_size``, ``files``...).
+
+    Raises:
+        CheckpointError: not a checkpoint, an unreadable, oversized or incomplete
+            manifest, a newer format, or a missing, truncated, altered or linked file (named).
+        TypeError: ``path`` is not a path (``None``: what ``latest_checkpoint`` returns for a
+            root without a complete checkpoint).
+
+    Examples:
+        >>> import tempfile
+        >>> from trainfold import testing
+        >>> ctx, state, *_ = testing.tiny_setup(seed=0)
+        >>> root = tempfile.mkdtemp()
+        >>> _ = save_checkpoint(ctx, root, state)
+        >>> manifest = verify_checkpoint(latest_checkpoint(root))
+        >>> manifest["step"], manifest["world_size"], sorted(manifest["files"])[:2]
+        (0, 1, ['model.safetensors', 'rank-0.json'])
+    """
+    return verify(checkpoint_at(expect_path("verify_checkpoint", path), storage_options), rank=rank, version=__version__)

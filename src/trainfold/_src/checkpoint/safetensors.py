@@ -58,7 +58,7 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
             raise TypeError(f"cannot write tensor {name!r} of dtype {t.dtype} to a safetensors file.")
     # The data begins at an ALIGNMENT boundary of the file (the header padded with spaces, which the format allows) and
     # the tensors whose sizes are multiples of it come first: each of those lies at such a boundary of a mapped file,
-    # where torch would have allocated it, so a load keeps it as a view (base/io.aligned copies the others). Within each
+    # where torch would have allocated it, so a load keeps it as a view (codec.aligned copies the others). Within each
     # part, largest elements first, as the library does: every offset is aligned to its element size.
     order = sorted(tensors, key=lambda n: (_nbytes(tensors[n]) % ALIGNMENT != 0, -tensors[n].element_size(), n))
     header: dict[str, Any] = {}
@@ -87,7 +87,7 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
 def parse(buf: Any) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them), at the
     file's offset: what a load copies into the live model needs no more; what the run keeps goes through
-    ``base/io.aligned``.
+    ``codec.aligned``.
 
     Raises:
         FormatError: a header that is not a safetensors header, or names a dtype,

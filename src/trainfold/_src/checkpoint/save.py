@@ -5,7 +5,7 @@ be written fails before any file exists; a background save copies to host
 memory and returns), through the format chosen once for it (``formats/``:
 gathered, sharded, DeepSpeed), then writes each process's files into a staging
 place of the root's storage (``storage/``) and commits with the manifest last
-(``background.py``, ``root.py``): a crash leaves no checkpoint that looks
+(``background.py``, ``commit.py``): a crash leaves no checkpoint that looks
 complete. The main process holds the root's lock for the run's lifetime.
 Nothing here branches on the engine or knows where the bytes go. What goes
 into which file is ``encoding.py``'s; what a run state is, ``core/runstate.py``'s.
@@ -26,10 +26,10 @@ from trainfold._src.backend.streams import stream_source
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
+from trainfold._src.checkpoint.commit import agreed, check_same_run, checkpoint_name, hold_lock
+from trainfold._src.checkpoint.content import Content
 from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
-from trainfold._src.checkpoint.manifest import Content
-from trainfold._src.checkpoint.root import agreed, check_same_run, checkpoint_name, hold_lock
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context

@@ -12,10 +12,10 @@ import torch
 
 from trainfold._src.backend.optim import accumulation_counter
 from trainfold._src.base import rng as _rng
+from trainfold._src.checkpoint.commit import agreed
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import Captured, check_accumulation, loaded, to_host
 from trainfold._src.checkpoint.manifest import DEEPSPEED, MANIFEST, is_engine_file, rank_files, read_verified
-from trainfold._src.checkpoint.root import agreed
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import Resume

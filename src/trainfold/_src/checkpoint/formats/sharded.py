@@ -12,10 +12,11 @@ import torch
 from trainfold._src.backend.engine import local, unwrap
 from trainfold._src.backend.optim import inner_optimizer
 from trainfold._src.base import rng as _rng
+from trainfold._src.checkpoint.commit import agreed
+from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, saved_elsewhere, to_host
-from trainfold._src.checkpoint.manifest import SHARDED, parse_tensors, rank_files, read_verified
-from trainfold._src.checkpoint.root import agreed
+from trainfold._src.checkpoint.manifest import SHARDED, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import Resume

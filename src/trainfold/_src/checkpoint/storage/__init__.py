@@ -2,7 +2,7 @@
 
 A storage knows nothing of what the bytes are (that is a format's, and the
 manifest's); a format knows nothing of where they go. The save and load protocol
-(``checkpoint/save.py``, ``load.py``, ``root.py``) speaks to three small interfaces:
+(``checkpoint/save.py``, ``load.py``, ``commit.py``, ``root.py``) speaks to three small interfaces:
 
 - :class:`Storage`, a root of checkpoints: its lock, the checkpoints it holds,
   a place to write a new one, removing one, cleaning what crashed saves left;
