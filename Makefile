@@ -74,9 +74,10 @@ example: $(STAMP)
 
 # The documentation site (mkdocs.yml): the guides in docs/guides/, the API reference from the docstrings.
 # --strict: a broken link, a public name without its API entry, or a docstring without its sections fails the build.
+# Not --quiet: it lowers the log level below warnings, and --strict fails only on the warnings it sees.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
-	@echo "the site is in site/ (open site/index.html, or run $(VENV)/bin/mkdocs serve)"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "the site is in site/: serve it with $(VENV)/bin/python -m http.server -d site 8000 and open http://127.0.0.1:8000/ (search needs a server)"
 
 test-docs: docs
 

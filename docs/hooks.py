@@ -8,6 +8,8 @@
 - Every Sphinx role in the sources (``:func:`~trainfold.evaluate```, ``:meth:`close```, in a docstring or a
   ``#:`` comment) must name something that exists (:func:`stale_references`): a module moved or a name renamed
   leaves a reference that is a warning too.
+- Every built page is read back as a reader sees it (:func:`html_problems`): markup shown as text, a Returns
+  section cut into rows, overloads, a link to an anchor that does not exist are warnings too.
   ``tests/test_docs.py`` runs the same checks in the in-process tests.
 """
 
@@ -198,14 +200,14 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
     return text
 
 
-_ROLE = re.compile(r":(?:func|class|attr|meth|mod|data):<code>(~?)([\w.]+)</code>")
+_ROLE = re.compile(r":(?:func|class|attr|meth|mod|data|exc|obj):<code>(~?)([\w.]+)</code>")
 
 
-def on_page_content(html: str, page: Any, **_: Any) -> str:
+def on_page_content(html: str, page: Any, files: Any, **_: Any) -> str:
     """The docstrings' Sphinx roles (``:func:`~trainfold.evaluate```, kept for ``help()``) as links to the API entries
     of the public names they name, and as plain code otherwise."""
     entries = _ENTRIES
-    here = page.url.rstrip("/") or "."  # directory URLs: api/steps/ is the folder api/steps
+    here = posixpath.dirname(page.url) or "."  # api/steps.html is in api/ (api/steps/ in api/steps, with directory URLs)
 
     def link(match: re.Match[str]) -> str:
         short, target = match.group(1), match.group(2)
@@ -216,7 +218,57 @@ def on_page_content(html: str, page: Any, **_: Any) -> str:
         if public is None:
             return f"<code>{text}</code>"
         anchor = "trainfold." + ".".join(names)
-        href = posixpath.relpath(f"api/{entries[public][:-3]}", here) + f"/#{anchor}"
+        href = posixpath.relpath(files.get_file_from_path(f"api/{entries[public]}").url, here) + f"#{anchor}"
         return f'<a href="{href}"><code>{text}</code></a>'
 
     return _ROLE.sub(link, html)
+
+
+# --- the built pages, as a reader sees them -------------------------------------------------
+
+_ID = re.compile(r'\bid="([^"]+)"')
+_HREF = re.compile(r'\bhref="([^"#:]*)#([^"]+)"')  # a link inside the site (no scheme) to an anchor
+_RETURNS = re.compile(r'doc-section-title">Returns:</span>(.*?)</table>', re.S)
+#: what a docstring's markup leaves when the site does not understand it
+_RAW = (
+    (re.compile(r"::</p>"), "a reST '::' shown as text (end the sentence with ':' and indent the block)"),
+    (re.compile(r"(?<![\w-])(?:func|class|meth|attr|data|exc|mod|obj):<code>|:(?:func|class|meth|attr|data|exc|mod|obj):`"),
+     "a Sphinx role shown as text"),
+    (re.compile(r'class="doc-overloads'), "a function's overloads shown as signatures of their own"),
+)
+
+
+def _where(html: str, at: int) -> str:
+    """The API entry (``trainfold.NAME``) or section heading the text at ``at`` is under."""
+    heads = re.findall(r'<h[1-6] id="([^"]+)"', html[:at])
+    return heads[-1] if heads else "the page's top"
+
+
+def html_problems(site: Path) -> list[str]:
+    """What the built site shows wrong, page by page: reST and Sphinx markup left as text, a Returns section cut into a
+    row per line, overloads as signatures, and a link to an anchor its page does not have (a renamed field, a moved
+    entry)."""
+    pages = {p.relative_to(site).as_posix(): p.read_text() for p in sorted(site.rglob("*.html"))}
+    ids = {name: set(_ID.findall(html)) for name, html in pages.items()}
+    problems = []
+    for name, html in pages.items():
+        if name == "404.html":
+            continue
+        for pattern, what in _RAW:
+            problems += [f"{name}: {what}, under {_where(html, m.start())}" for m in pattern.finditer(html)]
+        for m in _RETURNS.finditer(html):
+            if m.group(1).count('class="doc-section-item"') > 1:
+                problems.append(f"{name}: a Returns section shown as several values, under {_where(html, m.start())}")
+        for m in _HREF.finditer(html):
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(name), m.group(1))) if m.group(1) else name
+            target = target if target in ids else f"{target}/index.html" if f"{target}/index.html" in ids else target
+            if target not in ids:
+                problems.append(f"{name}: a link to {target}#{m.group(2)}, a page the site does not have, under {_where(html, m.start())}")
+            elif m.group(2) not in ids[target]:
+                problems.append(f"{name}: a link to {target}#{m.group(2)}, which is no anchor there, under {_where(html, m.start())}")
+    return problems
+
+
+def on_post_build(config: Any) -> None:
+    for problem in html_problems(Path(config.site_dir)):
+        log.warning("built page: %s", problem)

@@ -142,3 +142,46 @@ def test_a_public_docstring_that_sends_the_reader_into_the_implementation_is_a_p
         "Thing: its docstring sends the reader into the implementation (trainfold._src)",
         "Thing.go: its docstring sends the reader into the implementation (trainfold._src)",
     ]
+
+
+def test_the_built_pages_are_read_back_and_each_thing_a_reader_would_see_wrong_is_named(tmp_path):
+    """A planted site of two pages: a reST '::', a Sphinx role whose first colon a Returns section ate, a Returns
+    section cut into a row per line, overloads as signatures, a link to a field with no anchor and one to a page the
+    site lacks are each named with the entry they are under; the good links (same page, another page, a folder's
+    index with directory URLs) are not."""
+    api = tmp_path / "api"
+    (api / "folder").mkdir(parents=True)
+    (api / "folder" / "index.html").write_text('<h2 id="trainfold.Folder">Folder</h2>')
+    (api / "state.html").write_text('<h2 id="trainfold.TrainState">TrainState</h2><h3 id="trainfold.TrainState.step">step</h3>')
+    returns = ('<span class="doc-section-title">Returns:</span><table><tr class="doc-section-item"><td>TrainState</td></tr>'
+               '<tr class="doc-section-item"><td>TrainState</td></tr></table>')
+    (api / "epochs.html").write_text(
+        '<h2 id="trainfold.run_epoch">run_epoch</h2><div class="doc-overloads"></div><p>Per epoch::</p>' + returns
+        + '<h2 id="trainfold.max_steps">max_steps</h2><p>class:<code>Stop</code>: see '
+        '<a href="state.html#trainfold.TrainState.final_stop">final_stop</a>, <a href="state.html#trainfold.TrainState.step">step</a>, '
+        '<a href="#trainfold.run_epoch">run_epoch</a>, <a href="folder/#trainfold.Folder">Folder</a>, <a href="gone.html#trainfold.x">x</a></p>')
+    (tmp_path / "404.html").write_text("<p>::</p>")  # the not-found page is not a reader's page
+
+    assert hooks.html_problems(tmp_path) == [
+        "api/epochs.html: a reST '::' shown as text (end the sentence with ':' and indent the block), under trainfold.run_epoch",
+        "api/epochs.html: a Sphinx role shown as text, under trainfold.max_steps",
+        "api/epochs.html: a function's overloads shown as signatures of their own, under trainfold.run_epoch",
+        "api/epochs.html: a Returns section shown as several values, under trainfold.run_epoch",
+        "api/epochs.html: a link to api/state.html#trainfold.TrainState.final_stop, which is no anchor there, under trainfold.max_steps",
+        "api/epochs.html: a link to api/gone.html#trainfold.x, a page the site does not have, under trainfold.max_steps",
+    ]
+    (api / "epochs.html").write_text('<h2 id="trainfold.run_epoch">run_epoch</h2><p>Per epoch:</p><pre><code>for batch in loader</code></pre>')
+    assert hooks.html_problems(tmp_path) == []
+
+
+def test_every_field_of_the_train_state_has_a_docstring_of_its_own_so_the_site_gives_it_an_anchor():
+    """mkdocstrings renders a member, with its anchor (``trainfold.TrainState.stop``), only when it has a docstring:
+    each field's is read as the site reads it (griffe, from the source), and the class's own docstring names each."""
+    import attrs
+    import griffe
+
+    state = griffe.load("trainfold._src.core.state", search_paths=[str(ROOT / "src")])["TrainState"]
+
+    for field in attrs.fields(trainfold.TrainState):
+        assert state.members[field.name].docstring is not None, field.name
+        assert f"``{field.name}``" in trainfold.TrainState.__doc__, field.name

@@ -1,6 +1,6 @@
 """Helpers for users who unit-test their steps: tiny seeded fixtures, isolation, sync counting.
 
-Example test file::
+Example test file:
 
     from trainfold import make_step, testing
 
@@ -69,7 +69,7 @@ def isolated_accelerate() -> Iterator[None]:
     that build Accelerators with different settings must be isolated. The handlers
     of SIGINT and SIGTERM are put back too: a Context installs its own for its life,
     and a test rarely closes its Context. As a
-    pytest fixture::
+    pytest fixture:
 
         @pytest.fixture(autouse=True)
         def isolated():

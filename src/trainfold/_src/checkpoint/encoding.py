@@ -1,6 +1,6 @@
 """The checkpoint format: which part of a run state goes into which file, and the manifest that vouches for them.
 
-A checkpoint is a folder holding::
+A checkpoint is a folder holding:
 
     MANIFEST.json          format, versions, world size, position; size and digest (XXH3-128) of every file
     state.json             the TrainState's values, optimizer/scheduler/scaler structure, Accelerate's counter

@@ -124,7 +124,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     composed after the loop (unless this root holds it already): the normal end
     of the run, a stop agreed during an evaluation or between epochs, and what
     the epoch functions after a budget's stop recorded. Starting a finished job
-    again trains and saves nothing::
+    again trains and saves nothing:
 
         saving = checkpoint_every(ctx, root, 100)
         train = loop(compose(log_epoch(ctx), run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
@@ -148,7 +148,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         storage_options: options for the store's fsspec filesystem (a URL root only).
 
     Returns:
-        A :class:`CheckpointEvery`: a step transformer, with :meth:`~CheckpointEvery.at_end` for the run's end.
+        The step transformer, a :class:`CheckpointEvery`, with :meth:`~CheckpointEvery.at_end` for the run's end.
 
     Raises:
         ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.

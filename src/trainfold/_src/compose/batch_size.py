@@ -107,7 +107,7 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
         policy: ``"keep_global_batch"`` (the default) or ``"halve"`` (Accelerate's).
 
     Returns:
-        A :class:`BatchSizeFound`: what the first attempt that fitted returned (``result``), and the
+        What the first attempt that fitted returned (``result``), in a :class:`BatchSizeFound` with the
         Context (``ctx``: continue on it), batch size and accumulation steps it ran with.
 
     Raises:

@@ -46,7 +46,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = None) -> TrainState:
     """Train for one epoch: fold ``step`` over ``loader``.
 
-    Per epoch::
+    Per epoch:
 
         model.train(); optimizer.train()       # the latter where it has modes (schedule-free)
         for batch in loader:                   # to exhaustion, as a plain for loop

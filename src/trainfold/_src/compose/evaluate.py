@@ -54,7 +54,7 @@ def evaluate(
 
     Per batch, in eval mode under ``torch.no_grad()`` (the model's training
     mode is restored after; an optimizer with modes, schedule-free's, is put in
-    eval mode too when ``state.model`` is evaluated, and back)::
+    eval mode too when ``state.model`` is evaluated, and back):
 
         n = real samples in the batch (padding of the last round excluded)
         loss, aux = loss_fn(model, batch[:n])

@@ -52,7 +52,7 @@ def fit(
 ) -> TrainState:
     """Train for up to ``max_epochs``: evaluate, stop early and checkpoint each epoch, as asked.
 
-    It is exactly this composition (read bottom-up), and nothing more::
+    It is exactly this composition (read bottom-up), and nothing more:
 
         step = progress_bar(log_every(compose(*transforms)(make_step(ctx, loss_fn, clip..., stages=stages))))
         epoch = compose(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last),

@@ -106,7 +106,7 @@ def warn_if_recorded_before_training(where: str, epoch_fn: EpochFn, before: Trai
 def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) -> EpochFn:
     """Run ``epoch_fn`` until ``state.epoch`` reaches ``max_epochs`` or ``state.should_stop`` is set.
 
-    ::
+    In outline:
 
         while not state.should_stop and state.epoch < max_epochs:
             stop if a signal arrived since the last check (agreed by every process)

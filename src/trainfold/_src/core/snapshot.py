@@ -31,7 +31,7 @@ def snapshot(state: TrainState) -> Snapshot:
         state: the state to copy.
 
     Returns:
-        A :class:`Snapshot`, detached from the live objects.
+        The run's moment as a :class:`Snapshot`, detached from the live objects.
 
     Raises:
         TypeError: ``state`` is not a TrainState.

@@ -1,7 +1,7 @@
 """The stages of ``make_step``: what acts on a micro-batch between backward and the optimizer update.
 
 A step is a fixed pipeline, chosen once when ``make_step`` builds it, the way
-optax chains gradient transformations::
+optax chains gradient transformations:
 
     loss, aux = loss_fn(model, batch); backward(loss)
     for each stage: stage.on_batch(mb)           # every micro-batch

@@ -81,37 +81,10 @@ class TrainState:
     is still the old count, but ``old.model is new.model``. Use
     :func:`~trainfold.snapshot` for a detached copy.
 
-    Counters:
-        step: optimizer updates performed (not micro-batches; an update that a
-            mixed-precision gradient scaler skipped for overflow is not counted).
-        micro_step: batches consumed by the step function in the whole run.
-        epoch: completed epochs.
-        batch_in_epoch: batches consumed in the current epoch (the position to
-            resume from).
-
-    Records:
-        sums: the :class:`~trainfold.RunningSums` of the current epoch's
-            batch losses and aux values, kept on the device (never synchronised by
-            a step); divided by ``batch_in_epoch`` they are the epoch's running
-            means. ``loss_sum`` and ``aux_sums`` read them.
-        history: epoch-level :class:`~trainfold.History` of train and eval metrics.
-        stop: None while the run goes on; a :class:`~trainfold.Stop` (its reason, whether it
-            is final, whether the run is finished) once something decided to end this
-            invocation: ``run_epoch``, ``loop`` and the other combinators stop when it is set
-            (by ``max_steps``, ``early_stop``, ``nan_guard``, a signal, or your code:
-            :meth:`with_stop`). :attr:`should_stop` reads it.
-        end_of_epoch: end the current epoch after this batch, as if the loader had
-            ended (``stop_when(..., end="epoch")`` sets it): ``run_epoch`` records the
-            epoch and clears the flag; training goes on with the next epoch.
-        extras: named states of step transformers and epoch functions
-            (``extras["nan_guard"]``...), a read-only mapping.
-
-    Position:
-        cursor: a handle to the epoch being iterated (set by ``run_epoch``; between
-            epochs it keeps only the loader, whose generators a checkpoint records),
-            or what ``load_checkpoint`` found to resume it; None before the first epoch.
-        run_id: a random id given by ``create`` and kept by checkpoints, so that
-            two runs never write into one checkpoint folder.
+    Its fields (each with an entry in the API reference and a docstring where it is declared): the handles (``model``, ``optimizer``,
+    ``scheduler``, ``accelerator``); the counters (``step``, ``micro_step``,
+    ``epoch``, ``batch_in_epoch``); the records (``sums``, ``history``, ``stop``,
+    ``end_of_epoch``, ``extras``); the position (``cursor``, ``run_id``).
 
     Subclass only to add fields (as flax's TrainState allows).
 
@@ -126,20 +99,44 @@ class TrainState:
     """
 
     model: torch.nn.Module = _handle()
+    """The prepared model: a handle, updated in place by each update."""
     optimizer: torch.optim.Optimizer = _handle()
+    """The prepared optimizer: a handle."""
     scheduler: Any = _handle()
+    """The prepared learning-rate scheduler, or None: a handle."""
     accelerator: Accelerator = _handle()
+    """The run's Accelerator (the Context's)."""
     step: int = 0
+    """Optimizer updates performed (not micro-batches; an update that a mixed-precision gradient scaler skipped
+    for overflow is not counted)."""
     micro_step: int = 0
+    """Batches consumed by the step function in the whole run."""
     epoch: int = 0
+    """Completed epochs."""
     batch_in_epoch: int = 0
+    """Batches consumed in the current epoch (the position to resume from)."""
     sums: RunningSums = attrs.field(factory=RunningSums, eq=False, repr=False)
+    """The :class:`~trainfold.RunningSums` of the current epoch's batch losses and aux values, kept on the device
+    (never synchronised by a step); divided by ``batch_in_epoch`` they are the epoch's running means.
+    :attr:`loss_sum` and :attr:`aux_sums` read them."""
     history: History = History()
+    """The epoch-level :class:`~trainfold.History` of train and eval metrics."""
     stop: Stop | None = None
+    """None while the run goes on; a :class:`~trainfold.Stop` (its reason, whether it is final, whether the run is
+    finished) once something decided to end this invocation: ``run_epoch``, ``loop`` and the other combinators
+    stop when it is set (by ``max_steps``, ``early_stop``, ``nan_guard``, a signal, or your code: :meth:`with_stop`).
+    :attr:`should_stop` reads it."""
     end_of_epoch: bool = False
+    """End the current epoch after this batch, as if the loader had ended (``stop_when(..., end="epoch")`` sets
+    it): ``run_epoch`` records the epoch and clears the flag; training goes on with the next epoch."""
     extras: Mapping[str, Any] = _EMPTY
+    """Named states of step transformers and epoch functions (``extras["nan_guard"]``...), a read-only mapping."""
     cursor: EpochCursor | Resume | None = attrs.field(default=None, repr=False, eq=False)
+    """A handle to the epoch being iterated (set by ``run_epoch``; between epochs it keeps only the loader, whose
+    generators a checkpoint records), or what ``load_checkpoint`` found to resume it; None before the first epoch."""
     run_id: str = attrs.field(default="", repr=False, eq=False)
+    """A random id given by :meth:`create` and kept by checkpoints, so that two runs never write into one
+    checkpoint folder."""
 
     @classmethod
     def create(

@@ -98,7 +98,7 @@ def make_step(
 ) -> Step:
     """Build a training step ``(state, batch) -> state``.
 
-    Per batch, exactly what Accelerate's canonical loop does::
+    Per batch, exactly what Accelerate's canonical loop does:
 
         with accelerator.accumulate(model):          # accumulation, no_sync under DDP
             loss, aux = loss_fn(model, batch)        # model forward under autocast

@@ -129,7 +129,7 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         TimeoutError: the ranks did not start within ``STARTUP_S`` seconds, or did not
             finish within ``timeout`` seconds of starting.
 
-    Example (``fn`` must be importable, so it lives in a module)::
+    Example (``fn`` must be importable, so it lives in a module):
 
         # my_tests.py
         def per_rank():
