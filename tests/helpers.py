@@ -27,6 +27,14 @@ from trainfold import testing
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+def scaled(seconds: float) -> float:
+    """A hang-guard of ``seconds`` on a quiet machine, stretched by the machine's load now (the 1-minute load average
+    per core, as ``run_distributed`` stretches its own): a busy machine waits longer rather than failing a correct run."""
+    from trainfold._src.distributed.launch import load_factor
+
+    return seconds * load_factor()
+
+
 def classification_data(n: int = 50, features: int = 8, classes: int = 3, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)
@@ -255,7 +263,7 @@ def each_fresh(*runs):
 
 def _wait_until_listening(proc, port: int, what: str) -> None:
     """Wait for the event: the server ``proc`` accepts a connection on 127.0.0.1:``port`` (at most 120 s, or until it exits)."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -283,7 +291,7 @@ ctx.close()
 def second_job(root: str, options: dict[str, Any]) -> str:
     """Another job, in its own process, continuing the run at ``root`` on a store: "saved", or "refused <why>"."""
     code = _SECOND_JOB.replace("{options}", repr(options))
-    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=600).stdout.strip()
+    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=scaled(600)).stdout.strip()
 
 
 @contextlib.contextmanager
@@ -306,7 +314,7 @@ def moto_server(env: dict[str, str] | None = None, log: Path | None = None):
         yield server
     finally:
         proc.kill()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
         if log is not None:
             out.close()
 
@@ -389,7 +397,7 @@ def azurite_server(folder):
                           f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
     finally:
         proc.kill()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 @attrs.frozen
@@ -423,10 +431,10 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
         lines = [proc.stdout.readline() for _ in range(processes)]
         if not all(line.startswith("ready") for line in lines):
             proc.kill()
-            _, err = proc.communicate(timeout=30)
+            _, err = proc.communicate(timeout=scaled(30))
             raise AssertionError(f"the job did not start: {lines}\n{err[-3000:]}")
         pids = [int(line.split()[1]) for line in lines]
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + scaled(600)
         while newest() == before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)  # training: the first new checkpoint is the event the kill counts from
         time.sleep(delay)
@@ -435,7 +443,7 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
                 kill()
             except ProcessLookupError:  # it had ended already
                 pass
-        proc.communicate(timeout=30)
+        proc.communicate(timeout=scaled(30))
     return proc.returncode
 
 

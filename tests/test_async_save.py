@@ -87,7 +87,7 @@ def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoi
     script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
     root = tmp_path / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
 
     assert -signal.SIGKILL == proc.returncode, proc.stderr[-2000:]
     assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -119,7 +119,7 @@ def test_a_background_save_in_flight_when_the_script_ends_is_committed(tmp_path)
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     for attempt in range(4):  # a race: one run could pass by luck
         root = tmp_path / f"ckpts{attempt}"
-        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
 
         assert 0 == proc.returncode, proc.stderr[-2000:]
         assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -133,7 +133,7 @@ def test_a_background_save_that_fails_after_the_script_ended_exits_non_zero(smal
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     root = small_disk / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=helpers.scaled(600))
 
     assert "returned" in proc.stdout
     assert 1 == proc.returncode
@@ -230,7 +230,7 @@ def test_the_run_end_save_returns_only_once_its_background_checkpoint_is_committ
 
     def held(ctx, job, group=None):
         writing.set()
-        release.wait(timeout=300)  # a hang-guard only: the test releases it
+        release.wait(timeout=helpers.scaled(300))  # a hang-guard only: the test releases it
         return commit(ctx, job, group)
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
@@ -242,11 +242,11 @@ def test_the_run_end_save_returns_only_once_its_background_checkpoint_is_committ
     returned = []
     runner = threading.Thread(target=lambda: returned.append(saving.at_end(loop(run_epoch(ctx, step, loader), max_epochs=2)(state))))
     runner.start()
-    assert writing.wait(timeout=300)  # the event: the run-end save is being written
+    assert writing.wait(timeout=helpers.scaled(300))  # the event: the run-end save is being written
     runner.join(timeout=1.0)
     assert runner.is_alive() and not returned  # still waiting for the commit
     release.set()
-    runner.join(timeout=300)
+    runner.join(timeout=helpers.scaled(300))
     final = returned[0]
     assert f"ckpt-{final.step:010d}" == latest_checkpoint(tmp_path).name  # committed when the loop returned
     ctx.close()

@@ -6,6 +6,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+import helpers
+
 from trainfold import Context, TrainState, constant, evaluate, load_checkpoint, make_step, predict, run_epoch, save_checkpoint, testing, warmup_cosine, warmup_linear
 
 
@@ -338,7 +340,7 @@ def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path)
     from trainfold import latest_checkpoint, list_checkpoints, verify_checkpoint
 
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(tmp_path / "out"), "--disk-full-after-first-save"],
-                            capture_output=True, text=True, timeout=600, env=ENV)
+                            capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
 
     assert 3 == result.returncode, result.stderr[-2000:]
     assert "save failed: OSError" in result.stdout
@@ -352,7 +354,7 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_e
 
     from trainfold import list_checkpoints
 
-    clean = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(tmp_path / "clean.st")], capture_output=True, text=True, timeout=600, env=ENV)
+    clean = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(tmp_path / "clean.st")], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
     assert 0 == clean.returncode, clean.stderr[-2000:]
 
     root = tmp_path / "interrupted"
@@ -360,13 +362,13 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_e
         assert "ready" == proc.stdout.readline().strip()
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=helpers.scaled(60))
     assert 130 == proc.returncode, err[-2000:]
     assert "interrupted at update" in out
     assert 1 == len(list_checkpoints(root))
     assert [".trainfold.lock"] == [p.name for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written
 
-    resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=600, env=ENV)
+    resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
     assert 0 == resumed.returncode, resumed.stderr[-2000:]
     testing.assert_params_equal(load_file(str(tmp_path / "clean.st")), load_file(str(tmp_path / "resumed.st")))
 
@@ -428,7 +430,7 @@ def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path
     script = tmp_path / "two_copies.py"
     script.write_text(_TWO_COPIES)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+                          capture_output=True, text=True, timeout=helpers.scaled(600), env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
 
     assert 0 != proc.returncode
     assert "the launcher started 2 processes (WORLD_SIZE=2), but this Accelerator runs 1 process" in proc.stderr

@@ -105,7 +105,7 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_pa
             save_checkpoint(ctx, root, state)
     finally:
         holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+        holder.wait(timeout=helpers.scaled(30))
         holder.stdout.close()
 
     save_checkpoint(ctx, root, load_checkpoint(ctx, root, state))  # the dead writer's lock is taken over
@@ -127,7 +127,7 @@ _PROBE = textwrap.dedent("""
 
 def _second_copy(root):
     """What a requeued copy of the job finds: 'taken' or 'refused <why>'."""
-    return subprocess.run([sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=600).stdout.strip()
+    return subprocess.run([sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=helpers.scaled(600)).stdout.strip()
 
 
 def _state_for(ctx):

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import helpers
+
 from trainfold import cli, latest_checkpoint, make_step, max_steps, run_epoch, save_checkpoint, testing
 
 
@@ -105,7 +107,7 @@ def test_inspect_of_a_damaged_state_refuses_with_status_2(root, capsys):
 
 @pytest.mark.multiprocess
 def test_python_dash_m_trainfold_runs_the_same_command_line(root):
-    done = subprocess.run([sys.executable, "-m", "trainfold", "ls", str(root)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "trainfold", "ls", str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
     assert 0 == done.returncode, done.stderr
     assert "* ckpt-0000000006" in done.stdout
 
@@ -272,12 +274,12 @@ def test_an_export_stopped_by_a_signal_while_it_writes_leaves_nothing(signum, tm
     out_dir.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "trainfold", "export", str(ckpt), str(out_dir / "model.safetensors")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300  # a hang-guard, not a wait
+    deadline = time.monotonic() + helpers.scaled(300)  # a hang-guard, not a wait
     while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
     assert proc.poll() is None, f"the export ended before the signal could land in its write: {proc.communicate()}"
     proc.send_signal(getattr(signal, signum))
-    proc.communicate(timeout=120)
+    proc.communicate(timeout=helpers.scaled(120))
     assert 0 != proc.returncode
     assert [] == list(out_dir.iterdir())
 
@@ -398,7 +400,7 @@ def test_help_and_a_usage_error_answer_without_importing_torch():
              "    except SystemExit as exc:\n"
              "        print('exit', exc.code)\n"
              "print(sorted(m for m in ('torch', 'accelerate', 'trainfold._src') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=helpers.scaled(120), check=True).stdout
 
     assert out.splitlines()[-3:] == ["exit 0", "exit 2", "[]"]
 
@@ -410,7 +412,7 @@ def test_ls_verify_and_inspect_of_a_local_root_answer_without_importing_torch(ro
     probe = ("import sys, trainfold.cli\n"
              "code = trainfold.cli.main(sys.argv[1:])\n"
              "print(code, sorted(m for m in ('torch', 'accelerate', 'numpy') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe, *argv, str(root)], capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", probe, *argv, str(root)], capture_output=True, text=True, timeout=helpers.scaled(120), check=True).stdout
 
     assert out.splitlines()[-1] == "0 []"
     assert ("ckpt-0000000006" in out) and ("verified" in out if argv[0] == "ls" else True)

@@ -409,7 +409,7 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model
 
     got = checkpoint_weights(tmp_path / "root")
     written = export_checkpoint(tmp_path / "root", tmp_path / "model.safetensors")
-    cli = subprocess.run([sys.executable, "-m", "trainfold", "diff", str(written), str(tmp_path / "root")], capture_output=True, text=True, timeout=300)
+    cli = subprocess.run([sys.executable, "-m", "trainfold", "diff", str(written), str(tmp_path / "root")], capture_output=True, text=True, timeout=helpers.scaled(300))
 
     assert sorted(got) == sorted(want)
     testing.assert_params_equal(want, got)
@@ -418,7 +418,7 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model
 
 def test_the_command_line_lists_verifies_and_inspects_a_deepspeed_checkpoint(tmp_path):
     testing.run_distributed(_train_and_save, 3, str(tmp_path / "root"), 1, nprocs=2)
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", *argv, "--json"], capture_output=True, text=True, timeout=300)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", *argv, "--json"], capture_output=True, text=True, timeout=helpers.scaled(300))
 
     listed, verified, inspected = run("ls", str(tmp_path / "root")), run("verify", str(tmp_path / "root")), run("inspect", str(tmp_path / "root"))
 

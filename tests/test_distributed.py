@@ -108,7 +108,7 @@ def test_digits_example_under_torchrun_on_two_cpu_processes():
     """The same script runs unchanged under torchrun and ends cleanly."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(testing.free_port()),
            str(ROOT / "examples" / "digits.py"), "--smoke", "--cpu"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=_env())
 
     assert 0 == result.returncode, result.stderr[-3000:]
     assert 1 == result.stdout.count("test accuracy")  # printed by the main process only
@@ -118,7 +118,7 @@ def test_digits_example_under_torchrun_on_two_cpu_processes():
 def test_digits_example_under_accelerate_launch_with_the_readme_config():
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ROOT / "examples" / "launch" / "cpu_2proc.yaml"),
            "--main_process_port", str(testing.free_port()), str(ROOT / "examples" / "digits.py"), "--smoke", "--cpu"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=_env())
 
     assert 0 == result.returncode, result.stderr[-3000:]
     assert "on 360 samples after 24 updates on 2 process(es)" in result.stdout
@@ -127,7 +127,7 @@ def test_digits_example_under_accelerate_launch_with_the_readme_config():
 @pytest.mark.parametrize("launcher", ["debug", "notebook"])
 def test_the_same_loop_under_accelerates_python_launchers(launcher):
     cmd = [sys.executable, str(ROOT / "tests" / "scripts" / "launchers.py"), launcher, str(testing.free_port())]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=_env())
 
     assert 0 == result.returncode, result.stderr[-3000:]
     assert "processes 2 steps 5 eval_loss" in result.stdout

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -23,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 )
 def test_example_runs_in_smoke_mode(script, expect):
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--smoke"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(EXAMPLES / script), "--smoke"], capture_output=True, text=True, timeout=helpers.scaled(300)
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]
@@ -33,7 +35,7 @@ def test_example_runs_in_smoke_mode(script, expect):
 def test_the_copyable_test_file_passes():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_my_training.py")],
-        capture_output=True, text=True, timeout=300, cwd=EXAMPLES,
+        capture_output=True, text=True, timeout=helpers.scaled(300), cwd=EXAMPLES,
     )
 
     assert 0 == result.returncode, result.stdout[-3000:]
@@ -46,7 +48,7 @@ def test_the_benchmark_ab_script_compares_two_versions_in_one_process():
     result = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "ab.py"), "HEAD", str(root),
          "--configs", "plain", "--processes", "1", "--rounds", "1", "--optimizer", "adamw"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=helpers.scaled(300),
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 from trainfold.testing import free_port
 
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
@@ -26,7 +28,7 @@ def _run(root, *extra):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                str(SCRIPT), str(root), *extra]
     try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=90, env=ENV)
+        return subprocess.run(command, capture_output=True, text=True, timeout=helpers.scaled(90), env=ENV)
     except subprocess.TimeoutExpired as exc:  # the hang this guards against: fail, with what it printed
         pytest.fail(f"the run did not exit within 90 s:\n{(exc.stdout or b'')[-2000:]!r}\n{(exc.stderr or b'')[-3000:]!r}")
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+import helpers
+
 from trainfold import CheckpointError, Context, TrainState, export_checkpoint, make_step, max_steps, run_epoch, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +71,7 @@ def test_a_config_of_another_model_is_refused_naming_the_shapes_and_nothing_is_w
 
 def test_the_command_writes_the_folder_and_refuses_a_folder_without_config_in_one_line(trained):
     tmp, _ = trained
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=300)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=helpers.scaled(300))
 
     done = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"), "--json")
     again = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"))

@@ -21,7 +21,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run_to_end(root, out):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out)], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out))
 
@@ -31,7 +31,7 @@ def _run_and_kill(root, out, delay):
         ready = proc.stdout.readline().strip()
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=helpers.scaled(30))
     assert ready.startswith("ready"), err[-3000:]
     return proc.returncode
 
@@ -59,7 +59,7 @@ def _torchrun(root, out, *extra):
 
 
 def _fsdp2_to_end(root, out, *extra):
-    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=600, env=ENV)
+    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out))
 

@@ -109,7 +109,7 @@ def test_fsspecs_own_configuration_reaches_the_store_without_storage_options(ser
         "ctx.close()\n"
     )
     env = {**os.environ, **server.env()}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env, cwd=tmp_path)
     assert 0 == result.returncode, result.stderr[-3000:]
     assert f"0 {root}/ckpt-0000000000" == result.stdout.strip()
 
@@ -123,7 +123,7 @@ def test_the_command_line_lists_verifies_inspects_exports_and_diffs_a_root_on_s3
     env = {**os.environ, **s3_env(options)}
 
     def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "trainfold", *argv], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+        return subprocess.run([sys.executable, "-m", "trainfold", *argv], capture_output=True, text=True, timeout=helpers.scaled(600), env=env, cwd=tmp_path)
 
     listed, verified, inspected = cli("ls", root, "--json"), cli("verify", root), cli("inspect", root, "--json")
     exported = cli("export", root, str(tmp_path / "model.safetensors"))
@@ -322,7 +322,7 @@ def test_a_live_owner_whose_renewals_stopped_loses_the_lock_and_commits_nothing_
         with pytest.raises(CheckpointError, match="no longer holds the root's lock.*another job took it over"):
             save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
     finally:
-        copy.communicate("", timeout=120)  # stdin closed: the copy ends and gives the lock up
+        copy.communicate("", timeout=helpers.scaled(120))  # stdin closed: the copy ends and gives the lock up
     ctx.close()
     checkpoints = list_checkpoints(root, storage_options=options)
     assert [f"{root}/ckpt-0000000004"] == checkpoints  # the copy saved the same position again, whole
@@ -397,7 +397,7 @@ def test_missing_credentials_are_an_error_that_names_the_fix(server, tmp_path):
             f"save_checkpoint(ctx, 's3://creds/run', state, storage_options={{'endpoint_url': {server.endpoint!r}}})\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env)
     assert 0 != result.returncode
     assert "credentials" in result.stderr.splitlines()[-1].lower()
 
@@ -407,7 +407,7 @@ def test_without_fsspec_a_url_root_names_the_extra_to_install():
             "from trainfold import testing, checkpoint_every\n"
             "ctx, *_ = testing.tiny_setup(seed=0)\n"
             "try:\n    checkpoint_every(ctx, 's3://bucket/run', 1)\nexcept ImportError as exc:\n    print(exc)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600))
     assert "pip install 'trainfold[s3]'" in result.stdout, result.stderr[-2000:]
 
 

@@ -96,7 +96,7 @@ def test_memory_is_flat_over_20000_steps_with_transformers_on():
     from pathlib import Path
 
     code = "import test_performance as t; print(t._growth_over_20000_steps_kb())"
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=helpers.scaled(300))
 
     assert 0 == done.returncode, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) < 1024

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +63,7 @@ def test_the_readme_and_the_guides_run_in_order_as_written(tmp_path):
     (tmp_path / "run_docs.py").write_text(_RUNNER)
     files = [README, *(g for g in guides_in_site_order() if g.name not in APART)]
 
-    done = subprocess.run([sys.executable, "run_docs.py", *map(str, files)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "run_docs.py", *map(str, files)], cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
 
     assert 0 == done.returncode, done.stdout[-2000:] + done.stderr[-4000:]
     ran = int(done.stdout.rsplit("all snippets ran", 1)[1])
@@ -72,7 +74,7 @@ def test_each_snippet_of_the_embedding_guide_runs_on_its_own(tmp_path):
     for i, block in enumerate(_blocks(GUIDES / "embedding.md")):
         script = tmp_path / f"snippet{i}.py"
         script.write_text(block)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
         assert 0 == done.returncode, f"docs/guides/embedding.md snippet {i + 1}:\n{done.stderr[-3000:]}"
 
 
@@ -84,7 +86,7 @@ def test_the_testing_guide_is_a_test_file_that_passes_with_the_plugin_trainfold_
     expected = sum(block.count("\ndef test_") + block.startswith("def test_") for block in blocks)
 
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
 
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert expected >= 2 and f"{expected} passed" in done.stdout

@@ -31,7 +31,7 @@ def _cmd(root, out, processes, extra):
 
 
 def _to_end(root, out, processes, extra):
-    result = subprocess.run(_cmd(root, out, processes, extra), capture_output=True, text=True, timeout=300, env=ENV)
+    result = subprocess.run(_cmd(root, out, processes, extra), capture_output=True, text=True, timeout=helpers.scaled(300), env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out / "params.safetensors"))
 
