@@ -1,7 +1,8 @@
 """SIGKILL a run over a stream at random moments and resume it each time: every sample is trained once, in the order
 of an uninterrupted run, and the end is bit-identical (tests/scripts/stream_run.py). One process, loader workers, and
 each way Accelerate hands a stream to two processes: each reads it and keeps its share (``IterableDatasetShard``), one
-global batch split among them (``split_batches``), and process 0 reading and sending each its part (``dispatch_batches``)."""
+global batch split among them (``split_batches``), and process 0 reading and sending each its part (``dispatch_batches``).
+A dispatched stream resumes on another number of processes (2 -> 1 -> 3); the others are refused there, by name."""
 
 import os
 import random
@@ -110,19 +111,52 @@ def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_
     assert sorted(list(range(SAMPLES)) * 2) == every  # two epochs: every sample once in each
 
 
-def _saves_inside_a_streamed_epoch(root):
-    """2 processes over a stream with a state (each its share): stopped after 5 batches and saved there."""
+def _ids(out):
+    """Every sample id trained by every process of a run (its out folder), in no particular order."""
+    return [i for path in sorted(out.glob("trained-*.txt")) for line in path.read_text().splitlines()
+            if not line.startswith("resumed") for i in map(int, line.split()[1:])]
+
+
+@pytest.mark.parametrize("source", ["stateful", "datasets-plain"])
+def test_a_dispatched_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, tmp_path):
+    """Process 0 reads the stream and dispatches it (``dispatch_batches``): its state is the whole stream's position. Saved
+    by 2 processes in epoch 1 (update 5: 160 samples of 384), continued on 1 process into epoch 2 (update 22: 48
+    samples into it), and on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
+    A user's stream with a state, and a ``datasets`` stream of 12 shards (its own state, num_workers=0)."""
+    root = tmp_path / "root"
+    extra = ("--source", source, "--deal", "dispatch")
+    said = {}
+    for processes, stop, out in ((2, 5, "two"), (1, 22, "one"), (3, None, "three")):
+        cmd = _cmd(root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())))
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(300), env=ENV)
+        assert 0 == result.returncode, result.stderr[-3000:]
+        said[out] = result.stderr
+        if stop:
+            assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
+    assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said
+    assert "saved by 1 processes in the middle of epoch 2" in said["three"]
+
+    runs = [_ids(tmp_path / out) for out in ("two", "one", "three")]
+    assert [160, 224 + 48, 336] == [len(ids) for ids in runs]  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 17; 3 x 8 x 2 x 7
+    assert sorted(list(range(SAMPLES)) * 2) == sorted(i for ids in runs for i in ids)
+
+
+def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
+    """2 processes over a stream (each its share, or dispatched by process 0): stopped after 5 batches and saved there."""
     import torch
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DataLoaderConfiguration
 
     from trainfold import Context, TrainState, make_step, run_epoch, save_checkpoint
     from test_streams import StatefulNumbers, _loss
 
+    class Plain(StatefulNumbers):
+        state_dict = load_state_dict = None
+
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True))
+    ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=deal == "dispatch")))
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(StatefulNumbers(), batch_size=8))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(StatefulNumbers() if source == "stateful" else Plain(), batch_size=8))
     inner = make_step(ctx, _loss([]))
 
     def step(s, batch):
@@ -133,23 +167,28 @@ def _saves_inside_a_streamed_epoch(root):
     ctx.close()
 
 
-def test_a_streamed_epoch_saved_on_two_processes_is_refused_on_one_by_the_load_before_anything_changes(tmp_path):
-    """Each process saved where its own part of the stream stood: on one process the epoch cannot go on (item 5 of the
-    streamed-data issue is open), and load_checkpoint says so, naming the processes that saved it; the model is untouched."""
+@pytest.mark.parametrize("deal, source, reason", [
+    ("shard", "stateful", r"each process read the stream and its state says where that process's part stood"),
+    ("dispatch", "plain", r"process 0 read it and dispatched it, but it cannot say where it stood \(no state_dict\(\)\)"),
+])
+def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number_of_processes_before_anything_changes(deal, source, reason, tmp_path):
+    """Each process saved where its own part of the stream stood (or process 0 read a stream with no state): on one
+    process the epoch cannot go on exactly, and load_checkpoint says why and what resumes elastically; the model is
+    untouched."""
     import torch
     from accelerate import Accelerator
 
     from trainfold import Context, TrainState, load_checkpoint
 
-    testing.run_distributed(_saves_inside_a_streamed_epoch, str(tmp_path), nprocs=2)
+    testing.run_distributed(_saves_inside_a_streamed_epoch, str(tmp_path), deal, source, nprocs=2)
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
     torch.manual_seed(1)
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     before = testing.parameters(state)
-    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch over a loader whose position "
-                                              r"in samples is unknown \(an iterable dataset\): resume it on 2 processes"):
+    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch over a stream, and this run has 1 "
+                                              rf"processes: {reason}.*Resume it on 2 processes"):
         load_checkpoint(ctx, tmp_path, state)
     ctx.close()
     testing.assert_params_equal(before, state)

@@ -294,14 +294,15 @@ def test_a_stream_read_again_says_why_and_how_to_make_the_resume_o1(kind, worker
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda s: s.update(holder="sampler"), "stream holder 'sampler'"),
-    (lambda s: s.update(workers=-1), "'stream workers' is -1"),
-    (lambda s: s.pop("state"), "not {holder, kind, workers, state}"),
+    (lambda doc: doc["stream"].update(holder="sampler"), "stream holder 'sampler'"),
+    (lambda doc: doc["stream"].update(workers=-1), "'stream workers' is -1"),
+    (lambda doc: doc["stream"].pop("state"), "not {holder, kind, workers, state}"),
+    (lambda doc: doc.update(dispatched="yes"), "dispatched is 'yes', not a bool"),
 ])
 def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, match, tmp_path):
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
     folder = latest_checkpoint(tmp_path)
-    helpers.edit_signed_json(folder, "rank-0.json", lambda doc: change(doc["stream"]))
+    helpers.edit_signed_json(folder, "rank-0.json", change)
     ctx, state, dl = _setup("stateful", 0)
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(ctx, folder, state)

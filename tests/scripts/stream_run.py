@@ -2,6 +2,7 @@
 
     python stream_run.py ROOT OUT --source stateful [--workers 2 --stateful-loader] [--slow]
     torchrun --nproc_per_node 2 stream_run.py ROOT OUT --source datasets-plain --deal shard|split|dispatch
+    torchrun --nproc_per_node 3 stream_run.py ROOT OUT --deal dispatch --stop-after 22   (stops at update 22, saved)
 
 Prints "ready <pid>" once set up, saves a checkpoint every 3 updates, and appends every batch it trains to
 OUT/trained-<rank>.txt ("<update> <id> <id> ..."; every run first writes "resumed <update it starts from>"), and its final
@@ -21,7 +22,7 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch
+from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, max_steps, run_epoch
 
 SAMPLES, BATCH = 384, 8
 
@@ -79,6 +80,7 @@ def main():
     parser.add_argument("--stateful-loader", action="store_true")
     parser.add_argument("--deal", default="shard", choices=["shard", "split", "dispatch"])
     parser.add_argument("--slow", action="store_true")
+    parser.add_argument("--stop-after", type=int, default=None, help="stop (and save) at this update")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,6 +109,8 @@ def main():
     state_box = [state.step]
     saving = checkpoint_every(ctx, args.root, 3, keep_last=2)
     inner = saving(make_step(ctx, loss_fn))
+    if args.stop_after is not None:
+        inner = max_steps(args.stop_after)(inner)
 
     def step(s, b):  # the update a batch belongs to, for the log
         state_box[0] = s.step
@@ -116,7 +120,7 @@ def main():
     with ctx:
         state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=2)(state))
         params = {n: p.detach().clone() for n, p in ctx.accelerator.unwrap_model(state.model).named_parameters()}
-        if ctx.is_main_process:
+        if ctx.is_main_process and args.stop_after is None:
             save_file(params, str(out / "params.safetensors"))
     print("done", state.step, flush=True)
 

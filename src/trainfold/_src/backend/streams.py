@@ -159,7 +159,8 @@ def replay_advice(loader: Any) -> str:
 
 def check_saved(saved: StreamState, source: StreamSource | None, loader: Any) -> StreamSource:
     """The live loader's source, checked against the state a checkpoint saved for it. (Another number of processes
-    never gets here: ``load_checkpoint`` refuses an epoch over a stream saved on another, before anything changes.)
+    gets here only with a dispatched stream, whose state is process 0's and the whole stream's: ``load_checkpoint``
+    refuses the others before anything changes.)
 
     Raises:
         CheckpointError: the loader cannot take the state (no such source now, another kind of source,

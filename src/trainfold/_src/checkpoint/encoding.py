@@ -202,6 +202,7 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
         meta["epoch_length"] = position.epoch_length
         meta["samples_done"] = position.samples_done
         meta["by_samples"] = position.by_samples
+        meta["dispatched"] = position.dispatched
         has, batch = position.read_ahead
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
         if position.stream is not None:
@@ -242,10 +243,12 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
     done = meta.get("samples_done")
     if done is not None:
         counter("samples_done", done)
-    if not isinstance(meta.get("by_samples", False), bool):
-        raise ValueError(f"by_samples is {meta['by_samples']!r}, not a bool")
+    for flag in ("by_samples", "dispatched"):
+        if not isinstance(meta.get(flag, False), bool):
+            raise ValueError(f"{flag} is {meta[flag]!r}, not a bool")
     position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),
-                             stream=_decode_stream(meta.get("stream"), tensors)) if "epoch_start" in meta else None
+                             stream=_decode_stream(meta.get("stream"), tensors),
+                             dispatched=meta.get("dispatched", False)) if "epoch_start" in meta else None
     resume = Resume(now=states("now"), position=position)
     return grads, resume
 

@@ -21,7 +21,7 @@ import torch
 from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters
-from trainfold._src.backend.loaders import is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
+from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
 from trainfold._src.backend.streams import stream_source
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
@@ -244,7 +244,7 @@ def _position(state: TrainState) -> EpochPosition | None:
     # a stream that can say where it is: its state after the batch read ahead (which the checkpoint holds too)
     source = stream_source(cursor.loader) if is_streamed(cursor.loader) and read_ahead[0] else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
-                         stream=None if source is None else source.capture())
+                         stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader))
 
 
 def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:

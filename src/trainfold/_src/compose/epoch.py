@@ -202,12 +202,12 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
     epoch_start = position.epoch_start
 
     def restore_epoch_start() -> None:
-        rng.restore(epoch_start, generators)
+        restore(epoch_start, generators)
 
     def restore_now() -> None:
-        rng.restore(resume.now, generators)
+        restore(resume.now, generators)
 
-    if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1)
+    if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1) (elastic if dispatched)
         source = check_saved(position.stream, stream_source(loader), loader)
         if is_dispatcher(loader):
             iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, source, position.stream,
@@ -222,8 +222,8 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
             loader,
             position.samples_done,
             epoch_start.generators,
-            restore_epoch_start=lambda: restore(epoch_start, generators),
-            restore_now=lambda: restore(resume.now, generators),
+            restore_epoch_start=restore_epoch_start,
+            restore_now=restore_now,
         )
         return EpochCursor(iterator, loader, epoch_start, resumed_at=(position.samples_done, state.batch_in_epoch))
     if is_streamed(loader) and position.read_ahead[0]:

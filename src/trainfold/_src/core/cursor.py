@@ -57,6 +57,9 @@ class EpochPosition:
     by_samples: bool = False
     #: where the stream stood, said by a source with ``state_dict()`` (None: not a stream, or one read again)
     stream: StreamState | None = attrs.field(default=None, repr=False)
+    #: process 0 read the stream and dispatched each batch (Accelerate's ``dispatch_batches``): its state is the whole
+    #: stream's position, so the epoch can go on on another number of processes
+    dispatched: bool = False
 
 
 @attrs.frozen

@@ -141,15 +141,31 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
 
 
 def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str) -> None:
-    """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, with its position in samples."""
+    """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, and inside an epoch
+    only with its position in samples, or over a stream process 0 read and dispatched, from that stream's state."""
     if run.accelerate_step % saved_steps or run.grads:
         raise CheckpointError(
             f"{folder} was saved by {saved} in the middle of an accumulation group (their partial gradients "
             f"cannot be dealt out to {now}): resume it on {saved}, or from a checkpoint at an optimizer update "
             "(checkpoint_every saves at updates)."
         )
-    if run.values.batch_in_epoch > 0 and (resume.position is None or resume.position.samples_done is None):
-        raise CheckpointError(
-            f"{folder} was saved by {saved} in the middle of an epoch over a loader whose position in samples "
-            f"is unknown (an iterable dataset): resume it on {saved}, or from a checkpoint between epochs."
-        )
+    position = resume.position
+    if run.values.batch_in_epoch == 0 or (position is not None and position.samples_done is not None):
+        return
+    if position is not None and position.dispatched and (position.stream is not None or not position.read_ahead[0]):
+        return  # process 0's stream state is the whole stream's: it goes on from there, dealt to this run's processes
+    if position is not None and position.dispatched:
+        why = ("process 0 read it and dispatched it, but it cannot say where it stood (no state_dict()), and the part read "
+               f"again would be counted in batches of {saved}: give the dataset state_dict() and load_state_dict() for a "
+               "stream that resumes on any number of processes")
+    elif position is not None and position.stream is not None:
+        why = ("each process read the stream and its state says where that process's part stood (Accelerate's "
+               "IterableDatasetShard, or shards split by process): those parts cannot be dealt out anew exactly. A stream "
+               "that process 0 reads and dispatches (DataLoaderConfiguration(dispatch_batches=True)) resumes on any number "
+               "of processes")
+    else:
+        why = "its position in samples is unknown (an iterable dataset that cannot say where it stood)"
+    raise CheckpointError(
+        f"{folder} was saved by {saved} in the middle of an epoch over a stream, and this run has {now}: {why}. "
+        f"Resume it on {saved}, or from a checkpoint between epochs."
+    )
