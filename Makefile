@@ -99,10 +99,10 @@ test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
 test-multiprocess: $(STAMP) $(TP_STAMP)
-	$(PY) -m pytest -m multiprocess
+	$(PY) -m pytest -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)
-	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" tests/test_deepspeed.py tests/test_export_transformers.py
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"

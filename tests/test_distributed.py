@@ -426,3 +426,38 @@ def test_no_process_leaves_while_the_others_still_need_the_group_s_store():
     collective) must not take the store with it: nobody leaves before every rank has its result (without that wait,
     the other ranks fail with 'Broken pipe')."""
     assert testing.run_distributed(_a_sub_group_formed_after_rank_zero_returned, nprocs=3) == [None, 2.0, 2.0]
+
+
+def _sleeps(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
+def test_run_distributed_stretches_its_time_limit_by_the_machines_load(monkeypatch):
+    """A limit is a hang-guard: on a machine at load 5 per core, 1 s after the start is 5 s, and a run of 2 s
+    finishes; on a quiet machine the same run is stopped at 1 s, with the limit it had in the error."""
+    from trainfold._src.distributed import launch
+
+    monkeypatch.setattr(launch, "load_factor", lambda: 5.0)
+    assert [2.0] == testing.run_distributed(_sleeps, 2.0, nprocs=1, timeout=1)
+    monkeypatch.setattr(launch, "load_factor", lambda: 1.0)
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] did not finish within 1s of starting"):
+        testing.run_distributed(_sleeps, 30.0, nprocs=1, timeout=1)
+
+
+@pytest.mark.parametrize("load, cores, factor", [((8.0, 1.0, 1.0), {0, 1}, 4.0), ((1.5, 9.0, 9.0), {0, 1}, 1.0), (OSError, {0}, 1.0)])
+def test_the_load_factor_is_the_one_minute_load_per_core_and_never_below_one(monkeypatch, load, cores, factor):
+    import os
+
+    from trainfold._src.distributed import launch
+
+    def getloadavg():
+        if load is OSError:
+            raise OSError("no load average here")
+        return load
+
+    monkeypatch.setattr(os, "getloadavg", getloadavg)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: cores, raising=False)
+    assert factor == launch.load_factor()
