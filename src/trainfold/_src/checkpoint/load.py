@@ -18,7 +18,7 @@ from trainfold._src.checkpoint.formats import for_load
 from trainfold._src.checkpoint.manifest import read_manifest
 from trainfold._src.checkpoint.root import expect_path, newest_first
 from trainfold._src.checkpoint.save import position_of
-from trainfold._src.checkpoint.storage import Stored, checkpoint_at, open_root
+from trainfold._src.checkpoint.storage import Stored, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
