@@ -127,9 +127,12 @@ def test_a_second_ctrl_c_acts_at_once_and_the_handlers_are_put_back():
     def twice(s, b):
         new = inner(s, b)
         if new.batch_in_epoch == 3:
-            os.kill(os.getpid(), signal.SIGINT)  # a request
+            # raised in this (the main) thread, so its handler runs now: os.kill may hand a process's signal to another
+            # thread (pytest-xdist's), and then the handler runs only when the sleep ends, next to the second one,
+            # which then looks like an echo
+            signal.raise_signal(signal.SIGINT)  # a request
             time.sleep(interrupt.ECHO_S + 0.2)  # a person, not the launcher's forwarded copy
-            os.kill(os.getpid(), signal.SIGINT)  # impatient: now
+            signal.raise_signal(signal.SIGINT)  # impatient: now
         return new
 
     with pytest.raises(KeyboardInterrupt):
