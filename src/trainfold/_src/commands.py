@@ -110,10 +110,10 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
             raise Refused(f"{root}: {reason}.")
         raise Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
                        "(what save_checkpoint was given).")
-    latest = latest_checkpoint(root)
-    latest = None if latest is None else str(latest)
+    found = [str(c) for c in list_checkpoints(root)]  # every manifest read once to order them; the newest is the last
+    latest = found[-1] if found else None
     entries = []
-    for folder in map(str, list_checkpoints(root)):
+    for folder in found:
         entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
         try:  # the position inside the epoch (state.json) and the epoch's length (rank-0.json), read as the manifest vouches
             state, first = _verified_json(folder, "state.json", "rank-0.json")
@@ -129,7 +129,7 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
             except CheckpointError as exc:
                 entry["ok"], entry["error"] = False, str(exc)
         entries.append(entry)
-    for debris in open_root(root).unfinished():
+    for debris in storage.unfinished():
         entries.append({"name": debris, "complete": False, "latest": False})
     return {"root": str(root), "checkpoints": entries}
 
