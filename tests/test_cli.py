@@ -252,6 +252,37 @@ def test_write_durably_refuses_a_name_that_is_a_link(tmp_path):
     assert "precious" == victim.read_text()
 
 
+@pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
+def test_a_signal_the_moment_a_temporary_name_exists_leaves_nothing(folder, tmp_path):
+    """The signal is raised at the first Python event after the temporary file (an export) or folder (a
+    ``save_pretrained`` export) appears on disk, as a Ctrl-C landing there would: it is removed on the way out.
+    (``tempfile.mkstemp`` made the file and returned its name after: a signal between the two left it.)"""
+    from trainfold._src.base.io import atomic_write, staged_beside
+
+    def write() -> None:
+        if folder:
+            with staged_beside(tmp_path / "hf", folder=True) as staging:
+                (staging / "config.json").write_text("{}")
+        else:
+            atomic_write(tmp_path / "model.safetensors", lambda tmp: tmp.write_bytes(b"weights"))
+
+    landed = []
+
+    def signal_once_it_exists(frame, event, arg):
+        if not landed and any(tmp_path.iterdir()):
+            landed.append(frame.f_code.co_name)
+            raise KeyboardInterrupt
+        return signal_once_it_exists
+
+    sys.settrace(signal_once_it_exists)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write()
+    finally:
+        sys.settrace(None)
+    assert landed and [] == list(tmp_path.iterdir())
+
+
 def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys):
     import helpers
 

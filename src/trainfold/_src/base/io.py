@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-import tempfile
+import secrets
+import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 
 def fsync_dir(path: Path) -> None:
@@ -28,24 +30,45 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def staged_beside(target: Path, folder: bool = False) -> Iterator[Path]:
+    """A new file (or ``folder``) beside ``target``, named ``.<name>.<random>.tmp``, removed if the block raises.
+
+    The name is made inside the block that removes it: a signal that lands the
+    moment it exists (a Ctrl-C, SIGTERM raised as SystemExit) removes it too
+    (``tempfile.mkstemp`` returns the name only after making it, and a signal
+    between the two left the file behind). The caller renames it into place.
+    """
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    made = False
+    try:
+        if folder:
+            os.mkdir(tmp, 0o700)
+        else:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+        made = True
+        yield tmp
+    except BaseException as e:
+        if made or not isinstance(e, FileExistsError):  # never remove a name someone else made
+            if tmp.is_dir() and not tmp.is_symlink():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+        raise
+
+
 def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it, then rename it over ``path``.
 
     A crash at any moment leaves either the old file or the new one, never a
-    partial one; the temporary file is removed on error.
+    partial one; the temporary file is removed on error or on a signal.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with staged_beside(target) as tmp:
         write(tmp)
         fsync_file(tmp)
         os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     fsync_dir(target.parent)
     return target
 

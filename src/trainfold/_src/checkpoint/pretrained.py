@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from trainfold._src.base.io import staged_beside
 from trainfold.errors import CheckpointError
 
 #: Files of a model folder that hold weights: never copied from the config folder (the checkpoint's are written).
@@ -83,15 +83,11 @@ def write_pretrained(weights: Mapping[str, torch.Tensor], config_dir: Path, out:
     model.load_state_dict(dict(weights), strict=False, assign=True)  # every name checked above; tied names share one tensor below
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_beside(out, folder=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         for item in sorted(config_dir.iterdir()):
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and not (staging / item.name).exists() \
                     and not item.name.endswith(".index.json"):
                 shutil.copy2(item, staging / item.name)
         os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return out
