@@ -490,3 +490,51 @@ def edit_signed_json(folder, name, change):
     doc = json.loads((folder / name).read_text())
     change(doc)
     rewrite_signed(folder, name, json.dumps(doc).encode())
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen ``Linear`` plus a trainable low-rank update ``b @ a`` (LoRA, written out: no peft needed)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = torch.nn.Parameter(0.1 * torch.randn(rank, base.in_features))
+        self.b = torch.nn.Parameter(0.1 * torch.randn(base.out_features, rank))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.a.T) @ self.b.T
+
+
+def lora_mlp(base_seed: int = 0, adapter_seed: int = 1, width: int = 640, dtype=torch.float32) -> torch.nn.Module:
+    """A 0.42M-parameter base (three Linears and a frozen BatchNorm, whose running statistics still change) drawn from
+    ``base_seed``, frozen, with rank-4 adapters drawn from ``adapter_seed`` on its three Linears (10,284 parameters: 2.4% trains)."""
+    torch.manual_seed(base_seed)
+    base = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width),
+                               torch.nn.ReLU(), torch.nn.Linear(width, 3)).to(dtype).requires_grad_(False)
+    torch.manual_seed(adapter_seed)
+    for i in (0, 2, 5):
+        base[i] = LoRALinear(base[i]).to(dtype)
+    return base
+
+
+def adapter_setup(*, base_seed: int = 0, adapter_seed: int = 1, n: int = 64, batch_size: int = 8, accelerator=None, dtype=torch.float32):
+    """A fresh Context over an adapter model (:func:`lora_mlp`) with AdamW over its trainable parameters and a prepared loader."""
+    from trainfold import Context, TrainState
+
+    if accelerator is None:
+        testing.reset_accelerate_state()
+        accelerator = Accelerator(cpu=True)
+    ctx = Context(accelerator=accelerator)
+    model = lora_mlp(base_seed, adapter_seed, dtype=dtype)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    data = classification_data(n)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.tensors[0].to(dtype), data.tensors[1]),
+                                                            batch_size=batch_size, shuffle=True))
+    return ctx, state, dl
+
+
+def checkpoint_bytes(folder) -> int:
+    """The bytes a committed checkpoint's manifest lists."""
+    doc = json.loads((Path(folder) / "MANIFEST.json").read_text())
+    return sum(entry["size"] for entry in doc["files"].values())

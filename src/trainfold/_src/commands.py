@@ -218,10 +218,26 @@ def inspect(path: str) -> dict[str, Any]:
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
         "layout": doc.get("layout", {}),
+        "parameters": doc.get("parameters", {}),
+        "frozen": _frozen(folder, doc.get("frozen")),
         "run_id": manifest.get("run_id"),
         "trainfold_version": manifest.get("trainfold_version"),
         "torch_version": manifest.get("torch_version"),
     }
+
+
+def _frozen(folder: str, entries: Any) -> dict[str, Any] | None:
+    """What an adapter checkpoint records of its base instead of holding it: how many frozen tensors and values, and one
+    digest of their fingerprints (two checkpoints of the same base show the same), or None for a checkpoint that holds every parameter."""
+    from trainfold._src.checkpoint import digest
+
+    if not entries:
+        return None
+    try:
+        values = sum(math.prod(e["shape"]) for e in entries)
+    except (TypeError, KeyError) as exc:
+        raise Refused(f"{folder}/state.json is damaged: its frozen entries are not fingerprints ({exc}) (trainfold verify {folder} checks every file)") from None
+    return {"tensors": len(entries), "values": values, "base": digest.of(json.dumps(entries, sort_keys=True).encode())}
 
 
 def _stop(state: dict[str, Any]) -> dict[str, Any]:
@@ -244,6 +260,13 @@ def inspect_text(d: dict[str, Any]) -> str:
         f"  gradient_accumulation_steps {d['gradient_accumulation_steps']}, mixed_precision {d['mixed_precision']}, layout {d['layout']}",
         f"  run {d['run_id']}, written by trainfold {d['trainfold_version']} with torch {d['torch_version']}",
     ]
+    if d["parameters"]:
+        counts = d["parameters"]
+        lines.append(f"  parameters: {counts.get('trainable', 0):,} trainable, {counts.get('frozen', 0):,} frozen")
+    if d["frozen"]:
+        f = d["frozen"]
+        lines.append(f"  adapter checkpoint: {f['tensors']} frozen tensor(s) ({f['values']:,} values) not held, recorded by fingerprint; "
+                     f"base {f['base']} (a load checks the model's base against it)")
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
     return "\n".join(lines)

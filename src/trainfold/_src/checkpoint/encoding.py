@@ -3,9 +3,10 @@
 A checkpoint is a folder holding:
 
     MANIFEST.json          format, versions, world size, position; size and digest (XXH3-128) of every file
-    state.json             the TrainState's values, optimizer/scheduler/scaler structure, Accelerate's counter
+    state.json             the TrainState's values, optimizer/scheduler/scaler structure, Accelerate's counter;
+                           in an adapter checkpoint, the frozen parameters' fingerprints (``frozen.py``)
     state.safetensors      every tensor of those (optimizer moments, running sums, EMA weights...)
-    model.safetensors      the model's weights
+    model.safetensors      the model's weights (in an adapter checkpoint, all but the frozen parameters)
     rank-<r>.json          per process: random states (now and at the epoch's start), where a stream stood
     rank-<r>.safetensors   per process: their tensors, the batch read ahead, a partial accumulation's gradients
 
@@ -34,10 +35,11 @@ from trainfold._src.base.checks import counter
 from trainfold._src.base.history import history_from_rows, history_rows
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.checkpoint import codec as _codec
+from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint.content import Content, parse_tensors
 from trainfold._src.checkpoint.manifest import json_bytes, parse_json, rank_files
 from trainfold._src.core.cursor import EpochPosition, Resume
-from trainfold._src.core.runstate import NO_HANDLES, RunState
+from trainfold._src.core.runstate import NO_HANDLES, FrozenTensor, RunState
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.stop import Stop
 from trainfold.errors import CheckpointError
@@ -51,8 +53,10 @@ _OWN = ("history", "sums")
 # --- the shared files: the run state -------------------------------------------------------
 
 
-def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None) -> dict[str, Content]:
-    """``run`` (but its gradients and random states, which are per process) as the shared files' bytes.
+def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None,
+                  parameters: Mapping[str, int] | None = None) -> dict[str, Content]:
+    """``run`` (but its gradients and random states, which are per process) as the shared files' bytes. ``parameters``:
+    how many values train and how many are frozen (what ``trainfold inspect`` shows; a load reads nothing of it).
 
     Raises:
         TypeError: a value that cannot be written (an unregistered record in ``extras``...),
@@ -73,7 +77,10 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         "scaler": None if run.scaler is None else enc.encode(run.scaler, "scaler"),
         "accelerate": {"step": run.accelerate_step, "gradient_accumulation_steps": accumulation, "mixed_precision": mixed_precision},
         "layout": dict(layout or {}),
+        "parameters": dict(parameters or {}),
     }
+    if run.frozen:  # an adapter checkpoint: the frozen parameters by fingerprint, not in the weights
+        doc["frozen"] = [{"name": f.name, "shape": list(f.shape), "dtype": f.dtype, _digest.DEFAULT: f.digest} for f in run.frozen]
     files: dict[str, Content] = {"state.safetensors": enc.tensors, "state.json": json_bytes(doc)}
     if not run.sharded:  # a sharded checkpoint's weights: each process's shard-<rank>.safetensors
         files["model.safetensors"] = dict(run.weights)
@@ -122,6 +129,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         scaler = None if doc["scaler"] is None else _codec.decode(doc["scaler"], shared)
         accelerate_step = counter("accelerate.step", doc["accelerate"]["step"])
         accumulation = counter("gradient_accumulation_steps", doc["accelerate"]["gradient_accumulation_steps"])
+        frozen = _decode_frozen(doc.get("frozen", []))
         grads, resume = _decode_rank(meta, per_rank)
         resume = attrs.evolve(resume, saved_layout=_layout(doc.get("layout"), accumulation))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
@@ -130,8 +138,31 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         values["extras"] = MappingProxyType(values["extras"])
     state = attrs.evolve(template, **NO_HANDLES, history=history, sums=sums, **values)
     run = RunState(values=state, weights=weights, grads=grads, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                   accelerate_step=accelerate_step, rng=resume.now, sharded=sharded)
+                   accelerate_step=accelerate_step, rng=resume.now, sharded=sharded, frozen=frozen)
     return run, resume, accumulation
+
+
+def _decode_frozen(saved: Any) -> tuple[FrozenTensor, ...]:
+    """An adapter checkpoint's fingerprint, every field checked (a damaged or forged entry fails here, before anything changes).
+
+    Raises:
+        TypeError, ValueError: an entry that is not a fingerprint (caught by :func:`decode`).
+    """
+    if not isinstance(saved, list):
+        raise TypeError(f"frozen is a {type(saved).__name__}, not a list")
+    out = []
+    for entry in saved:
+        if not isinstance(entry, dict) or set(entry) != {"name", "shape", "dtype", _digest.DEFAULT}:
+            raise ValueError(f"a frozen entry is not name, shape, dtype and {_digest.DEFAULT}: {entry!r:.200}")
+        name, shape, dtype, digest = entry["name"], entry["shape"], entry["dtype"], entry[_digest.DEFAULT]
+        if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+                and _digest.recorded({_digest.DEFAULT: digest}) is not None):
+            raise ValueError(f"the frozen entry of {name!r:.100} does not have a name, a shape, a dtype and a digest")
+        out.append(FrozenTensor(name, tuple(shape), dtype, digest))
+    if len({f.name for f in out}) != len(out):
+        raise ValueError("the frozen entries name a parameter twice")
+    return tuple(out)
 
 
 def _layout(layout: Any, accumulation: int) -> tuple[int, int | None, int] | None:

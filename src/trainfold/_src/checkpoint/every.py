@@ -62,6 +62,7 @@ class CheckpointEvery:
     sharded: bool | None = None
     async_save: bool = False
     storage_options: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    save_frozen: bool = False
 
     def __call__(self, step: Step) -> Step:
         """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
@@ -109,11 +110,11 @@ class CheckpointEvery:
 
     def _save(self, state: TrainState) -> TrainState:
         return save_checkpoint(self.ctx, self.root, state, keep_last=self.keep_last, sharded=self.sharded, async_save=self.async_save,
-                               storage_options=self.storage_options)
+                               storage_options=self.storage_options, save_frozen=self.save_frozen)
 
 
 def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
-                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> CheckpointEvery:
+                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None, save_frozen: bool = False) -> CheckpointEvery:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
     A final checkpoint is written after the step at which the run stops for any
@@ -132,7 +133,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
 
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
-    ``sharded``, ``async_save`` and ``storage_options`` are ``save_checkpoint``'s (``root``
+    ``sharded``, ``async_save``, ``storage_options`` and ``save_frozen`` are ``save_checkpoint``'s (``root``
     may be a URL: ``s3://bucket/run``); with ``async_save`` the final checkpoint at a
     stop is committed before the step returns. A root that cannot be used (an unknown
     protocol, the store's package not installed) is refused here, not at the first save.
@@ -146,6 +147,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         sharded: as :func:`save_checkpoint`'s: each process writes its own shard.
         async_save: write in the background while training goes on (:func:`save_checkpoint`).
         storage_options: options for the store's fsspec filesystem (a URL root only).
+        save_frozen: write a model's frozen parameters too, instead of their fingerprint (:func:`save_checkpoint`).
 
     Returns:
         The step transformer, a :class:`CheckpointEvery`, with :meth:`~CheckpointEvery.at_end` for the run's end.
@@ -170,8 +172,9 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         positive_int("keep_last", keep_last)
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
     flag("async_save", async_save)
+    flag("save_frozen", save_frozen)
     # an unknown protocol, the store's package missing, a bucket that does not exist (one request): refused now, not at the first save
     reason = open_root(root, storage_options).unusable()
     if reason is not None:
         raise CheckpointError(f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet.")
-    return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options)
+    return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen)

@@ -36,7 +36,7 @@ class FormatError(ValueError):
     """A file that is not a valid safetensors file (the reason is in the message)."""
 
 
-def _raw(t: torch.Tensor) -> memoryview:
+def raw(t: torch.Tensor) -> memoryview:
     """A tensor's bytes, as a read-only view of its (CPU, contiguous) memory."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     array: Any = flat.view(torch.uint8).numpy()  # a buffer; numpy's stubs do not say so
@@ -70,7 +70,7 @@ def encode(tensors: Mapping[str, torch.Tensor]) -> list[Any]:
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(8 + len(head)) % ALIGNMENT)
-    return [struct.pack("<Q", len(head)), head, *(_raw(tensors[name]) for name in order)]
+    return [struct.pack("<Q", len(head)), head, *(raw(tensors[name]) for name in order)]
 
 
 def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:

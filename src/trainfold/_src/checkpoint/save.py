@@ -20,7 +20,7 @@ from typing import Any, Mapping, overload
 import torch
 from toolz import curry
 
-from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters
+from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters, unwrap
 from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
 from trainfold._src.backend.streams import stream_source
 from trainfold._src.base import rng as _rng
@@ -30,12 +30,13 @@ from trainfold._src.checkpoint.commit import agreed, check_same_run, checkpoint_
 from trainfold._src.checkpoint.content import Content
 from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
+from trainfold._src.checkpoint.frozen import fingerprint, frozen_names
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor, EpochPosition
 from trainfold._src.core.modes import eval_mode
-from trainfold._src.core.runstate import values_of
+from trainfold._src.core.runstate import FrozenTensor, values_of
 from trainfold._src.core.state import TrainState
 
 logger = logging.getLogger("trainfold")
@@ -45,17 +46,17 @@ logger = logging.getLogger("trainfold")
 
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...,
-                    storage_options: Mapping[str, Any] | None = ...) -> Any: ...
+                    storage_options: Mapping[str, Any] | None = ..., save_frozen: bool = ...) -> Any: ...
 
 
 @overload
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
-                    async_save: bool = ..., storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
+                    async_save: bool = ..., storage_options: Mapping[str, Any] | None = ..., save_frozen: bool = ...) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
-                    async_save: bool = False, storage_options: Mapping[str, Any] | None = None) -> TrainState:
+                    async_save: bool = False, storage_options: Mapping[str, Any] | None = None, save_frozen: bool = False) -> TrainState:
     """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
 
     Everything needed to continue exactly is written: the model, optimizer,
@@ -83,6 +84,13 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     checkpoint holds the engine's own files (its model states and each
     process's ZeRO optimizer partition), taken at an optimizer update.
 
+    A model with frozen parameters (``requires_grad=False``: a base under LoRA
+    adapters, a frozen backbone) gets an adapter checkpoint: it holds what
+    changes (the trainable parameters, every buffer, the optimizer...) and
+    records each frozen parameter by a fingerprint (name, shape, dtype, digest),
+    which a load checks against the live model before anything changes (see the
+    guide "Fine-tuning with adapters"). ``save_frozen=True`` writes them too.
+
     Args:
         ctx: the run's Context.
         root: the folder that holds the run's checkpoints.
@@ -97,6 +105,8 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
         storage_options: options of the store's fsspec filesystem when ``root`` is a URL
             (``s3://bucket/run``: ``endpoint_url``, ``key``, ``secret``...); fsspec's own
             configuration and the provider's credential chain apply too.
+        save_frozen: write the frozen parameters too (a checkpoint of the whole model), instead of
+            their fingerprint. Under DeepSpeed the engine's files always hold them.
 
     Returns:
         ``state``, unchanged (so it composes as an epoch function).
@@ -131,7 +141,8 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
     # a schedule-free optimizer saves its eval weights
     with eval_mode(state.model, state.optimizer, no_grad=False):
-        return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save))
+        return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save),
+                     flag("save_frozen", save_frozen))
 
 
 def _check_replicas_equal(state: TrainState) -> None:
@@ -169,7 +180,7 @@ def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
     return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
 
 
-def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | None, sharded: bool, async_save: bool) -> TrainState:
+def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | None, sharded: bool, async_save: bool, save_frozen: bool) -> TrainState:
     ctx.runtime.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
     acc = ctx.accelerator
     main = ctx.is_main_process
@@ -178,7 +189,7 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
     name = checkpoint_name(ctx, state)
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
     fmt = for_save(ctx, sharded)
-    captured = fmt.capture(ctx, state, now, async_save)
+    captured = fmt.capture(ctx, state, now, async_save, () if save_frozen else _fingerprint(ctx, state))
     files = {**agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"), **captured.files}
     agreed(ctx, lambda: _start(storage, name, state) if main else None, f"creating {name} in {storage}")
     job = SaveJob(storage, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt)
@@ -189,6 +200,16 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
         write_and_commit(ctx, job)
     ctx.runtime.note_held(storage.key, position_of(state))
     return state
+
+
+def _fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:
+    """The fingerprints an adapter checkpoint records instead of the frozen parameters (none under DeepSpeed, whose
+    engine files hold every parameter). Every process computes them: a sharded tensor is gathered."""
+    if is_deepspeed(ctx.accelerator):
+        return ()
+    model = unwrap(ctx.accelerator, state.model)
+    names = frozen_names(model)
+    return agreed(ctx, lambda: fingerprint(ctx, model, names), "fingerprinting the frozen parameters") if names else ()
 
 
 def position_of(state: TrainState) -> tuple[int, ...]:
@@ -221,7 +242,8 @@ def _start(storage: Storage, name: str, state: TrainState) -> None:
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
     files = encode_rank(ctx.accelerator.process_index, run, _position(state))
     if main:
-        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state)))
+        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state),
+                                   parameters=_parameters(ctx, state)))
     return files
 
 
@@ -245,6 +267,14 @@ def _position(state: TrainState) -> EpochPosition | None:
     source = stream_source(cursor.loader) if is_streamed(cursor.loader) and read_ahead[0] else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
                          stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader))
+
+
+def _parameters(ctx: Context, state: TrainState) -> dict[str, int]:
+    """How many values of the model train and how many are frozen (whole: a DTensor counts its global size, a ZeRO-3
+    partition its parameter's)."""
+    params = list(unwrap(ctx.accelerator, state.model).parameters())
+    sizes = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in params]
+    return {"trainable": sum(n for n, trains in sizes if trains), "frozen": sum(n for n, trains in sizes if not trains)}
 
 
 def _layout(ctx: Context, state: TrainState) -> dict[str, Any]:

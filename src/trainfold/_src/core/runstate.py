@@ -28,6 +28,20 @@ class StateMismatch(ValueError):
     """
 
 
+@attrs.frozen
+class FrozenTensor:
+    """What a checkpoint records of a frozen parameter instead of its values: enough to tell its base from another."""
+
+    #: the parameter's name in the model's state dict
+    name: str
+    #: its whole shape (gathered from its shards)
+    shape: tuple[int, ...]
+    #: its dtype, as torch names it without the module (``float32``, ``bfloat16``)
+    dtype: str
+    #: the XXH3-128 digest of its bytes (the whole tensor, C order), as 32 hex digits
+    digest: str
+
+
 @attrs.frozen(eq=False)
 class RunState:
     """Everything a run needs to continue from one moment.
@@ -45,6 +59,9 @@ class RunState:
         sharded: the model's and optimizer's tensors are not here: a sharded checkpoint
             reads and writes them through ``checkpoint/formats/dcp.py``; ``weights`` is empty and
             ``optimizer`` holds the optimizer's other values (learning rates...).
+        frozen: the frozen parameters an adapter checkpoint records by fingerprint
+            (``checkpoint/frozen.py``) instead of holding them: ``weights`` lacks them. Empty: every
+            parameter is in ``weights`` (or, sharded, in the checkpoint's pieces).
 
     Examples:
         >>> from trainfold import testing
@@ -63,6 +80,7 @@ class RunState:
     accelerate_step: int
     rng: _rng.RngStates = attrs.field(repr=False)
     sharded: bool = False
+    frozen: tuple[FrozenTensor, ...] = ()
 
     @property
     def step(self) -> int:
@@ -159,7 +177,7 @@ def check_fits(run: RunState, state: TrainState) -> None:
         live_has = "has one" if state.scheduler is not None else "has none"
         raise StateMismatch(f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had.")
     if not run.sharded:  # a sharded checkpoint's model and optimizer: _sharded.check_layout
-        _check_model(unwrap(state.accelerator, state.model), run.weights)
+        _check_model(unwrap(state.accelerator, state.model), run.weights, frozenset(f.name for f in run.frozen))
         optimizer = inner_optimizer(state.optimizer)
         _check_optimizer(optimizer, run.optimizer)
         for saved, live in zip(run.optimizer["param_groups"], optimizer.state_dict()["param_groups"]):
@@ -213,7 +231,7 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_a
     acc = state.accelerator
     model = unwrap(acc, state.model)
     if not run.sharded and model_and_optimizer:  # a sharded checkpoint's are put back by its format (formats/dcp.py)
-        model.load_state_dict(run.weights, strict=True)
+        model.load_state_dict(run.weights, strict=not run.frozen)  # an adapter checkpoint's frozen tensors: checked, kept
         inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
     for name, p in model.named_parameters():
         grad = run.grads.get(name)
@@ -229,9 +247,12 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_a
     return attrs.evolve(values, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler, accelerator=acc, cursor=None)
 
 
-def _check_model(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+def _check_model(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], frozen: frozenset[str] = frozenset()) -> None:
+    """The checkpoint's weights, and the frozen parameters it records by fingerprint, must be this model's tensors."""
     current = model.state_dict()
     for name, tensor in current.items():
+        if name in frozen:
+            continue
         if name not in weights:
             raise StateMismatch(f"is from another model: it has no parameter {name!r} (shape {tuple(tensor.shape)}).")
         if tuple(weights[name].shape) != tuple(tensor.shape):
@@ -239,7 +260,7 @@ def _check_model(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) ->
                 f"is from another model: parameter {name!r} has shape {tuple(weights[name].shape)} in the "
                 f"checkpoint and {tuple(tensor.shape)} in this model."
             )
-    extra = sorted(set(weights) - set(current))
+    extra = sorted((set(weights) | frozen) - set(current))
     if extra:
         raise StateMismatch(f"is from another model: it has parameters this model lacks, first {extra[0]!r}.")
 

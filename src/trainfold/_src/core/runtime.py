@@ -4,7 +4,7 @@ A :class:`~trainfold.Context` is a frozen value: the Accelerator and the
 settings a run was made with. What changes while runs go on — the locks on
 checkpoint roots, the thread that writes background saves, the channel the
 processes agree on, the signal handlers, which checkpoint each root holds,
-the warnings already given, the states given back — lives here, reached as
+the warnings already given, the states given back, the digests of frozen tensors — lives here, reached as
 ``ctx.runtime``, and is changed only through the methods below, each named by
 what it does.
 """
@@ -37,7 +37,9 @@ class Runtime:
         :meth:`close` releases them); the position of the checkpoint this process last saved to or loaded
         from each root (:meth:`note_held`, by ``save_checkpoint`` and ``load_checkpoint``; read by
         ``checkpoint_every(...).at_end`` so that the end of a run is not saved twice); the warnings given once (:meth:`warn_once`, by ``run_epoch`` and the
-        trackers); the models of states given back (:meth:`release`, by ``Context.release``); and
+        trackers); the models of states given back (:meth:`release`, by ``Context.release``); the digest
+        of each frozen parameter, with the version of the tensor it was taken of (:meth:`remember_digest`,
+        by adapter checkpoints: a base is hashed once per Context, again only after it changed); and
         whether the Context was closed (:meth:`close`, by ``Context.close``).
 
     Args:
@@ -62,6 +64,7 @@ class Runtime:
         self._held: dict[str, Any] = {}
         self._warned: set[str] = set()
         self._released: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._digests: dict[str, tuple[weakref.ref[Any], int, str]] = {}
         self._closed = False
 
     @property
@@ -103,6 +106,17 @@ class Runtime:
     def is_released(self, model: Any) -> bool:
         """Whether ``model`` was given back with :meth:`release`."""
         return model in self._released
+
+    def remember_digest(self, name: str, tensor: Any, version: int, digest: str) -> None:
+        """Note ``digest`` as the digest of ``tensor`` (held weakly) at ``version`` (its in-place version counter), under ``name``."""
+        self._digests[name] = (weakref.ref(tensor), version, digest)
+
+    def remembered_digest(self, name: str, tensor: Any, version: int) -> str | None:
+        """The digest noted under ``name`` if it was taken of this very ``tensor`` at this ``version``, else None."""
+        noted = self._digests.get(name)
+        if noted is None or noted[0]() is not tensor or noted[1] != version:
+            return None
+        return noted[2]
 
     def close(self) -> None:
         """Forget the saver's and control channel's groups, release the roots' locks, put the signal handlers back.

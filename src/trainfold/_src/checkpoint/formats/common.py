@@ -9,7 +9,7 @@ from typing import Any, Mapping, Protocol
 import attrs
 import torch
 
-from trainfold._src.backend.engine import is_dtensor
+from trainfold._src.backend.engine import is_dtensor, unwrap
 from trainfold._src.backend.mesh import data_layout
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import user_stacklevel
@@ -19,7 +19,7 @@ from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import Resume
 from trainfold._src.core.modes import optimizer_modes
-from trainfold._src.core.runstate import RunState
+from trainfold._src.core.runstate import FrozenTensor, RunState
 from trainfold._src.core.state import TrainState
 from trainfold.errors import CheckpointError
 
@@ -46,8 +46,9 @@ class Format(Protocol):
     #: whether each process holds its own part of the weights (shards, ZeRO partitions), not a copy of the whole
     partitioned: bool
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
-        """Read what this process saves (every process calls it; ``copied`` for a background save)."""
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+        """Read what this process saves (every process calls it; ``copied`` for a background save). ``frozen``: the
+        parameters an adapter checkpoint records by fingerprint instead of holding (``checkpoint/frozen.py``)."""
         ...
 
     def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
@@ -61,6 +62,36 @@ class Format(Protocol):
     def weights(self, stored: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The model's whole weights, by parameter name, on the CPU, read offline (no process group, no model)."""
         ...
+
+
+def without(tensors: Mapping[str, torch.Tensor], frozen: tuple[FrozenTensor, ...], prefix: str = "") -> dict[str, torch.Tensor]:
+    """``tensors`` but the frozen parameters an adapter checkpoint records by fingerprint (keyed ``prefix`` + name)."""
+    dropped = {prefix + f.name for f in frozen}
+    return {k: v for k, v in tensors.items() if k not in dropped}
+
+
+def live_fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:
+    """The fingerprints of the live model's frozen parameters (none: nothing frozen). Every process calls it before a load
+    reads anything, in the same order (a sharded tensor is gathered); each tensor is hashed once per Context."""
+    from trainfold._src.checkpoint.frozen import fingerprint, frozen_names
+
+    model = unwrap(ctx.accelerator, state.model)
+    names = frozen_names(model)
+    return fingerprint(ctx, model, names) if names else ()
+
+
+def check_adapters(folder: object, run: RunState, state: TrainState, live: tuple[FrozenTensor, ...]) -> None:
+    """An adapter checkpoint (``run.frozen``) loads only onto a model that freezes the same parameters, of the same base.
+
+    Raises:
+        CheckpointError: a parameter frozen on one side only, of another shape or dtype, or of other values.
+    """
+    if not run.frozen:
+        return
+    from trainfold._src.checkpoint.frozen import check_base, check_frozen_alike
+
+    check_frozen_alike(folder, run.frozen, unwrap(state.accelerator, state.model))
+    check_base(folder, run.frozen, live)
 
 
 def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -93,24 +93,27 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return tensors, rest
 
 
-def own_share(tensors: Mapping[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+def own_share(tensors: Mapping[str, torch.Tensor], rank: int, world: int, buffers: Collection[str] = ()) -> dict[str, torch.Tensor]:
     """The tensors process ``rank`` writes: every DTensor (its own shard; DCP writes each replicated piece once), and of
     the plain tensors, which every process holds whole (DDP's replicas, FSDP's unsharded buffers), those dealt to it.
 
     The deal gives each plain tensor, in name order, to the process with the fewest bytes so far: every process
     computes the same deal, so each tensor is written once, and the writing is spread as DCP's own deduplication
     would spread it after planning. Dealt before, a background save copies only this process's share to host memory.
+    The model's ``buffers`` are the first process's: they can differ between processes (batch-norm statistics, each
+    process's own batches), and the first process's are the ones DDP hands to all at the next forward.
     """
     if world <= 1:
         return dict(tensors)
     dealt = [0] * world
     share: dict[str, torch.Tensor] = {}
+    firsts = set(buffers)
     for name in sorted(tensors):
         tensor = tensors[name]
         if is_dtensor(tensor):
             share[name] = tensor
             continue
-        owner = min(range(world), key=dealt.__getitem__)
+        owner = 0 if name in firsts else min(range(world), key=dealt.__getitem__)
         dealt[owner] += tensor.numel() * tensor.element_size()
         if owner == rank:
             share[name] = tensor
@@ -261,8 +264,11 @@ class _Reader(StorageReader):
         return True
 
 
-def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rest: Mapping[str, Any]) -> None:
+def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rest: Mapping[str, Any],
+                 frozen: frozenset[str] = frozenset()) -> None:
     """Raise unless the saved tensors fit this model and optimizer (names, global shapes), before anything changes.
+
+    ``frozen``: the parameters an adapter checkpoint records by fingerprint and holds no piece of.
 
     Raises:
         ValueError: a parameter missing on either side, of another shape, an
@@ -272,6 +278,8 @@ def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.op
     saved = metadata.state_dict_metadata
     live = _model_tensors(model)
     for name, value in live.items():
+        if name in frozen:
+            continue
         md = saved.get(MODEL + name)
         if md is None:
             raise ValueError(f"is from another model: it has no parameter {name!r} (shape {tuple(value.shape)}).")
@@ -333,7 +341,7 @@ def _param_of(rest: str, names: Mapping[str, Any]) -> str | None:
 
 
 def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torch.Tensor]], model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+                optimizer: torch.optim.Optimizer, frozen: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Read the saved tensors into new tensors laid out as this run's (a collective) and return them, flat.
 
     Nothing live is changed: the model's tensors are read into empty copies of
@@ -344,7 +352,7 @@ def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torc
         CheckpointError: a piece missing from its file, or of another shape or dtype.
     """
     live = _model_tensors(model)
-    dest: dict[str, torch.Tensor] = {MODEL + k: torch.empty_like(v) for k, v in live.items()}
+    dest: dict[str, torch.Tensor] = {MODEL + k: torch.empty_like(v) for k, v in live.items() if k not in frozen}
     for key, md in metadata.state_dict_metadata.items():
         if not key.startswith(OPTIM):
             continue
@@ -363,14 +371,18 @@ def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torc
     return dest
 
 
-def apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], rest: Mapping[str, Any]) -> None:
-    """Put the loaded tensors and the optimizer's other values into the live model and optimizer."""
+def apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], rest: Mapping[str, Any],
+          strict: bool = True) -> None:
+    """Put the loaded tensors and the optimizer's other values into the live model and optimizer (``strict=False``: an
+    adapter checkpoint's, which lack the frozen parameters; check_layout checked every other name)."""
     weights = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
     optim = {**rest, **{k[len(OPTIM):]: v for k, v in tensors.items() if k.startswith(OPTIM)}}
-    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=_OPTIONS)  # type: ignore[arg-type]
+    options = _OPTIONS if strict else StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=options)  # type: ignore[arg-type]
 
 
-def deal_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any]) -> None:
+def deal_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any],
+             strict: bool = True) -> None:
     """Put whole tensors (a gathered checkpoint's, which every process holds) into this run's shards (FSDP's DTensors).
 
     The optimizer's state is keyed by parameter index as torch's ``state_dict`` keys it;
@@ -383,6 +395,6 @@ def deal_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: 
     fqn = {str(i): names[id(p)] for i, p in zip(saved_ids, params)}
     state = {fqn[str(k)]: v for k, v in optimizer_state["state"].items()}
     groups = [{**g, "params": [fqn[str(i)] for i in g["params"]]} for g in optimizer_state["param_groups"]]
-    options = StateDictOptions(full_state_dict=True)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(model, dict(weights), options=options)
     set_optimizer_state_dict(model, optimizer, {"state": state, "param_groups": groups}, options=options)

@@ -19,7 +19,7 @@ from trainfold._src.checkpoint.manifest import DEEPSPEED, MANIFEST, is_engine_fi
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import Resume
-from trainfold._src.core.runstate import capture, check_fits, put_back
+from trainfold._src.core.runstate import FrozenTensor, capture, check_fits, put_back
 from trainfold._src.core.state import TrainState
 from trainfold.errors import CheckpointError
 
@@ -30,7 +30,8 @@ class DeepSpeedFormat:
     code = DEEPSPEED
     partitioned = True
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+        del frozen  # the engine's files hold every parameter (save.py asks for no fingerprint under DeepSpeed)
         from trainfold._src.checkpoint.formats import engine_files as _deepspeed  # imports deepspeed
 
         _check_at_update(ctx, state)

@@ -16,11 +16,13 @@ from trainfold._src.backend.optim import inner_optimizer
 from trainfold._src.base import rng as _rng
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
-from trainfold._src.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, saved_elsewhere, to_host
+from trainfold._src.checkpoint.formats.common import (
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, without,
+)
 from trainfold._src.checkpoint.manifest import FORMAT, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
-from trainfold._src.core.runstate import StateMismatch, capture, check_fits, put_back
+from trainfold._src.core.runstate import FrozenTensor, StateMismatch, capture, check_fits, put_back
 from trainfold._src.core.state import TrainState
 from trainfold.errors import CheckpointError
 
@@ -31,11 +33,12 @@ class Gathered:
     code = FORMAT
     partitioned = False
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
         weights = ctx.accelerator.get_state_dict(state.model)  # every process takes part (sharded engines gather)
+        weights = without(weights, frozen)
         if copied:
             weights = to_host(weights)
-        return Captured(attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights), weights)
+        return Captured(attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights, frozen=frozen), weights)
 
     def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
         return {}  # every tensor is in the shared files
@@ -48,6 +51,7 @@ class Gathered:
         elastic = saved_elsewhere(manifest, acc)
         into_shards = shards_parameters(acc)
         source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
+        live_frozen = live_fingerprint(ctx, state)  # before anything is read: every process hashes (a sharded base is gathered)
         files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
         run, resume, saved_steps = decode(folder, files, state, source)
         del files
@@ -65,12 +69,13 @@ class Gathered:
             check_fits(run, state)
         except StateMismatch as exc:
             raise CheckpointError(f"{folder} {exc}") from None
+        check_adapters(folder, run, state, live_frozen)
 
         # Everything read and checked: now change things.
         if into_shards:
             from trainfold._src.checkpoint.formats import dcp
 
-            dcp.deal_out(unwrap(acc, state.model), inner_optimizer(state.optimizer), run.weights, run.optimizer)
+            dcp.deal_out(unwrap(acc, state.model), inner_optimizer(state.optimizer), run.weights, run.optimizer, strict=not run.frozen)
         return loaded(put_back(run, state, keep_run=False, model_and_optimizer=not into_shards), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:

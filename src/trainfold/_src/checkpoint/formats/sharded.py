@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import attrs
 import torch
 
 from trainfold._src.backend.engine import local, unwrap
@@ -15,12 +16,14 @@ from trainfold._src.base import rng as _rng
 from trainfold._src.checkpoint.commit import agreed
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
-from trainfold._src.checkpoint.formats.common import Captured, check_accumulation, elastic_resume, loaded, saved_elsewhere, to_host
+from trainfold._src.checkpoint.formats.common import (
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, without,
+)
 from trainfold._src.checkpoint.manifest import SHARDED, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import Resume
-from trainfold._src.core.runstate import capture, check_fits, put_back
+from trainfold._src.core.runstate import FrozenTensor, capture, check_fits, put_back
 from trainfold._src.core.state import TrainState
 from trainfold.errors import CheckpointError
 
@@ -31,17 +34,18 @@ class Sharded:
     code = SHARDED
     partitioned = True
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool) -> Captured:
+    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
         from trainfold._src.checkpoint.formats import (
             dcp,  # torch.distributed.checkpoint: imported by the first sharded save, not with trainfold
         )
 
         acc = ctx.accelerator
         shards, rest = agreed(ctx, lambda: dcp.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
-        shards = dcp.own_share(shards, acc.process_index, acc.num_processes)
+        buffers = [dcp.MODEL + name for name, _ in unwrap(acc, state.model).named_buffers()]
+        shards = dcp.own_share(without(shards, frozen, prefix=dcp.MODEL), acc.process_index, acc.num_processes, buffers)
         if copied:
             shards = to_host(shards)
-        run = capture(state, copied=copied, rng=rng, sharded_optimizer=rest)
+        run = attrs.evolve(capture(state, copied=copied, rng=rng, sharded_optimizer=rest), frozen=frozen)
         return Captured(run, {k: local(v) for k, v in shards.items() if k.startswith(dcp.MODEL)}, shards=shards)
 
     def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
@@ -60,6 +64,7 @@ class Sharded:
         world = manifest["world_size"]
         elastic = saved_elsewhere(manifest, acc)
         source = 0 if elastic else rank  # another number of processes: every process continues from the first one's states
+        live_frozen = live_fingerprint(ctx, state)  # before anything is read: every process hashes (a sharded base is gathered)
 
         def read_and_check() -> tuple[Any, Resume, Any]:
             files = read_verified(folder, manifest, ["state.json", "state.safetensors", dcp_metadata.METADATA, *rank_files(source)])
@@ -69,11 +74,13 @@ class Sharded:
             else:
                 check_accumulation(ctx, folder, saved_steps)
             metadata = dcp_metadata.parse_metadata(folder, files[dcp_metadata.METADATA], world)
+            frozen = frozenset(f.name for f in run.frozen)
             try:
                 check_fits(run, state)
-                dcp.check_layout(metadata, model, optimizer, run.optimizer)
+                dcp.check_layout(metadata, model, optimizer, run.optimizer, frozen)
             except ValueError as exc:  # StateMismatch, and check_layout's predicates
                 raise CheckpointError(f"{folder} {exc}") from None
+            check_adapters(folder, run, state, live_frozen)
             return run, resume, metadata
 
         run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
@@ -81,9 +88,10 @@ class Sharded:
         def read_file(name: str) -> Mapping[str, torch.Tensor]:
             return parse_tensors(folder, name, read_verified(folder, manifest, [name])[name])
 
-        tensors = dcp.load_shards(metadata, read_file, model, optimizer)
+        frozen = frozenset(f.name for f in run.frozen)
+        tensors = dcp.load_shards(metadata, read_file, model, optimizer, frozen)
         # Everything read and checked, on every process: now change things.
-        dcp.apply(model, optimizer, tensors, run.optimizer)
+        dcp.apply(model, optimizer, tensors, run.optimizer, strict=not frozen)
         return loaded(put_back(run, state, keep_run=False), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:

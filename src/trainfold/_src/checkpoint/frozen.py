@@ -1,0 +1,109 @@
+"""Frozen parameters: what an adapter checkpoint records instead of them, and the check that ties a resume to its base.
+
+A model with frozen parameters (``requires_grad=False``: a pretrained base under
+LoRA adapters, a frozen backbone or embedding) changes only in the rest. An
+adapter checkpoint holds the rest (the trainable parameters and every buffer,
+with the optimizer and the run's state) and records each frozen parameter by its
+fingerprint (:class:`~trainfold._src.core.runstate.FrozenTensor`): name, shape,
+dtype and the XXH3-128 digest of its bytes. The digest is of the whole tensor,
+gathered from its shards one at a time, so it does not depend on how a run
+shards it. A load checks the live model's tensors against it before anything changes.
+
+Hashing a base costs a pass over its bytes: each tensor is hashed once per Context,
+which remembers its digest with the tensor's version counter (every in-place
+change bumps it) and hashes it again only after it changed (``ctx.runtime``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from trainfold._src.backend.engine import is_dtensor, local
+from trainfold._src.checkpoint import digest as _digest
+from trainfold._src.checkpoint import safetensors as _safetensors
+from trainfold._src.core.context import Context
+from trainfold._src.core.runstate import FrozenTensor
+from trainfold.errors import CheckpointError
+
+
+def frozen_names(model: torch.nn.Module) -> list[str]:
+    """The state-dict names of ``model``'s frozen parameters (every name of a tied one), in state-dict order."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [name for name in model.state_dict(keep_vars=True) if name in params and not params[name].requires_grad]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fingerprint(ctx: Context, model: torch.nn.Module, names: Iterable[str]) -> tuple[FrozenTensor, ...]:
+    """The fingerprints of ``model``'s tensors ``names`` (every process calls it, in the same order: a sharded
+    tensor is gathered, one at a time).
+
+    Raises:
+        ValueError: a tensor on the meta device (a base whose weights were never loaded): it has no bytes to hash.
+    """
+    tensors = model.state_dict(keep_vars=True)
+    return tuple(_fingerprint_of(ctx, name, tensors[name]) for name in names)
+
+
+def _fingerprint_of(ctx: Context, name: str, tensor: torch.Tensor) -> FrozenTensor:
+    if tensor.device.type == "meta":
+        raise ValueError(
+            f"the frozen parameter {name!r} is on the meta device: its weights were never loaded, so a checkpoint cannot "
+            "record which base it is. Load the base's weights into the model before training."
+        )
+    version = local(tensor)._version
+    digest = ctx.runtime.remembered_digest(name, tensor, version)
+    if digest is None:
+        whole = tensor.detach().full_tensor() if is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
+        digest = _digest.of(_safetensors.raw(whole))
+        ctx.runtime.remember_digest(name, tensor, version, digest)
+    return FrozenTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), digest)
+
+
+def check_frozen_alike(folder: object, saved: Sequence[FrozenTensor], model: torch.nn.Module) -> None:
+    """The live model must freeze what the run that saved froze: the same names, shapes and dtypes (no bytes read).
+
+    Raises:
+        CheckpointError: a parameter frozen on one side only (naming it and which side), or of another shape or dtype.
+    """
+    live = frozen_names(model)
+    on_record = {f.name for f in saved}
+    if set(live) != on_record:
+        name = sorted(on_record ^ set(live))[0]
+        where = ("frozen when it was saved and trainable in this model" if name in on_record else
+                 "trainable when it was saved and frozen in this model")
+        raise CheckpointError(
+            f"{folder} is an adapter checkpoint of a model with {len(on_record)} frozen parameter(s), and this model has "
+            f"{len(live)}: {name!r} was {where}. Freeze the model as it was when the checkpoint was saved (a run that "
+            "unfreezes parameters resumes from a checkpoint after the unfreezing with them unfrozen, from one before it "
+            "with them frozen)."
+        )
+    tensors = model.state_dict(keep_vars=True)
+    for f in saved:
+        t = tensors[f.name]
+        if (tuple(t.shape), dtype_name(t.dtype)) != (f.shape, f.dtype):
+            raise CheckpointError(
+                f"{folder} was trained on a base whose frozen parameter {f.name!r} is {f.dtype} of shape {f.shape}; in this "
+                f"model it is {dtype_name(t.dtype)} of shape {tuple(t.shape)}: another base. Load the base the run started "
+                "from, in the dtype it had."
+            )
+
+
+def check_base(folder: object, saved: Sequence[FrozenTensor], live: Sequence[FrozenTensor]) -> None:
+    """The live base's fingerprints (``live``, of the same names: :func:`check_frozen_alike` ran) must be the saved ones.
+
+    Raises:
+        CheckpointError: naming the first frozen parameter whose bytes differ.
+    """
+    now_by_name = {f.name: f.digest for f in live}
+    for was in saved:
+        if was.digest != now_by_name.get(was.name):
+            raise CheckpointError(
+                f"{folder} was trained on another base: the frozen parameter {was.name!r} ({was.dtype}, shape {was.shape}) "
+                "has other values in this model (another model, another revision, or a base changed in place). Load the "
+                "base the run started from; nothing was changed."
+            )

@@ -1,0 +1,311 @@
+"""Adapter checkpoints: a model with frozen parameters saves what trains, records its base by fingerprint, and resumes
+only onto that base, bit for bit."""
+
+import json
+
+import helpers
+import pytest
+import torch
+
+from trainfold import (
+    CheckpointError, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step, run_epoch,
+    save_checkpoint, testing,
+)
+
+EPOCHS = 3  # 8 batches an epoch
+
+
+def _train(ctx, state, dl, wrap=lambda step: step):
+    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=EPOCHS)(state)
+
+
+def _frozen(state):
+    return {n: p.detach().clone() for n, p in state.model.named_parameters() if not p.requires_grad}
+
+
+def _state_json(ckpt):
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def test_an_adapter_checkpoint_holds_what_trains_and_the_bases_fingerprint(tmp_path):
+    ctx, state, dl = helpers.adapter_setup()
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    adapters = save_checkpoint(ctx, tmp_path / "adapters", state)
+    full = save_checkpoint(ctx, tmp_path / "full", state, save_frozen=True)
+    del adapters, full
+
+    ckpt, whole = latest_checkpoint(tmp_path / "adapters"), latest_checkpoint(tmp_path / "full")
+    model = state.model
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    buffers = [n for n, _ in model.named_buffers()]
+    header = json.loads((ckpt / "model.safetensors").read_bytes()[8:8 + int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")])
+    assert sorted(trainable + buffers) == sorted(k for k in header if k != "__metadata__")  # the batch-norm statistics too
+
+    recorded = _state_json(ckpt)["frozen"]
+    assert frozen == [entry["name"] for entry in recorded]
+    weight = dict(model.named_parameters())["2.base.weight"]
+    entry = next(e for e in recorded if e["name"] == "2.base.weight")
+    assert {"shape": [640, 640], "dtype": "float32"} == {"shape": entry["shape"], "dtype": entry["dtype"]}
+    from trainfold._src.checkpoint import digest, safetensors
+
+    assert digest.of(safetensors.raw(weight)) == entry["xxh3_128"]
+    assert "frozen" not in _state_json(whole)
+
+    size, full_size = helpers.checkpoint_bytes(ckpt), helpers.checkpoint_bytes(whole)
+    assert size <= 0.10 * full_size, (size, full_size)  # 2.4% of the parameters train: 7% of a full checkpoint's bytes
+
+
+def test_an_adapter_run_resumed_from_any_update_ends_bit_for_bit_as_the_uninterrupted_run(tmp_path):
+    expected = _train(*helpers.adapter_setup())
+    ctx, state, dl = helpers.adapter_setup()
+    saved = _train(ctx, state, dl, checkpoint_every(ctx, tmp_path, 5))
+    testing.assert_params_equal(expected, saved)
+    checkpoints = list_checkpoints(tmp_path)
+    assert [f"ckpt-{n:010d}" for n in (5, 10, 15, 20)] == [c.name for c in checkpoints]
+
+    for ckpt in checkpoints:
+        ctx, state, dl = helpers.adapter_setup(adapter_seed=7)  # other adapters: they must come from the checkpoint
+        base = _frozen(state)
+        resumed = _train(ctx, load_checkpoint(ctx, ckpt, state), dl)
+        testing.assert_params_equal(expected, resumed)
+        assert all(torch.equal(base[n], p) for n, p in resumed.model.named_parameters() if n in base)  # the base untouched
+        assert torch.equal(expected.model[3].running_mean, resumed.model[3].running_mean)
+        assert expected.history == resumed.history
+
+
+def _one_adapter_checkpoint(tmp_path):
+    ctx, state, dl = helpers.adapter_setup()
+    state = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
+    save_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+    return latest_checkpoint(tmp_path)
+
+
+def _load_refused(ctx, ckpt, state, match):
+    before = {n: t.clone() for n, t in state.model.state_dict().items()}
+    moments = {k: v.clone() for k, v in state.optimizer.state_dict()["state"].items()}
+    with pytest.raises(CheckpointError, match=match) as refused:
+        load_checkpoint(ctx, ckpt, state)
+    assert all(torch.equal(before[n], t) for n, t in state.model.state_dict().items()), "a refused load changed the model"
+    assert moments == state.optimizer.state_dict()["state"]
+    return str(refused.value)
+
+
+def test_another_base_is_refused_naming_the_first_frozen_tensor_that_differs(tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+    ctx, state, _ = helpers.adapter_setup(base_seed=3)
+    message = _load_refused(ctx, ckpt, state, r"trained on another base: the frozen parameter '0.base.weight' \(float32, shape \(640, 8\)\)")
+    assert "Load the base the run started from" in message
+
+
+def test_a_base_changed_in_place_by_one_ulp_is_refused(tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+    ctx, state, _ = helpers.adapter_setup()
+    with torch.no_grad():
+        w = state.model[5].base.weight
+        w[2, 7] = torch.nextafter(w[2, 7], torch.tensor(float("inf")))
+    _load_refused(ctx, ckpt, state, r"the frozen parameter '5.base.weight'")
+
+
+def test_the_same_base_changed_in_place_during_a_run_is_hashed_again_at_the_next_save(tmp_path):
+    """The digest is remembered with the tensor's version counter: a change in place between two saves is seen."""
+    ctx, state, dl = helpers.adapter_setup()
+    step = make_step(ctx, helpers.ce_loss)
+    state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, step, dl, state))
+    first = {e["name"]: e["xxh3_128"] for e in _state_json(latest_checkpoint(tmp_path))["frozen"]}
+    with torch.no_grad():
+        state.model[2].base.bias.add_(1.0)
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, step, dl, state))
+    second = {e["name"]: e["xxh3_128"] for e in _state_json(latest_checkpoint(tmp_path))["frozen"]}
+    assert {"2.base.bias"} == {n for n in first if first[n] != second[n]}
+
+
+def test_a_base_in_another_dtype_is_refused_naming_both(tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+    ctx, state, _ = helpers.adapter_setup()
+    state.model[0].base.to(torch.float64)
+    _load_refused(ctx, ckpt, state, r"'0.base.weight' is float32 of shape \(640, 8\); in this model it is float64")
+
+
+def test_a_parameter_frozen_on_one_side_only_is_refused_with_how_to_resume(tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+    ctx, state, _ = helpers.adapter_setup()
+    state.model[5].base.bias.requires_grad_(True)
+    message = _load_refused(ctx, ckpt, state, r"'5.base.bias' was frozen when it was saved and trainable in this model")
+    assert "Freeze the model as it was when the checkpoint was saved" in message
+
+
+def test_a_run_that_unfreezes_a_layer_resumes_from_before_and_after_it(tmp_path):
+    """Unfreezing mid-run: a checkpoint after it holds the unfrozen layer (trainable then); one before it records it."""
+
+    def build(unfrozen):
+        ctx, state, dl = helpers.adapter_setup()
+        if unfrozen:
+            state.model[5].base.requires_grad_(True)
+            state.optimizer.add_param_group({"params": list(state.model[5].base.parameters()), "lr": 1e-3})
+        return ctx, state, dl
+
+    ctx, state, dl = build(False)
+    state = save_checkpoint(ctx, tmp_path / "before", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    state.model[5].base.requires_grad_(True)
+    state.optimizer.add_param_group({"params": list(state.model[5].base.parameters()), "lr": 1e-3})
+    after = save_checkpoint(ctx, tmp_path / "after", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx.close()
+    assert "5.base.weight" not in {e["name"] for e in _state_json(latest_checkpoint(tmp_path / "after"))["frozen"]}
+
+    ctx, fresh, dl = build(True)
+    resumed = load_checkpoint(ctx, tmp_path / "after", fresh)
+    testing.assert_params_equal(after, resumed)
+    ctx.close()
+    ctx, fresh, dl = build(False)
+    assert 8 == load_checkpoint(ctx, tmp_path / "before", fresh).step
+
+
+@pytest.mark.parametrize("forge", ["digest", "shape", "missing field", "not a list", "twice"])
+def test_a_damaged_or_forged_fingerprint_is_refused_before_anything_changes(forge, tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+
+    def change(doc):
+        entries = doc["frozen"]
+        if forge == "digest":  # a well-formed digest of other bytes: the base no longer matches
+            entries[0]["xxh3_128"] = "0" * 32
+        elif forge == "shape":
+            entries[0]["shape"] = [-1, 8]
+        elif forge == "missing field":
+            del entries[1]["dtype"]
+        elif forge == "not a list":
+            doc["frozen"] = {"0.base.weight": entries[0]}
+        else:
+            entries.append(dict(entries[0]))
+
+    helpers.edit_signed_json(ckpt, "state.json", change)
+    ctx, state, _ = helpers.adapter_setup()
+    _load_refused(ctx, ckpt, state, "trained on another base" if forge == "digest" else "a value this trainfold cannot read")
+
+
+def test_a_base_on_the_meta_device_cannot_be_fingerprinted_and_says_how(tmp_path):
+    ctx, state, dl = helpers.adapter_setup()
+    state.model[2].base.to("meta")
+    with pytest.raises(ValueError, match=r"the frozen parameter '2.base.weight' is on the meta device: its weights were never loaded"):
+        save_checkpoint(ctx, tmp_path, state)
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_full_checkpoint_of_an_adapter_model_loads_onto_any_base(tmp_path):
+    """``save_frozen=True`` holds the frozen parameters: a load puts them back and checks nothing of the base."""
+    ctx, state, dl = helpers.adapter_setup()
+    state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), save_frozen=True)
+    ctx.close()
+    ctx, other, _ = helpers.adapter_setup(base_seed=3)
+    testing.assert_params_equal(state, load_checkpoint(ctx, tmp_path, other))
+
+
+def test_checkpoint_every_takes_save_frozen_and_refuses_a_non_bool(tmp_path):
+    ctx, state, dl = helpers.adapter_setup()
+    with pytest.raises(TypeError, match="save_frozen must be True or False"):
+        checkpoint_every(ctx, tmp_path, 4, save_frozen="yes")
+    run_epoch(ctx, checkpoint_every(ctx, tmp_path, 4, save_frozen=True)(make_step(ctx, helpers.ce_loss)), dl, state)
+    assert "frozen" not in _state_json(latest_checkpoint(tmp_path))
+
+
+def _adapter_run(engine, root, *, stop_after=None, resume=False, epochs=2, load_from=None):
+    """An adapter run on this process (one of several, or alone), saving every 2 updates; its parameters whole at the
+    start and at the end (FSDP2's shards gathered), by name. ``load_from``: the checkpoint to resume from (else ``root``'s newest)."""
+    import warnings
+
+    from accelerate import Accelerator
+
+    from trainfold import max_steps
+
+    acc = helpers.fsdp2_accelerator() if engine == "fsdp2" else Accelerator(cpu=True)
+    ctx, state, dl = helpers.adapter_setup(accelerator=acc, adapter_seed=7 if resume else 1)
+    if resume:
+        with warnings.catch_warnings():  # on another number of processes: the epoch's running train sums restart empty
+            warnings.filterwarnings("ignore", message=".*running train sums")
+            state = load_checkpoint(ctx, load_from or root, state)
+    at_start = _whole(state)
+    step = make_step(ctx, helpers.ce_loss)
+    if stop_after is not None:
+        step = max_steps(stop_after)(step)
+    with warnings.catch_warnings():  # on another number of processes: the global batch changed
+        warnings.filterwarnings("ignore", message=".*global batch")
+        state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 2)(step), dl), max_epochs=epochs)(state)
+    at_end = _whole(state)
+    ctx.close()
+    return at_start, at_end, state.step
+
+
+def _whole(state):
+    model = state.accelerator.unwrap_model(state.model)
+    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in model.state_dict().items()}
+
+
+def _on(nprocs, *args, **kwargs):
+    return helpers.on_processes(nprocs, _adapter_run, *args, **kwargs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_a_two_process_adapter_run_stopped_and_resumed_ends_as_the_uninterrupted_one_and_resumes_on_one(engine, tmp_path):
+    """Two processes save sharded adapter checkpoints (each its own pieces of the adapters); a run stopped after 3 updates
+    and resumed on two ends with the uninterrupted run's parameters, bit for bit, every adapter tensor counted; the
+    same checkpoint resumes on one process with the adapters and the base exactly as they stopped (2 -> 1)."""
+    (_, expected, steps), _ = _on(2, engine, str(tmp_path / "whole"))
+    (_, stopped, at), _ = _on(2, engine, str(tmp_path / "run"), stop_after=3)
+    assert (8, 3) == (steps, at)  # 4 updates an epoch (64 samples, 2 processes of batches of 8): stopped mid-epoch
+
+    ckpt = latest_checkpoint(tmp_path / "run")
+    saved = json.loads((ckpt / "tensors.json").read_text())
+    trainable = {f"{i}.{ab}" for i in (0, 2, 5) for ab in ("a", "b")}
+    model_tensors = {k.removeprefix("model.") for k in saved["tensors"] if k.startswith("model.")}
+    assert trainable | {"3.running_mean", "3.running_var", "3.num_batches_tracked"} == model_tensors  # no frozen piece
+    assert {f"{i}.base.{wb}" for i in (0, 2, 5) for wb in ("weight", "bias")} | {"3.weight", "3.bias"} == {
+        e["name"] for e in _state_json(ckpt)["frozen"]}
+
+    (started, resumed, _), _ = _on(2, engine, str(tmp_path / "run"), resume=True)
+    assert ckpt != latest_checkpoint(tmp_path / "run")
+    for name in stopped:
+        assert torch.equal(stopped[name], started[name]), name
+    for name in expected:
+        assert torch.equal(expected[name], resumed[name]), name
+
+    (alone, _, _), = _on(1, "ddp", str(tmp_path / "alone"), resume=True, epochs=1, load_from=str(ckpt))  # the epoch's rest, alone
+    for name in stopped:
+        if not name.startswith("3.running") and name != "3.num_batches_tracked":
+            assert torch.equal(stopped[name], alone[name]), name
+
+
+def test_inspect_shows_trainable_and_frozen_counts_and_one_digest_of_the_base(tmp_path, capsys):
+    from trainfold import cli
+
+    ckpt = _one_adapter_checkpoint(tmp_path / "a")
+    ctx, state, dl = helpers.adapter_setup(adapter_seed=5)  # the same base, other adapters: the same base digest
+    save_checkpoint(ctx, tmp_path / "b", state)
+    ctx.close()
+    docs = []
+    for where in (ckpt, tmp_path / "b"):
+        assert 0 == cli.main(["inspect", str(where), "--json"])
+        docs.append(json.loads(capsys.readouterr().out))
+    model = helpers.lora_mlp()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert {"trainable": trainable, "frozen": frozen} == docs[0]["parameters"] == {"trainable": 10284, "frozen": 419203}
+    assert {"tensors": 8, "values": frozen} == {k: docs[0]["frozen"][k] for k in ("tensors", "values")}
+    assert docs[0]["frozen"]["base"] == docs[1]["frozen"]["base"]
+
+    assert 0 == cli.main(["inspect", str(ckpt)])
+    text = capsys.readouterr().out
+    assert "parameters: 10,284 trainable, 419,203 frozen" in text
+    assert f"adapter checkpoint: 8 frozen tensor(s) (419,203 values) not held, recorded by fingerprint; base {docs[0]['frozen']['base']}" in text
+
+
+def test_inspect_of_a_checkpoint_that_holds_every_parameter_says_no_adapters(tmp_path, capsys):
+    from trainfold import cli
+
+    ctx, state, dl = helpers.adapter_setup()
+    save_checkpoint(ctx, tmp_path, state, save_frozen=True)
+    ctx.close()
+    assert 0 == cli.main(["inspect", str(tmp_path), "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["frozen"] is None and 419203 == doc["parameters"]["frozen"]
