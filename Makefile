@@ -42,11 +42,14 @@ $(STAMP): pyproject.toml
 
 # DeepSpeed lives apart from .venv: once installed, Accelerate imports it (and it prints a warning) in every
 # process that unwraps a model. It ships as source that imports torch to build: built against .venv's torch,
-# its ops compiled on first use (its tests run on CPU). transformers: Accelerate's DeepSpeed path imports it.
+# its ops compiled on first use (its tests run on CPU). transformers: Accelerate's DeepSpeed path imports it; the
+# transformers export tests and the peft tests (adapters) run here too. peft without its dependencies: they are
+# .venv's and this folder's (its torch requirement would fetch another torch).
 $(DS_STAMP): $(STAMP)
 	rm -rf $(DS_SITE)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation --no-deps --target $(DS_SITE) "deepspeed>=0.16"
 	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
+	$(PY) -m pip install --quiet --no-deps --target $(DS_SITE) "peft>=0.17"
 	touch $(DS_STAMP)
 
 # datasets too: Accelerate's loader imports it wherever it is installed (.venv has it for the streamed-data tests), and
@@ -102,7 +105,7 @@ test-multiprocess: $(STAMP) $(TP_STAMP)
 	$(PY) -m pytest -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)
-	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py tests/test_peft.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"

@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MAKE=${MAKE:-make}
 parts=(test-types "types (mypy --strict)" test-docs "docs site (mkdocs --strict)" test-inprocess "in-process tests (xdist)" test-multiprocess "multi-process tests (serial)"
-       test-deepspeed "DeepSpeed tests" test-floor "floor (oldest Accelerate)" test-wheel "the wheel, installed apart")
+       test-deepspeed "DeepSpeed, transformers, peft" test-floor "floor (oldest Accelerate)" test-wheel "the wheel, installed apart")
 names=() results=() seconds=()
 failed=0
 for ((i = 0; i < ${#parts[@]}; i += 2)); do

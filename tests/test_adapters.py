@@ -132,8 +132,8 @@ def test_a_parameter_frozen_on_one_side_only_is_refused_with_how_to_resume(tmp_p
     ckpt = _one_adapter_checkpoint(tmp_path)
     ctx, state, _ = helpers.adapter_setup()
     state.model[5].base.bias.requires_grad_(True)
-    message = _load_refused(ctx, ckpt, state, r"'5.base.bias' was frozen when it was saved and trainable in this model")
-    assert "Freeze the model as it was when the checkpoint was saved" in message
+    message = _load_refused(ctx, ckpt, state, r"'5.base.bias' is frozen when it was saved and trainable in this model")
+    assert "frozen as it was (a run that unfreezes parameters resumes" in message
 
 
 def test_a_run_that_unfreezes_a_layer_resumes_from_before_and_after_it(tmp_path):
@@ -309,3 +309,66 @@ def test_inspect_of_a_checkpoint_that_holds_every_parameter_says_no_adapters(tmp
     assert 0 == cli.main(["inspect", str(tmp_path), "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["frozen"] is None and 419203 == doc["parameters"]["frozen"]
+
+
+def _base_file(tmp_path, state, names_of=lambda n: n):
+    """The frozen tensors of ``state``'s model as one safetensors file (what a pretrained base's file holds)."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "base.safetensors"
+    save_file({names_of(n): p.detach().contiguous() for n, p in state.model.named_parameters() if not p.requires_grad}, str(path))
+    return path
+
+
+def test_export_of_an_adapter_checkpoint_writes_the_adapters_alone_and_says_so(tmp_path, capsys):
+    from trainfold import cli
+    from trainfold._src.checkpoint.safetensors import parse
+
+    ctx, state, dl = helpers.adapter_setup()
+    state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx.close()
+    assert 0 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "adapters.safetensors")])
+    out = capsys.readouterr().out
+    assert "the adapters alone" in out and "--base BASE writes the whole model" in out
+    written = parse(bytearray((tmp_path / "adapters.safetensors").read_bytes()))
+    expected = {n: t for n, t in state.model.state_dict().items() if n not in {m for m, p in state.model.named_parameters() if not p.requires_grad}}
+    assert expected.keys() == written.keys() and all(torch.equal(expected[n], written[n]) for n in expected)
+
+
+@pytest.mark.parametrize("names", ["the model's", "the backbone's own"])
+def test_export_with_the_base_writes_the_whole_model_bit_for_bit(names, tmp_path, capsys):
+    """The base's tensors are found by name, or else by their values (a backbone saved under its own names)."""
+    from trainfold import cli
+    from trainfold._src.checkpoint.safetensors import parse
+
+    ctx, state, dl = helpers.adapter_setup()
+    base = _base_file(tmp_path, state, (lambda n: n) if names == "the model's" else (lambda n: n.replace(".base.", ".")))
+    state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx.close()
+    assert 0 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "model.safetensors"), "--base", str(base)])
+    assert "the adapters alone" not in capsys.readouterr().out
+    written = parse(bytearray((tmp_path / "model.safetensors").read_bytes()))
+    live = state.model.state_dict()
+    assert live.keys() == written.keys() and all(torch.equal(live[n], written[n]) for n in live)
+
+
+def test_export_with_another_base_or_a_base_for_a_whole_checkpoint_is_refused_and_writes_nothing(tmp_path, capsys):
+    from trainfold import cli
+
+    ctx, state, dl = helpers.adapter_setup()
+    save_checkpoint(ctx, tmp_path / "root", state)
+    save_checkpoint(ctx, tmp_path / "whole", state, save_frozen=True)
+    ctx.close()
+    ctx, other, _ = helpers.adapter_setup(base_seed=3)
+    ctx.close()
+    other_base = _base_file(tmp_path, other)
+
+    assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(other_base)])
+    assert "has other values than the frozen '0.base.weight' the run trained on: another base" in capsys.readouterr().err
+    assert 2 == cli.main(["export", str(tmp_path / "whole"), str(tmp_path / "out.safetensors"), "--base", str(other_base)])
+    assert "holds every parameter of its model: a base is for an adapter checkpoint" in capsys.readouterr().err
+    assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out"), "--transformers", str(tmp_path)])
+    assert "is an adapter checkpoint: it holds what trained, not its base" in capsys.readouterr().err
+    assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(tmp_path / "nothing")])
+    assert "no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out").exists()

@@ -5,7 +5,9 @@
     trainfold verify PATH      the manifest check of a checkpoint (exit 1 when it fails, naming the file and why)
     trainfold inspect PATH     counters, stop, the last records, accumulation and precision, layout, versions
     trainfold export PATH OUT  the model's weights as one safetensors file (gathered, sharded of any mesh, DeepSpeed ZeRO);
-                               with --transformers CONFIG_DIR, a save_pretrained folder of CONFIG_DIR's model
+                               with --transformers CONFIG_DIR, a save_pretrained folder of CONFIG_DIR's model; of an
+                               adapter checkpoint the adapters alone (a PEFT model's as a folder PEFT loads), or with
+                               --base BASE (its safetensors file or save_pretrained folder, checked) the whole model
     trainfold diff A B         per-tensor max |difference| of two checkpoints or weight files (exit 0 when bit-equal)
 
 ``--json`` prints one JSON document instead, for scripts. ROOT, PATH, A and B may be
@@ -42,6 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sub.add_argument("--verify", action="store_true", help="check every checkpoint's files against its manifest, marking a damaged one (exit 1 if any is)")
         if name == "export":
             sub.add_argument("--transformers", metavar="CONFIG_DIR", help="write OUT as a save_pretrained folder of this Hugging Face model folder's model")
+            sub.add_argument("--base", metavar="BASE", help="an adapter checkpoint's base (a safetensors file or save_pretrained folder): "
+                                                            "checked against the checkpoint's fingerprint, OUT gets the whole model (LoRA merged)")
     args = parser.parse_args(argv)
     from trainfold._src import commands  # the library, imported once the arguments are good
 
@@ -55,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "export":
             # what the libraries an export imports print (DeepSpeed's logger, progress bars) goes to stderr: stdout is the result
             with contextlib.redirect_stdout(sys.stderr), commands.exit_on_sigterm():
-                doc = commands.export(args.path, Path(args.out), args.transformers)
-            return commands.show(doc, args.json, lambda d: f"wrote {d['out']}: {d['tensors']} tensors, {commands.size_text(d['bytes'])}")
+                doc = commands.export(args.path, Path(args.out), args.transformers, args.base)
+            return commands.show(doc, args.json, commands.export_text)
         if args.command == "diff":
             with contextlib.redirect_stdout(sys.stderr):
                 doc = commands.diff(args.a, args.b)

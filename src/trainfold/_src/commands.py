@@ -277,7 +277,7 @@ def _ranks(d: dict[str, Any]) -> str:
     return "" if d["data_ranks"] == d["processes"] else f" in {d['data_ranks']} data-parallel rank(s)"
 
 
-def export(path: str, out: Path, transformers_config: str | None) -> dict[str, Any]:
+def export(path: str, out: Path, transformers_config: str | None, base: str | None = None) -> dict[str, Any]:
     from trainfold._src.checkpoint import safetensors as _safetensors
     from trainfold._src.checkpoint.export import export_checkpoint
 
@@ -285,7 +285,8 @@ def export(path: str, out: Path, transformers_config: str | None) -> dict[str, A
     if transformers_config is not None and not Path(transformers_config).is_dir():
         raise Refused(f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least).")
     try:
-        written = export_checkpoint(folder, out, transformers_config=transformers_config)
+        adapters = base is None and bool(_state(folder).get("frozen"))
+        written = export_checkpoint(folder, out, transformers_config=transformers_config, base=base)
     except (FileExistsError, ImportError) as exc:
         raise Refused(str(exc)) from None
     except CheckpointError as exc:
@@ -293,7 +294,16 @@ def export(path: str, out: Path, transformers_config: str | None) -> dict[str, A
     files = sorted(written.glob("*.safetensors")) if written.is_dir() else [written]
     tensors = sum(len(_safetensors.parse(read_into(f, f.stat().st_size))) for f in files)
     size = sum(f.stat().st_size for f in (written.iterdir() if written.is_dir() else [written]))
-    return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size}
+    what = ("peft adapters" if (written / "adapter_config.json").exists() else "adapters") if adapters else "model"
+    return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size, "what": what}
+
+
+def export_text(d: dict[str, Any]) -> str:
+    text = f"wrote {d['out']}: {d['tensors']} tensors, {size_text(d['bytes'])}"
+    if d["what"] == "model":
+        return text
+    return (f"{text}: the adapters alone{' (PeftModel.from_pretrained(base_model, OUT) loads them)' if d['what'] == 'peft adapters' else ''}. "
+            "The checkpoint records its base by fingerprint; --base BASE writes the whole model.")
 
 
 def _weights(where: str) -> dict[str, Any]:

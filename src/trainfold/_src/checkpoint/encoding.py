@@ -54,9 +54,10 @@ _OWN = ("history", "sums")
 
 
 def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None,
-                  parameters: Mapping[str, int] | None = None) -> dict[str, Content]:
+                  parameters: Mapping[str, int] | None = None, peft: Mapping[str, Any] | None = None) -> dict[str, Content]:
     """``run`` (but its gradients and random states, which are per process) as the shared files' bytes. ``parameters``:
-    how many values train and how many are frozen (what ``trainfold inspect`` shows; a load reads nothing of it).
+    how many values train and how many are frozen (what ``trainfold inspect`` shows); ``peft``: a PEFT model's adapter
+    name and config (what ``trainfold export`` writes as ``adapter_config.json``). A load reads neither.
 
     Raises:
         TypeError: a value that cannot be written (an unregistered record in ``extras``...),
@@ -79,6 +80,8 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         "layout": dict(layout or {}),
         "parameters": dict(parameters or {}),
     }
+    if peft is not None:
+        doc["peft"] = dict(peft)
     if run.frozen:  # an adapter checkpoint: the frozen parameters by fingerprint, not in the weights
         doc["frozen"] = [{"name": f.name, "shape": list(f.shape), "dtype": f.dtype, _digest.DEFAULT: f.digest} for f in run.frozen]
     files: dict[str, Content] = {"state.safetensors": enc.tensors, "state.json": json_bytes(doc)}
@@ -129,7 +132,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         scaler = None if doc["scaler"] is None else _codec.decode(doc["scaler"], shared)
         accelerate_step = counter("accelerate.step", doc["accelerate"]["step"])
         accumulation = counter("gradient_accumulation_steps", doc["accelerate"]["gradient_accumulation_steps"])
-        frozen = _decode_frozen(doc.get("frozen", []))
+        frozen = decode_frozen(doc.get("frozen", []))
         grads, resume = _decode_rank(meta, per_rank)
         resume = attrs.evolve(resume, saved_layout=_layout(doc.get("layout"), accumulation))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
@@ -142,7 +145,7 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
     return run, resume, accumulation
 
 
-def _decode_frozen(saved: Any) -> tuple[FrozenTensor, ...]:
+def decode_frozen(saved: Any) -> tuple[FrozenTensor, ...]:
     """An adapter checkpoint's fingerprint, every field checked (a damaged or forged entry fails here, before anything changes).
 
     Raises:

@@ -30,6 +30,7 @@ from trainfold._src.checkpoint.commit import agreed, check_same_run, checkpoint_
 from trainfold._src.checkpoint.content import Content
 from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
+from trainfold._src.checkpoint.adapters import peft_record
 from trainfold._src.checkpoint.frozen import fingerprint, frozen_names
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
@@ -243,7 +244,7 @@ def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, 
     files = encode_rank(ctx.accelerator.process_index, run, _position(state))
     if main:
         files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state),
-                                   parameters=_parameters(ctx, state)))
+                                   parameters=_parameters(ctx, state), peft=peft_record(unwrap(ctx.accelerator, state.model))))
     return files
 
 

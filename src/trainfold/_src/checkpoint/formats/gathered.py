@@ -65,11 +65,11 @@ class Gathered:
                 f"run would have to shard (FSDP over {acc.num_processes}): resume it without FSDP, or from a checkpoint at an "
                 "optimizer update (checkpoint_every saves at updates)."
             )
+        check_adapters(folder, run, state, live_frozen)  # first: other adapters are named as such, not as another model
         try:
             check_fits(run, state)
         except StateMismatch as exc:
             raise CheckpointError(f"{folder} {exc}") from None
-        check_adapters(folder, run, state, live_frozen)
 
         # Everything read and checked: now change things.
         if into_shards:

@@ -75,12 +75,12 @@ class Sharded:
                 check_accumulation(ctx, folder, saved_steps)
             metadata = dcp_metadata.parse_metadata(folder, files[dcp_metadata.METADATA], world)
             frozen = frozenset(f.name for f in run.frozen)
+            check_adapters(folder, run, state, live_frozen)  # first: other adapters are named as such, not as another model
             try:
                 check_fits(run, state)
                 dcp.check_layout(metadata, model, optimizer, run.optimizer, frozen)
             except ValueError as exc:  # StateMismatch, and check_layout's predicates
                 raise CheckpointError(f"{folder} {exc}") from None
-            check_adapters(folder, run, state, live_frozen)
             return run, resume, metadata
 
         run, resume, metadata = agreed(ctx, read_and_check, f"reading {folder}")
