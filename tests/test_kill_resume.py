@@ -10,6 +10,7 @@ from pathlib import Path
 
 import helpers
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from trainfold import latest_checkpoint, testing, verify_checkpoint
@@ -20,14 +21,14 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run_to_end(root, out):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out)], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
+def _run_to_end(root, out, *extra):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out), *extra], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
     assert 0 == result.returncode, result.stderr[-3000:]
     return load_file(str(out))
 
 
-def _run_and_kill(root, out, delay):
-    with subprocess.Popen([sys.executable, str(SCRIPT), str(root), str(out), "--slow-saves"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) as proc:
+def _run_and_kill(root, out, delay, *extra):
+    with subprocess.Popen([sys.executable, str(SCRIPT), str(root), str(out), "--slow-saves", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) as proc:
         ready = proc.stdout.readline().strip()
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -36,19 +37,26 @@ def _run_and_kill(root, out, delay):
     return proc.returncode
 
 
-def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_path):
-    expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors")
+@pytest.mark.parametrize("extra", [(), ("--lora",)], ids=["full", "lora"])
+def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_path, extra):
+    """One process, a checkpoint after every update; with --lora a frozen base under LoRA adapters (adapter checkpoints:
+    the base by fingerprint, checked at each resume), whose base must come out untouched."""
+    expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra)
 
     rng = random.Random(1234)
     root = tmp_path / "killed"
     kills = 0
     for _ in range(5):
-        code = _run_and_kill(root, tmp_path / "killed.safetensors", rng.uniform(0.02, 0.4))
+        code = _run_and_kill(root, tmp_path / "killed.safetensors", rng.uniform(0.02, 0.4), *extra)
         kills += code == -signal.SIGKILL
-    resumed = _run_to_end(root, tmp_path / "killed.safetensors")
+    resumed = _run_to_end(root, tmp_path / "killed.safetensors", *extra)
 
     assert kills >= 3  # most runs really were killed mid-training
     testing.assert_params_equal(expected, resumed)
+    if extra:
+        assert "frozen" in (latest_checkpoint(root) / "state.json").read_text()
+        base = {n: p for n, p in helpers.lora_mlp(width=64).named_parameters() if not p.requires_grad}
+        assert base and all(torch.equal(base[n], resumed[n]) for n in base)
 
 
 def _torchrun(root, out, *extra):
@@ -73,7 +81,7 @@ def _fsdp2_killed(root, out, delay, *extra):
     return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), ENV, lambda: _newest(root), delay)
 
 
-@pytest.mark.parametrize("extra", [("--async-saves",)], ids=["async"])
+@pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora")], ids=["async", "async-lora"])
 def test_an_fsdp2_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra):
     """torchrun, 2 CPU processes under FSDP2, sharded checkpoints after every update, written in the background (the
     blocking path is the same write-and-commit, run inline; pass () here to run it too): killed (launcher and workers,

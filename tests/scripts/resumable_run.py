@@ -1,11 +1,13 @@
 """A training run that resumes from its latest checkpoint: killed and restarted by test_kill_resume.py.
 
-    python resumable_run.py ROOT OUT [--slow-saves] [--async-saves]
-    torchrun --nproc_per_node 2 resumable_run.py ROOT OUT --fsdp2 [--async-saves]
+    python resumable_run.py ROOT OUT [--slow-saves] [--async-saves] [--lora]
+    torchrun --nproc_per_node 2 resumable_run.py ROOT OUT --fsdp2 [--async-saves] [--lora]
 
 Prints "ready" once set up, saves a checkpoint after every update, and writes
 its final parameters to OUT (safetensors) when it finishes. With --fsdp2 the
 model is sharded by Accelerate's FSDP2 path on CPU processes (as the tests set it up).
+With --lora the model is a frozen base with LoRA adapters (helpers.lora_mlp): its
+checkpoints are adapter checkpoints, the base recorded by fingerprint.
 """
 
 import os
@@ -39,17 +41,20 @@ def loss_fn(model, batch):
 
 def main():
     root, out = sys.argv[1], sys.argv[2]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import helpers
+
     torch.manual_seed(0)
     if "--fsdp2" in sys.argv:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        import helpers
-
         accelerator = helpers.fsdp2_accelerator(gradient_accumulation_steps=2)
     else:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     ctx = Context(accelerator=accelerator)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if "--lora" in sys.argv:
+        model = helpers.lora_mlp(width=64)
+    else:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     if latest_checkpoint(root) is not None:
