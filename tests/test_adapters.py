@@ -121,6 +121,29 @@ def test_the_same_base_changed_in_place_during_a_run_is_hashed_again_at_the_next
     assert {"2.base.bias"} == {n for n in first if first[n] != second[n]}
 
 
+def test_a_base_converted_by_to_during_a_run_is_hashed_again(tmp_path):
+    """A module's .to() keeps the Parameter and swaps its data (a new version counter at 0): the digest is taken again."""
+    ctx, state, dl = helpers.adapter_setup()
+    state = save_checkpoint(ctx, tmp_path / "a", state)
+    state.model[0].base.to(torch.float64)
+    save_checkpoint(ctx, tmp_path / "b", state)
+    ctx.close()
+    first, second = ({e["name"]: e for e in _state_json(latest_checkpoint(tmp_path / r))["frozen"]} for r in ("a", "b"))
+    assert "float64" == second["0.base.weight"]["dtype"] and first["0.base.weight"]["xxh3_128"] != second["0.base.weight"]["xxh3_128"]
+    from trainfold._src.checkpoint import digest, safetensors
+
+    assert digest.of(safetensors.raw(state.model[0].base.weight)) == second["0.base.weight"]["xxh3_128"]
+
+
+def test_a_base_moved_to_the_meta_device_is_refused_at_the_load_before_anything_changes(tmp_path):
+    ckpt = _one_adapter_checkpoint(tmp_path)
+    ctx, state, _ = helpers.adapter_setup()
+    state.model[5].base.to("meta")
+    with pytest.raises(ValueError, match=r"the frozen parameter '5.base.weight' is on the meta device"):
+        load_checkpoint(ctx, ckpt, state)
+    assert 0 == state.step and not state.optimizer.state_dict()["state"]
+
+
 def test_a_base_in_another_dtype_is_refused_naming_both(tmp_path):
     ckpt = _one_adapter_checkpoint(tmp_path)
     ctx, state, _ = helpers.adapter_setup()

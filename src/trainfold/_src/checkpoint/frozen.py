@@ -11,7 +11,8 @@ shards it. A load checks the live model's tensors against it before anything cha
 
 Hashing a base costs a pass over its bytes: each tensor is hashed once per Context,
 which remembers its digest with the tensor's version counter (every in-place
-change bumps it) and hashes it again only after it changed (``ctx.runtime``).
+change bumps it), its memory, dtype, device and shape (a module's ``.to()`` swaps
+them), and hashes it again only after one of them changed (``ctx.runtime``).
 """
 
 from __future__ import annotations
@@ -55,12 +56,14 @@ def _fingerprint_of(ctx: Context, name: str, tensor: torch.Tensor) -> FrozenTens
             f"the frozen parameter {name!r} is on the meta device: its weights were never loaded, so a checkpoint cannot "
             "record which base it is. Load the base's weights into the model before training."
         )
-    version = local(tensor)._version
-    digest = ctx.runtime.remembered_digest(name, tensor, version)
+    part = local(tensor)
+    # what changes when the values may have: a change in place bumps the version; a module's .to() swaps the data
+    stamp = (part._version, part.data_ptr(), part.dtype, part.device, tuple(part.shape))
+    digest = ctx.runtime.remembered_digest(name, tensor, stamp)
     if digest is None:
         whole = tensor.detach().full_tensor() if is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
         digest = _digest.of(_safetensors.raw(whole))
-        ctx.runtime.remember_digest(name, tensor, version, digest)
+        ctx.runtime.remember_digest(name, tensor, stamp, digest)
     return FrozenTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), digest)
 
 

@@ -64,7 +64,7 @@ class Runtime:
         self._held: dict[str, Any] = {}
         self._warned: set[str] = set()
         self._released: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._digests: dict[str, tuple[weakref.ref[Any], int, str]] = {}
+        self._digests: dict[str, tuple[weakref.ref[Any], Any, str]] = {}
         self._closed = False
 
     @property
@@ -107,14 +107,15 @@ class Runtime:
         """Whether ``model`` was given back with :meth:`release`."""
         return model in self._released
 
-    def remember_digest(self, name: str, tensor: Any, version: int, digest: str) -> None:
-        """Note ``digest`` as the digest of ``tensor`` (held weakly) at ``version`` (its in-place version counter), under ``name``."""
-        self._digests[name] = (weakref.ref(tensor), version, digest)
+    def remember_digest(self, name: str, tensor: Any, stamp: Any, digest: str) -> None:
+        """Note ``digest`` as the digest of ``tensor`` (held weakly) as ``stamp`` describes it (its version counter, memory,
+        dtype...: what changes when its values may have), under ``name``."""
+        self._digests[name] = (weakref.ref(tensor), stamp, digest)
 
-    def remembered_digest(self, name: str, tensor: Any, version: int) -> str | None:
-        """The digest noted under ``name`` if it was taken of this very ``tensor`` at this ``version``, else None."""
+    def remembered_digest(self, name: str, tensor: Any, stamp: Any) -> str | None:
+        """The digest noted under ``name`` if it was taken of this very ``tensor`` with this ``stamp``, else None."""
         noted = self._digests.get(name)
-        if noted is None or noted[0]() is not tensor or noted[1] != version:
+        if noted is None or noted[0]() is not tensor or noted[1] != stamp:
             return None
         return noted[2]
 
