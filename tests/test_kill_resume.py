@@ -60,10 +60,12 @@ def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_
 
 
 def _torchrun(root, out, *extra):
+    """The 2-process job: under FSDP2 unless ``extra`` says ``--ddp``."""
     from trainfold.testing import free_port
 
+    engine = [] if "--ddp" in extra else ["--fsdp2"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(SCRIPT), str(root), str(out), "--fsdp2", *extra]
+            str(SCRIPT), str(root), str(out), *engine, *[e for e in extra if e != "--ddp"]]
 
 
 def _fsdp2_to_end(root, out, *extra):
@@ -81,11 +83,13 @@ def _fsdp2_killed(root, out, delay, *extra):
     return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), ENV, lambda: _newest(root), delay)
 
 
-@pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora")], ids=["async", "async-lora"])
-def test_an_fsdp2_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra):
+@pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora"), ("--ddp", "--lora")], ids=["async", "async-lora", "ddp-lora"])
+def test_a_two_process_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra):
     """torchrun, 2 CPU processes under FSDP2, sharded checkpoints after every update, written in the background (the
     blocking path is the same write-and-commit, run inline; pass () here to run it too): killed (launcher and workers,
-    SIGKILL) at random moments, restarted each time, it ends bit for bit as a clean run."""
+    SIGKILL) at random moments, restarted each time, it ends bit for bit as a clean run. The same with a LoRA model
+    (adapter checkpoints: each process its pieces of the adapters, the base by fingerprint), and under DDP with
+    blocking saves."""
     expected = _fsdp2_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra)
 
     rng = random.Random(99)
