@@ -395,3 +395,78 @@ def test_export_with_another_base_or_a_base_for_a_whole_checkpoint_is_refused_an
     assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(tmp_path / "nothing")])
     assert "no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "background"])
+def test_an_ema_of_an_adapter_model_shares_the_base_and_its_checkpoint_holds_no_copy(async_save, tmp_path):
+    """ema() holds the model's frozen parameters themselves (the base is not held twice, nor averaged); an adapter
+    checkpoint writes the average's trainable part only, and a resume gets the base from the model, bit for bit."""
+    from trainfold import ema, ema_model
+
+    def steps(ctx):
+        return ema(0.9)(make_step(ctx, helpers.ce_loss))
+
+    ctx, state, dl = helpers.adapter_setup()
+    full = run_epoch(ctx, steps(ctx), dl, state)
+    average = ema_model(full)
+    frozen = {n: p for n, p in full.model.named_parameters() if not p.requires_grad}
+    assert all(dict(average.named_parameters())[n] is p for n, p in frozen.items())  # shared, not copied
+    save_checkpoint(ctx, tmp_path / "adapters", full, async_save=async_save)
+    save_checkpoint(ctx, tmp_path / "full", full, save_frozen=True)
+    ctx.wait_for_checkpoints()
+    ctx.close()
+    ckpt = latest_checkpoint(tmp_path / "adapters")
+    assert helpers.checkpoint_bytes(ckpt) <= 0.10 * helpers.checkpoint_bytes(latest_checkpoint(tmp_path / "full"))
+
+    ctx, fresh, dl = helpers.adapter_setup(adapter_seed=7)
+    resumed = load_checkpoint(ctx, ckpt, fresh)
+    got = ema_model(resumed)
+    for n, p in average.named_parameters():
+        assert torch.equal(p, dict(got.named_parameters())[n]), n
+    assert all(dict(got.named_parameters())[n] is p for n, p in resumed.model.named_parameters() if not p.requires_grad)
+    testing.assert_params_equal(full, resumed)
+
+
+def _ema_resume(root):
+    """On this process (one of two): an EMA run of a plain model and of an adapter model, each saved and loaded into a
+    fresh state; whether each loaded average equals the saved one, and shares the adapter model's frozen base."""
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, ema, ema_model
+
+    out, contexts = [], []
+    accelerator = Accelerator(cpu=True)
+    for kind in ("plain", "adapters"):
+        if kind == "plain":
+            ctx = Context(accelerator=accelerator)
+            torch.manual_seed(0)
+            model = helpers.mlp()
+            state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4))
+        else:
+            ctx, state, dl = helpers.adapter_setup(accelerator=accelerator)
+        state = run_epoch(ctx, ema(0.9)(make_step(ctx, helpers.ce_loss)), dl, state)
+        save_checkpoint(ctx, f"{root}/{kind}", state)
+        if kind == "plain":
+            torch.manual_seed(1)
+            model = helpers.mlp()
+            fresh = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        else:
+            fresh = helpers.adapter_setup(accelerator=accelerator, adapter_seed=7)[1]
+        loaded = load_checkpoint(ctx, f"{root}/{kind}", fresh)
+        saved, got = dict(ema_model(state).named_parameters()), dict(ema_model(loaded).named_parameters())
+        model = ctx.accelerator.unwrap_model(loaded.model)
+        out.append((all(torch.equal(saved[n], got[n]) for n in saved),
+                    all(got[n] is p for n, p in model.named_parameters() if not p.requires_grad)))
+        contexts.append(ctx)
+    for ctx in contexts:
+        ctx.close()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_an_ema_run_on_two_processes_resumes_its_average(tmp_path):
+    """The average is a copy of the user's module, not of DDP's wrapper: a load rebuilt it from the wrapper and refused
+    every EMA checkpoint of a run on several processes ("Missing key(s) ... module.0.weight")."""
+    for rank in helpers.on_processes(2, _ema_resume, str(tmp_path)):
+        assert [(True, True), (True, True)] == rank

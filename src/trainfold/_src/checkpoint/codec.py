@@ -48,10 +48,16 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 class Encoder:
-    """Collects tensors under unique keys while turning a value into JSON."""
+    """Collects tensors under unique keys while turning a value into JSON.
 
-    def __init__(self) -> None:
+    ``shared``: the run's model's frozen parameters, by ``id`` to their names. A module in the value (an EMA's average)
+    that holds one of them itself (``ema`` shares a frozen base rather than copying it) records it by name, not by
+    value: an adapter checkpoint holds no copy of the base, and a load takes it from the model.
+    """
+
+    def __init__(self, shared: Mapping[int, str] | None = None) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
+        self.shared: Mapping[int, str] = shared or {}
 
     def tensor(self, key: str, t: torch.Tensor) -> dict[str, str]:
         # not copied: the file is written from the tensor's memory right away (_safetensors.write)
@@ -64,9 +70,12 @@ class Encoder:
         if isinstance(value, torch.Tensor):
             return self.tensor(path, value)
         if isinstance(value, torch.nn.Module):
-            for k, t in value.state_dict().items():
-                self.tensor(f"{path}.{k}", t)
-            return {"__module__": path}
+            held = value.state_dict(keep_vars=True)
+            shared = {k: self.shared[id(t)] for k, t in held.items() if id(t) in self.shared}
+            for k, t in held.items():
+                if k not in shared:
+                    self.tensor(f"{path}.{k}", t)
+            return {"__module__": path, "shared": shared} if shared else {"__module__": path}
         name = record_name(type(value)) if attrs.has(type(value)) else None
         if name is not None:
             fields = {f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value)) if f.init}
@@ -95,8 +104,10 @@ class Encoder:
         )
 
 
-def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[], torch.nn.Module] | None = None, device: Any = None) -> Any:
-    """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given."""
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[Mapping[str, str]], torch.nn.Module] | None = None,
+           device: Any = None) -> Any:
+    """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given; a module is ``module_template(shared)``
+    (:func:`deep_template`: a copy of the run's model holding its parameters named by ``shared`` itself) given the rest."""
 
     def go(o: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -131,13 +142,35 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
             if module_template is None:
                 raise ValueError("the checkpoint holds a model copy (an EMA?) but no model to copy its structure from")
             prefix = o["__module__"] + "."
-            module = module_template()
-            module.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=True)
+            shared = o.get("shared", {})
+            if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
+                raise ValueError("a model copy's shared parameters are not names")
+            module = module_template(shared)
+            result = module.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=False)
+            if set(result.missing_keys) != set(shared) or result.unexpected_keys:
+                raise ValueError(f"a model copy does not fit this model (missing {sorted(set(result.missing_keys) - set(shared))[:3]}, "
+                                 f"unexpected {sorted(result.unexpected_keys)[:3]})")
             return module.to(device) if device is not None else module
         raise ValueError(f"unreadable value in the checkpoint: {sorted(o)}")
 
     return go(obj)
 
 
-def deep_template(model: torch.nn.Module) -> Callable[[], torch.nn.Module]:
-    return lambda: copy.deepcopy(model)
+def deep_template(model: torch.nn.Module) -> Callable[[Mapping[str, str]], torch.nn.Module]:
+    """``make(shared)``: a deep copy of ``model`` (the user's module, unwrapped) that holds the parameters ``shared`` names
+    (its names to the model's) as the model's own objects, not copies.
+
+    Raises:
+        ValueError: a shared name the model has not, or of a trainable parameter (only frozen ones are ever shared).
+    """
+    def make(shared: Mapping[str, str]) -> torch.nn.Module:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        memo: dict[int, Any] = {}
+        for name in shared.values():
+            p = params.get(name)
+            if p is None or p.requires_grad:
+                raise ValueError(f"a model copy shares the model's frozen parameter {name!r}, which this model has not (or trains)")
+            memo[id(p)] = p
+        return copy.deepcopy(model, memo)
+
+    return make

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 
+from trainfold._src.backend.engine import unwrap
 from trainfold._src.backend.streams import StreamState
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import counter
@@ -54,16 +55,18 @@ _OWN = ("history", "sums")
 
 
 def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None,
-                  parameters: Mapping[str, int] | None = None, peft: Mapping[str, Any] | None = None) -> dict[str, Content]:
+                  parameters: Mapping[str, int] | None = None, peft: Mapping[str, Any] | None = None,
+                  frozen_ids: Mapping[int, str] | None = None) -> dict[str, Content]:
     """``run`` (but its gradients and random states, which are per process) as the shared files' bytes. ``parameters``:
     how many values train and how many are frozen (what ``trainfold inspect`` shows); ``peft``: a PEFT model's adapter
-    name and config (what ``trainfold export`` writes as ``adapter_config.json``). A load reads neither.
+    name and config (what ``trainfold export`` writes as ``adapter_config.json``). A load reads neither. ``frozen_ids``:
+    the model's frozen parameters by ``id`` (an EMA's average holds them by reference, and is written without them).
 
     Raises:
         TypeError: a value that cannot be written (an unregistered record in ``extras``...),
             before anything is written.
     """
-    enc = _codec.Encoder()
+    enc = _codec.Encoder(frozen_ids if run.frozen else None)  # a checkpoint holding every parameter holds the copies' too
     values = run.values
     sums = values.sums
     doc = {
@@ -112,7 +115,8 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
     weights = {} if sharded else parse_tensors(folder, "model.safetensors", files["model.safetensors"])
     try:
         saved = doc["state"]
-        values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template.model), device=device)
+        template_model = unwrap(template.accelerator, template.model)  # what a model copy (an EMA's) is a copy of
+        values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template_model), device=device)
                   for f in _value_fields(type(template)) if f.name in saved}
         _check_counters(values)
         if "stop" not in saved:  # written before the stop was one value: only a finished run's stop is carried on

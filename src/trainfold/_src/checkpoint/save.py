@@ -244,7 +244,8 @@ def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, 
     files = encode_rank(ctx.accelerator.process_index, run, _position(state))
     if main:
         files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state),
-                                   parameters=_parameters(ctx, state), peft=peft_record(unwrap(ctx.accelerator, state.model))))
+                                   parameters=_parameters(ctx, state), peft=peft_record(unwrap(ctx.accelerator, state.model)),
+                                   frozen_ids=_frozen_ids(ctx, state)))
     return files
 
 
@@ -268,6 +269,11 @@ def _position(state: TrainState) -> EpochPosition | None:
     source = stream_source(cursor.loader) if is_streamed(cursor.loader) and read_ahead[0] else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
                          stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader))
+
+
+def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:
+    """The model's frozen parameters by ``id``: what an EMA's average shares with the model (the codec writes them by name)."""
+    return {id(p): n for n, p in unwrap(ctx.accelerator, state.model).named_parameters() if not p.requires_grad}
 
 
 def _parameters(ctx: Context, state: TrainState) -> dict[str, int]:

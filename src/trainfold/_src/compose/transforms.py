@@ -83,7 +83,9 @@ def ema(decay: float = 0.999, *, name: str = "ema") -> StepTransformer:
     ``ema = decay * ema + (1 - decay) * weights`` on the device (``_foreach_lerp_``),
     after each update the inner step performs (not per micro-batch, not per epoch).
     The average starts as a copy of the weights when the transformer first runs.
-    Buffers (BatchNorm statistics) are copied, not averaged. Read it with
+    Buffers (BatchNorm statistics) are copied, not averaged. Parameters frozen
+    then (``requires_grad=False``: a base under adapters) are not copied: the
+    average holds the model's own, which nothing trains. Read it with
     :func:`ema_model`, for example ``evaluate(ctx, loss_fn, loader, model=ema_model)``.
 
     Args:
@@ -127,16 +129,19 @@ def _unwrap(state: TrainState) -> torch.nn.Module:
 
 
 def _ema_copy(state: TrainState) -> torch.nn.Module:
-    copied = copy.deepcopy(_unwrap(state))
+    """A copy of the model holding its frozen parameters themselves: nothing trains them, so their average is them
+    (a base under adapters is not held twice, and an adapter checkpoint writes the average without it)."""
+    model = _unwrap(state)
+    copied = copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
     copied.requires_grad_(False)
     return copied
 
 
 @torch.no_grad()
 def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    ema_params: list[torch.Tensor] = list(ema_model.parameters())
-    params = [p.detach() for p in model.parameters()]
-    torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+    pairs = [(e, p.detach()) for e, p in zip(ema_model.parameters(), model.parameters()) if e is not p]  # not the shared frozen ones
+    if pairs:
+        torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)
     for eb, b in zip(ema_model.buffers(), model.buffers()):
         eb.copy_(b)
 

@@ -91,28 +91,36 @@ class RunState:
         return self.values.epoch
 
 
-def detach(value: Any) -> Any:
-    """A copy of a state value that shares no tensor with it (tensors cloned, modules deep-copied).
+def detach(value: Any, keep: Mapping[int, Any] | None = None) -> Any:
+    """A copy of a state value that shares no tensor with it (tensors cloned, modules deep-copied), but the objects
+    ``keep`` holds by ``id``: the model's frozen parameters, which an EMA's average shares with the model and nothing
+    trains (a copy of the average then keeps the base rather than copying it).
 
     Handles what a TrainState holds: tensors, modules, read-only and plain
     mappings, tuples, lists, attrs records (trainfold's and yours) and plain
     immutable values; anything else is deep-copied.
     """
+    kept: Mapping[int, Any] = keep or {}
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         return value
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, torch.nn.Module):
-        return copy.deepcopy(value)
+        return copy.deepcopy(value, dict(kept))
     if isinstance(value, MappingProxyType):
-        return MappingProxyType({k: detach(v) for k, v in value.items()})
+        return MappingProxyType({k: detach(v, kept) for k, v in value.items()})
     if isinstance(value, dict):
-        return {k: detach(v) for k, v in value.items()}
+        return {k: detach(v, kept) for k, v in value.items()}
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
-        return type(value)(detach(v) for v in value)
+        return type(value)(detach(v, kept) for v in value)
     if attrs.has(type(value)):
-        return attrs.evolve(value, **{f.alias: detach(getattr(value, f.name)) for f in attrs.fields(type(value)) if f.init})
+        return attrs.evolve(value, **{f.alias: detach(getattr(value, f.name), kept) for f in attrs.fields(type(value)) if f.init})
     return copy.deepcopy(value)
+
+
+def frozen_objects(model: torch.nn.Module) -> dict[int, torch.nn.Parameter]:
+    """``model``'s frozen parameters by ``id``: what :func:`detach` keeps rather than copies."""
+    return {id(p): p for p in model.parameters() if not p.requires_grad}
 
 
 #: What a TrainState's values have instead of live objects (a value, not a handle to the run).
@@ -147,7 +155,8 @@ def capture(
     acc = state.accelerator
     model = unwrap(acc, state.model)
     scaler = loss_scaler(acc)
-    keep = detach if copied else (lambda v: v)
+    frozen = frozen_objects(model)
+    keep: Callable[[Any], Any] = (lambda v: detach(v, frozen)) if copied else (lambda v: v)
     sharded = sharded_optimizer is not None
     if weights is None:
         weights = {} if sharded else model.state_dict()
@@ -243,7 +252,7 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_a
         scaler.load_state_dict(own(run.scaler))
     set_accumulation_counter(acc, run.accelerate_step)
     _rng.restore(attrs.evolve(run.rng, generators=()))  # a loader's generators: run_epoch restores them
-    values = detach(run.values) if keep_run else run.values
+    values = detach(run.values, frozen_objects(model)) if keep_run else run.values
     return attrs.evolve(values, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler, accelerator=acc, cursor=None)
 
 
