@@ -50,6 +50,12 @@ def fingerprint(ctx: Context, model: torch.nn.Module, names: Iterable[str]) -> t
     return tuple(_fingerprint_of(ctx, name, tensors[name]) for name in names)
 
 
+def model_fingerprint(ctx: Context, model: torch.nn.Module) -> tuple[FrozenTensor, ...]:
+    """The fingerprints of all of ``model``'s frozen parameters (none: nothing is frozen); as :func:`fingerprint`."""
+    names = frozen_names(model)
+    return fingerprint(ctx, model, names) if names else ()
+
+
 def _fingerprint_of(ctx: Context, name: str, tensor: torch.Tensor) -> FrozenTensor:
     if tensor.device.type == "meta":
         raise ValueError(

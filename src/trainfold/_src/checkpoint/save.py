@@ -31,7 +31,7 @@ from trainfold._src.checkpoint.content import Content
 from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
 from trainfold._src.checkpoint.adapters import peft_record
-from trainfold._src.checkpoint.frozen import fingerprint, frozen_names
+from trainfold._src.checkpoint.frozen import model_fingerprint
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
@@ -208,9 +208,9 @@ def _fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:
     engine files hold every parameter). Every process computes them: a sharded tensor is gathered."""
     if is_deepspeed(ctx.accelerator):
         return ()
-    model = unwrap(ctx.accelerator, state.model)
-    names = frozen_names(model)
-    return agreed(ctx, lambda: fingerprint(ctx, model, names), "fingerprinting the frozen parameters") if names else ()
+    fingerprints: tuple[FrozenTensor, ...] = agreed(ctx, lambda: model_fingerprint(ctx, unwrap(ctx.accelerator, state.model)),
+                                                    "fingerprinting the frozen parameters")
+    return fingerprints
 
 
 def position_of(state: TrainState) -> tuple[int, ...]:

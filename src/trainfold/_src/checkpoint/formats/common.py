@@ -73,11 +73,9 @@ def without(tensors: Mapping[str, torch.Tensor], frozen: tuple[FrozenTensor, ...
 def live_fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:
     """The fingerprints of the live model's frozen parameters (none: nothing frozen). Every process calls it before a load
     reads anything, in the same order (a sharded tensor is gathered); each tensor is hashed once per Context."""
-    from trainfold._src.checkpoint.frozen import fingerprint, frozen_names
+    from trainfold._src.checkpoint.frozen import model_fingerprint
 
-    model = unwrap(ctx.accelerator, state.model)
-    names = frozen_names(model)
-    return fingerprint(ctx, model, names) if names else ()
+    return model_fingerprint(ctx, unwrap(ctx.accelerator, state.model))
 
 
 def check_adapters(folder: object, run: RunState, state: TrainState, live: tuple[FrozenTensor, ...]) -> None:
