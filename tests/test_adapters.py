@@ -183,6 +183,9 @@ def test_a_run_that_unfreezes_a_layer_resumes_from_before_and_after_it(tmp_path)
     ctx.close()
     ctx, fresh, dl = build(False)
     assert 8 == load_checkpoint(ctx, tmp_path / "before", fresh).step
+    ctx.close()
+    ctx, frozen_again, _ = build(False)  # the checkpoint after the unfreezing, onto the model before it: refused by name
+    _load_refused(ctx, tmp_path / "after", frozen_again, r"'5.base.bias' is frozen in this model and not in the checkpoint's")
 
 
 @pytest.mark.parametrize("forge", ["digest", "shape", "missing field", "not a list", "twice"])

@@ -23,6 +23,7 @@ from trainfold._src.base.types import Batch, read_only
 from trainfold._src.compose.tracking import emit, step_key
 from trainfold._src.core.checks import returned_state
 from trainfold._src.core.context import Context
+from trainfold._src.core.runstate import frozen_objects
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import EpochFn, Step, StepTransformer
 
@@ -132,7 +133,7 @@ def _ema_copy(state: TrainState) -> torch.nn.Module:
     """A copy of the model holding its frozen parameters themselves: nothing trains them, so their average is them
     (a base under adapters is not held twice, and an adapter checkpoint writes the average without it)."""
     model = _unwrap(state)
-    copied = copy.deepcopy(model, {id(p): p for p in model.parameters() if not p.requires_grad})
+    copied = copy.deepcopy(model, frozen_objects(model))
     copied.requires_grad_(False)
     return copied
 
