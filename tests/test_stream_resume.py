@@ -117,16 +117,31 @@ def _ids(out):
             if not line.startswith("resumed") for i in map(int, line.split()[1:])]
 
 
-@pytest.mark.parametrize("source", ["stateful", "datasets-plain"])
-def test_a_dispatched_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, tmp_path):
-    """Process 0 reads the stream and dispatches it (``dispatch_batches``): its state is the whole stream's position. Saved
-    by 2 processes in epoch 1 (update 5: 160 samples of 384), continued on 1 process into epoch 2 (update 22: 48
-    samples into it), and on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
-    A user's stream with a state, and a ``datasets`` stream of 12 shards (its own state, num_workers=0)."""
+@pytest.mark.parametrize("source, deal, stops, counts", [
+    ("stateful", "dispatch", (5, 22), [160, 224 + 48, 336]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 17; 3 x 8 x 2 x 7
+    ("datasets-plain", "dispatch", (5, 22), [160, 224 + 48, 336]),
+    ("stateful", "shard", (5, 13), [160, 128, 96 + 384]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 8; the rest of both epochs
+    ("stateful", "split", (5, 13), [160, 128, 96 + 384]),
+    ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
+    ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
+], ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"])
+def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, deal, stops, counts, tmp_path):
+    """Saved by 2 processes inside epoch 1 (update 5: 160 samples of 384), continued on 1 process and saved again, then
+    on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
+
+    - Dispatched (process 0 reads the stream and sends each process its part): its state is the whole stream's; the
+      1-process run goes into epoch 2 (update 22: 48 samples into it).
+    - Each process reads its own share (Accelerate's ``IterableDatasetShard``: the whole stream read by every process;
+      ``split_batches``; a ``datasets`` stream of 12 shards split by process, 6 each on 2, 4 each on 3): the rest of the
+      epoch is dealt anew, the batches the processes had read ahead first. The 1-process run stops inside that epoch
+      (update 13), so the 3-process run deals anew an epoch that was dealt anew already.
+    - Dispatched by the 2 processes, then read in shares: the dispatched batch process 0 had read ahead comes first.
+    A user's stream with a state, and a ``datasets`` stream (its own state, num_workers=0)."""
     root = tmp_path / "root"
-    extra = ("--source", source, "--deal", "dispatch")
+    first, _, then = deal.partition(">")
     said = {}
-    for processes, stop, out in ((2, 5, "two"), (1, 22, "one"), (3, None, "three")):
+    for processes, stop, out in ((2, stops[0], "two"), (1, stops[1], "one"), (3, None, "three")):
+        extra = ("--source", source, "--deal", first if out == "two" else then or first)
         cmd = _cmd(root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())))
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(300), env=ENV)
         assert 0 == result.returncode, result.stderr[-3000:]
@@ -134,15 +149,16 @@ def test_a_dispatched_stream_resumes_on_one_process_then_on_three_and_trains_eve
         if stop:
             assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
     assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said
-    assert "saved by 1 processes in the middle of epoch 2" in said["three"]
+    assert f"saved by 1 processes in the middle of epoch {2 if stops[1] > 19 else 1}" in said["three"]
 
     runs = [_ids(tmp_path / out) for out in ("two", "one", "three")]
-    assert [160, 224 + 48, 336] == [len(ids) for ids in runs]  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 17; 3 x 8 x 2 x 7
+    assert counts == [len(ids) for ids in runs]
     assert sorted(list(range(SAMPLES)) * 2) == sorted(i for ids in runs for i in ids)
 
 
 def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
-    """2 processes over a stream (each its share, or dispatched by process 0): stopped after 5 batches and saved there."""
+    """2 processes over a stream (each its share, or dispatched by process 0; prepared by ctx.prepare_loaders or by
+    Accelerate directly): stopped after 5 batches and saved there."""
     import torch
     from accelerate import Accelerator, DataLoaderConfiguration
 
@@ -153,10 +169,19 @@ def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
         state_dict = load_state_dict = None
 
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=deal == "dispatch")))
+    config = DataLoaderConfiguration(dispatch_batches=deal == "dispatch", use_stateful_dataloader=source == "datasets-loader")
+    ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=config))
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(StatefulNumbers() if source == "stateful" else Plain(), batch_size=8))
+    if source.startswith("datasets"):  # a datasets stream Accelerate splits by process (read by a StatefulDataLoader: its state the loader's)
+        from datasets import Dataset
+
+        data = Dataset.from_dict({"x": [[i / 512] for i in range(512)], "id": list(range(512))})
+        dataset = data.to_iterable_dataset(num_shards=4).with_format("torch")
+    else:
+        dataset = StatefulNumbers() if source == "stateful" else Plain()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8)
+    (dl,) = (ctx.accelerator.prepare(loader),) if deal == "prepared-elsewhere" else ctx.prepare_loaders(loader)
     inner = make_step(ctx, _loss([]))
 
     def step(s, batch):
@@ -168,13 +193,14 @@ def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
 
 
 @pytest.mark.parametrize("deal, source, reason", [
-    ("shard", "stateful", r"each process read the stream and its state says where that process's part stood"),
     ("dispatch", "plain", r"process 0 read it and dispatched it, but it cannot say where it stood \(no state_dict\(\)\)"),
+    ("shard", "datasets-loader", r"each process's loader \(.*StatefulDataLoader, 0 worker\(s\)\) saved a state of its own.*num_workers=0"),
+    ("prepared-elsewhere", "datasets", r"each process read a part of the stream, and the checkpoint does not say how the stream was split.*ctx.prepare_loaders"),
 ])
 def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number_of_processes_before_anything_changes(deal, source, reason, tmp_path):
-    """Each process saved where its own part of the stream stood (or process 0 read a stream with no state): on one
-    process the epoch cannot go on exactly, and load_checkpoint says why and what resumes elastically; the model is
-    untouched."""
+    """Process 0 read a stream with no state; a StatefulDataLoader saved a state of its own; a loader prepared by
+    Accelerate directly split a datasets stream by process (how, the checkpoint cannot say): on one process the epoch
+    cannot go on exactly, and load_checkpoint says why and what resumes elastically; the model is untouched."""
     import torch
     from accelerate import Accelerator
 
@@ -192,3 +218,96 @@ def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number
         load_checkpoint(ctx, tmp_path, state)
     ctx.close()
     testing.assert_params_equal(before, state)
+
+
+def test_an_epoch_dealt_anew_continues_in_order_across_its_own_checkpoint_and_reads_nothing_consumed(tmp_path):
+    """2 processes, each its share of a user's stream (IterableDatasetShard), saved after 5 batches each: the first 80
+    samples of the epoch's order. On 1 process the rest is dealt anew: the 16 samples the two processes had read ahead,
+    then the stream from its state, so this process trains samples 80.. of the order. Stopped after 3 batches and saved
+    inside that epoch, then resumed once more on 1 process: exactly samples 80..511 of the order, once each, in order,
+    and the stream yields each of them once (nothing consumed read again). A loader that dispatches, or a stream of
+    another kind, is refused at the epoch's start, before a batch is read."""
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    from test_streams import SAMPLES, StatefulNumbers, _loss
+    from trainfold import Context, TrainState, load_checkpoint, make_step, run_epoch, save_checkpoint
+
+    testing.run_distributed(_saves_inside_a_streamed_epoch, str(tmp_path / "two"), "shard", "stateful", nprocs=2)
+    order = StatefulNumbers().order()
+
+    def resume(root, dataset=None, dispatch=False):
+        testing.reset_accelerate_state()
+        ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)))
+        torch.manual_seed(1)
+        model = torch.nn.Linear(1, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        dataset = dataset if dataset is not None else StatefulNumbers()
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(dataset, batch_size=8))
+        if root.name == "two":  # another number of processes: the epoch's running sums restart, said
+            with pytest.warns(UserWarning, match="saved by 2 processes in the middle of epoch 1"):
+                return ctx, load_checkpoint(ctx, root, state), dl, dataset
+        return ctx, load_checkpoint(ctx, root, state), dl, dataset
+
+    class Other(StatefulNumbers):
+        pass
+
+    for dataset, dispatch, refusal in ((None, True, r"dealt to its processes in shares, and this loader has process 0 read and "
+                                                    r"dispatch the stream.*dispatch_batches=False"),
+                                       (Other(), False, r"the state of a .*StatefulNumbers, and this loader's stream is a .*Other")):
+        ctx, state, dl, dataset = resume(tmp_path / "two", dataset, dispatch)
+        with pytest.raises(CheckpointError, match=refusal):
+            run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
+        assert 0 == dataset.yielded.value
+        ctx.close()
+
+    trained = []
+    ctx, state, dl, dataset = resume(tmp_path / "two")
+    assert 5 == state.batch_in_epoch
+    inner = make_step(ctx, _loss(trained))
+    state = run_epoch(ctx, lambda s, b: (lambda t: t.with_stop("test") if t.batch_in_epoch == 8 else t)(inner(s, b)), dl, state)
+    save_checkpoint(ctx, tmp_path / "one", state)
+    ctx.close()
+    read = dataset.yielded.value
+
+    ctx, state, dl, dataset = resume(tmp_path / "one")
+    state = run_epoch(ctx, make_step(ctx, _loss(trained)), dl, state)
+    ctx.close()
+
+    assert order[80:] == trained
+    assert 1 == state.epoch
+    assert SAMPLES - 96 == read + dataset.yielded.value  # the samples after the 16 read ahead, each read once
+
+
+def _continues_in_shares(root):
+    """2 processes, the stream now dealt in shares: what run_epoch says of a checkpoint whose epoch was dispatched."""
+    import torch
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, load_checkpoint, make_step, run_epoch
+    from test_streams import StatefulNumbers, _loss
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = load_checkpoint(ctx, root, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    dataset = StatefulNumbers()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(dataset, batch_size=8))
+    try:
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
+    except CheckpointError as exc:
+        return str(exc), dataset.yielded.value
+    finally:
+        ctx.close()
+    return None, dataset.yielded.value
+
+
+def test_a_dispatched_epoch_is_not_continued_in_shares_on_the_processes_that_saved_it(tmp_path):
+    """Each process's position says where its own way stood (process 0's is the whole stream's; the others read
+    nothing): continued in shares, process 0's dispatched batch would be one process's batch and the others would
+    start the stream again. Refused on every process before a batch is read, naming the setting."""
+    testing.run_distributed(_saves_inside_a_streamed_epoch, str(tmp_path), "dispatch", "stateful", nprocs=2)
+    said = testing.run_distributed(_continues_in_shares, str(tmp_path), nprocs=2)
+    for message, read in said:
+        assert 0 == read
+        assert "was dispatched on its 2 processes, and this loader deals each process its share" in message
+        assert "DataLoaderConfiguration(dispatch_batches=True), as it was saved" in message

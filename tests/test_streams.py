@@ -8,6 +8,7 @@ uninterrupted run's bit for bit. The data is generated here: Hugging Face ``data
 (with and without a shuffle buffer), and torch ``IterableDataset`` classes of a user's, with and without a state.
 """
 
+import json
 import multiprocessing
 import warnings
 
@@ -298,6 +299,7 @@ def test_a_stream_read_again_says_why_and_how_to_make_the_resume_o1(kind, worker
     (lambda doc: doc["stream"].update(workers=-1), "'stream workers' is -1"),
     (lambda doc: doc["stream"].pop("state"), "not {holder, kind, workers, state}"),
     (lambda doc: doc.update(dispatched="yes"), "dispatched is 'yes', not a bool"),
+    (lambda doc: doc.update(dealt="half"), "dealt is 'half', not 'whole' or 'part'"),
 ])
 def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, match, tmp_path):
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
@@ -306,6 +308,31 @@ def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, 
     ctx, state, dl = _setup("stateful", 0)
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(ctx, folder, state)
+    ctx.close()
+
+
+@pytest.mark.parametrize("state, match", [
+    (lambda saved: saved, "not one of a stream dealt anew"),  # a dataset's state named the state of an epoch dealt anew
+    (lambda saved: {"__dict__": [["pieces", []], ["parts", [[[2, 5], saved]]]]}, r"names a part \[\[2, 5\], .*not \[processes, index\] or null"),
+    (lambda saved: {"__dict__": [["pieces", []], ["parts", [["whole", saved]]]]}, r"not \[processes, index\] or null"),
+])
+def test_a_damaged_state_of_an_epoch_dealt_anew_is_refused_before_a_batch_is_read(state, match, tmp_path):
+    """The state an epoch dealt anew on another number of processes records (the batches still to come, each part of
+    the stream still to read as [processes, index] and its state), forged: refused when the epoch starts, nothing read."""
+    _interrupted("stateful", 0, False, tmp_path, crash_after=13)
+    folder = latest_checkpoint(tmp_path)
+    assert "whole" == json.loads((folder / "rank-0.json").read_text())["dealt"]  # one process: its state is the whole stream's
+
+    def forge(doc):  # (written as the codec writes a mapping)
+        doc["stream"]["holder"] = "redealt"
+        doc["stream"]["state"] = state(doc["stream"]["state"])
+
+    helpers.edit_signed_json(folder, "rank-0.json", forge)
+    ctx, state_, dl = _setup("stateful", 0)
+    resumed = load_checkpoint(ctx, folder, state_)
+    with pytest.raises(CheckpointError, match=match):
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
+    assert 0 == dl.base_dataloader.dataset.yielded.value
     ctx.close()
 
 

@@ -15,6 +15,11 @@ of the epoch already trained): a plain ``IterableDataset``; a stateful dataset r
 ``StatefulDataLoader`` asks; a ``datasets`` stream with a shuffle buffer, whose state leaves the buffer
 out (datasets#7901: loading it loses up to a buffer of samples and can repeat some).
 
+On another number of processes, a stream process 0 read and dispatched goes on from process 0's state
+(:func:`resumed_dispatch`); one each process read a share of has the rest of its epoch dealt anew
+(:class:`Redealt`, :func:`deal`): every process reads the whole rest and keeps its share, as
+Accelerate's ``IterableDatasetShard`` deals any stream.
+
 The state saved is the one after the batch the loader had read ahead, which the checkpoint also holds:
 the resumed epoch yields that batch first, then reads on from the state. Nothing is adjusted for
 read-ahead or prefetching (what Accelerate's ``adjust_state_dict_for_prefetch`` gets wrong on several
@@ -25,11 +30,12 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import attrs
+import torch
 
-from trainfold._src.backend.loaders import begin_again, close_epoch, look_ahead
+from trainfold._src.backend.loaders import begin_again, close_epoch, is_dispatcher, look_ahead
 from trainfold._src.base.batch import like
 from trainfold.errors import CheckpointError
 
@@ -38,9 +44,10 @@ from trainfold.errors import CheckpointError
 class StreamState:
     """What a checkpoint records of a stream that can say where it is, in one process."""
 
-    #: which object said it: ``"loader"`` (the base loader, which holds its workers' states) or ``"dataset"``
+    #: which object said it: ``"loader"`` (the base loader, which holds its workers' states), ``"dataset"``, or
+    #: ``"redealt"`` (the rest of an epoch dealt anew on another number of processes, :class:`Redealt`)
     holder: str
-    #: that object's class, by module and name: a state of another kind of source is refused by it
+    #: that object's class, by module and name (the whole stream's, for ``"redealt"``): a state of another kind of source is refused by it
     kind: str
     #: the loader's ``num_workers`` when it was saved (a loader's state is per worker)
     workers: int
@@ -58,7 +65,7 @@ class StreamSource:
 
     @property
     def kind(self) -> str:
-        return kind_of(self.obj)
+        return kind_of(self.obj.whole if self.holder == "redealt" else self.obj)
 
     def capture(self) -> StreamState:
         # copied: a state_dict() may hand out its live values, and a background save writes them after training goes on
@@ -283,3 +290,215 @@ def _load(source: StreamSource, saved: StreamState) -> None:
             f"run_epoch: the checkpoint's stream state does not load into this {source.kind} ({type(exc).__name__}: {exc}). "
             "Resume with the loader and dataset that saved it."
         ) from exc
+
+
+# --- Another number of processes: the rest of an interrupted epoch dealt anew --------------------------------------
+
+#: ``EpochPosition.dealt``: how one process's part of a stream stood to the whole stream when the checkpoint was saved.
+#: The process's state is the whole stream's (one process; Accelerate's ``IterableDatasetShard``, where every process
+#: reads the stream and keeps its share; process 0 dispatching it; an epoch already dealt anew).
+WHOLE = "whole"
+#: The process read a part of its own: a ``datasets`` stream Accelerate split by process (``shard(num_shards=N, index=rank)``).
+PART = "part"
+#: The attribute ``Context.prepare_loaders`` leaves on a prepared loader over a stream: the dataset the user gave,
+#: before Accelerate dealt it (a resume on another number of processes reads the saving run's parts from it).
+GIVEN = "_trainfold_given_stream"
+
+
+def keep_given_stream(given: Any, prepared: Any) -> None:
+    """Leave on a prepared loader over a stream the dataset the user gave it (:data:`GIVEN`)."""
+    dataset = getattr(given, "dataset", None)
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        setattr(prepared, GIVEN, dataset)
+
+
+def dealing(loader: Any, processes: int) -> str | None:
+    """How ``loader``'s stream is dealt to this run's ``processes`` (:data:`WHOLE` or :data:`PART`; None: by the user,
+    in a way trainfold cannot repeat)."""
+    dataset, own = _dataset_of(loader)
+    if is_dispatcher(loader) or dataset is not own or processes == 1:
+        return WHOLE
+    given = getattr(loader, GIVEN, None)
+    if given is not None and given is not own and callable(getattr(given, "shard", None)):
+        return PART  # Accelerate replaced the user's datasets stream by its shard(num_shards=processes, index=rank)
+    return None
+
+
+def whole_stream(loader: Any, processes: int) -> Any:
+    """The whole stream ``loader`` reads a share of: the dataset the user gave (None when it cannot be found)."""
+    given = getattr(loader, GIVEN, None)
+    if given is not None:
+        return given
+    dataset, own = _dataset_of(loader)
+    return own if dataset is not own or processes == 1 else None
+
+
+class Redealt:
+    """The rest of an interrupted epoch over a stream, read whole by every process of a run with another number of
+    processes: first the batches the saving processes had read ahead (as this run's batches), then each part of the
+    stream the saving processes had left, from where its state says it stood. :func:`deal` gives each process its share.
+
+    It says where it is (``state_dict()``) in what a checkpoint can hold: the batches still to come, and each part
+    still to read (``[N, r]``: the whole stream's ``shard(num_shards=N, index=r)``, or None: the whole stream) with its
+    state. Every process's copy stands at the same place whenever a batch is taken (:func:`deal` reads whole rounds),
+    so a checkpoint inside the epoch resumes, again on any number of processes, by this same rule.
+    """
+
+    def __init__(self, whole: Any, pieces: list[Any], parts: list[tuple[tuple[int, int] | None, Any]], epoch: int) -> None:
+        self.whole, self._pieces, self._parts, self._epoch = whole, list(pieces), list(parts), epoch
+        self._reading: Any = None  # the part being read, whose own state says where it is
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = [[list(spec) if spec is not None else None, state] for spec, state in self._parts]
+        if self._reading is not None and parts:
+            parts[0][1] = copy.deepcopy(self._reading.state_dict())
+        return {"pieces": list(self._pieces), "parts": parts}
+
+    def __iter__(self) -> Any:
+        while self._pieces:
+            yield True, self._pieces.pop(0)
+        while self._parts:
+            spec, state = self._parts[0]
+            part = self.whole if spec is None else self.whole.shard(num_shards=spec[0], index=spec[1])
+            if callable(getattr(part, "set_epoch", None)):
+                part.set_epoch(self._epoch)  # a datasets stream applies a state to the epoch it was saved in
+            _load(StreamSource("dataset", part, 0), StreamState("dataset", kind_of(part), 0, state))
+            self._reading = part
+            for sample in part:
+                yield False, sample
+            self._reading = None
+            self._parts.pop(0)
+
+
+def _parts_of(state: Any) -> tuple[list[Any], list[tuple[tuple[int, int] | None, Any]]]:
+    """The batches still to come and the parts still to read, from a :class:`Redealt`'s ``state_dict()``, checked."""
+    if not (isinstance(state, dict) and set(state) == {"pieces", "parts"} and isinstance(state["pieces"], list)
+            and isinstance(state["parts"], list)):
+        raise CheckpointError(f"run_epoch: the checkpoint's stream state is not one of a stream dealt anew ({str(state)[:200]}).")
+    parts: list[tuple[tuple[int, int] | None, Any]] = []
+    for entry in state["parts"]:
+        spec = entry[0] if isinstance(entry, list) and len(entry) == 2 else "bad"
+        if not (spec is None or (isinstance(spec, list) and len(spec) == 2 and all(type(n) is int for n in spec) and 0 <= spec[1] < spec[0])):
+            raise CheckpointError(f"run_epoch: the checkpoint's stream names a part {entry!r:.200}, not [processes, index] or null.")
+        parts.append((None if spec is None else (spec[0], spec[1]), entry[1]))
+    return state["pieces"], parts
+
+
+def units_of(pieces: list[Any], unit: int) -> list[Any]:
+    """Batches read ahead by the saving processes, as batches of this run's ``unit`` samples (unchanged where they are).
+
+    Raises:
+        CheckpointError: they do not add up to whole batches of ``unit``, or would have to be cut and hold something
+            other than tensors.
+    """
+    from accelerate.utils import concatenate, find_batch_size
+
+    if all(_size(p) == unit for p in pieces):
+        return list(pieces)
+    try:
+        joined = concatenate(pieces) if pieces else None
+        total = find_batch_size(joined) if pieces else 0
+        if total % unit:
+            raise ValueError(f"{total} samples are no whole number of batches of {unit}")
+        return [_cut(joined, slice(i, i + unit)) for i in range(0, total, unit)]
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"run_epoch: the batches the saving processes had read ahead ({', '.join(str(_size(p)) for p in pieces)} samples) "
+            f"cannot be dealt out as this run's batches of {unit} ({exc}). Resume with a batch size that divides them, or "
+            "from a checkpoint between epochs."
+        ) from None
+
+
+def _size(batch: Any) -> int | None:
+    from accelerate.utils import find_batch_size
+
+    try:
+        return int(find_batch_size(batch))
+    except (TypeError, ValueError):
+        return None
+
+
+def _cut(batch: Any, part: slice) -> Any:
+    """``batch[part]`` along the samples, for tensors in lists, tuples and mappings (anything else is refused)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[part]
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _cut(v, part) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_cut(v, part) for v in batch)
+    raise TypeError(f"a batch holding a {type(batch).__name__}, which cannot be cut into batches")
+
+
+def deal(items: Any, *, unit: int, processes: int, index: int, drop_last: bool, collate: Callable[[list[Any]], Any]) -> Any:
+    """Process ``index``'s batches of a sequence dealt to ``processes`` as Accelerate's ``IterableDatasetShard`` deals
+    a stream: the sequence cut into batches of ``unit`` samples, batch ``i`` to process ``i % processes``, a round of
+    ``processes`` batches taken only once it is whole (so every process takes as many).
+
+    ``items`` yields ``(True, batch)`` (a whole batch, already collated) and then ``(False, sample)``. The last round
+    when the sequence ends inside it: dropped under ``drop_last``; otherwise completed with the first samples read
+    (the whole batches, if no sample was read), as Accelerate completes an epoch's last global batch. One process takes
+    a last short batch as it is, as a ``DataLoader`` does.
+    """
+    round_: list[Any] = []  # this round's batches: collated ones, or lists of samples
+    first: list[Any] = []  # the first samples read, for completing the last round
+    wanted = unit * processes
+    for whole, item in items:
+        if whole:
+            round_.append(item)
+        else:
+            if len(first) < wanted:
+                first.append(item)
+            if not round_ or not isinstance(round_[-1], list) or len(round_[-1]) == unit:
+                round_.append([])
+            round_[-1].append(item)
+        if len(round_) == processes and (not isinstance(round_[-1], list) or len(round_[-1]) == unit):
+            mine = round_[index]
+            round_ = []
+            yield collate(mine) if isinstance(mine, list) else mine
+    if not round_ or drop_last and (len(round_) < processes or isinstance(round_[-1], list) and len(round_[-1]) < unit):
+        return
+    if processes > 1:
+        fill = first or [b for b in round_ if not isinstance(b, list)]
+        at = 0
+        while len(round_) < processes or isinstance(round_[-1], list) and len(round_[-1]) < unit:
+            if first:
+                if not isinstance(round_[-1], list) or len(round_[-1]) == unit:
+                    round_.append([])
+                round_[-1].append(fill[at % len(fill)])
+            else:
+                round_.append(fill[at % len(fill)])
+            at += 1
+    if index < len(round_):
+        mine = round_[index]
+        yield collate(mine) if isinstance(mine, list) else mine
+
+
+def redeal(whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt: str, epoch: int, unit: int) -> Redealt:
+    """The reader of an interrupted epoch's rest, dealt anew (:class:`Redealt`), from what the saving processes recorded
+    (in rank order): the batches they had read ahead and their streams' states."""
+    states = [s for s in saved if s is not None]
+    if not states:  # every process had ended its part: the batches read ahead are all that is left
+        return Redealt(whole, units_of(aheads, unit), [], epoch)
+    if states[0].holder == "redealt":  # an epoch dealt anew before: every process's reader stood at the same place
+        pending, parts = _parts_of(states[0].state)
+        return Redealt(whole, units_of([*aheads, *pending], unit), parts, epoch)
+    pieces = units_of(aheads, unit)
+    if dealt == WHOLE:  # each process's state is the whole stream's, past the batches read ahead
+        return Redealt(whole, pieces, [(None, states[0].state)], epoch)
+    return Redealt(whole, pieces, [((len(saved), r), s.state) for r, s in enumerate(saved) if s is not None], epoch)
+
+
+def resumed_elsewhere(loader: Any, reader: Redealt, processes: int, index: int, restore_epoch_start: Callable[[], None],
+                      restore_now: Callable[[], None]) -> Any:
+    """Iterate this process's share of an interrupted epoch's rest, dealt anew to this run's processes (:func:`deal`)."""
+    to_device = begin_again(loader, restore_epoch_start)
+    restore_now()
+    base = _base_of(loader)
+    batches = deal(iter(reader), unit=base.batch_size, processes=processes, index=index, drop_last=base.drop_last,
+                   collate=base.collate_fn)
+    try:
+        first = next(batches)
+    except StopIteration:  # nothing was left of the epoch
+        close_epoch(loader)
+        return
+    yield from look_ahead(loader, batches, to_device(first), to_device)

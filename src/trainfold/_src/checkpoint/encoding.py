@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import unwrap
-from trainfold._src.backend.streams import StreamState
+from trainfold._src.backend.streams import PART, WHOLE, StreamState
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import counter
 from trainfold._src.base.history import history_from_rows, history_rows
@@ -149,6 +149,24 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
     return run, resume, accumulation
 
 
+def decode_positions(folder: object, files: Mapping[str, Any], world: int) -> tuple[EpochPosition | None, ...]:
+    """Every saving process's data position, in rank order, from the verified ``rank-<r>`` files' bytes.
+
+    Raises:
+        CheckpointError: a file or value that cannot be decoded.
+    """
+    positions = []
+    for rank in range(world):
+        json_name, tensors_name = rank_files(rank)
+        meta = parse_json(folder, json_name, files[json_name])
+        tensors = parse_tensors(folder, tensors_name, files[tensors_name])
+        try:
+            positions.append(_decode_rank(meta, tensors)[1].position)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
+            raise CheckpointError(f"{folder}: {json_name} holds a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
+    return tuple(positions)
+
+
 def decode_frozen(saved: Any) -> tuple[FrozenTensor, ...]:
     """An adapter checkpoint's fingerprint, every field checked (a damaged or forged entry fails here, before anything changes).
 
@@ -241,6 +259,8 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
         meta["samples_done"] = position.samples_done
         meta["by_samples"] = position.by_samples
         meta["dispatched"] = position.dispatched
+        if position.dealt is not None:
+            meta["dealt"] = position.dealt
         has, batch = position.read_ahead
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
         if position.stream is not None:
@@ -259,8 +279,8 @@ def _decode_stream(saved: Any, tensors: Mapping[str, torch.Tensor]) -> StreamSta
         return None
     if not isinstance(saved, dict) or set(saved) != {"holder", "kind", "workers", "state"}:
         raise ValueError(f"stream is {saved!r}, not {{holder, kind, workers, state}}")
-    if saved["holder"] not in ("loader", "dataset") or not isinstance(saved["kind"], str):
-        raise ValueError(f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader' or 'dataset' and a class name")
+    if saved["holder"] not in ("loader", "dataset", "redealt") or not isinstance(saved["kind"], str):
+        raise ValueError(f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader', 'dataset' or 'redealt' and a class name")
     return StreamState(saved["holder"], saved["kind"], counter("stream workers", saved["workers"]), _codec.decode(saved["state"], tensors))
 
 
@@ -284,9 +304,11 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
     for flag in ("by_samples", "dispatched"):
         if not isinstance(meta.get(flag, False), bool):
             raise ValueError(f"{flag} is {meta[flag]!r}, not a bool")
+    if meta.get("dealt") not in (None, WHOLE, PART):
+        raise ValueError(f"dealt is {meta['dealt']!r}, not {WHOLE!r} or {PART!r}")
     position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),
                              stream=_decode_stream(meta.get("stream"), tensors),
-                             dispatched=meta.get("dispatched", False)) if "epoch_start" in meta else None
+                             dispatched=meta.get("dispatched", False), dealt=meta.get("dealt")) if "epoch_start" in meta else None
     resume = Resume(now=states("now"), position=position)
     return grads, resume
 

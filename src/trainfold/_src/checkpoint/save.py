@@ -22,7 +22,7 @@ from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters, unwrap
 from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
-from trainfold._src.backend.streams import stream_source
+from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, stream_source
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
@@ -266,9 +266,16 @@ def _position(state: TrainState) -> EpochPosition | None:
     samples_before, batches_before = cursor.resumed_at or (0, 0)
     done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
     # a stream that can say where it is: its state after the batch read ahead (which the checkpoint holds too)
-    source = stream_source(cursor.loader) if is_streamed(cursor.loader) and read_ahead[0] else None
+    # (an epoch dealt anew on another number of processes: the reader of its rest, which every process reads whole)
+    streamed = is_streamed(cursor.loader) and read_ahead[0]
+    source = StreamSource("redealt", cursor.stream, 0) if cursor.stream is not None else stream_source(cursor.loader) if streamed else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
-                         stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader))
+                         stream=None if source is None or not read_ahead[0] else source.capture(), dispatched=is_dispatcher(cursor.loader),
+                         dealt=(WHOLE if cursor.stream is not None else dealing(cursor.loader, _processes(state))) if streamed else None)
+
+
+def _processes(state: TrainState) -> int:
+    return int(state.accelerator.num_processes) if state.accelerator is not None else 1
 
 
 def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:

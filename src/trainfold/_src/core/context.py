@@ -16,6 +16,7 @@ from accelerate import Accelerator
 
 from trainfold._src.backend.engine import wait_for_everyone
 from trainfold._src.backend.loaders import fill_deepspeed_micro_batch, loader_placement, mark_own_shard
+from trainfold._src.backend.streams import keep_given_stream
 from trainfold._src.core.runtime import Runtime
 from trainfold._src.distributed.control import current_timeout, set_timeout
 
@@ -432,7 +433,10 @@ class Context:
         self.check()
         fill_deepspeed_micro_batch(self.accelerator, loaders)  # before TrainState.create, which prepares the model alone
         prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
-        return prepared if isinstance(prepared, tuple) else (prepared,)
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        for given, ready in zip(loaders, prepared):
+            keep_given_stream(given, ready)
+        return prepared
 
     def own_shards(self, *loaders: Any) -> tuple[Any, ...]:
         """Mark loaders that already yield only this process's share of the data, and return them.

@@ -28,6 +28,9 @@ class EpochCursor:
     samples (of the epoch's order, over every process) done before and the batch
     count it continued from; then this iteration covers only the rest, and a
     checkpoint inside it records its position in samples.
+    ``stream``: for an epoch over a stream continued on another number of
+    processes, the reader of its rest (``streams.Redealt``), which says where the
+    epoch stands in place of the loader's own stream.
     """
 
     iterator: Any = attrs.field(repr=False)
@@ -35,6 +38,7 @@ class EpochCursor:
     epoch_start: RngStates | None = attrs.field(repr=False)
     interrupted: bool = False
     resumed_at: tuple[int, int] | None = None
+    stream: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -60,6 +64,9 @@ class EpochPosition:
     #: process 0 read the stream and dispatched each batch (Accelerate's ``dispatch_batches``): its state is the whole
     #: stream's position, so the epoch can go on on another number of processes
     dispatched: bool = False
+    #: how this process's part of the stream stood to the whole (``streams.WHOLE``, ``streams.PART``; None: unknown),
+    #: what a resume on another number of processes deals out anew
+    dealt: str | None = None
 
 
 @attrs.frozen
@@ -74,3 +81,5 @@ class Resume:
     saved_layout: tuple[int, int | None, int] | None = None
     #: this run has another number of processes than the one that saved
     elastic: bool = False
+    #: every saving process's position, in rank order, where the epoch's rest over a stream is dealt anew (read only then)
+    peers: tuple[EpochPosition | None, ...] = ()

@@ -154,7 +154,7 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
     """
     saved = layout_words(manifest["world_size"], data_ranks(manifest))
     now = layout_words(acc.num_processes, data_layout(acc).size)
-    _check_elastic(folder, run, resume, saved_steps, saved, now)
+    _check_elastic(folder, run, resume, saved_steps, saved, now, grouped=data_ranks(manifest) != manifest["world_size"])
     run = attrs.evolve(run, accelerate_step=0)  # at an update: a new accumulation group begins
     if run.values.batch_in_epoch > 0:
         warnings.warn(
@@ -169,9 +169,25 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
     return run, attrs.evolve(resume, elastic=True)
 
 
-def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str) -> None:
+def with_peers(folder: Stored, manifest: Mapping[str, Any], resume: Resume, elastic: bool) -> Resume:
+    """``resume`` with every saving process's position, where the rest of an epoch over a stream is dealt anew: on
+    another number of processes, or continuing an epoch already dealt anew (each process reads the whole rest, and
+    the batches every process had read ahead come first)."""
+    from trainfold._src.checkpoint.encoding import decode_positions
+    from trainfold._src.checkpoint.manifest import rank_files, read_verified
+
+    position = resume.position
+    if position is None or position.stream is None or not (elastic or position.stream.holder == "redealt"):
+        return resume
+    world = int(manifest["world_size"])
+    files = read_verified(folder, manifest, [name for rank in range(world) for name in rank_files(rank)])
+    return attrs.evolve(resume, peers=decode_positions(folder, files, world))
+
+
+def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str, grouped: bool) -> None:
     """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, and inside an epoch
-    only with its position in samples, or over a stream process 0 read and dispatched, from that stream's state."""
+    only with its position in samples, or over a stream whose every process's state says where its part stood (read in
+    the process: not by a ``StatefulDataLoader``'s workers) and how it was dealt, or that process 0 dispatched."""
     if run.accelerate_step % saved_steps or run.grads:
         raise CheckpointError(
             f"{folder} was saved by {saved} in the middle of an accumulation group (their partial gradients "
@@ -183,15 +199,26 @@ def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, save
         return
     if position is not None and position.dispatched and (position.stream is not None or not position.read_ahead[0]):
         return  # process 0's stream state is the whole stream's: it goes on from there, dealt to this run's processes
+    stream = position.stream if position is not None else None
+    if stream is not None and stream.holder != "loader" and position is not None and position.dealt is not None and not grouped:
+        return  # every saving process's state and batch read ahead are in the checkpoint: the rest is dealt anew (streams.Redealt)
     if position is not None and position.dispatched:
         why = ("process 0 read it and dispatched it, but it cannot say where it stood (no state_dict()), and the part read "
                f"again would be counted in batches of {saved}: give the dataset state_dict() and load_state_dict() for a "
                "stream that resumes on any number of processes")
-    elif position is not None and position.stream is not None:
-        why = ("each process read the stream and its state says where that process's part stood (Accelerate's "
-               "IterableDatasetShard, or shards split by process): those parts cannot be dealt out anew exactly. A stream "
-               "that process 0 reads and dispatches (DataLoaderConfiguration(dispatch_batches=True)) resumes on any number "
+    elif stream is not None and stream.holder == "loader":
+        why = (f"each process's loader ({stream.kind}, {stream.workers} worker(s)) saved a state of its own, which "
+               "covers that process's part as its workers read it: such states cannot be dealt out anew. A stream read by "
+               "a plain DataLoader with num_workers=0, or one that process 0 reads and dispatches "
+               "(DataLoaderConfiguration(dispatch_batches=True)), resumes on any number of processes")
+    elif stream is not None and position is not None and position.dealt is None:
+        why = ("each process read a part of the stream, and the checkpoint does not say how the stream was split (the "
+               "loader was prepared without ctx.prepare_loaders, which keeps the dataset you gave, or the checkpoint is an "
+               "older trainfold's): prepare the loader with ctx.prepare_loaders for a stream that resumes on any number "
                "of processes")
+    elif stream is not None:
+        why = ("tensor parallelism grouped the saving processes, and trainfold deals a stream anew only where each process "
+               "is a data-parallel rank of its own")
     else:
         why = "its position in samples is unknown (an iterable dataset that cannot say where it stood)"
     raise CheckpointError(

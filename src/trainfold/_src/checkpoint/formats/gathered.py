@@ -17,7 +17,8 @@ from trainfold._src.base import rng as _rng
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, without,
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, with_peers,
+    without,
 )
 from trainfold._src.checkpoint.manifest import FORMAT, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -59,6 +60,7 @@ class Gathered:
             run, resume = elastic_resume(folder, run, resume, saved_steps, manifest, acc)
         else:
             check_accumulation(ctx, folder, saved_steps)
+        resume = with_peers(folder, manifest, resume, elastic)
         if into_shards and run.grads:
             raise CheckpointError(
                 f"{folder} was saved in the middle of an accumulation group, and its partial gradients are whole tensors this "

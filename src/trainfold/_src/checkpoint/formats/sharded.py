@@ -17,7 +17,8 @@ from trainfold._src.checkpoint.commit import agreed
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, without,
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, with_peers,
+    without,
 )
 from trainfold._src.checkpoint.manifest import SHARDED, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -73,6 +74,7 @@ class Sharded:
                 run, resume = elastic_resume(folder, run, resume, saved_steps, manifest, acc)
             else:
                 check_accumulation(ctx, folder, saved_steps)
+            resume = with_peers(folder, manifest, resume, elastic)
             metadata = dcp_metadata.parse_metadata(folder, files[dcp_metadata.METADATA], world)
             frozen = frozenset(f.name for f in run.frozen)
             check_adapters(folder, run, state, live_frozen)  # first: other adapters are named as such, not as another model
