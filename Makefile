@@ -105,7 +105,7 @@ test-multiprocess: $(STAMP) $(TP_STAMP)
 	$(PY) -m pytest -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)
-	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py tests/test_peft.py
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py tests/test_peft.py tests/test_flops.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-CONFIGS = ("plain", "guard", "full")
+CONFIGS = ("plain", "guard", "full", "logged", "watched")
 SIZES, BATCH, BATCHES = (32, 64, 10), 32, 256
 
 

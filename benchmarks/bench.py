@@ -158,8 +158,9 @@ def accelerate_loop(sizes, ds, batch):
 
 
 def trainfold_loop(sizes, ds, batch, config: str = "plain", package: str = "trainfold"):
-    """trainfold's run_epoch, ``config`` "plain", "guard" (nan_guard) or "full" (progress bar, log_every(50),
-    nan_guard); ``package`` is the module to import it from (benchmarks/ab.py loads two versions side by side)."""
+    """trainfold's run_epoch, ``config`` "plain", "guard" (nan_guard), "full" (progress bar, log_every(50),
+    nan_guard), "logged" (log_every(50)) or "watched" (log_every(50, watch=True)); ``package`` is the module to import
+    it from (benchmarks/ab.py loads two versions side by side)."""
     import importlib
 
     from toolz import compose
@@ -169,8 +170,8 @@ def trainfold_loop(sizes, ds, batch, config: str = "plain", package: str = "trai
     model = make_model(sizes)
     box = [t.TrainState.create(ctx, model=model, optimizer=OPTIMIZER(model.parameters(), lr=0.01))]
     (dl,) = ctx.prepare_loaders(loader(ds, batch))
-    if config not in ("plain", "guard", "full"):
-        raise ValueError(f"unknown trainfold configuration {config!r}: plain, guard or full")
+    if config not in ("plain", "guard", "full", "logged", "watched"):
+        raise ValueError(f"unknown trainfold configuration {config!r}: plain, guard, full, logged or watched")
     guarded = config in ("guard", "full")
     if hasattr(t, "Stage"):  # since 0.2 nan_guard is a stage of make_step
         step = t.make_step(ctx, loss_fn, stages=[t.nan_guard(3)] if guarded else [])
@@ -179,6 +180,8 @@ def trainfold_loop(sizes, ds, batch, config: str = "plain", package: str = "trai
         step = t.nan_guard(3)(step) if guarded else step
     if config == "full":
         step = compose(t.progress_bar(ctx, total=len(dl), force=True, file=io.StringIO()), t.log_every(ctx, 50))(step)
+    if config in ("logged", "watched"):
+        step = t.log_every(ctx, 50, **({"watch": True} if config == "watched" else {}))(step)
 
     def epoch():
         box[0] = t.run_epoch(ctx, step, dl, box[0])

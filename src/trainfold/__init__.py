@@ -56,7 +56,9 @@ if TYPE_CHECKING:
     from trainfold._src.compose.transforms import ema as ema
     from trainfold._src.compose.transforms import ema_model as ema_model
     from trainfold._src.compose.transforms import every_steps as every_steps
+    from trainfold._src.compose.tracking import init_trackers as init_trackers
     from trainfold._src.compose.transforms import log_every as log_every
+    from trainfold._src.compose.watch import Watch as Watch
     from trainfold._src.compose.transforms import lr_schedule as lr_schedule
     from trainfold._src.compose.transforms import max_steps as max_steps
     from trainfold._src.core.context import Context as Context
@@ -124,6 +126,8 @@ _WHERE: dict[str, str] = {
     "local_sgd": "trainfold._src.compose.local_sgd",
     "log_epoch": "trainfold._src.compose.epoch_fns",
     "log_every": "trainfold._src.compose.transforms",
+    "init_trackers": "trainfold._src.compose.tracking",
+    "Watch": "trainfold._src.compose.watch",
     "loop": "trainfold._src.compose.loop",
     "lr_schedule": "trainfold._src.compose.transforms",
     "make_step": "trainfold._src.core.step",
@@ -185,6 +189,7 @@ __all__ = [
     "StepTransformer",
     "Stop",
     "TrainState",
+    "Watch",
     "__version__",
     "average_parameters",
     "checkpoint_every",
@@ -202,6 +207,7 @@ __all__ = [
     "export_checkpoint",
     "find_batch_size",
     "fit",
+    "init_trackers",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

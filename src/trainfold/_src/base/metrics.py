@@ -126,10 +126,19 @@ class RunningSums:
 
         One all-reduce and one host transfer: call it once per epoch or log interval.
         """
+        return self.means_and_totals(accelerator, count, since=since)[0]
+
+    def means_and_totals(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None,
+                         totals: Mapping[str, torch.Tensor | float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+        """:meth:`means`, and ``totals`` (counts of this process: samples, FLOPs) summed over every process, from the
+        same one all-reduce; with the sums (minus ``since``) themselves, summed, under ``"sum:<name>"``."""
         sums = self.as_dict()
         if since is not None:
             sums = {k: v - since[k] for k, v in sums.items()}
-        return weighted_means(finite_loss_mean(reduce_means(accelerator, sums, count))) if sums else {}
+        if not sums and not totals:
+            return {}, {}
+        means, summed = reduce_with_totals(accelerator, sums, count, {**(totals or {}), **{f"sum:{k}": v for k, v in sums.items()}})
+        return (weighted_means(finite_loss_mean(means)) if sums else {}), summed
 
 
 def detached(loss: torch.Tensor, aux: Mapping[str, torch.Tensor]) -> Entry:
@@ -227,15 +236,24 @@ def reduce_means(
     One stacked tensor, one all-reduce, one host transfer: call this once per
     epoch or log interval, never per step.
     """
-    names = list(sums)
-    dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) else torch.float32
-    local = torch.stack([sums[n].to(dtype) for n in names] + [torch.as_tensor(count, dtype=dtype, device=accelerator.device)])
+    return reduce_with_totals(accelerator, sums, count, {})[0]
+
+
+def reduce_with_totals(accelerator: Accelerator, sums: Mapping[str, torch.Tensor], count: torch.Tensor | int,
+                       totals: Mapping[str, torch.Tensor | float]) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`reduce_means`, and ``totals`` summed over processes, in the same one all-reduce and host transfer."""
+    names, extra = list(sums), list(totals)
+    dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) or extra else torch.float32
+    device = accelerator.device
+    local = torch.stack([sums[n].to(dtype) for n in names] + [torch.as_tensor(totals[n], dtype=dtype, device=device) for n in extra]
+                        + [torch.as_tensor(count, dtype=dtype, device=device)])
     if accelerator.num_processes > 1:
-        _check_same_names(accelerator, names)
+        _check_same_names(accelerator, names + extra)
         local = accelerator.reduce(local, reduction="sum")
     values = local.tolist()  # sync: once per epoch / log interval
     n = values[-1]
-    return {name: (v / n if n else float("nan")) for name, v in zip(names, values)}
+    means = {name: (v / n if n else float("nan")) for name, v in zip(names, values)}
+    return means, dict(zip(extra, values[len(names):-1]))
 
 
 def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:

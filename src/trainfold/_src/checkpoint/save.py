@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Mapping, overload
 
 import torch
@@ -141,9 +142,13 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     _check_replicas_equal(state)
     # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
     # a schedule-free optimizer saves its eval weights
-    with eval_mode(state.model, state.optimizer, no_grad=False):
-        return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save),
-                     flag("save_frozen", save_frozen))
+    start = time.perf_counter()
+    try:
+        with eval_mode(state.model, state.optimizer, no_grad=False):
+            return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save),
+                         flag("save_frozen", save_frozen))
+    finally:
+        ctx.runtime.clock.add("checkpoint", time.perf_counter() - start)  # the time the save held training up
 
 
 def _check_replicas_equal(state: TrainState) -> None:

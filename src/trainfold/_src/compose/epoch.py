@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Any, Iterable, overload
 
@@ -27,6 +28,7 @@ from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
+from trainfold._src.core.clock import Clock
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor, Resume
 from trainfold._src.core.modes import train_mode
@@ -112,12 +114,13 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     seen, started_at = 0, state.batch_in_epoch
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.runtime.interrupt
+    clock = ctx.runtime.clock
     acc = ctx.accelerator
     with explaining_timeouts(ctx.accelerator.num_processes):
-        for batch in iterator:
+        for batch in clock.timed(iterator) if clock.on else iterator:  # (the cursor keeps the loader's own iterator)
             state = step(state, batch)
             seen += 1
-            if state.micro_step >= interrupt.next_check and (signum := interrupt.check(state.micro_step, acc.sync_gradients)):
+            if state.micro_step >= interrupt.next_check and (signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients)):
                 state = state.with_stop(f"signal {signal_name(signum)}")
                 interrupt.clear()  # honoured: the next run on this Context is not stopped by it
             if state.batch_in_epoch == limit or state.end_of_epoch:
@@ -136,6 +139,15 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         raise empty_loader("run_epoch", loader)
     _check_recorded(step, seen, started_at, state)
     return end_epoch(ctx, state)
+
+
+def _stop_requested(interrupt: Any, clock: Clock, micro_step: int, synced: bool) -> int:
+    """The stop agreement's round (``interrupt.check``), its time counted to the clock's ``stop``."""
+    start = time.perf_counter()
+    try:
+        return int(interrupt.check(micro_step, synced) or 0)
+    finally:
+        clock.add("stop", time.perf_counter() - start)
 
 
 def _check_recorded(step: Step, seen: int, started_at: int, state: TrainState) -> None:

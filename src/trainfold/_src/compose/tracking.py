@@ -40,6 +40,62 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
 
 
+#: Trackers whose series a resumed run can cut back to its checkpoint, and the init keyword that does it.
+PURGING = {"tensorboard": "purge_step"}
+
+
+def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
+                  init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Start the Accelerator's trackers (``Accelerator(log_with=...)``) for a run that goes on from ``state``.
+
+    ``accelerator.init_trackers``, and for a resumed run (``state.step > 0``) TensorBoard's
+    ``purge_step`` set to the update after the checkpoint's: what the run before logged after
+    its checkpoint (up to a kill) is purged, and the resumed run logs those updates again, so
+    each series holds every update once, with the values of an uninterrupted run (the resume
+    is exact). Every value logged at or before the checkpoint's update stays. Trackers that
+    cannot cut a series back (Weights & Biases, MLflow, Comet, Aim, ClearML, DVCLive...) are
+    started as given, and a warning says their series may hold the updates after the
+    checkpoint twice.
+
+    Args:
+        ctx: the run's Context.
+        project_name: the run's name, as ``init_trackers`` takes it.
+        state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
+        config: hyperparameters to store, as ``init_trackers`` takes them.
+        init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
+            ``purge_step`` given is kept.
+
+    Raises:
+        Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
+
+    Examples:
+        >>> import tempfile
+        >>> from accelerate import Accelerator
+        >>> from trainfold import testing
+        >>> ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard",
+        ...                                                                       project_dir=tempfile.mkdtemp()))
+        >>> init_trackers(ctx, "demo", state)
+        >>> [t.name for t in ctx.accelerator.trackers]
+        ['tensorboard']
+    """
+    kwargs = {name: dict(values) for name, values in (init_kwargs or {}).items()}
+    names = [str(t) for t in ctx.accelerator.log_with]
+    if state.step > 0:
+        for name in names:
+            if name in PURGING:
+                kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
+        others = [n for n in names if n not in PURGING]
+        if others and ctx.is_main_process:
+            warnings.warn(
+                f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
+                f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
+                "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+    ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
+
+
 def step_key(name: str) -> str:
     """The tracker key of a value ``log_every`` reports (``loss``, ``lr``, an aux name): ``train/<name>``; ``epoch`` stays."""
     return name if name == "epoch" else f"train/{name}"
@@ -64,6 +120,10 @@ def summary_line(state: TrainState, values: Mapping[str, float]) -> str:
     return f"epoch {state.epoch} (update {state.step}): " + "  ".join(f"{k} {v:.6g}" for k, v in values.items())
 
 
+#: What the progress bar shows of ``log_every``'s last report (the rates and MFU where it watches).
+SHOWN = ("loss", "lr", "samples_per_s", "tokens_per_s", "mfu")
+
+
 @attrs.frozen
 class _BarState:
     epoch: int
@@ -74,8 +134,10 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
 
     Main process only; off when stderr is not a terminal unless ``force=True``
     (then the transformer returns the step unchanged and costs nothing). The
-    bar shows the epoch, the rate, and the running loss last reduced by
-    :func:`~trainfold.log_every` (it never synchronises by itself). The bar is a
+    bar shows the epoch, its batches per second and time left (with ``total``), and
+    the running loss last reduced by :func:`~trainfold.log_every` (it never
+    synchronises by itself): with ``log_every(..., watch=True)``, samples and
+    tokens per second and MFU too. The bar is a
     display, not run state: it is not checkpointed.
 
     Args:
@@ -124,7 +186,7 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
             logged = new.extras.get("log_every")
             if logged is not None and logged.values is not shown["values"]:
                 shown["values"] = logged.values
-                bar.set_postfix({k: f"{v:.4g}" for k, v in logged.values.items() if k in ("loss", "lr")}, refresh=False)
+                bar.set_postfix({k: f"{v:.4g}" for k, v in logged.values.items() if k in SHOWN}, refresh=False)
             if total is not None and new.batch_in_epoch >= total:
                 bar.close()  # the epoch's last batch: show the bar complete
                 bar = None

@@ -21,6 +21,7 @@ from trainfold._src.base.checks import name_of, named, positive_int
 from trainfold._src.base.records import register_record
 from trainfold._src.base.types import Batch, read_only
 from trainfold._src.compose.tracking import emit, step_key
+from trainfold._src.compose.watch import Meter, Watch, as_watch
 from trainfold._src.core.checks import returned_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.runstate import frozen_objects
@@ -189,7 +190,7 @@ class LogState:
     values: Mapping[str, float] = attrs.field(default=MappingProxyType({}), converter=read_only)
 
 
-def log_every(ctx: Context, n: int) -> StepTransformer:
+def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTransformer:
     """Report running means every ``n`` optimizer updates to Accelerate's trackers and the ``trainfold`` logger.
 
     Every ``n`` updates, the loss and aux sums accumulated since the last report
@@ -200,15 +201,25 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
     ``logging.getLogger("trainfold")`` at INFO, on the main process. The values
     stay in ``state.extras["log_every"].values`` (the progress bar shows them).
 
+    With ``watch`` (``True``, or a :class:`~trainfold.Watch` saying what to measure),
+    each report also gives the interval's ``samples_per_s``, ``updates_per_s``,
+    ``tokens_per_s`` (real tokens, where the loss counts them), ``flops_per_s`` and
+    ``mfu`` (where FLOPs and a peak are known), the shares of its wall time spent
+    waiting for data, in the step, updating, checkpointing and agreeing on a stop
+    (``time_data`` ...), and peak memory, from the same one reduction: no other
+    sync. The guide "Watching a run" defines each.
+
     Args:
         ctx: the run's Context.
         n: the period, in optimizer updates (a positive int).
+        watch: measure throughput, utilisation, memory and time too (``True`` or a :class:`~trainfold.Watch`).
 
     Returns:
         A step transformer.
 
     Raises:
         ValueError: ``n`` is not a positive int.
+        TypeError: ``watch`` is not a bool or a ``Watch``.
 
     Examples:
         >>> from trainfold import testing
@@ -216,22 +227,46 @@ def log_every(ctx: Context, n: int) -> StepTransformer:
         >>> state = run_epoch(ctx, log_every(ctx, 2)(make_step(ctx, loss_fn)), loader, state)
         >>> state.extras["log_every"].step, sorted(state.extras["log_every"].values)
         (4, ['epoch', 'loss', 'lr'])
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> state = run_epoch(ctx, log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)), loader, state)
+        >>> values = state.extras["log_every"].values
+        >>> values["samples_per_s"] > 0, round(sum(values[k] for k in values if k.startswith("time_")), 6)
+        (True, 1.0)
     """
     positive_int("log_every", n)
+    watching = as_watch(watch)
 
     def transform(step: Step) -> Step:
+        meter = Meter(ctx, watching) if watching is not None else None
+
         def logged(state: TrainState, batch: Batch) -> TrainState:
-            new = step(state, batch)
+            if state.step % n == 0 and state.step and _reported_before(state) < state.step:
+                state = _missed_report(state)
+            new = step(state, batch) if meter is None else meter.step(step, state, batch)
             if new.step == state.step or new.step % n:
                 return new
-            return new.with_extra("log_every", _report(ctx, new))
+            return new.with_extra("log_every", _report(ctx, new, meter))
 
-        return named(logged, f"log_every({n})({name_of(step)})")
+        return named(logged, f"log_every({n}{', watch' if watching else ''})({name_of(step)})")
 
     return transform
 
 
-def _report(ctx: Context, state: TrainState) -> LogState:
+def _reported_before(state: TrainState) -> int:
+    last: LogState | None = state.extras.get("log_every")
+    return -1 if last is None else last.step
+
+
+def _missed_report(state: TrainState) -> TrainState:
+    """``state`` holding the report due at its update, which it does not hold: a checkpoint saved inside that update's
+    step, before ``log_every`` (composed outside ``checkpoint_every``) reported it. The report was made from these very
+    sums, so they are the next report's starting point, as in the run that was not stopped."""
+    last: LogState | None = state.extras.get("log_every")
+    values = last.values if last is not None else MappingProxyType({})
+    return state.with_extra("log_every", LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(state.sums.folded().as_dict()), values))
+
+
+def _report(ctx: Context, state: TrainState, meter: Meter | None = None) -> LogState:
     last: LogState | None = state.extras.get("log_every")
     # The folded sums are read, not kept: the run's own sums are added in the same groups
     # with or without logging, so logging never changes train_loss, even in the last bit.
@@ -240,10 +275,13 @@ def _report(ctx: Context, state: TrainState) -> LogState:
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
     since = last.sums if same_epoch else None  # type: ignore[union-attr]
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
-    means = folded.means(ctx.accelerator, state.batch_in_epoch - base_batches, since=since)
+    totals = meter.totals() if meter is not None else None
+    means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
     values = {**means, "epoch": float(state.epoch)}
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
+    if meter is not None:
+        values.update(meter.report(state, summed))
     emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
     return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), values)
 

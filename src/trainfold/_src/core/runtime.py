@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Sequence
 
+from trainfold._src.core.clock import Clock
 from trainfold._src.distributed.control import Control
 from trainfold._src.distributed.interrupt import Handlers, Interrupt
 from trainfold._src.distributed.saver import Saver
@@ -31,6 +32,8 @@ class Runtime:
         interrupt: the stop request a signal sets, agreed at step boundaries.
         saver: the thread that writes ``async_save`` checkpoints (one in flight at most).
         handlers: the signal handlers installed from the Context's creation to :meth:`close`.
+        clock: the host time of a run's parts (the loader, the update, a save, a stop's agreement), kept while
+            ``log_every(..., watch=True)`` watches.
 
     What happened, changed only by the named methods:
         the checkpoint roots locked (:meth:`keep_lock`, by ``save_checkpoint``'s first save to a root;
@@ -60,6 +63,7 @@ class Runtime:
         self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))
         self.saver = Saver()
         self.handlers = Handlers(self.interrupt, signals)
+        self.clock = Clock()
         self._locks: dict[str, Any] = {}
         self._held: dict[str, Any] = {}
         self._warned: set[str] = set()

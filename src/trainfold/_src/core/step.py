@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -10,6 +11,7 @@ from trainfold._src.backend.optim import backward_fn, gradient_sync, micro_batch
 from trainfold._src.base.copier import copier
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.base.types import Batch, LossFn
+from trainfold._src.core.clock import Clock
 from trainfold._src.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.loss import compute_loss
@@ -174,7 +176,8 @@ def make_step(
     start = micro_batch_start(accelerator)
     backward = backward_fn(accelerator)
     updates = Updates(accelerator, gate=any(s.gates_update for s in bound))
-    micro_batch = _staged(loss_fn, backward, updates, bound) if bound else _plain(loss_fn, backward, updates)
+    clock = ctx.runtime.clock
+    micro_batch = _staged(loss_fn, backward, updates, bound, clock) if bound else _plain(loss_fn, backward, updates, clock)
     sync = gradient_sync(accelerator)
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -202,7 +205,7 @@ def _refuse_call(ctx: Context, state: Any, batch: Any) -> None:
 _MicroBatch = Callable[[TrainState, Batch, bool], TrainState]
 
 
-def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> _MicroBatch:
+def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _MicroBatch:
     """The pipeline with no stages: loss, backward, update, scheduler, record."""
 
     def micro_batch(state: TrainState, batch: Batch, synced: bool) -> TrainState:
@@ -210,8 +213,11 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> _MicroBatch:
         backward(loss)
         ops = updates.of(state.optimizer).ops
         if synced or ops.every_batch:
+            start = time.perf_counter() if clock.on else 0.0  # (the update's host time, while a watcher looks)
             ops.step()
             ops.zero_grad()
+            if start:
+                clock.add("update", time.perf_counter() - start)
         if state.scheduler is not None:
             state.scheduler.step()
         return record(state, loss, aux, updated=synced and not ops.was_skipped())
@@ -219,7 +225,7 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates) -> _MicroBatch:
     return micro_batch
 
 
-def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...]) -> _MicroBatch:
+def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...], clock: Clock) -> _MicroBatch:
     """The pipeline with stages: their hooks run in order, each kind only where it is given."""
     on_batch = tuple(s.on_batch for s in stages if s.on_batch is not None)
     on_update = tuple(s.on_update for s in stages if s.on_update is not None)
@@ -237,7 +243,10 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
         if synced:
             for hook in on_update:
                 hook(mb)
+            start = time.perf_counter() if clock.on else 0.0
             update.apply(mb.skip)
+            if start:
+                clock.add("update", time.perf_counter() - start)
             for hook in after_update:
                 hook(mb)
         elif update.ops.every_batch:

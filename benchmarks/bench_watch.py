@@ -1,0 +1,80 @@
+"""What watching a run costs: log_every(50, watch=True) against log_every(50) on the tiny MLP, in paired rounds.
+
+Each process builds the raw PyTorch loop and both trainfold configurations (bench.py's tiny MLP, 256 batches an
+epoch), then times an epoch of each per round in a shuffled order. Per round, the watched epoch's time over the
+logged one's; the median over every round of every process is the figure (the issue's guard: at most 1.01).
+
+    python benchmarks/bench_watch.py --processes 4 --rounds 15 [--out benchmarks/results_watch.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SIZES, BATCH, BATCHES = (32, 64, 10), 32, 256
+
+
+def child(rounds: int, seed: int) -> dict[str, list[float]]:
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    torch.set_num_threads(1)
+    import bench
+
+    rng = random.Random(seed)
+    epochs = {}
+    bench.reset_accelerate()
+    for key in rng.sample(["raw", "logged", "watched"], 3):
+        data = bench.make_data(SIZES, BATCH, BATCHES)
+        epochs[key] = bench.raw(SIZES, data, BATCH) if key == "raw" else bench.trainfold_loop(SIZES, data, BATCH, key)
+        epochs[key]()  # warm-up (and the first step's FLOPs counted)
+    times: dict[str, list[float]] = {key: [] for key in epochs}
+    for _ in range(rounds):
+        for key in rng.sample(list(epochs), len(epochs)):
+            start = time.perf_counter()
+            epochs[key]()
+            times[key].append((time.perf_counter() - start) / BATCHES * 1e6)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.rounds, args.seed)))
+        return
+    runs = []
+    for seed in range(args.processes):
+        out = subprocess.run([sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--seed", str(seed)],
+                             capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    paired = [w / l for run in runs for w, l in zip(run["watched"], run["logged"])]
+    over_raw = {key: statistics.median(t / r for run in runs for t, r in zip(run[key], run["raw"])) for key in ("logged", "watched")}
+    result = {
+        "watched_over_logged_median": statistics.median(paired),
+        "watched_over_logged_quartiles": statistics.quantiles(paired, n=4),
+        "over_raw_median": over_raw,
+        "raw_us_per_step_median": statistics.median(t for run in runs for t in run["raw"]),
+        "rounds": len(paired),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

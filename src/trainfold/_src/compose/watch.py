@@ -1,0 +1,242 @@
+"""What ``log_every(..., watch=...)`` adds to each report: throughput, utilisation, memory, and where the time went.
+
+Owned here: :class:`Watch` (what to measure, public) and :class:`Meter` (the host counters of one
+watched step). Counts are exact and cost no device synchronisation: a batch's sample count is its
+shape (host metadata); tokens are the loss's own token weights, already summed on the device; both,
+and the FLOPs, are summed over processes in the report's one all-reduce.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+from trainfold._src.backend.mesh import data_layout
+from trainfold._src.base.metrics import WEIGHT
+from trainfold._src.base.types import Batch
+from trainfold._src.core.context import Context
+from trainfold._src.core.state import TrainState
+from trainfold._src.core.types import Step
+
+#: Dense peak FLOP/s of one device, by a fragment of its CUDA name, for 16-bit (bf16/fp16) tensor-core matmuls and for
+#: float32 (TF32 tensor cores where the device has them and torch allows them; plain FP32 otherwise). Vendors' figures.
+PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 67e12),
+    "H100 PCIe": (756e12, 51e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10G": (70e12, 35e12),
+    "L4": (121e12, 30.3e12),
+}
+
+#: The running sums that count a batch's real tokens: the token weight of a token-normalised loss, or an aux ``tokens``.
+TOKEN_SUMS = (f"loss{WEIGHT}", "tokens")
+
+
+@attrs.frozen
+class Watch:
+    """What ``log_every(ctx, n, watch=Watch(...))`` reports besides the loss (``watch=True`` is ``Watch()``).
+
+    Every report gives the interval's samples/s, updates/s and, where the loss counts tokens
+    (``make_step(normalize="tokens")``, or an aux ``"tokens"``), real tokens/s; the share of its
+    wall time spent waiting for data, updating, checkpointing and agreeing on a stop; and the
+    peak memory. With FLOPs known, the model FLOPs utilisation (MFU).
+
+    Attributes:
+        flops_per_token: the training FLOPs of one token, for a transformer ``6 * n_parameters``
+            (a figure of yours: MFU as most papers state it).
+        flops_per_sample: the training FLOPs of one sample, as you count them.
+        measure_flops: with neither figure, count the FLOPs of the first step with torch's
+            ``FlopCounterMode`` (forward and backward, every matmul and convolution; this process's
+            share under tensor parallelism), per sample of its batch.
+        peak_flops: one device's peak FLOP/s that MFU divides by; None: from :data:`PEAKS` by the
+            CUDA device's name and the mixed precision (none on a CPU: MFU is then not reported).
+        memory: report peak memory (CUDA: allocated and reserved since the last report; elsewhere the
+            process's peak resident memory so far).
+
+    Examples:
+        >>> from trainfold import log_every, make_step, run_epoch, testing
+        >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        >>> step = log_every(ctx, 2, watch=Watch(flops_per_sample=6.0, peak_flops=1e9))(make_step(ctx, loss_fn))
+        >>> report = run_epoch(ctx, step, loader, state).extras["log_every"].values
+        >>> report["samples"], report["flops"]
+        (8.0, 48.0)
+    """
+
+    flops_per_token: float | None = None
+    flops_per_sample: float | None = None
+    measure_flops: bool = True
+    peak_flops: float | None = None
+    memory: bool = True
+
+
+def as_watch(watch: bool | Watch) -> Watch | None:
+    if isinstance(watch, Watch):
+        return watch
+    if watch is True:
+        return Watch()
+    if watch is False:
+        return None
+    raise TypeError(f"log_every(..., watch=...) takes True, False or a trainfold.Watch, not {type(watch).__name__}.")
+
+
+def peak_of(ctx: Context, watch: Watch) -> float | None:
+    """One device's peak FLOP/s for MFU: the given one, else the table's for this CUDA device and precision."""
+    if watch.peak_flops is not None:
+        return float(watch.peak_flops)
+    device = ctx.accelerator.device
+    if getattr(device, "type", None) != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    sixteen = ctx.mixed_precision in ("bf16", "fp16")
+    for fragment, (half, single) in PEAKS.items():
+        if fragment in name:
+            return half if sixteen else single
+    return None
+
+
+def samples_in(batch: Batch) -> int:
+    """The samples of a batch: the first dimension of its first tensor (host metadata: no sync), as Accelerate's
+    ``find_batch_size`` finds it; 0 where it has no tensor to tell.
+
+    Examples:
+        >>> samples_in({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), samples_in((torch.zeros(5, 2), [1, 2])), samples_in("text")
+        (8, 5, 0)
+    """
+    for _ in range(8):  # the usual batches, without the abstract-class checks of the general walk
+        kind = type(batch)
+        if kind is torch.Tensor:
+            return int(batch.shape[0]) if batch.dim() else 0
+        if (kind is tuple or kind is list) and batch:
+            batch = batch[0]
+        elif kind is dict and batch:
+            batch = next(iter(batch.values()))
+        else:
+            break
+    from accelerate.utils import find_batch_size
+
+    try:
+        return int(find_batch_size(batch))
+    except (TypeError, ValueError, IndexError):
+        return 0
+
+
+class Meter:
+    """One watched step's host counters between reports: samples, FLOPs, and when the interval began.
+
+    Not run state (a resumed run's first interval starts at its first step): a display's
+    bookkeeping, like a progress bar's, kept in the step that ``log_every`` returns.
+    """
+
+    def __init__(self, ctx: Context, watch: Watch) -> None:
+        self.ctx, self.watch = ctx, watch
+        self.samples = 0
+        self.flops = 0.0
+        self.flops_per_sample: float | None = watch.flops_per_sample
+        self.measuring = watch.measure_flops and watch.flops_per_sample is None and watch.flops_per_token is None
+        self.started: float | None = None
+        self.from_update = 0  # the update the interval began after
+        self.seen: Any = None  # the running sums the last step returned (a value: nothing is copied) and their epoch
+        self.seen_epoch = -1
+        self.carried: torch.Tensor | float = 0.0  # tokens of epochs that ended since the last report, after it
+        ctx.runtime.clock.on = True
+
+    def step(self, step: Step, state: TrainState, batch: Batch) -> TrainState:
+        """Run ``step``, counting its batch's samples (and, the first time, its FLOPs)."""
+        if self.started is None:
+            self.started, self.from_update = time.perf_counter(), state.step
+            self.ctx.runtime.clock.take()  # the interval begins here
+        if self.seen is not None and state.epoch != self.seen_epoch:
+            self._carry(state)
+        samples = samples_in(batch)
+        if self.measuring:
+            new = self._measured(step, state, batch, samples)
+        else:
+            new = step(state, batch)
+        self.seen, self.seen_epoch = new.sums, new.epoch
+        self.samples += samples
+        if self.flops_per_sample is not None:
+            self.flops += self.flops_per_sample * samples
+        return new
+
+    def _measured(self, step: Step, state: TrainState, batch: Batch, samples: int) -> TrainState:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        counter = FlopCounterMode(display=False)
+        with counter:  # a dispatch mode that counts: the same kernels run, the numbers are the same
+            new = step(state, batch)
+        self.measuring = False
+        if samples:
+            self.flops_per_sample = counter.get_total_flops() / samples
+        return new
+
+    def _carry(self, state: TrainState) -> None:
+        """An epoch ended since the last step: the tokens its running sums gathered after the last report (which the
+        next epoch's sums no longer hold) are carried into this interval, on the device."""
+        final = self.seen.as_dict()
+        last = state.extras.get("log_every")
+        since = last.sums if last is not None and last.epoch == self.seen_epoch else {}
+        for name in TOKEN_SUMS:
+            if name in final:
+                self.carried = self.carried + (final[name] - since[name] if name in since else final[name])
+                break
+
+    def totals(self) -> dict[str, torch.Tensor | float]:
+        """This process's counts since the last report, for the report's one all-reduce."""
+        return {"watch:samples": float(self.samples), "watch:flops": self.flops, "watch:tokens": self.carried}
+
+    def report(self, state: TrainState, totals: Mapping[str, float]) -> dict[str, float]:
+        """The interval's figures (at a report, after its all-reduce), and a new interval."""
+        now = time.perf_counter()
+        seconds = max(now - (self.started or now), 1e-9)
+        acc = self.ctx.accelerator
+        copies = acc.num_processes // max(data_layout(acc).size, 1)  # a tensor-parallel group reads one batch per process
+        samples = totals["watch:samples"] / copies
+        out = {"interval_s": seconds, "samples": samples, "samples_per_s": samples / seconds,
+               "updates_per_s": (state.step - self.from_update) / seconds}
+        tokens = next((totals[f"sum:{name}"] for name in TOKEN_SUMS if f"sum:{name}" in totals), None)
+        if tokens is not None:
+            tokens = (tokens + totals["watch:tokens"]) / copies
+            out["tokens"], out["tokens_per_s"] = tokens, tokens / seconds
+        flops = self._flops(totals, tokens, copies)
+        peak = peak_of(self.ctx, self.watch)
+        if flops is not None:
+            out["flops"], out["flops_per_s"] = flops, flops / seconds
+            if peak is not None:
+                out["mfu"] = flops / (seconds * peak * acc.num_processes)
+        shares = {f"time_{part}": spent / seconds for part, spent in self.ctx.runtime.clock.take().items()}
+        out["time_step"] = max(0.0, 1.0 - sum(shares.values()))  # the rest: forward, backward, the loop's own work
+        out.update(shares)
+        if self.watch.memory:
+            out.update(_memory(acc.device))
+        self.samples, self.flops, self.carried, self.started, self.from_update = 0, 0.0, 0.0, time.perf_counter(), state.step
+        return out
+
+    def _flops(self, totals: Mapping[str, float], tokens: float | None, copies: int) -> float | None:
+        """The interval's training FLOPs: by the given figure per token or per sample (the whole model's: a
+        tensor-parallel group's copies counted once), or as counted per sample on each process (its own share of the
+        model, under tensor parallelism) and summed."""
+        if self.watch.flops_per_token is not None:
+            return None if tokens is None else self.watch.flops_per_token * tokens
+        if self.watch.flops_per_sample is not None:
+            return totals["watch:flops"] / copies
+        return totals["watch:flops"] if self.flops_per_sample is not None else None
+
+
+def _memory(device: Any) -> dict[str, float]:
+    """Peak memory in GB: CUDA allocated and reserved since the last report (the peaks are reset); elsewhere the
+    process's peak resident memory so far (``getrusage``, which cannot be reset)."""
+    if getattr(device, "type", None) == "cuda":
+        out = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+               "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+        torch.cuda.reset_peak_memory_stats(device)
+        return out
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"memory_rss_gb": peak * (1 if sys.platform == "darwin" else 1024) / 1e9}
+

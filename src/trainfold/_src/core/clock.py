@@ -1,0 +1,58 @@
+"""Where a run's wall time goes: host time per part, added where each part happens, read by ``log_every(watch=...)``.
+
+Owned here: :class:`Clock`, a Context's (``ctx.runtime.clock``). It measures only while a
+watcher is on (``log_every(..., watch=True)`` turns it on): otherwise each place that could
+time a part pays one attribute read. Nothing here synchronises a device: these are host
+times (on a GPU, a step's host time is the time to queue its work; the device's own time
+shows where the host waits for it: at a report's one reduction, or in the loader).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+#: The parts :class:`Clock` times, each where it happens.
+PARTS = ("data", "update", "checkpoint", "stop")
+
+
+class Clock:
+    """Seconds of host time per part since the last :meth:`take`: ``data`` (waiting for the loader's next batch, in
+    ``run_epoch``), ``update`` (the optimizer's step and zeroing, in the step), ``checkpoint`` (the time a save blocks
+    training), ``stop`` (the processes' agreement on a stop request).
+
+    Examples:
+        >>> clock = Clock()
+        >>> clock.add("data", 0.5)  # off: nothing is kept
+        >>> clock.on = True
+        >>> clock.add("data", 0.5); clock.add("data", 0.25)
+        >>> clock.take()["data"]
+        0.75
+    """
+
+    def __init__(self) -> None:
+        self.on = False
+        self._spent = dict.fromkeys(PARTS, 0.0)
+
+    def add(self, part: str, seconds: float) -> None:
+        """Count ``seconds`` of host time to ``part`` (while the clock is on)."""
+        if self.on:
+            self._spent[part] += seconds
+
+    def take(self) -> dict[str, float]:
+        """The seconds per part since the last call, and start again from zero."""
+        spent, self._spent = self._spent, dict.fromkeys(PARTS, 0.0)
+        return spent
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, each wait for the next counted to ``data``."""
+        now = time.perf_counter
+        while True:
+            start = now()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                self.add("data", now() - start)
+                return
+            self.add("data", now() - start)
+            yield batch

@@ -1,0 +1,57 @@
+"""A run that logs every update to TensorBoard and resumes from its latest checkpoint: killed and restarted by test_tracking.py.
+
+    python tracked_run.py ROOT LOGS [--slow]
+
+Prints "ready <pid>" once set up; saves a checkpoint every 3 updates; logs train/loss (and lr, epoch) at every update with
+log_every and the epoch's records with log_epoch, to TensorBoard under LOGS; starts its trackers with trainfold's
+init_trackers, which cuts the series back to the checkpoint a resumed run goes on from.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from accelerate import Accelerator
+
+from trainfold import (Context, TrainState, checkpoint_every, evaluate, init_trackers, latest_checkpoint, load_checkpoint, log_epoch,
+                       log_every, loop, make_step, run_epoch)
+from toolz import compose
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("logs")
+    parser.add_argument("--slow", action="store_true")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=args.logs))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 4, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    (train, held_out) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+                                            torch.utils.data.DataLoader(data, batch_size=32))
+    if latest_checkpoint(args.root) is not None:
+        state = load_checkpoint(ctx, args.root, state)
+    init_trackers(ctx, "run", state)
+
+    def loss_fn(model, batch):
+        if args.slow:
+            time.sleep(0.03)
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    saving = checkpoint_every(ctx, args.root, 3)
+    epoch = compose(log_epoch(ctx), evaluate(ctx, loss_fn, held_out), run_epoch(ctx, log_every(ctx, 1)(saving(make_step(ctx, loss_fn))), train))
+    os.write(1, f"ready {os.getpid()}\n".encode())
+    with ctx:
+        state = saving.at_end(loop(epoch, max_epochs=3)(state))
+    print("done", state.step, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's series hold
+every update once, with the values the uninterrupted run logs (tests/scripts/tracked_run.py, its event files read back)."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import helpers
+import pytest
+
+from trainfold import latest_checkpoint, verify_checkpoint
+
+pytestmark = pytest.mark.multiprocess  # spawns processes and kills them
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "tracked_run.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+UPDATES = 36  # 3 epochs of 12 batches
+
+
+def _run(root, logs, *extra):
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(logs), *extra], capture_output=True, text=True,
+                            timeout=helpers.scaled(300), env=ENV)
+    assert 0 == result.returncode, result.stderr[-3000:]
+    return result
+
+
+def _series(logs):
+    """Every scalar series of the run's event files, as TensorBoard shows them: {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = EventAccumulator(str(Path(logs) / "run"), size_guidance={"scalars": 0})  # every point (0: no sampling)
+    run.Reload()
+    return {tag: [(e.step, e.value) for e in run.Scalars(tag)] for tag in run.Tags()["scalars"]}
+
+
+def test_after_kill_9_and_a_resume_tensorboard_holds_every_update_once_with_the_uninterrupted_values(tmp_path):
+    _run(tmp_path / "clean-root", tmp_path / "clean-logs")
+    clean = _series(tmp_path / "clean-logs")
+
+    root, logs = tmp_path / "root", tmp_path / "logs"
+    newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
+    cmd = [sys.executable, str(SCRIPT), str(root), str(logs), "--slow"]
+    killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, random.Random(3).uniform(0.15, 0.4), processes=1)
+    resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
+    before = _series(logs)  # what the killed run left: past its checkpoint
+    result = _run(root, logs)
+
+    assert -signal.SIGKILL == killed and 0 < resumed_from < UPDATES
+    assert max(step for step, _ in before["train/loss"]) > resumed_from  # it had logged past its checkpoint
+    assert "init_trackers" not in result.stderr  # TensorBoard alone: no warning
+    series = _series(logs)
+    assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
+    assert clean.keys() == series.keys()
+    for tag in clean:
+        assert clean[tag] == series[tag], tag  # each step once, the same values (the epoch records too)

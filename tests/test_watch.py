@@ -1,0 +1,233 @@
+"""Watching a run: ``log_every(ctx, n, watch=True)`` reports exact counts (samples, real tokens, FLOPs) and rates, the
+shares of the wall time, and memory, from the report's one reduction: no sync of its own, nothing changed in training.
+
+Token counts are checked against batches of known random padding, with accumulation 1 and 4, on 1 and 2 processes;
+FLOPs against a hand count of a small MLP's matmuls.
+"""
+
+import time
+
+import helpers
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trainfold import Context, TrainState, Watch, checkpoint_every, log_every, loop, make_step, run_epoch, testing
+
+BATCH, LENGTH, WIDTH = 4, 6, 3
+
+
+class Padded(torch.utils.data.Dataset):
+    """Sequences of LENGTH positions, each with a seeded random number of real tokens (at least one); the rest padding."""
+
+    def __init__(self, n=24, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, LENGTH, WIDTH, generator=g)
+        self.real = torch.randint(1, LENGTH + 1, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "mask": (torch.arange(LENGTH) < self.real[i]).float()}
+
+
+def summed_loss(model, batch):
+    per_token = (model(batch["x"]).squeeze(-1) - batch["x"].sum(-1)) ** 2
+    return (per_token * batch["mask"]).sum(), {"tokens": batch["mask"].sum()}
+
+
+def _reports(step, counted=None):
+    """``step``, and the values of every report it makes, in order; with ``counted`` (a batch's count), also the counts
+    of the batches between reports, counted here: ``reports[i]["counted"]``."""
+    reports = []
+    since = []
+
+    def recorded(state, batch):
+        new = step(state, batch)
+        if counted is not None:
+            since.append(counted(batch))
+        report = new.extras.get("log_every")
+        if new.step != state.step and report is not None and report.step == new.step:
+            reports.append({**report.values, "counted": sum(since), "batches": len(since)})
+            since.clear()
+        return new
+
+    return recorded, reports
+
+
+def _token_run(accumulation, watch=True, epochs=2):
+    """One process's run over Padded with token-normalised accumulation, a report at every update."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=accumulation))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(WIDTH, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    dataset = Padded(seed=ctx.accelerator.process_index)  # each process its own padding
+    (dl,) = ctx.own_shards(torch.utils.data.DataLoader(dataset, batch_size=BATCH))
+    step, reports = _reports(log_every(ctx, 1, watch=watch)(make_step(ctx, summed_loss, normalize="tokens")),
+                             counted=lambda batch: int(batch["mask"].sum()))
+    state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
+    return ctx, state, reports, dataset
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_each_report_counts_the_real_tokens_and_samples_of_its_interval_exactly(accumulation):
+    """24 sequences of 6 positions, batches of 4 (6 an epoch), 1 to 6 real tokens each: every update's report holds the
+    real tokens and the samples of the micro-batches since the last report, two epochs running; under accumulation 4
+    an update's group spans the epoch's end (batches 5 and 6, then 1 and 2 of the next), and its tokens are all
+    counted. The rates are those counts over the interval."""
+    ctx, state, reports, dataset = _token_run(accumulation)
+    ctx.close()
+
+    assert 12 // accumulation == len(reports)
+    assert [r["counted"] for r in reports] == [r["tokens"] for r in reports]
+    assert [BATCH * accumulation] * len(reports) == [r["samples"] for r in reports]
+    assert int(dataset.real.sum()) * 2 == sum(r["tokens"] for r in reports)
+    for r in reports:
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["interval_s"])
+        assert r["updates_per_s"] == pytest.approx(1 / r["interval_s"])
+
+
+def _two_process_tokens(accumulation):
+    ctx, state, reports, _ = _token_run(accumulation)
+    ctx.close()
+    return [(r["tokens"], r["samples"], r["counted"]) for r in reports]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_on_two_processes_a_report_counts_the_tokens_and_samples_of_both(accumulation):
+    """Each process reads its own padding: every report, on both processes, holds the sum of both processes' counts
+    (reduced in the report's one all-reduce)."""
+    both = testing.run_distributed(_two_process_tokens, accumulation, nprocs=2)
+    expected = [(float(a[2] + b[2]), float(2 * BATCH * accumulation)) for a, b in zip(*both)]
+
+    assert 12 // accumulation == len(expected)
+    assert [expected, expected] == [[r[:2] for r in reports] for reports in both]
+    assert sum(int(Padded(seed=rank).real.sum()) for rank in (0, 1)) * 2 == sum(t for t, _ in expected)
+
+
+def test_the_flops_of_the_first_step_are_counted_per_sample_and_mfu_divides_by_the_given_peak():
+    """Linear(8, 16), tanh, Linear(16, 1): per sample 2*8*16 + 2*16 forward, 2*16 + 2*16 backward through the second
+    layer, 2*8*16 for the first layer's weight (its input needs no gradient): 608 FLOPs."""
+    ctx, state, loader, _ = testing.tiny_setup(seed=0, n=40)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=8))
+    mse = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731
+    step, reports = _reports(log_every(ctx, 2, watch=Watch(peak_flops=1e9))(make_step(ctx, mse)))
+    run_epoch(ctx, step, dl, state)
+
+    assert [16, 16] == [r["samples"] for r in reports]
+    assert [608 * 16] * 2 == [r["flops"] for r in reports]
+    for r in reports:
+        assert r["mfu"] == pytest.approx(r["flops"] / (r["interval_s"] * 1e9))
+    ctx.close()
+
+
+def test_a_figure_per_token_gives_the_flops_and_no_peak_on_a_cpu_gives_no_mfu():
+    ctx, state, reports, dataset = _token_run(1, watch=Watch(flops_per_token=100.0), epochs=1)
+    ctx.close()
+
+    assert [100.0 * r["counted"] for r in reports] == [r["flops"] for r in reports]
+    assert not any("mfu" in r for r in reports)
+
+
+def test_watching_changes_nothing_in_training_bit_for_bit():
+    """The FLOPs are counted under a dispatch mode at the first step: the same kernels, the same numbers."""
+    _, watched, _, _ = _token_run(4, watch=True)
+    _, plain, _, _ = _token_run(4, watch=False)
+    testing.assert_params_equal(plain, watched)
+    assert watched.history["train_loss"] == plain.history["train_loss"]
+
+
+def test_watching_adds_no_host_sync_to_an_epoch():
+    """With reports far apart, an epoch of 40 batches syncs as often as one of 4, watched or not; with a report every 5
+    updates, watching adds no sync to them: the counts ride in the report's own all-reduce."""
+    def syncs(n_samples, watch, every):
+        testing.reset_accelerate_state()
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=n_samples)
+        step = log_every(ctx, every, watch=watch)(make_step(ctx, loss_fn))
+        run_epoch(ctx, step, loader, state)  # the first step's FLOPs counted, the clock started
+        with testing.count_host_syncs() as counted:
+            run_epoch(ctx, step, loader, state)
+        ctx.close()
+        return counted.total
+
+    assert syncs(16, True, 1000) == syncs(160, True, 1000) == syncs(160, False, 1000)
+    assert syncs(160, True, 5) == syncs(160, False, 5)
+
+
+class Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        time.sleep(0.004)
+        return torch.full((8,), float(i)), torch.tensor(i % 2)
+
+
+def test_the_time_shares_add_up_and_name_the_loader_and_the_checkpoints(tmp_path):
+    """A loader that sleeps 4 ms a sample (16 ms a batch) is most of the time; a checkpoint at every update shows; the
+    shares add up to the whole interval; the process's peak memory is reported."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Slow(), batch_size=4))
+    step, reports = _reports(log_every(ctx, 3, watch=True)(checkpoint_every(ctx, tmp_path, 1)(make_step(ctx, helpers.ce_loss))))
+    run_epoch(ctx, step, dl, state)
+    ctx.close()
+
+    for r in reports:
+        shares = {k: v for k, v in r.items() if k.startswith("time_")}
+        assert {"time_data", "time_step", "time_update", "time_checkpoint", "time_stop"} == set(shares)
+        assert sum(shares.values()) == pytest.approx(1.0)
+        assert r["time_data"] > 0.2 and r["time_checkpoint"] > 0 and r["time_update"] > 0
+        assert r["memory_rss_gb"] > 0.05
+
+
+def test_watch_takes_a_bool_or_a_watch():
+    ctx, *_ = testing.tiny_setup(seed=0)
+    with pytest.raises(TypeError, match=r"watch=\.\.\.\) takes True, False or a trainfold.Watch, not str"):
+        log_every(ctx, 2, watch="yes")
+    ctx.close()
+
+
+def test_a_run_resumed_from_a_checkpoint_saved_before_its_report_reports_what_the_uninterrupted_run_does(tmp_path):
+    """log_every outside checkpoint_every: the save at update 4 comes before the report at update 4, so the checkpoint's
+    last report is update 2's. The resumed run's reports start from update 4's, as the uninterrupted run's do."""
+    from trainfold import latest_checkpoint, load_checkpoint, max_steps
+
+    def run(root, stop=None, resume=False):
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=24)
+        if resume:
+            state = load_checkpoint(ctx, latest_checkpoint(root), state)
+        inner = checkpoint_every(ctx, root, 2)(make_step(ctx, loss_fn))
+        step, reports = _reports(log_every(ctx, 2)(max_steps(stop)(inner) if stop else inner))
+        loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
+        ctx.close()
+        return [r["loss"] for r in reports]
+
+    clean = run(tmp_path / "clean")
+    run(tmp_path / "stopped", stop=4)
+    resumed = run(tmp_path / "stopped", resume=True)
+
+    assert 6 == len(clean) and clean[2:] == resumed  # updates 6, 8, 10, 12
+
+
+def test_the_progress_bar_shows_the_rates_of_the_last_report():
+    import io
+
+    from trainfold import progress_bar
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32)
+    out = io.StringIO()
+    step = progress_bar(ctx, total=len(loader), force=True, file=out, mininterval=0)(log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)))
+    run_epoch(ctx, step, loader, state)
+    ctx.close()
+
+    shown = out.getvalue()
+    assert "samples_per_s=" in shown and "loss=" in shown and "8/8" in shown
