@@ -2,7 +2,8 @@
 
 Each process builds the raw PyTorch loop and both trainfold configurations (bench.py's tiny MLP, 256 batches an
 epoch), then times an epoch of each per round in a shuffled order. Per round, the watched epoch's time over the
-logged one's; the median over every round of every process is the figure (the issue's guard: at most 1.01).
+logged one's; the median over every round of every process is the figure (the issue's guard: at most 1.01). The
+host work watching adds per step is also timed alone (the meter and the loader's timing), which noise cannot hide.
 
     python benchmarks/bench_watch.py --processes 4 --rounds 15 [--out benchmarks/results_watch.json]
 """
@@ -45,6 +46,39 @@ def child(rounds: int, seed: int) -> dict[str, list[float]]:
     return times
 
 
+def overhead(calls: int = 200_000) -> dict[str, float]:
+    """The host work watching adds to a step, timed alone (microseconds a call): the meter around a step that does
+    nothing, over the bare call, and the loader's timed iteration over a plain one."""
+    import torch
+
+    from trainfold import Watch, testing
+    from trainfold._src.compose.watch import Meter
+    from trainfold._src.core.clock import Clock
+
+    ctx, state, _, _ = testing.tiny_setup(seed=0)
+    batch = (torch.zeros(BATCH, SIZES[0]), torch.zeros(BATCH, dtype=torch.long))
+    meter, noop = Meter(ctx, Watch(measure_flops=False)), (lambda s, b: s)
+
+    def per_call(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - start) / calls * 1e6
+
+    clock = Clock()
+    clock.on = True
+    start = time.perf_counter()
+    for _ in clock.timed(iter(range(calls))):
+        pass
+    timed = (time.perf_counter() - start) / calls * 1e6
+    start = time.perf_counter()
+    for _ in iter(range(calls)):
+        pass
+    plain = (time.perf_counter() - start) / calls * 1e6
+    ctx.close()
+    return {"meter_us": per_call(lambda: meter.step(noop, state, batch)) - per_call(lambda: noop(state, batch)), "timed_loader_us": timed - plain}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=4)
@@ -68,6 +102,7 @@ def main() -> None:
         "watched_over_logged_quartiles": statistics.quantiles(paired, n=4),
         "over_raw_median": over_raw,
         "raw_us_per_step_median": statistics.median(t for run in runs for t in run["raw"]),
+        "added_host_work_us": overhead(),
         "rounds": len(paired),
         "date": time.strftime("%Y-%m-%d"),
     }
