@@ -170,8 +170,10 @@ class Slow(torch.utils.data.Dataset):
 
 
 def test_the_time_shares_add_up_and_name_the_loader_and_the_checkpoints(tmp_path):
-    """A loader that sleeps 4 ms a sample (16 ms a batch) is most of the time; a checkpoint at every update shows; the
-    shares add up to the whole interval; the process's peak memory is reported."""
+    """A loader that sleeps 4 ms a sample (16 ms a batch): each interval of 3 updates waits at least 2 batches' reading
+    (the loader reads one ahead; the first batch is read before the first interval begins), whatever the machine's
+    load; a checkpoint at every update shows; the shares add up to the whole interval; the process's peak memory is
+    reported."""
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = helpers.mlp()
@@ -185,7 +187,8 @@ def test_the_time_shares_add_up_and_name_the_loader_and_the_checkpoints(tmp_path
         shares = {k: v for k, v in r.items() if k.startswith("time_")}
         assert {"time_data", "time_step", "time_update", "time_checkpoint", "time_stop"} == set(shares)
         assert sum(shares.values()) == pytest.approx(1.0)
-        assert r["time_data"] > 0.2 and r["time_checkpoint"] > 0 and r["time_update"] > 0
+        assert r["time_data"] * r["interval_s"] >= 2 * 0.016 * 0.99
+        assert r["time_checkpoint"] > 0 and r["time_update"] > 0
         assert r["memory_rss_gb"] > 0.05
 
 
