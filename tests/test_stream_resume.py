@@ -311,3 +311,44 @@ def test_a_dispatched_epoch_is_not_continued_in_shares_on_the_processes_that_sav
         assert 0 == read
         assert "was dispatched on its 2 processes, and this loader deals each process its share" in message
         assert "DataLoaderConfiguration(dispatch_batches=True), as it was saved" in message
+
+
+def _resumes_prepared_by_accelerate(root):
+    """2 processes, their loader prepared by Accelerate directly (a datasets stream it splits by process, the dataset
+    given not kept): what run_epoch says of a 1-process checkpoint inside an epoch over that stream."""
+    import warnings
+
+    import torch
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from datasets import Dataset
+
+    from test_streams import _loss
+    from trainfold import Context, TrainState, load_checkpoint, make_step, run_epoch
+
+    ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False)))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the epoch's running sums restart: said, and not what this test is about)
+        state = load_checkpoint(ctx, root, state)
+    data = Dataset.from_dict({"x": [[i / 512] for i in range(512)], "id": list(range(512))})
+    dl = ctx.accelerator.prepare(torch.utils.data.DataLoader(data.to_iterable_dataset(num_shards=4).with_format("torch"), batch_size=8))
+    try:
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
+def test_a_stream_split_by_a_loader_prepared_elsewhere_is_refused_when_the_epoch_must_be_dealt_anew(tmp_path):
+    """Saved by 1 process inside an epoch over a 4-shard datasets stream; resumed on 2 whose loader Accelerate prepared
+    directly: the whole stream the rest is read from is not at hand (each process holds its own shards). Refused on
+    both, naming ctx.prepare_loaders."""
+    testing.reset_accelerate_state()
+    _saves_inside_a_streamed_epoch(str(tmp_path), "shard", "datasets")
+    said = testing.run_distributed(_resumes_prepared_by_accelerate, str(tmp_path), nprocs=2)
+    for message in said:
+        assert "goes on dealt anew to 2 processes, which needs the whole stream this loader reads a share of" in message
+        assert "prepare the loader with ctx.prepare_loaders" in message

@@ -234,3 +234,55 @@ def test_the_progress_bar_shows_the_rates_of_the_last_report():
 
     shown = out.getvalue()
     assert "samples_per_s=" in shown and "loss=" in shown and "8/8" in shown
+
+
+class _Mine:
+    """A tracker of one's own (Accelerate's GeneralTracker protocol), which cannot cut its series back."""
+
+    name = "mine"
+    requires_logging_directory = False
+    main_process_only = True
+
+    def __init__(self):
+        self.logged = []
+
+    def start(self):
+        pass
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((step, dict(values)))
+
+    def finish(self):
+        pass
+
+    @property
+    def tracker(self):
+        return self
+
+
+def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_tracker_that_cannot(tmp_path):
+    """A resumed state at update 4: TensorBoard starts with purge_step 5 (what the run before logged after update 4 is
+    dropped); a tracker that cannot cut its series is started as given, and a warning names it. A fresh state: no
+    purge, no warning."""
+    import attrs
+    from accelerate.tracking import GeneralTracker
+
+    from trainfold import init_trackers
+
+    mine = type("Mine", (_Mine, GeneralTracker), {})()
+    for step, warned in ((0, False), (4, True)):
+        testing.reset_accelerate_state()
+        accelerator = Accelerator(cpu=True, log_with=["tensorboard", mine], project_dir=str(tmp_path / str(step)))
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=accelerator)
+        state = attrs.evolve(state, step=step)
+        if warned:
+            with pytest.warns(UserWarning, match=r"the run goes on from update 4, and mine cannot cut a series back"):
+                init_trackers(ctx, "run", state)
+        else:
+            init_trackers(ctx, "run", state)
+        board = next(t for t in ctx.accelerator.trackers if t.name == "tensorboard")
+        assert ({"purge_step": 5} if warned else {}) == board.init_kwargs
+        ctx.close()

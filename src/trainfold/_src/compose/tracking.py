@@ -79,7 +79,9 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         ['tensorboard']
     """
     kwargs = {name: dict(values) for name, values in (init_kwargs or {}).items()}
-    names = [str(t) for t in ctx.accelerator.log_with]
+    from accelerate.tracking import GeneralTracker
+
+    names = [t.name if isinstance(t, GeneralTracker) else str(t) for t in ctx.accelerator.log_with]  # (an enum's own name is its member's)
     if state.step > 0:
         for name in names:
             if name in PURGING:

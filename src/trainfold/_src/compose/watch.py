@@ -189,6 +189,7 @@ class Meter:
 
     def totals(self) -> dict[str, torch.Tensor | float]:
         """This process's counts since the last report, for the report's one all-reduce."""
+        # (host numbers, and the carried tokens a device tensor: the report's one all-reduce reads them all)
         return {"watch:samples": float(self.samples), "watch:flops": self.flops, "watch:tokens": self.carried}
 
     def report(self, state: TrainState, totals: Mapping[str, float]) -> dict[str, float]:
