@@ -131,13 +131,14 @@ class RunningSums:
     def means_and_totals(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None,
                          totals: Mapping[str, torch.Tensor | float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
         """:meth:`means`, and ``totals`` (counts of this process: samples, FLOPs) summed over every process, from the
-        same one all-reduce; with the sums (minus ``since``) themselves, summed, under ``"sum:<name>"``."""
+        same one all-reduce; with totals, the sums (minus ``since``) themselves too, summed, under ``"sum:<name>"``."""
         sums = self.as_dict()
         if since is not None:
             sums = {k: v - since[k] for k, v in sums.items()}
         if not sums and not totals:
             return {}, {}
-        means, summed = reduce_with_totals(accelerator, sums, count, {**(totals or {}), **{f"sum:{k}": v for k, v in sums.items()}})
+        extra = {**totals, **{f"sum:{k}": v for k, v in sums.items()}} if totals else {}  # (none: the plain means, in float32 as ever)
+        means, summed = reduce_with_totals(accelerator, sums, count, extra)
         return (weighted_means(finite_loss_mean(means)) if sums else {}), summed
 
 
