@@ -475,3 +475,24 @@ def test_inspect_reads_the_stop_of_a_checkpoint_written_with_the_older_fields(ro
     code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
 
     assert (0, {"should_stop": True, "finished": True, "reason": "early_stop:eval_loss"}) == (code, json.loads(out)["stop"])
+
+
+def test_inspect_shows_the_last_report_of_a_watched_run(tmp_path, capsys):
+    """log_every(..., watch=True)'s last report rides in the checkpoint (state.extras): inspect shows its rates, time
+    shares and memory, and --json gives its values; a run without log_every shows no such line."""
+    from trainfold import log_every
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path / "watched", run_epoch(ctx, log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)), loader, state))
+    ctx.close()
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path / "plain", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+    ctx.close()
+
+    code, out, _ = _run(capsys, "inspect", str(tmp_path / "watched"))
+    line = next(x for x in out.splitlines() if "last report" in x)
+    assert 0 == code and line.startswith("  last report (update 4): samples_per_s ")
+    assert "time_data " in line and "%" in line and "memory_rss_gb " in line
+    report = json.loads(_run(capsys, "inspect", str(tmp_path / "watched"), "--json")[1])["last_report"]
+    assert 4 == report["update"] and 8.0 == report["values"]["samples"]
+    assert "last report" not in _run(capsys, "inspect", str(tmp_path / "plain"))[1]

@@ -215,6 +215,7 @@ def inspect(path: str) -> dict[str, Any]:
         "batch_in_epoch": state.get("batch_in_epoch"),
         "stop": _stop(state),
         "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
+        "last_report": _last_report(state),
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
         "layout": doc.get("layout", {}),
@@ -238,6 +239,27 @@ def _frozen(folder: str, entries: Any) -> dict[str, Any] | None:
     except (TypeError, KeyError) as exc:
         raise Refused(f"{folder}/state.json is damaged: its frozen entries are not fingerprints ({exc}) (trainfold verify {folder} checks every file)") from None
     return {"tensors": len(entries), "values": values, "base": digest.of(json.dumps(entries, sort_keys=True).encode())}
+
+
+def _last_report(state: dict[str, Any]) -> dict[str, Any] | None:
+    """``log_every``'s last report as the checkpoint holds it (``state.extras["log_every"]``): its update and values (a
+    watched run's rates, MFU, time shares and memory among them), or None where there is none or it is not one."""
+    extras = state.get("extras")
+    pairs = extras.get("__dict__") if isinstance(extras, dict) else None
+    record = next((v for k, v in pairs if k == "log_every"), None) if isinstance(pairs, list) and all(
+        isinstance(p, list) and len(p) == 2 for p in pairs) else None
+    fields = record.get("fields") if isinstance(record, dict) and record.get("__record__") == "LogState" else None
+    if not isinstance(fields, dict) or not isinstance(fields.get("values"), dict):
+        return None
+    values = fields["values"].get("__dict__")
+    if not isinstance(values, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in values):
+        return None
+    return {"update": fields.get("step"), "values": {k: v for k, v in values if isinstance(v, (int, float))}}
+
+
+#: What ``inspect`` prints of a watched run's last report, in this order (a share of time as a percentage).
+REPORTED = ("samples_per_s", "tokens_per_s", "updates_per_s", "mfu", "time_data", "time_step", "time_update", "time_checkpoint", "time_stop",
+            "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
 
 
 def _stop(state: dict[str, Any]) -> dict[str, Any]:
@@ -269,6 +291,12 @@ def inspect_text(d: dict[str, Any]) -> str:
                      f"base {f['base']} (a load checks the model's base against it)")
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
+    report = d.get("last_report")
+    shown = [k for k in REPORTED if k in report["values"]] if report is not None else []
+    if report is not None and shown:
+        values = report["values"]
+        lines.append(f"  last report (update {report['update']}): " + ", ".join(
+            f"{k} {values[k]:.1%}" if k.startswith("time_") else f"{k} {values[k]:.4g}" for k in shown))
     return "\n".join(lines)
 
 
