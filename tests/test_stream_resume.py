@@ -279,26 +279,34 @@ def test_an_epoch_dealt_anew_continues_in_order_across_its_own_checkpoint_and_re
     assert SAMPLES - 96 == read + dataset.yielded.value  # the samples after the 16 read ahead, each read once
 
 
+def _refusal(ctx, loader, state):
+    """What run_epoch says when it refuses to continue ``state`` over ``loader`` (None: it did not), the Context closed."""
+    from trainfold import make_step, run_epoch
+    from test_streams import _loss
+
+    try:
+        run_epoch(ctx, make_step(ctx, _loss([])), loader, state)
+    except CheckpointError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
 def _continues_in_shares(root):
     """2 processes, the stream now dealt in shares: what run_epoch says of a checkpoint whose epoch was dispatched."""
     import torch
     from accelerate import Accelerator
 
-    from trainfold import Context, TrainState, load_checkpoint, make_step, run_epoch
-    from test_streams import StatefulNumbers, _loss
+    from trainfold import Context, TrainState, load_checkpoint
+    from test_streams import StatefulNumbers
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(1, 1)
     state = load_checkpoint(ctx, root, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
     dataset = StatefulNumbers()
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(dataset, batch_size=8))
-    try:
-        run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
-    except CheckpointError as exc:
-        return str(exc), dataset.yielded.value
-    finally:
-        ctx.close()
-    return None, dataset.yielded.value
+    return _refusal(ctx, dl, state), dataset.yielded.value
 
 
 def test_a_dispatched_epoch_is_not_continued_in_shares_on_the_processes_that_saved_it(tmp_path):
@@ -322,8 +330,7 @@ def _resumes_prepared_by_accelerate(root):
     from accelerate import Accelerator, DataLoaderConfiguration
     from datasets import Dataset
 
-    from test_streams import _loss
-    from trainfold import Context, TrainState, load_checkpoint, make_step, run_epoch
+    from trainfold import Context, TrainState, load_checkpoint
 
     ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=False)))
     model = torch.nn.Linear(1, 1)
@@ -333,13 +340,7 @@ def _resumes_prepared_by_accelerate(root):
         state = load_checkpoint(ctx, root, state)
     data = Dataset.from_dict({"x": [[i / 512] for i in range(512)], "id": list(range(512))})
     dl = ctx.accelerator.prepare(torch.utils.data.DataLoader(data.to_iterable_dataset(num_shards=4).with_format("torch"), batch_size=8))
-    try:
-        run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
-    except CheckpointError as exc:
-        return str(exc)
-    finally:
-        ctx.close()
-    return None
+    return _refusal(ctx, dl, state)
 
 
 def test_a_stream_split_by_a_loader_prepared_elsewhere_is_refused_when_the_epoch_must_be_dealt_anew(tmp_path):

@@ -81,6 +81,7 @@ def test_each_report_counts_the_real_tokens_and_samples_of_its_interval_exactly(
     ctx.close()
 
     assert 12 // accumulation == len(reports)
+    assert all(r["time_update"] > 0 for r in reports)  # the update of a step with stages (normalize="tokens") is timed
     assert [r["counted"] for r in reports] == [r["tokens"] for r in reports]
     assert [BATCH * accumulation] * len(reports) == [r["samples"] for r in reports]
     assert int(dataset.real.sum()) * 2 == sum(r["tokens"] for r in reports)
@@ -92,7 +93,7 @@ def test_each_report_counts_the_real_tokens_and_samples_of_its_interval_exactly(
 def _two_process_tokens(accumulation):
     ctx, state, reports, _ = _token_run(accumulation)
     ctx.close()
-    return [(r["tokens"], r["samples"], r["counted"]) for r in reports]
+    return [(r["tokens"], r["samples"], r["counted"], r["time_stop"]) for r in reports]
 
 
 @pytest.mark.multiprocess
@@ -105,6 +106,7 @@ def test_on_two_processes_a_report_counts_the_tokens_and_samples_of_both(accumul
 
     assert 12 // accumulation == len(expected)
     assert [expected, expected] == [[r[:2] for r in reports] for reports in both]
+    assert any(r[3] > 0 for reports in both for r in reports)  # the processes' stop agreement, timed where it runs
     assert sum(int(Padded(seed=rank).real.sum()) for rank in (0, 1)) * 2 == sum(t for t, _ in expected)
 
 

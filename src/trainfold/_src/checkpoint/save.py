@@ -246,7 +246,7 @@ def _start(storage: Storage, name: str, state: TrainState) -> None:
 
 
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
-    files = encode_rank(ctx.accelerator.process_index, run, _position(state))
+    files = encode_rank(ctx.accelerator.process_index, run, _position(state, ctx.accelerator.num_processes))
     if main:
         files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state),
                                    parameters=_parameters(ctx, state), peft=peft_record(unwrap(ctx.accelerator, state.model)),
@@ -259,7 +259,7 @@ def _generators(state: TrainState) -> list[torch.Generator]:
     return loader_generators(cursor.loader) if isinstance(cursor, EpochCursor) else []
 
 
-def _position(state: TrainState) -> EpochPosition | None:
+def _position(state: TrainState, processes: int) -> EpochPosition | None:
     """Where an interrupted epoch stands (for this process, and in samples over every process), or None between epochs."""
     cursor = state.cursor
     if not (isinstance(cursor, EpochCursor) and cursor.epoch_start is not None and state.batch_in_epoch > 0):
@@ -273,14 +273,11 @@ def _position(state: TrainState) -> EpochPosition | None:
     # a stream that can say where it is: its state after the batch read ahead (which the checkpoint holds too)
     # (an epoch dealt anew on another number of processes: the reader of its rest, which every process reads whole)
     streamed = is_streamed(cursor.loader) and read_ahead[0]
-    source = StreamSource("redealt", cursor.stream, 0) if cursor.stream is not None else stream_source(cursor.loader) if streamed else None
+    redealt = cursor.stream is not None
+    source = (StreamSource("redealt", cursor.stream, 0) if redealt else stream_source(cursor.loader)) if streamed else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
-                         stream=None if source is None or not read_ahead[0] else source.capture(), dispatched=is_dispatcher(cursor.loader),
-                         dealt=(WHOLE if cursor.stream is not None else dealing(cursor.loader, _processes(state))) if streamed else None)
-
-
-def _processes(state: TrainState) -> int:
-    return int(state.accelerator.num_processes) if state.accelerator is not None else 1
+                         stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader),
+                         dealt=(WHOLE if redealt else dealing(cursor.loader, processes)) if streamed else None)
 
 
 def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:

@@ -89,7 +89,7 @@ def as_watch(watch: bool | Watch) -> Watch | None:
 def peak_of(ctx: Context, watch: Watch) -> float | None:
     """One device's peak FLOP/s for MFU: the given one, else the table's for this CUDA device and precision."""
     if watch.peak_flops is not None:
-        return float(watch.peak_flops)
+        return float(watch.peak_flops)  # sync: none, a number of the user's
     device = ctx.accelerator.device
     if getattr(device, "type", None) != "cuda":
         return None
@@ -189,8 +189,8 @@ class Meter:
 
     def totals(self) -> dict[str, torch.Tensor | float]:
         """This process's counts since the last report, for the report's one all-reduce."""
-        # (host numbers, and the carried tokens a device tensor: the report's one all-reduce reads them all)
-        return {"watch:samples": float(self.samples), "watch:flops": self.flops, "watch:tokens": self.carried}
+        # sync: none here; host numbers, and the carried tokens a device tensor the report's one all-reduce reads
+        return {"watch:samples": float(self.samples), "watch:flops": self.flops, "watch:tokens": self.carried}  # sync: none
 
     def report(self, state: TrainState, totals: Mapping[str, float]) -> dict[str, float]:
         """The interval's figures (at a report, after its all-reduce), and a new interval."""
