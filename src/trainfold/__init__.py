@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from trainfold._src.compose.watch import Watch as Watch
     from trainfold._src.compose.transforms import lr_schedule as lr_schedule
     from trainfold._src.compose.transforms import max_steps as max_steps
+    from trainfold._src.core.compiling import Compile as Compile
     from trainfold._src.core.context import Context as Context
     from trainfold._src.core.runtime import Runtime as Runtime
     from trainfold._src.core.guard import nan_guard as nan_guard
@@ -88,6 +89,7 @@ _WHERE: dict[str, str] = {
     "BatchSizeFound": "trainfold._src.compose.batch_size",
     "CheckpointError": "trainfold.errors",
     "CheckpointEvery": "trainfold._src.checkpoint.every",
+    "Compile": "trainfold._src.core.compiling",
     "Context": "trainfold._src.core.context",
     "DamagedCheckpoint": "trainfold.errors",
     "EpochFn": "trainfold._src.core.types",
@@ -173,6 +175,7 @@ __all__ = [
     "BatchSizeFound",
     "CheckpointError",
     "CheckpointEvery",
+    "Compile",
     "Context",
     "DamagedCheckpoint",
     "EpochFn",

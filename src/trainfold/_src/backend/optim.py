@@ -88,6 +88,45 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return cast(torch.optim.Optimizer, getattr(optimizer, "optimizer", optimizer))
 
 
+def set_lr(group: dict[str, Any], value: Any) -> None:
+    """Set a parameter group's learning rate, in place where it is a tensor (a compiled update's: see :func:`lr_as_tensor`)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(float(value))
+    else:
+        group["lr"] = value
+
+
+def lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
+    """Make each group's learning rate a 0-d float64 tensor on the CPU, where it is a number.
+
+    A compiled update specialises on a float learning rate: each new value a
+    scheduler sets would compile the update again. A tensor is an input of the
+    compiled code instead; torch's schedulers fill it in place. float64 holds the
+    number exactly, and the update reads it as the eager update reads the float.
+    """
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float64)
+
+
+def plain_lr(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's (``param_groups``) or scheduler's (``_last_lr``) state dict with learning rates as numbers.
+
+    A compiled update keeps the learning rate as a tensor (:func:`lr_as_tensor`); the
+    checkpoint keeps the number, as an eager run's does, so the two read each other's.
+    """
+    if "param_groups" in state_dict:
+        groups = [{**g, "lr": _number(g["lr"])} if "lr" in g else g for g in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+    if "_last_lr" in state_dict:
+        return {**state_dict, "_last_lr": [_number(v) for v in state_dict["_last_lr"]]}
+    return state_dict
+
+
+def _number(value: Any) -> Any:
+    return value.item() if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu" else value
+
+
 def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:
     """What ``accelerator.accumulate(model)`` does for a micro-batch on one process, or None on several.
 

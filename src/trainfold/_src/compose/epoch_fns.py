@@ -19,7 +19,7 @@ import attrs
 from safetensors.torch import load, save
 from toolz import curry
 
-from trainfold._src.backend.optim import inner_optimizer
+from trainfold._src.backend.optim import inner_optimizer, set_lr
 from trainfold._src.base.records import register_record
 from trainfold._src.checkpoint.storage import read_object, write_object
 from trainfold._src.compose.tracking import emit, epoch_key, summary_line
@@ -323,7 +323,7 @@ def reduce_lr_on_plateau(
     if tracker.bad_epochs < patience:
         return state.with_extra(key, tracker)
     for group in inner_optimizer(state.optimizer).param_groups:
-        group["lr"] = max(group["lr"] * factor, min_lr)
+        set_lr(group, max(float(group["lr"]) * factor, min_lr))
     return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor)
 
 

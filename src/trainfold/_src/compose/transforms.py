@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import unwrap
-from trainfold._src.backend.optim import inner_optimizer
+from trainfold._src.backend.optim import inner_optimizer, set_lr
 from trainfold._src.base.checks import name_of, named, positive_int
 from trainfold._src.base.records import register_record
 from trainfold._src.base.types import Batch, read_only
@@ -357,7 +357,7 @@ def lr_schedule(schedule: Callable[[int], float]) -> StepTransformer:
         def scheduled(state: TrainState, batch: Batch) -> TrainState:
             lr = schedule(state.step) * state.extras.get(LR_SCALE, 1.0)
             for group in inner_optimizer(state.optimizer).param_groups:
-                group["lr"] = lr
+                set_lr(group, lr)
             return step(state, batch)
 
         return named(scheduled, f"lr_schedule({schedule!r})({name_of(step)})")

@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import like_param, local, unwrap
-from trainfold._src.backend.optim import accumulation_counter, inner_optimizer, loss_scaler, set_accumulation_counter
+from trainfold._src.backend.optim import accumulation_counter, inner_optimizer, loss_scaler, plain_lr, set_accumulation_counter
 from trainfold._src.base import rng as _rng
 from trainfold._src.core.state import TrainState
 
@@ -164,8 +164,8 @@ def capture(
         values=keep(values_of(state)),
         weights={k: keep(v) for k, v in weights.items()},
         grads={n: keep(local(p.grad)) for n, p in model.named_parameters() if p.grad is not None},
-        optimizer=dict(sharded_optimizer) if sharded_optimizer is not None else keep(inner_optimizer(state.optimizer).state_dict()),
-        scheduler=None if state.scheduler is None else keep(state.scheduler.state_dict()),
+        optimizer=dict(sharded_optimizer) if sharded_optimizer is not None else keep(plain_lr(inner_optimizer(state.optimizer).state_dict())),
+        scheduler=None if state.scheduler is None else keep(plain_lr(state.scheduler.state_dict())),
         scaler=None if scaler is None else keep(scaler.state_dict()),
         accelerate_step=accumulation_counter(acc),
         rng=_rng.capture() if rng is None else rng,
@@ -201,8 +201,8 @@ def check_fits(run: RunState, state: TrainState) -> None:
 def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "bool"
-    if isinstance(value, (int, float)):
-        return "number"
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return "number"  # (a compiled update's learning rate is a 0-d tensor, the checkpoint's a float)
     if isinstance(value, (list, tuple)):
         return "sequence"
     return type(value).__name__

@@ -12,6 +12,7 @@ from trainfold._src.base.copier import copier
 from trainfold._src.base.metrics import RunningSums
 from trainfold._src.base.types import Batch, LossFn
 from trainfold._src.core.clock import Clock
+from trainfold._src.core.compiling import Compile, compile_regions, compile_spec, loss_of
 from trainfold._src.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.loss import compute_loss
@@ -97,6 +98,7 @@ def make_step(
     normalize: str = "mean",
     stages: Sequence[StageSpec] = (),
     record_grad_norm: bool = False,
+    compile: bool | Compile = False,
 ) -> Step:
     """Build a training step ``(state, batch) -> state``.
 
@@ -147,14 +149,19 @@ def make_step(
             the device with no sync of its own. With clipping by norm (``clip_grad_norm``, or a
             :func:`~trainfold.clip_by_norm` stage) it is the norm the clipping computes, before clipping;
             without, the norm alone (training unchanged bit for bit).
+        compile: ``True`` or a :class:`~trainfold.Compile`: compile the loss with the model inside it (or the
+            model's repeated blocks) and the optimizer's update with ``torch.compile``. The first call compiles
+            (the warm-up) and checks that dynamo compiled each part. The model is not wrapped: its
+            checkpoints are an eager run's. See the guide "Compiling a step".
 
     Returns:
         A plain function ``step(state, batch) -> state``.
 
     Raises:
-        ValueError: bad clipping options; a stage refused this Context.
+        ValueError: bad clipping options; a stage refused this Context; ``compile`` under DeepSpeed.
         TypeError/ValueError (when called): the loss_fn returned something that is
             not a 0-d floating loss with a gradient.
+        RuntimeError (at the first call): ``compile`` was asked and dynamo compiled nothing.
 
     Examples:
         >>> import torch
@@ -173,11 +180,15 @@ def make_step(
     accelerator = ctx.accelerator
     bound = bind_all(ctx, stages_of(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, normalize=normalize, stages=stages,
                                     record_grad_norm=record_grad_norm))
+    spec = compile_spec(ctx, compile)
     start = micro_batch_start(accelerator)
     backward = backward_fn(accelerator)
-    updates = Updates(accelerator, gate=any(s.gates_update for s in bound))
+    updates = Updates(accelerator, gate=any(s.gates_update for s in bound), compile=spec if spec is not None and spec.optimizer else None)
     clock = ctx.runtime.clock
-    micro_batch = _staged(loss_fn, backward, updates, bound, clock) if bound else _plain(loss_fn, backward, updates, clock)
+    step_loss = loss_of(loss_fn, spec) if spec is not None and not spec.regions else loss_fn
+    micro_batch = _staged(step_loss, backward, updates, bound, clock) if bound else _plain(step_loss, backward, updates, clock)
+    if spec is not None and spec.regions:
+        micro_batch = _compiling_regions(micro_batch, spec)
     sync = gradient_sync(accelerator)
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -203,6 +214,19 @@ def _refuse_call(ctx: Context, state: Any, batch: Any) -> None:
 
 #: One micro-batch of a step: ``(state, batch, synced) -> state``.
 _MicroBatch = Callable[[TrainState, Batch, bool], TrainState]
+
+
+def _compiling_regions(micro_batch: _MicroBatch, spec: Compile) -> _MicroBatch:
+    """``micro_batch``, giving the model's repeated blocks their compiled ``forward`` first (once per model)."""
+    done: set[int] = set()
+
+    def compiling(state: TrainState, batch: Batch, synced: bool) -> TrainState:
+        if id(state.model) not in done:
+            compile_regions(state.model, spec)
+            done.add(id(state.model))
+        return micro_batch(state, batch, synced)
+
+    return compiling
 
 
 def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _MicroBatch:

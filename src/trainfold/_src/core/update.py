@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from trainfold._src.backend.optim import OptimizerOps, optimizer_ops
+from trainfold._src.core.compiling import Compile, update_of
 
 #: ``apply(skip)``: step and zero the gradients; where the 0-d ``skip`` flag is non-zero, leave the weights.
 Apply = Callable[["torch.Tensor | None"], None]
@@ -83,20 +84,39 @@ class Updates:
     optimizer's own ``__dict__``, it goes when the optimizer goes.
     """
 
-    def __init__(self, accelerator: Accelerator, *, gate: bool) -> None:
+    def __init__(self, accelerator: Accelerator, *, gate: bool, compile: Compile | None = None) -> None:
         self._accelerator = accelerator
         self._gate = gate
         self._make = gated if gate else plain
+        self._compile = compile
+        # a compiled update is this step's own (its settings, its compiled code); a plain one is every step's
+        self._key: Any = gate if compile is None else (gate, self)
 
     def of(self, optimizer: Any) -> Update:
         """The update for ``optimizer`` (the prepared one a TrainState holds)."""
         known = optimizer.__dict__.get(_ATTRIBUTE)
-        update = None if known is None else known.get(self._gate)
+        update = None if known is None else known.get(self._key)
         if update is None:
             ops = optimizer_ops(self._accelerator, optimizer)
+            if self._compile is not None:
+                ops = compiled(ops, self._compile)
             update = Update(ops, self._make(ops))
-            optimizer.__dict__.setdefault(_ATTRIBUTE, {})[self._gate] = update
+            optimizer.__dict__.setdefault(_ATTRIBUTE, {})[self._key] = update
         return update
+
+
+def compiled(ops: OptimizerOps, spec: Compile) -> OptimizerOps:
+    """``ops`` with the torch optimizer's ``step`` compiled.
+
+    Raises:
+        ValueError: Accelerate's optimizer wrapper must run on every micro-batch here
+            (fp16 loss scaling, XLA, an engine's wrapper): there is no plain update to compile.
+    """
+    if not ops.fast:
+        raise ValueError("make_step(compile=...): the optimizer's update cannot be compiled here: Accelerate's optimizer "
+                         "wrapper must run it (fp16 loss scaling, XLA, or a wrapper of another engine). Compile the rest "
+                         "with Compile(optimizer=False).")
+    return attrs.evolve(ops, step=update_of(ops.raw, spec))
 
 
 def supports_found_inf(optimizer: Any) -> bool:
