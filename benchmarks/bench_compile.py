@@ -12,7 +12,9 @@ Four loops train the same model on the same batches, one epoch of ``--steps`` ba
 - ``trainfold``: ``run_epoch(ctx, make_step(ctx, loss_fn), loader)``;
 - ``trainfold_compiled``: the same with ``make_step(..., compile=Compile(backend=...))``.
 
-The first round of each loop is its warm-up (compilation) and is reported apart, as seconds. The
+The first round of each loop is its warm-up (compilation) and is reported apart, as seconds; inductor's
+caches on disk are off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``, ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``), so each
+compiled loop compiles from nothing rather than the second reusing the first's kernels. The
 timed rounds are paired: every loop once per round, in a shuffled order; reported per loop are the
 median microseconds per step and the medians of the per-round ratios to ``raw`` and to ``raw_compiled``.
 The small GPT-2 (2 layers of width 128, 4 heads, a vocabulary of 256, sequences of 64) is built from
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -30,8 +33,11 @@ import sys
 import time
 from typing import Any, Callable
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")  # before torch reads its configuration
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 Runner = Callable[[], None]
 

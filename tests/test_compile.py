@@ -185,7 +185,7 @@ def test_an_optimizer_class_whose_step_reached_dynamo_s_limit_of_versions_is_nam
             if i < 2:
                 step(state, next(iter(dl)))
                 continue
-            with pytest.raises(RuntimeError, match=r"compiled_update\[SGD\]\) ran eagerly: dynamo already holds 2 compiled versions"):
+            with pytest.raises(RuntimeError, match=r"the optimizer's update \(SGD.step\) ran eagerly: dynamo already holds 2 compiled versions"):
                 step(state, next(iter(dl)))
 
 
@@ -204,6 +204,16 @@ def test_many_steps_built_in_one_process_each_compile_their_loss():
         make_step(ctx, lambda m, b, i=i: helpers.ce_loss(m, b), compile=Compile(backend=counting, optimizer=False))(state, next(iter(dl)))
 
         assert len(graphs) == before + 1, f"step {i} compiled no graph"
+
+
+def test_an_update_that_accelerate_s_optimizer_wrapper_must_run_is_refused_with_the_way_out():
+    """fp16's loss scaler, XLA or another engine's wrapper steps the optimizer on every micro-batch: nothing plain to compile."""
+    from trainfold._src.backend.optim import OptimizerOps
+    from trainfold._src.core.update import compiled
+
+    wrapped = OptimizerOps(step=lambda: None, zero_grad=lambda: None, was_skipped=lambda: False, fast=False, scaled=True)
+    with pytest.raises(ValueError, match=r"Accelerate's optimizer wrapper must run it .* Compile\(optimizer=False\)"):
+        compiled(wrapped, AOT)
 
 
 class Block(torch.nn.Module):

@@ -17,7 +17,6 @@ eagerly while called compiled.
 
 from __future__ import annotations
 
-import inspect
 import types
 from typing import Any, Callable, Mapping
 
@@ -147,40 +146,40 @@ def _limit() -> int:
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
 
-def checked(fn: types.FunctionType, spec: Compile, what: str, inner: types.CodeType | None = None) -> Callable[..., Any]:
-    """``fn`` (a code object of its own) compiled with ``spec``; after its first call, dynamo must hold compiled code for it.
+def checked(compiled: Callable[..., Any], codes: tuple[types.CodeType, ...], what: str, *, shared: bool = False) -> Callable[..., Any]:
+    """``compiled`` (a ``torch.compile`` d function), which after its first call must have compiled code in dynamo.
 
-    ``inner``: a code object dynamo compiles apart (behind a graph break ``fn`` calls it
-    through, as torch's optimizers' ``step``), shared with other callers: it must have
-    compiled code too, and not have reached dynamo's limit of versions at this call.
+    ``codes``: the code objects dynamo compiles for it, one of which must hold compiled
+    code after the first call. ``shared``: they are shared with other callers (torch's
+    optimizers' ``step``, one per class): compiled versions of other optimizers may be
+    there already, so the first call must add one, reuse one, and not find the limit reached.
 
     Raises (at the first call):
-        RuntimeError: dynamo compiled nothing for ``fn`` (or ``inner``): it ran eagerly.
+        RuntimeError: dynamo compiled nothing for it, so it ran eagerly.
     """
-    compiled, code = spec.compile(fn), fn.__code__
     first = [True]
 
     def call(*args: Any) -> Any:
         if not first[0]:
             return compiled(*args)
-        before = 0 if inner is None else compiled_versions(inner)
+        before = [compiled_versions(c) for c in codes]
         out = compiled(*args)
         first[0] = False
-        _check(what, compiled_versions(code), before, None if inner is None else compiled_versions(inner))
+        _check(what, before, [compiled_versions(c) for c in codes], shared)
         return out
 
     return call
 
 
-def _check(what: str, own: int, before: int, inner: int | None) -> None:
-    if not own or inner == 0:
+def _check(what: str, before: list[int], after: list[int], shared: bool) -> None:
+    if not any(after):
         raise RuntimeError(
             f"make_step(compile=...): {what} was to be compiled and dynamo compiled nothing for it, so it ran eagerly: "
             "dynamo is off (the TORCHDYNAMO_DISABLE variable, torch._dynamo.config.disable, or a torch.compiler.disable "
             "around it) or skipped the function (TORCH_LOGS=dynamo says why). Turn dynamo on, or build the step without compile.")
-    if inner is not None and inner == before and inner >= _limit():
+    if shared and after == before and max(after) >= _limit():
         raise RuntimeError(
-            f"make_step(compile=...): {what} ran eagerly: dynamo already holds {inner} compiled versions of it in this "
+            f"make_step(compile=...): {what} ran eagerly: dynamo already holds {max(after)} compiled versions of it in this "
             f"process (other optimizers of the class, compiled earlier), its limit (torch._dynamo.config.recompile_limit). "
             "Raise the limit, or call torch._dynamo.reset() between runs that build new optimizers.")
 
@@ -192,30 +191,41 @@ def loss_of(loss_fn: LossFn, spec: Compile) -> LossFn:
         return loss_fn(model, batch)
 
     name = f"compiled_loss[{getattr(loss_fn, '__name__', type(loss_fn).__name__)}]"
-    return checked(own_code(loss, name), spec, f"the loss ({name})")  # type: ignore[arg-type]
+    fn = own_code(loss, name)  # type: ignore[arg-type]
+    return checked(spec.compile(fn), (fn.__code__,), f"the loss ({name})")
 
 
 def update_of(optimizer: torch.optim.Optimizer, spec: Compile) -> Callable[[], Any]:
     """``optimizer.step()`` compiled, with the learning rate a tensor (:func:`~trainfold._src.backend.optim.lr_as_tensor`).
 
-    torch's optimizers break the graph around their ``step`` body, which dynamo then
-    compiles as a frame of its own: the class's, shared by every optimizer of it in the process.
+    Compiled as torch's tutorials do, ``torch.compile(optimizer.step)``: no frame of
+    trainfold's in between. torch's optimizers break the graph around their ``step``
+    body, which dynamo compiles as a frame of its own: the class's, shared by every
+    optimizer of it in the process (the check counts the versions of each function
+    ``optimizer.step`` wraps).
     """
     from trainfold._src.backend.optim import lr_as_tensor
 
-    def update() -> Any:
-        return optimizer.step()
-
-    name = f"compiled_update[{type(optimizer).__name__}]"
-    body = inspect.unwrap(type(optimizer).step)
-    step = checked(own_code(update, name), spec, f"the optimizer's update ({name})",  # type: ignore[arg-type]
-                   inner=getattr(body, "__code__", None))
+    name = f"the optimizer's update ({type(optimizer).__name__}.step)"
+    step = checked(spec.compile(optimizer.step), _wrapped_codes(optimizer.step), name, shared=True)
 
     def compiled_update() -> Any:
         lr_as_tensor(optimizer)  # again after a load_state_dict, which puts the saved number back
         return step()
 
     return compiled_update
+
+
+def _wrapped_codes(fn: Any) -> tuple[types.CodeType, ...]:
+    """The code objects of ``fn`` and of each function it wraps (``__wrapped__``, as ``functools.wraps`` records)."""
+    codes = []
+    while fn is not None:
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            codes.append(code)
+        fn = getattr(fn, "__wrapped__", None)
+    return tuple(codes)
 
 
 def repeated_blocks(model: torch.nn.Module, regions: bool | tuple[type, ...]) -> list[torch.nn.Module]:
@@ -243,7 +253,7 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
         ValueError: the model has no such block.
     """
     done = model.__dict__.get(_REGIONS)
-    if done is not None and done[0] == spec:
+    if done is not None and (done[0] is spec or done[0] == spec):  # (at every micro-batch: a lookup)
         return
     blocks = repeated_blocks(model, spec.regions)
     if not blocks:
@@ -255,6 +265,6 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
         cls = type(block)
         if cls not in by_class:
             forward = own_code(cls.forward, f"compiled_region[{cls.__name__}]")  # type: ignore[arg-type]
-            by_class[cls] = checked(forward, spec, f"the region {cls.__name__}.forward")
+            by_class[cls] = checked(spec.compile(forward), (forward.__code__,), f"the region {cls.__name__}.forward")
         block.forward = types.MethodType(by_class[cls], block)
     model.__dict__[_REGIONS] = (spec, len(blocks))

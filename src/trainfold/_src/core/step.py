@@ -217,13 +217,10 @@ _MicroBatch = Callable[[TrainState, Batch, bool], TrainState]
 
 
 def _compiling_regions(micro_batch: _MicroBatch, spec: Compile) -> _MicroBatch:
-    """``micro_batch``, giving the model's repeated blocks their compiled ``forward`` first (once per model)."""
-    done: set[int] = set()
+    """``micro_batch``, giving the model's repeated blocks their compiled ``forward`` first (once per model: kept on it)."""
 
     def compiling(state: TrainState, batch: Batch, synced: bool) -> TrainState:
-        if id(state.model) not in done:
-            compile_regions(state.model, spec)
-            done.add(id(state.model))
+        compile_regions(state.model, spec)
         return micro_batch(state, batch, synced)
 
     return compiling
