@@ -9,7 +9,7 @@ import torch._dynamo
 from accelerate import Accelerator
 
 from trainfold import (
-    Compile, Context, TrainState, evaluate, latest_checkpoint, load_checkpoint, loop, lr_schedule, make_step, max_steps,
+    Compile, Context, TrainState, evaluate, latest_checkpoint, load_checkpoint, log_every, loop, lr_schedule, make_step, max_steps,
     run_epoch, save_checkpoint, testing, warmup_cosine,
 )
 
@@ -206,6 +206,27 @@ def test_many_steps_built_in_one_process_each_compile_their_loss():
         assert len(graphs) == before + 1, f"step {i} compiled no graph"
 
 
+def test_a_watched_compiled_step_counts_its_flops_eagerly_then_runs_compiled():
+    """Watch counts the first step's FLOPs under FlopCounterMode, a dispatch mode under which dynamo compiles nothing (and
+    would not try again): that step runs eagerly, the next ones compiled (the step's check at its second call would
+    raise otherwise), and the counts are the eager step's."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    reports = {}
+    for compile in (False, Compile(backend=counting)):
+        ctx, state, dl = _setup(ga=1)
+        step = log_every(ctx, 2, watch=True)(make_step(ctx, helpers.ce_loss, compile=compile))
+        reports[bool(compile)] = run_epoch(ctx, step, dl, state).extras["log_every"].values
+
+    assert reports[True]["flops"] == reports[False]["flops"] > 0
+    assert reports[True]["samples"] == reports[False]["samples"]
+    assert graphs  # the loss's and the update's, compiled at the second step
+
+
 def test_an_update_that_accelerate_s_optimizer_wrapper_must_run_is_refused_with_the_way_out():
     """fp16's loss scaler, XLA or another engine's wrapper steps the optimizer on every micro-batch: nothing plain to compile."""
     from trainfold._src.backend.optim import OptimizerOps
@@ -291,17 +312,20 @@ def test_inductor_on_cpu_trains_within_float_tolerance_of_eager():
     testing.assert_params_equal(eager, compiled, rtol=1e-4, atol=1e-5)
 
 
-def _ddp_run(compile):
-    torch._dynamo.reset()
-    ctx, state, dl = _setup(data=32)
-    state = _epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, 2)
-    params = testing.parameters(state)
-    ctx.close()
-    return params
-
-
 def _ddp_runs():
-    return _ddp_run(False), _ddp_run(AOT_LOSS), _ddp_run(AOT)
+    """The three runs on one Accelerator (its process group once: set up again and again, gloo may find the port busy)."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    runs = []
+    for compile in (False, AOT_LOSS, AOT):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=acc)
+        model = helpers.mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7))
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True))
+        runs.append(testing.parameters(_epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, 2)))
+    return runs
 
 
 @pytest.mark.multiprocess

@@ -146,8 +146,11 @@ def _limit() -> int:
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
 
-def checked(compiled: Callable[..., Any], codes: tuple[types.CodeType, ...], what: str, *, shared: bool = False) -> Callable[..., Any]:
-    """``compiled`` (a ``torch.compile`` d function), which after its first call must have compiled code in dynamo.
+def checked(fn: Callable[..., Any], spec: Compile, codes: tuple[types.CodeType, ...], what: str, *, shared: bool = False) -> Callable[..., Any]:
+    """``fn`` compiled with ``spec``, which after its first call must have compiled code in dynamo.
+
+    Under a dispatch mode (``Watch``'s ``FlopCounterMode`` on the first step) ``fn`` runs
+    eagerly: dynamo would not compile it there, and would not try again after.
 
     ``codes``: the code objects dynamo compiles for it, one of which must hold compiled
     code after the first call. ``shared``: they are shared with other callers (torch's
@@ -157,11 +160,13 @@ def checked(compiled: Callable[..., Any], codes: tuple[types.CodeType, ...], wha
     Raises (at the first call):
         RuntimeError: dynamo compiled nothing for it, so it ran eagerly.
     """
-    first = [True]
+    compiled, first = spec.compile(fn), [True]
 
     def call(*args: Any) -> Any:
         if not first[0]:
             return compiled(*args)
+        if _counting():
+            return fn(*args)  # the same computation; the check waits for the next call
         before = [compiled_versions(c) for c in codes]
         out = compiled(*args)
         first[0] = False
@@ -169,6 +174,13 @@ def checked(compiled: Callable[..., Any], codes: tuple[types.CodeType, ...], wha
         return out
 
     return call
+
+
+def _counting() -> bool:
+    """True under a dispatch mode (``Watch``'s ``FlopCounterMode`` counting the first step)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def _check(what: str, before: list[int], after: list[int], shared: bool) -> None:
@@ -192,7 +204,7 @@ def loss_of(loss_fn: LossFn, spec: Compile) -> LossFn:
 
     name = f"compiled_loss[{getattr(loss_fn, '__name__', type(loss_fn).__name__)}]"
     fn = own_code(loss, name)  # type: ignore[arg-type]
-    return checked(spec.compile(fn), (fn.__code__,), f"the loss ({name})")
+    return checked(fn, spec, (fn.__code__,), f"the loss ({name})")
 
 
 def update_of(optimizer: torch.optim.Optimizer, spec: Compile) -> Callable[[], Any]:
@@ -207,7 +219,7 @@ def update_of(optimizer: torch.optim.Optimizer, spec: Compile) -> Callable[[], A
     from trainfold._src.backend.optim import lr_as_tensor
 
     name = f"the optimizer's update ({type(optimizer).__name__}.step)"
-    step = checked(spec.compile(optimizer.step), _wrapped_codes(optimizer.step), name, shared=True)
+    step = checked(optimizer.step, spec, _wrapped_codes(optimizer.step), name, shared=True)
 
     def compiled_update() -> Any:
         lr_as_tensor(optimizer)  # again after a load_state_dict, which puts the saved number back
@@ -265,6 +277,6 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
         cls = type(block)
         if cls not in by_class:
             forward = own_code(cls.forward, f"compiled_region[{cls.__name__}]")  # type: ignore[arg-type]
-            by_class[cls] = checked(spec.compile(forward), (forward.__code__,), f"the region {cls.__name__}.forward")
+            by_class[cls] = checked(forward, spec, (forward.__code__,), f"the region {cls.__name__}.forward")
         block.forward = types.MethodType(by_class[cls], block)
     model.__dict__[_REGIONS] = (spec, len(blocks))
