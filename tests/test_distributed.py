@@ -408,20 +408,6 @@ def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(m
         assert got == [("set after the server started", False, threads)] * 2
 
 
-def _imported_at_start():
-    import sys
-
-    return sorted(name for name in ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets") if name in sys.modules)
-
-
-def test_each_process_starts_with_what_a_run_imports_on_first_use_already_imported():
-    """FSDP2, distributed checkpointing, dynamo (an optimizer's constructor) and datasets (Accelerate's prepare_data_loader)
-    cost a fresh process ~4 s of CPU to import; forked from the server, a process has them before its function runs."""
-    got = testing.run_distributed(_imported_at_start, nprocs=2)
-
-    assert got == [["datasets", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]] * 2
-
-
 def _a_sub_group_formed_after_rank_zero_returned():
     import time
 

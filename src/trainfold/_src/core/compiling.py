@@ -57,8 +57,8 @@ class Compile:
       ``ModuleList`` of one class, or the classes given): compiled once, reused by every
       block, seconds instead of minutes for a deep model, and the way under FSDP2,
       whose hooks stay outside the compiled code. The loss and the rest of the model run eagerly;
-    - with ``optimizer`` (the default), the optimizer's update. The learning rate a
-      scheduler changes is a float dynamo does not specialise on (torch 2.13): no recompile.
+    - with ``optimizer`` (the default), the optimizer's update, with the learning rate a 0-d
+      tensor (dynamo specialises on a float: each new value a scheduler sets would compile again).
 
     The model itself is not wrapped (no ``_orig_mod.`` in its names), so checkpoints
     of compiled and eager runs are one format. Evaluation and prediction call the
