@@ -76,8 +76,10 @@ def test_nothing_recompiles_after_the_warm_up_across_updates_epoch_ends_evaluati
     val = evaluate(ctx, helpers.ce_loss, dl)
     state = val(run_epoch(ctx, step, dl, state))  # the warm-up
 
+    lr = state.optimizer.param_groups[0]["lr"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         state = val(run_epoch(ctx, step, dl, state))
+        assert state.optimizer.param_groups[0]["lr"] is lr  # filled in place by lr_schedule and the scheduler, not replaced
         state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(state.step + 3)(step), dl, state))
         state = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
         state = val(run_epoch(ctx, step, dl, state))

@@ -91,7 +91,7 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def set_lr(group: dict[str, Any], value: Any) -> None:
     """Set a parameter group's learning rate, in place where it is a tensor (a compiled update's: see :func:`lr_as_tensor`)."""
     if isinstance(group["lr"], torch.Tensor):
-        group["lr"].fill_(float(value))
+        group["lr"].fill_(float(value))  # sync: none for a number (a schedule's); the tensor is the update's, on the CPU
     else:
         group["lr"] = value
 
@@ -124,6 +124,7 @@ def plain_lr(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _number(value: Any) -> Any:
+    # sync: none: CPU tensors only (a compiled update's learning rate), read when a checkpoint or snapshot is taken
     return value.item() if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu" else value
 
 

@@ -279,7 +279,7 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None) -> LogS
     means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
     values = {**means, "epoch": float(state.epoch)}
     if state.optimizer is not None:
-        values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])
+        values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])  # sync: none: a number, or a compiled update's CPU tensor
     if meter is not None:
         values.update(meter.report(state, summed))
     emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
