@@ -102,7 +102,7 @@ def lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
     A compiled update specialises on a float learning rate: each new value a
     scheduler sets would compile the update again. A tensor is an input of the
     compiled code instead; torch's schedulers fill it in place. float64 holds the
-    number exactly, and the update reads it as the eager update reads the float.
+    number exactly (what is saved and logged is the float that was set).
     """
     for group in optimizer.param_groups:
         if not isinstance(group["lr"], torch.Tensor):
