@@ -269,8 +269,11 @@ def _tower_run(compile):
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(24), batch_size=4))
     step = make_step(ctx, helpers.ce_loss, compile=compile)
     state = run_epoch(ctx, step, dl, state)
+    first = [getattr(block.forward, "__func__", None) for block in model.blocks]
     with torch._dynamo.config.patch(error_on_recompile=True):
-        return run_epoch(ctx, step, dl, state), model
+        state = run_epoch(ctx, step, dl, state)
+    assert [getattr(block.forward, "__func__", None) for block in model.blocks] == first  # compiled once, not per micro-batch
+    return state, model
 
 
 #: dynamo reads ``.grad`` of a block's input while tracing it (any regional compile: ``block.compile()`` too), and torch

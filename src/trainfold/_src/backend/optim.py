@@ -124,8 +124,10 @@ def plain_lr(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _number(value: Any) -> Any:
-    # sync: none: CPU tensors only (a compiled update's learning rate), read when a checkpoint or snapshot is taken
-    return value.item() if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu" else value
+    """A 0-d CPU tensor's number (a compiled update's learning rate, read when a checkpoint or snapshot is taken)."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu":
+        return value.item()  # sync: none: a CPU tensor
+    return value
 
 
 def micro_batch_start(accelerator: Accelerator) -> Callable[[], None] | None:

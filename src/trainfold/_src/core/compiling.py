@@ -251,7 +251,7 @@ def repeated_blocks(model: torch.nn.Module, regions: bool | tuple[type, ...]) ->
     return blocks
 
 
-#: where a model keeps the regions a step compiled in it (so a second step on the same model compiles none again)
+#: where a model keeps the settings its regions were compiled with (so a later micro-batch, or step, compiles none again)
 _REGIONS = "_trainfold_compiled_regions"
 
 
@@ -265,7 +265,7 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
         ValueError: the model has no such block.
     """
     done = model.__dict__.get(_REGIONS)
-    if done is not None and (done[0] is spec or done[0] == spec):  # (at every micro-batch: a lookup)
+    if done is not None and (done is spec or done == spec):  # (at every micro-batch: a lookup)
         return
     blocks = repeated_blocks(model, spec.regions)
     if not blocks:
@@ -279,4 +279,4 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
             forward = own_code(cls.forward, f"compiled_region[{cls.__name__}]")  # type: ignore[arg-type]
             by_class[cls] = checked(forward, spec, (forward.__code__,), f"the region {cls.__name__}.forward")
         block.forward = types.MethodType(by_class[cls], block)
-    model.__dict__[_REGIONS] = (spec, len(blocks))
+    model.__dict__[_REGIONS] = spec
