@@ -265,6 +265,16 @@ def test_token_normalization_spans_every_process():
         testing.assert_params_equal(big, params, rtol=1e-5, atol=1e-6)
 
 
+def test_a_run_that_frees_its_ddp_model_after_closing_ends_every_time():
+    """The model's reducer keeps the process group, so freeing it after ``ctx.close()`` destroys the group; at the wrong
+    moment gloo's worker thread needed the GIL the destroying thread held, and the process hung for good (about one
+    call in five, with the forkserver's preload). Fifteen short runs, each bounded: every one ends."""
+    for _ in range(15):
+        ranks = testing.run_distributed(_token_step_on_this_rank, nprocs=2, timeout=30)
+
+        assert [1, 1] == [step for step, _ in ranks]
+
+
 def _token_weighted_train_loss_on_this_rank():
     import test_tokens as tt
 
@@ -406,6 +416,20 @@ def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(m
         got = testing.run_distributed(_environment_and_threads, nprocs=2)
 
         assert got == [("set after the server started", False, threads)] * 2
+
+
+def _imported_at_start():
+    import sys
+
+    return sorted(name for name in ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets") if name in sys.modules)
+
+
+def test_each_process_starts_with_what_a_run_imports_on_first_use_already_imported():
+    """FSDP2, distributed checkpointing, dynamo (an optimizer's constructor) and datasets (Accelerate's prepare_data_loader)
+    cost a fresh process ~4 s of CPU to import; forked from the server, a process has them before its function runs."""
+    got = testing.run_distributed(_imported_at_start, nprocs=2)
+
+    assert got == [["datasets", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp"]] * 2
 
 
 def _a_sub_group_formed_after_rank_zero_returned():

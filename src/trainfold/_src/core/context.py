@@ -19,6 +19,7 @@ from trainfold._src.backend.loaders import fill_deepspeed_micro_batch, loader_pl
 from trainfold._src.backend.streams import keep_given_stream
 from trainfold._src.core.runtime import Runtime
 from trainfold._src.distributed.control import current_timeout, set_timeout
+from trainfold._src.distributed.teardown import settle_collectives
 
 #: the signals a Context turns into a stop request by default: Ctrl-C, and what SLURM,
 #: Kubernetes and torchrun send before they kill a job
@@ -288,6 +289,7 @@ class Context:
             self.wait_for_checkpoints()
         except BaseException as exc:  # raised once the run is closed: a lost checkpoint is never silent
             failed = exc
+        settle_collectives()  # before any group is freed: the saver's and control channel's, then Accelerate's
         self.runtime.close()
         self.accelerator.end_training()
         if failed is not None:

@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from trainfold._src.distributed.teardown import settle_collectives
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now.
@@ -48,19 +50,26 @@ def load_factor() -> float:
         return 1.0
 
 
-#: what the processes' server imports once, so that each process starts with them imported (see :func:`_context`)
-PRELOAD = ("torch", "accelerate", "trainfold")
+#: what the processes' server imports once, so that each process starts with them imported (see :func:`_context`):
+#: trainfold and what a process of it imports on first use, ~4 s of a fresh process's CPU in all: FSDP2 and DTensor
+#: (Accelerate's FSDP plugin imports them when it is built), distributed checkpointing, dynamo (an optimizer's
+#: constructor imports it), and ``datasets`` where it is installed (Accelerate's ``prepare_data_loader`` imports it then).
+#: A module that is not installed is passed over.
+PRELOAD = ("torch", "accelerate", "trainfold", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets")
 
 
 def _context() -> Any:
     """Where the processes come from: forked from a server that has imported :data:`PRELOAD`, where there is one.
 
-    A fresh interpreter spends ~2 s of CPU importing torch and Accelerate; a process
-    forked from multiprocessing's forkserver starts with them imported, in ~0.1 s.
-    The server imports them and nothing else runs in it (no thread pool, no process
-    group, no Accelerate state), so each process starts as clean as a spawned one;
-    the caller's environment, which the server does not follow, is handed to each
-    (:func:`_worker`). Spawned interpreters where there is no forkserver (Windows).
+    A fresh interpreter spends ~3 s of CPU importing torch and Accelerate, and ~4 s
+    more on what a run imports on first use; a process forked from multiprocessing's
+    forkserver starts with them imported, in ~0.1 s. The server imports them and
+    nothing else runs in it (no process group, no Accelerate state, no thread pool of
+    torch's; pyarrow, under ``datasets``, starts its allocator's background thread,
+    which its fork handlers take care of), so each process starts as clean as a
+    spawned one; the caller's environment, which the server does not follow, is
+    handed to each (:func:`_worker`). Spawned interpreters where there is no
+    forkserver (Windows).
     """
     import multiprocessing as mp
 
@@ -117,6 +126,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, 
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        settle_collectives()
         dist.destroy_process_group()
 
 
@@ -124,8 +134,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes wired for ``torch.distributed``.
 
     The processes are forked from multiprocessing's forkserver, which has imported
-    torch, Accelerate and trainfold and done nothing else (0.1 s to start instead of
-    ~2 s for a new interpreter; spawned interpreters where there is no forkserver). The
+    torch, Accelerate, trainfold and what they import on first use (:data:`PRELOAD`) and
+    done nothing else (0.1 s to start instead of ~7 s of CPU for a new interpreter;
+    spawned interpreters where there is no forkserver). The
     server starts at the first call and stays for the life of the calling process.
     Each starts with the caller's environment as it is at the call, plus what torchrun
     would give it (``RANK``,
