@@ -1,5 +1,6 @@
-"""A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's series hold
-every update once, with the values the uninterrupted run logs (tests/scripts/tracked_run.py, its event files read back)."""
+"""A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's and MLflow's
+series hold every update once, with the values the uninterrupted run logs (tests/scripts/tracked_run.py: its event files
+and its MLflow store read back)."""
 
 import os
 import random
@@ -36,23 +37,40 @@ def _series(logs):
     return {tag: [(e.step, e.value) for e in run.Scalars(tag)] for tag in run.Tags()["scalars"]}
 
 
-def test_after_kill_9_and_a_resume_tensorboard_holds_every_update_once_with_the_uninterrupted_values(tmp_path):
+def _mlflow_series(logs):
+    """Every metric of the run's one MLflow run, as MLflow holds them: {key: [(step, value), ...]} by step."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"file:{Path(logs).resolve()}/mlruns")
+    (run,) = client.search_runs([client.get_experiment_by_name("run").experiment_id])  # one run, the resumed one going on
+    return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
+            for key in run.data.metrics}
+
+
+def test_after_kill_9_and_a_resume_tensorboard_and_mlflow_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
-    clean = _series(tmp_path / "clean-logs")
+    clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
     cmd = [sys.executable, str(SCRIPT), str(root), str(logs), "--slow"]
     killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, random.Random(3).uniform(0.15, 0.4), processes=1)
     resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
-    before = _series(logs)  # what the killed run left: past its checkpoint
+    before, before_mlflow = _series(logs), _mlflow_series(logs)  # what the killed run left: past its checkpoint
     result = _run(root, logs)
 
     assert -signal.SIGKILL == killed and 0 < resumed_from < UPDATES
     assert max(step for step, _ in before["train/loss"]) > resumed_from  # it had logged past its checkpoint
-    assert "init_trackers" not in result.stderr  # TensorBoard alone: no warning
+    assert max(step for step, _ in before_mlflow["train/loss"]) > resumed_from
+    assert "init_trackers" not in result.stderr  # trackers that can keep their series: no warning
     series = _series(logs)
     assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
     assert clean.keys() == series.keys()
     for tag in clean:
         assert clean[tag] == series[tag], tag  # each step once, the same values (the epoch records too)
+    mlflow_series = _mlflow_series(logs)  # MLflow kept what it held and was sent only what it lacked
+    assert list(range(1, UPDATES + 1)) == [step for step, _ in mlflow_series["train/loss"]]
+    assert clean_mlflow.keys() == mlflow_series.keys() and len(clean_mlflow) > 3
+    for key in clean_mlflow:
+        assert clean_mlflow[key] == mlflow_series[key], key

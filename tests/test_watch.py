@@ -6,6 +6,7 @@ FLOPs against a hand count of a small MLP's matmuls.
 """
 
 import time
+import warnings
 
 import helpers
 import pytest
@@ -288,3 +289,43 @@ def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_t
         board = next(t for t in ctx.accelerator.trackers if t.name == "tensorboard")
         assert ({"purge_step": 5} if warned else {}) == board.init_kwargs
         ctx.close()
+
+
+def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_lacks(tmp_path, monkeypatch):
+    """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
+    goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key
+    once. A tracker that keeps nothing of its own (``mine``) is sent everything, as before."""
+    import attrs
+    from accelerate.tracking import GeneralTracker
+    from mlflow.tracking import MlflowClient
+
+    from trainfold import init_trackers
+    from trainfold._src.compose.tracking import emit
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's file store: no server, no database
+    run_id = None
+    for first, updates in ((True, range(1, 7)), (False, range(4, 9))):
+        testing.reset_accelerate_state()
+        mine = type("Mine", (_Mine, GeneralTracker), {})()
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with=["mlflow", mine]))
+        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 3)
+        run_id = state.run_id
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # mine cannot cut a series back: said
+            init_trackers(ctx, "proj", state)
+        for update in updates:
+            emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
+            if update == 6:
+                emit(ctx, {"train/loss_epoch": 10.0 + update}, update)
+        assert [u for u, _ in mine.logged if u != 6] == [u for u in updates if u != 6]  # mine got every value
+        assert not ctx.runtime.tracker_holds  # past what MLflow held: every value goes out again
+        mlflow_run = next(t for t in ctx.accelerator.trackers if t.name == "mlflow").active_run.info.run_id
+        ctx.accelerator.end_training()
+        ctx.close()
+
+    client = MlflowClient()
+    assert [mlflow_run] == [r.info.run_id for r in client.search_runs([client.get_experiment_by_name("proj").experiment_id])]
+    series = {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key)) for key in ("train/loss", "train/loss_epoch")}
+    assert [(u, float(u)) for u in range(1, 7)] + [(7, 7.5), (8, 8.5)] == series["train/loss"]
+    assert [(6, 16.0)] == series["train/loss_epoch"]

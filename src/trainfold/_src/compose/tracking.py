@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from typing import Any, Mapping
@@ -26,7 +27,10 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
     checks: ~3 us, ~40 us in the cold cache of a training loop).
     """
     if ctx.accelerator.trackers:
-        ctx.accelerator.log(dict(values), step=step)
+        if ctx.runtime.tracker_holds:
+            _log_what_trackers_lack(ctx, values, step)
+        else:
+            ctx.accelerator.log(dict(values), step=step)
     elif getattr(ctx.accelerator, "log_with", None) and ctx.runtime.warn_once("trackers not started"):
         if ctx.is_main_process:
             warnings.warn(
@@ -40,8 +44,65 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
         logger.info("step %d: %s", step, "  ".join(f"{k} {v:.6g}" for k, v in values.items()))
 
 
+def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int) -> None:
+    """Log to each tracker the values of ``step`` it does not hold yet (an append-only tracker a resumed run goes on
+    with: :func:`init_trackers`); once ``step`` is past all they held, every value goes to every tracker again."""
+    holds = ctx.runtime.tracker_holds
+    if ctx.is_main_process:
+        for tracker in ctx.accelerator.trackers:
+            held = holds.get(tracker.name, {})
+            fresh = {k: v for k, v in values.items() if step > held.get(k, -1)}
+            if fresh:
+                tracker.log(fresh, step=step)
+    for name, held in list(holds.items()):
+        if step > max(held.values()):
+            ctx.runtime.hold_tracker_steps(name, {})
+
+
 #: Trackers whose series a resumed run can cut back to its checkpoint, and the init keyword that does it.
 PURGING = {"tensorboard": "purge_step"}
+
+#: The tag with which :func:`init_trackers` marks an MLflow run as this trainfold run's (``TrainState.run_id``).
+MLFLOW_RUN_TAG = "trainfold.run_id"
+
+
+def _mlflow_run_of(project_name: str, run_id: str) -> str | None:
+    """The id of the newest MLflow run in experiment ``project_name`` tagged with trainfold's ``run_id``, or None."""
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_names=[project_name], filter_string=f"tags.`{MLFLOW_RUN_TAG}` = '{run_id}'",
+                              order_by=["attributes.start_time DESC"], max_results=1, output_format="list")
+    return runs[0].info.run_id if runs else None
+
+
+def _mlflow_holds(tracker: Any, after: int) -> dict[str, int]:
+    """Each metric of the MLflow run ``tracker`` goes on with, and the last step it holds, where that is past ``after``."""
+    from mlflow.tracking import MlflowClient
+
+    client, run_id = MlflowClient(), tracker.active_run.info.run_id
+    last = {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in client.get_run(run_id).data.metrics}
+    return {key: step for key, step in last.items() if step > after}
+
+
+def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
+    """Tag the MLflow run with the trainfold run's id; a resumed run goes on with the MLflow run so tagged."""
+    mine = kwargs.setdefault("mlflow", {})
+    if isinstance(mine.get("tags"), str):
+        import json
+
+        mine["tags"] = json.loads(mine["tags"])  # as Accelerate's MLflowTracker reads a string
+    mine["tags"] = {**(mine.get("tags") or {}), MLFLOW_RUN_TAG: state.run_id}
+    if state.step > 0 and ctx.is_main_process and not mine.get("run_id") and not os.environ.get("MLFLOW_RUN_ID"):
+        found = _mlflow_run_of(project_name, state.run_id)
+        if found is None:
+            warnings.warn(
+                f"init_trackers: MLflow holds no run of experiment {project_name!r} tagged {MLFLOW_RUN_TAG}={state.run_id}, "
+                f"so this run, resumed at update {state.step}, starts a new one (is MLFLOW_TRACKING_URI the run's store?).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        else:
+            mine["run_id"] = found
 
 
 def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
@@ -52,10 +113,16 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     ``purge_step`` set to the update after the checkpoint's: what the run before logged after
     its checkpoint (up to a kill) is purged, and the resumed run logs those updates again, so
     each series holds every update once, with the values of an uninterrupted run (the resume
-    is exact). Every value logged at or before the checkpoint's update stays. Trackers that
-    cannot cut a series back (Weights & Biases, MLflow, Comet, Aim, ClearML, DVCLive...) are
-    started as given, and a warning says their series may hold the updates after the
-    checkpoint twice.
+    is exact). Every value logged at or before the checkpoint's update stays.
+
+    MLflow's runs are tagged ``trainfold.run_id`` (:attr:`TrainState.run_id`), and a resumed
+    run goes on with the MLflow run so tagged in experiment ``project_name`` (unless a
+    ``run_id`` is given, or ``MLFLOW_RUN_ID`` set; a warning where none is found). MLflow
+    cannot delete what it holds, so the values it already holds (each metric up to its last
+    step there) are not logged again: each series holds every update once, the values before
+    the kill being those the resumed run would log. Trackers that can neither (Weights &
+    Biases, Comet, Aim, ClearML, DVCLive...) are started as given, and a warning says their
+    series may hold the updates after the checkpoint twice.
 
     Args:
         ctx: the run's Context.
@@ -63,7 +130,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
         config: hyperparameters to store, as ``init_trackers`` takes them.
         init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
-            ``purge_step`` given is kept.
+            ``purge_step`` or MLflow ``run_id`` given is kept, MLflow ``tags`` get the run's.
 
     Raises:
         Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
@@ -82,20 +149,27 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     from accelerate.tracking import GeneralTracker
 
     names = [t.name if isinstance(t, GeneralTracker) else str(t) for t in ctx.accelerator.log_with]  # (an enum's own name is its member's)
+    if "mlflow" in names:
+        _prepare_mlflow(ctx, project_name, state, kwargs)
     if state.step > 0:
         for name in names:
             if name in PURGING:
                 kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
-        others = [n for n in names if n not in PURGING]
+        others = [n for n in names if n not in PURGING and n != "mlflow"]
         if others and ctx.is_main_process:
             warnings.warn(
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
                 f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
-                "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back.",
+                "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
+                "and MLflow's run goes on without them.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
+    if state.step > 0 and ctx.is_main_process:
+        for tracker in ctx.accelerator.trackers:
+            if tracker.name == "mlflow":
+                ctx.runtime.hold_tracker_steps(tracker.name, _mlflow_holds(tracker, state.step))
 
 
 def step_key(name: str) -> str:

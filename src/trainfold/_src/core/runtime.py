@@ -69,6 +69,7 @@ class Runtime:
         self._warned: set[str] = set()
         self._released: weakref.WeakSet[Any] = weakref.WeakSet()
         self._digests: dict[str, tuple[weakref.ref[Any], Any, str]] = {}
+        self._tracker_holds: dict[str, dict[str, int]] = {}
         self._closed = False
 
     @property
@@ -102,6 +103,19 @@ class Runtime:
             return False
         self._warned.add(key)
         return True
+
+    @property
+    def tracker_holds(self) -> dict[str, dict[str, int]]:
+        """Per tracker, per key, the last step an append-only tracker already held when a resumed run started it (see
+        ``init_trackers``): what is sent again up to that step is not logged twice. Empty once the run has passed them."""
+        return self._tracker_holds
+
+    def hold_tracker_steps(self, tracker: str, holds: dict[str, int]) -> None:
+        """Note what ``tracker`` holds (``{key: last step}``); an empty ``holds`` forgets it."""
+        if holds:
+            self._tracker_holds[tracker] = dict(holds)
+        else:
+            self._tracker_holds.pop(tracker, None)
 
     def release(self, model: Any) -> None:
         """Mark a state's model as given back: the loops refuse it from now on (held weakly)."""
