@@ -495,4 +495,23 @@ def test_inspect_shows_the_last_report_of_a_watched_run(tmp_path, capsys):
     assert "time_data " in line and "%" in line and "memory_rss_gb " in line
     report = json.loads(_run(capsys, "inspect", str(tmp_path / "watched"), "--json")[1])["last_report"]
     assert 4 == report["update"] and 8.0 == report["values"]["samples"]
-    assert "last report" not in _run(capsys, "inspect", str(tmp_path / "plain"))[1]
+    plain = _run(capsys, "inspect", str(tmp_path / "plain"))[1]
+    assert "last report" not in plain and "throughput" not in plain
+
+
+def test_inspect_lists_the_throughput_of_each_watched_epoch(tmp_path, capsys):
+    """A watched run's epoch records hold its time and samples per second: inspect lists them by epoch (--json: all of
+    them, each with its update), as the history holds them (an unwatched run lists none: the test above)."""
+    from trainfold import log_every, loop
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    state = loop(run_epoch(ctx, log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
+    save_checkpoint(ctx, tmp_path / "watched", state)
+    ctx.close()
+
+    code, out, _ = _run(capsys, "inspect", str(tmp_path / "watched"))
+    line = next(x for x in out.splitlines() if "throughput by epoch" in x)
+    rows = json.loads(_run(capsys, "inspect", str(tmp_path / "watched"), "--json")[1])["throughput"]
+    assert 0 == code and [1, 2] == [r["epoch"] for r in rows] and [4, 8] == [r["update"] for r in rows]
+    assert [state.history["train_samples_per_s"][i] for i in (0, 1)] == [r["samples_per_s"] for r in rows]
+    assert line.startswith("  throughput by epoch: 1: ") and " samples/s" in line and "; 2: " in line

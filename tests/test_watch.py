@@ -111,6 +111,42 @@ def test_on_two_processes_a_report_counts_the_tokens_and_samples_of_both(accumul
     assert sum(int(Padded(seed=rank).real.sum()) for rank in (0, 1)) * 2 == sum(t for t, _ in expected)
 
 
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_each_epoch_records_its_samples_and_real_tokens_per_second(accumulation):
+    """A watched run's epoch record holds its wall time and rates: every epoch reads the 24 sequences and their real
+    tokens once (under accumulation 4 an update's group spans the epoch's end, and each epoch still counts its own
+    batches). An unwatched run's records have none of them."""
+    ctx, state, _, dataset = _token_run(accumulation)
+    ctx.close()
+    _, plain, _, _ = _token_run(accumulation, watch=False)
+    history = state.history
+
+    assert 2 == len(history["train_epoch_s"]) and all(s > 0 for s in history["train_epoch_s"])
+    assert [24.0, 24.0] == [pytest.approx(r * s) for r, s in zip(history["train_samples_per_s"], history["train_epoch_s"])]
+    real = float(dataset.real.sum())
+    assert [real, real] == [pytest.approx(r * s) for r, s in zip(history["train_tokens_per_s"], history["train_epoch_s"])]
+    assert history["train_loss"] == plain.history["train_loss"]
+    assert not {"train_epoch_s", "train_samples_per_s", "train_tokens_per_s"} & set(plain.history.names)
+
+
+def _two_process_epochs():
+    ctx, state, _, dataset = _token_run(4)
+    ctx.close()
+    history = state.history
+    return float(dataset.real.sum()), [(r * s, t * s) for r, t, s in zip(history["train_samples_per_s"], history["train_tokens_per_s"],
+                                                                          history["train_epoch_s"])]
+
+
+@pytest.mark.multiprocess
+def test_on_two_processes_an_epoch_records_the_samples_and_tokens_of_both():
+    """Each process reads its own 24 sequences with its own padding: each epoch's record, on both processes, counts 48
+    samples and the real tokens of both (summed in the epoch's one all-reduce)."""
+    (real_0, epochs_0), (real_1, epochs_1) = testing.run_distributed(_two_process_epochs, nprocs=2)
+
+    for epochs in (epochs_0, epochs_1):
+        assert [(48.0, real_0 + real_1)] * 2 == [(pytest.approx(s), pytest.approx(t)) for s, t in epochs]
+
+
 def test_the_flops_of_the_first_step_are_counted_per_sample_and_mfu_divides_by_the_given_peak():
     """Linear(8, 16), tanh, Linear(16, 1): per sample 2*8*16 + 2*16 forward, 2*16 + 2*16 backward through the second
     layer, 2*8*16 for the first layer's weight (its input needs no gradient): 608 FLOPs."""

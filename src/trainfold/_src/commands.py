@@ -216,6 +216,7 @@ def inspect(path: str) -> dict[str, Any]:
         "stop": _stop(state),
         "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
         "last_report": _last_report(state),
+        "throughput": _throughput(history),
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
         "layout": doc.get("layout", {}),
@@ -257,6 +258,19 @@ def _last_report(state: dict[str, Any]) -> dict[str, Any] | None:
     return {"update": fields.get("step"), "values": {k: v for k, v in values if isinstance(v, (int, float))}}
 
 
+#: A watched run's epoch figures (``run_epoch``'s records when ``log_every(watch=...)`` is on), as ``inspect`` lists them.
+EPOCH_FIGURES = ("epoch_s", "samples_per_s", "tokens_per_s")
+
+
+def _throughput(history: Any) -> list[dict[str, Any]]:
+    """Each watched epoch's figures, in order: ``{"epoch", "update", "epoch_s", "samples_per_s"[, "tokens_per_s"]}``."""
+    rows: dict[int, dict[str, Any]] = {}
+    for r in history:
+        if r.name.startswith("train_") and r.name[len("train_"):] in EPOCH_FIGURES:
+            rows.setdefault(r.epoch, {"epoch": r.epoch, "update": r.step})[r.name[len("train_"):]] = r.value
+    return [rows[e] for e in sorted(rows)]
+
+
 #: What ``inspect`` prints of a watched run's last report, in this order (a share of time as a percentage).
 REPORTED = ("samples_per_s", "tokens_per_s", "updates_per_s", "mfu", "time_data", "time_step", "time_update", "time_checkpoint", "time_stop",
             "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
@@ -291,6 +305,10 @@ def inspect_text(d: dict[str, Any]) -> str:
                      f"base {f['base']} (a load checks the model's base against it)")
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
+    if d.get("throughput"):
+        lines.append("  throughput by epoch: " + "; ".join(
+            f"{t['epoch']}: " + ", ".join(f"{t[k]:.4g} {k.removesuffix('_per_s')}/s" if k.endswith("_per_s") else f"{t[k]:.4g} s"
+                                          for k in EPOCH_FIGURES if k in t) for t in d["throughput"][-8:]))
     report = d.get("last_report")
     shown = [k for k in REPORTED if k in report["values"]] if report is not None else []
     if report is not None and shown:

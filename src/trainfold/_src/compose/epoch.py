@@ -28,6 +28,7 @@ from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
+from trainfold._src.compose.watch import epoch_figures, epoch_totals
 from trainfold._src.core.clock import Clock
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor, Resume
@@ -115,6 +116,7 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
     limit = max_batches if max_batches is not None else -1
     interrupt = ctx.runtime.interrupt
     clock = ctx.runtime.clock
+    clock.begin_epoch()
     acc = ctx.accelerator
     with explaining_timeouts(ctx.accelerator.num_processes):
         for batch in clock.timed(iterator) if clock.on else iterator:  # (the cursor keeps the loader's own iterator)
@@ -379,8 +381,14 @@ def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> 
 
 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
-    """Close the current epoch: record its train metrics, count it, reset the running sums."""
-    means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
+    """Close the current epoch: record its train metrics (and a watched run's throughput), count it, reset the running sums."""
+    timed = ctx.runtime.clock.end_epoch()
+    if timed is None:
+        means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
+    else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
+        seconds, samples = timed
+        means, totals = state.sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(samples))
+        means = {**means, **epoch_figures(ctx, seconds, totals)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}

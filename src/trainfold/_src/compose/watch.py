@@ -161,6 +161,7 @@ class Meter:
             new = step(state, batch)
         self.seen, self.seen_epoch = new.sums, new.epoch
         self.samples += samples
+        self.ctx.runtime.clock.count_samples(samples)
         if self.flops_per_sample is not None:
             self.flops += self.flops_per_sample * samples
         return new
@@ -197,7 +198,7 @@ class Meter:
         now = time.perf_counter()
         seconds = max(now - (self.started or now), 1e-9)
         acc = self.ctx.accelerator
-        copies = acc.num_processes // max(data_layout(acc).size, 1)  # a tensor-parallel group reads one batch per process
+        copies = _copies(acc)
         samples = totals["watch:samples"] / copies
         out = {"interval_s": seconds, "samples": samples, "samples_per_s": samples / seconds,
                "updates_per_s": (state.step - self.from_update) / seconds}
@@ -228,6 +229,28 @@ class Meter:
         if self.watch.flops_per_sample is not None:
             return totals["watch:flops"] / copies
         return totals["watch:flops"] if self.flops_per_sample is not None else None
+
+
+def _copies(accelerator: Any) -> int:
+    """How many processes read each batch: a tensor-parallel group's (1 without tensor parallelism)."""
+    return int(accelerator.num_processes // max(data_layout(accelerator).size, 1))
+
+
+def epoch_totals(samples: int) -> dict[str, float]:
+    """This process's count for an epoch's record, to ride in the epoch's one all-reduce (:func:`epoch_figures`)."""
+    return {"watch:samples": float(samples)}
+
+
+def epoch_figures(ctx: Context, seconds: float, totals: Mapping[str, float]) -> dict[str, float]:
+    """A watched epoch's throughput, from its one all-reduce: ``epoch_s`` (this process's wall time from the epoch's
+    first batch to its end), ``samples_per_s`` and, where the loss counts tokens, ``tokens_per_s`` (every process's, a
+    tensor-parallel group's batch once, over that time)."""
+    copies = _copies(ctx.accelerator)
+    out = {"epoch_s": seconds, "samples_per_s": totals["watch:samples"] / copies / seconds}
+    tokens = next((totals[f"sum:{name}"] for name in TOKEN_SUMS if f"sum:{name}" in totals), None)
+    if tokens is not None:
+        out["tokens_per_s"] = tokens / copies / seconds
+    return out
 
 
 def _memory(device: Any) -> dict[str, float]:

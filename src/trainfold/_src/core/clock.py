@@ -33,6 +33,23 @@ class Clock:
     def __init__(self) -> None:
         self.on = False
         self._spent = dict.fromkeys(PARTS, 0.0)
+        self.epoch_began: float | None = None  # when this process began the open epoch's first batch (while on)
+        self.epoch_samples = 0  # the samples this process's watched steps took since
+
+    def begin_epoch(self) -> None:
+        """Note the open epoch's start, if not noted yet (``run_epoch``, before its first batch; while on)."""
+        if self.on and self.epoch_began is None:
+            self.epoch_began = time.perf_counter()
+
+    def count_samples(self, samples: int) -> None:
+        """Count a batch's ``samples`` to the open epoch (a watched step)."""
+        self.epoch_samples += samples
+
+    def end_epoch(self) -> tuple[float, int] | None:
+        """The open epoch's seconds since :meth:`begin_epoch` and its samples, and forget them; None where not noted."""
+        began, samples = self.epoch_began, self.epoch_samples
+        self.epoch_began, self.epoch_samples = None, 0
+        return None if began is None else (max(time.perf_counter() - began, 1e-9), samples)
 
     def add(self, part: str, seconds: float) -> None:
         """Count ``seconds`` of host time to ``part`` (while the clock is on)."""
