@@ -87,15 +87,18 @@ def test_nothing_recompiles_after_the_warm_up_across_updates_epoch_ends_evaluati
     assert state.epoch == 3 and "eval_loss" in state.history.names
 
 
-def test_a_resumed_compiled_run_ends_as_the_uninterrupted_one_bit_for_bit(tmp_path):
-    """Compiled loss and update: a run stopped mid-epoch, saved, and resumed by a new step (compiled anew) in a new state."""
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_resumed_compiled_run_ends_as_the_uninterrupted_one_bit_for_bit(tmp_path, sharded):
+    """Compiled loss and update: a run stopped mid-epoch, saved (whole, or sharded: DCP's flattened optimizer state,
+    where the learning rate, a tensor for the compiled update, is kept as a number too), and resumed by a new step
+    (compiled anew) in a new state; an eager run reads the checkpoint, its learning rate a float."""
     expected = _train(AOT, epochs=3)
     ctx, state, dl = _setup()
     step = make_step(ctx, helpers.ce_loss, compile=AOT)
     state = _epochs(ctx, step, dl, state, 1)
     state = run_epoch(ctx, max_steps(state.step + 2)(step), dl, state)
     assert (state.epoch, state.batch_in_epoch) == (1, 4)  # inside the second epoch
-    save_checkpoint(ctx, tmp_path, state)
+    save_checkpoint(ctx, tmp_path, state, sharded=sharded)
 
     ctx, state, dl = _setup(seed=7)  # other initial weights: everything comes from the checkpoint
     state = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
@@ -103,6 +106,8 @@ def test_a_resumed_compiled_run_ends_as_the_uninterrupted_one_bit_for_bit(tmp_pa
 
     testing.assert_params_equal(expected, resumed)
     assert expected.history == resumed.history
+    ctx, state, dl = _setup()
+    assert type(load_checkpoint(ctx, latest_checkpoint(tmp_path), state).optimizer.param_groups[0]["lr"]) is float
 
 
 def test_compiled_and_eager_runs_resume_from_each_other_s_checkpoints(tmp_path):

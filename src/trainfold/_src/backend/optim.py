@@ -116,14 +116,14 @@ def plain_lr(state_dict: dict[str, Any]) -> dict[str, Any]:
     checkpoint keeps the number, as an eager run's does, so the two read each other's.
     """
     if "param_groups" in state_dict:
-        groups = [{**g, "lr": _number(g["lr"])} if "lr" in g else g for g in state_dict["param_groups"]]
+        groups = [{**g, "lr": cpu_number(g["lr"])} if "lr" in g else g for g in state_dict["param_groups"]]
         return {**state_dict, "param_groups": groups}
     if "_last_lr" in state_dict:
-        return {**state_dict, "_last_lr": [_number(v) for v in state_dict["_last_lr"]]}
+        return {**state_dict, "_last_lr": [cpu_number(v) for v in state_dict["_last_lr"]]}
     return state_dict
 
 
-def _number(value: Any) -> Any:
+def cpu_number(value: Any) -> Any:
     """A 0-d CPU tensor's number (a compiled update's learning rate, read when a checkpoint or snapshot is taken)."""
     if isinstance(value, torch.Tensor) and value.ndim == 0 and value.device.type == "cpu":
         return value.item()  # sync: none: a CPU tensor

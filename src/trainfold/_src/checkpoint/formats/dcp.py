@@ -43,12 +43,15 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from trainfold._src.backend.engine import is_dtensor, local
+from trainfold._src.backend.optim import cpu_number
 from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold._src.checkpoint.formats.dcp_metadata import METADATA, check_piece, metadata_json
 from trainfold._src.checkpoint.storage.protocol import Staging
 from trainfold.errors import CheckpointError
 
 MODEL, OPTIM = "model.", "optim."
+#: the flattened optimizer state dict's keys of a parameter group's settings (``param_groups.<name>.lr``)
+GROUPS = "param_groups."
 
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -86,6 +89,8 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     tensors = {MODEL + name: value for name, value in _model_tensors(model).items()}
     rest: dict[str, Any] = {}
     for key, item in get_optimizer_state_dict(model, optimizer, options=_OPTIONS).items():
+        if key.startswith(GROUPS):
+            item = cpu_number(item)  # a compiled update's learning rate is a 0-d tensor; the checkpoint keeps the number
         if isinstance(item, torch.Tensor):
             tensors[OPTIM + key] = item
         else:
@@ -289,7 +294,7 @@ def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.op
     if extra:
         raise ValueError(f"is from another model: it has parameters this model lacks, first {extra[0]!r}.")
     names = _optimizer_names(model, optimizer)
-    saved_names = {_param_of(k[len("param_groups."):], live) for k in rest if k.startswith("param_groups.")}
+    saved_names = {_param_of(k[len(GROUPS):], live) for k in rest if k.startswith(GROUPS)}
     if saved_names != set(names.values()):
         only = sorted(map(str, saved_names ^ set(names.values())))
         raise ValueError(f"does not fit this optimizer: the checkpoint's optimizer is over other parameters (first differing: {only[0]!r}).")
