@@ -345,3 +345,34 @@ def test_a_compiled_step_under_ddp_on_two_processes_trains_as_the_eager_one():
     for eager, loss_only, whole in testing.run_distributed(_ddp_runs, nprocs=2, timeout=300):
         testing.assert_params_equal(eager, loss_only)
         testing.assert_params_equal(eager, whole, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp2_runs():
+    """Eager, compiled loss, compiled loss and update (an MLP), eager and regions (the Tower), each under FSDP2 on one
+    Accelerator; the parameters gathered whole."""
+    acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=2)
+    runs = []
+    for make, compile in ((helpers.mlp, False), (helpers.mlp, AOT_LOSS), (helpers.mlp, AOT), (Tower, False),
+                          (Tower, Compile(backend="aot_eager", regions=True, optimizer=False))):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=acc)
+        model = make()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        state = TrainState.create(ctx, model=model, optimizer=opt)
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True))
+        state = _epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, 2)
+        assert type(acc.unwrap_model(state.model)).__name__.startswith("FSDP")  # sharded by fully_shard
+        runs.append({n: p.full_tensor().detach().clone() for n, p in acc.unwrap_model(state.model).named_parameters()})
+    return runs
+
+
+@pytest.mark.multiprocess
+def test_a_compiled_step_under_fsdp2_on_two_processes_trains_as_the_eager_one():
+    """FSDP2's hooks stay outside what is compiled: the loss compiled with the sharded model inside, and each repeated
+    block compiled on its own (regions), train bit for bit as the eager FSDP2 step; the update compiled over the DTensor
+    shards too, within rounding."""
+    for eager, loss_only, whole, tower, regions in testing.run_distributed(_fsdp2_runs, nprocs=2, timeout=300):
+        testing.assert_params_equal(eager, loss_only)
+        testing.assert_params_equal(eager, whole, rtol=1e-5, atol=1e-6)
+        testing.assert_params_equal(tower, regions)
