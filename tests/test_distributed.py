@@ -418,6 +418,59 @@ def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(m
         assert got == [("set after the server started", False, threads)] * 2
 
 
+def _read_by_loader_workers():
+    import torch
+
+    data = torch.utils.data.TensorDataset(torch.arange(12.0))
+    return sorted(float(x) for (batch,) in torch.utils.data.DataLoader(data, batch_size=4, num_workers=2) for x in batch)
+
+
+def test_a_process_may_read_its_data_with_loader_workers():
+    """A DataLoader with num_workers > 0 starts processes of its own, which a daemonic process may not."""
+    assert [[float(i) for i in range(12)]] * 2 == testing.run_distributed(_read_by_loader_workers, nprocs=2)
+
+
+def _sleep_after_noting_the_pid(folder):
+    import os
+    import time
+
+    Path(folder, f"pid-{os.environ['RANK']}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_an_interrupted_call_leaves_no_process_behind(tmp_path):
+    """Ctrl-C in the caller while the ranks run: the call stops them and the caller exits (non-daemonic processes would
+    otherwise be waited for at exit)."""
+    import os
+    import signal
+    import time
+
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from trainfold import testing; import test_distributed as t\n"
+            "testing.run_distributed(t._sleep_after_noting_the_pid, sys.argv[1], nprocs=2, timeout=600)")
+    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + helpers.scaled(120)
+    while len(list(tmp_path.glob("pid-*"))) < 2 and caller.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+    caller.send_signal(signal.SIGINT)
+    try:
+        _, err = caller.communicate(timeout=helpers.scaled(60))
+    finally:  # a failure leaves nothing running
+        caller.kill()
+        caller.communicate()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    assert 2 == len(pids)
+    assert "KeyboardInterrupt" in err
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone (killed and reaped by the call)
+
+
 def _imported_at_start():
     import sys
 

@@ -18,13 +18,21 @@ from trainfold import latest_checkpoint, testing, verify_checkpoint
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import resumable_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run_to_end(root, out, *extra):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(out), *extra], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
-    assert 0 == result.returncode, result.stderr[-3000:]
+def _to_end(root, out, extra, processes, monkeypatch):
+    """resumable_run.py's run, to its end, on ``processes`` processes of ``testing.run_distributed`` (forked with torch
+    and Accelerate imported: seconds less than torchrun's new interpreters; the killed runs are real launches)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    testing.run_distributed(resumable_run.main, [str(root), str(out), *extra], nprocs=processes, timeout=600)
     return load_file(str(out))
+
+
+def _run_to_end(root, out, *extra, monkeypatch):
+    return _to_end(root, out, extra, 1, monkeypatch)
 
 
 def _run_and_kill(root, out, delay, *extra):
@@ -38,10 +46,10 @@ def _run_and_kill(root, out, delay, *extra):
 
 
 @pytest.mark.parametrize("extra", [(), ("--lora",)], ids=["full", "lora"])
-def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_path, extra):
+def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_path, extra, monkeypatch):
     """One process, a checkpoint after every update; with --lora a frozen base under LoRA adapters (adapter checkpoints:
     the base by fingerprint, checked at each resume), whose base must come out untouched."""
-    expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra)
+    expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra, monkeypatch=monkeypatch)
 
     rng = random.Random(1234)
     root = tmp_path / "killed"
@@ -49,7 +57,7 @@ def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_
     for _ in range(5):
         code = _run_and_kill(root, tmp_path / "killed.safetensors", rng.uniform(0.02, 0.4), *extra)
         kills += code == -signal.SIGKILL
-    resumed = _run_to_end(root, tmp_path / "killed.safetensors", *extra)
+    resumed = _run_to_end(root, tmp_path / "killed.safetensors", *extra, monkeypatch=monkeypatch)
 
     assert kills >= 3  # most runs really were killed mid-training
     testing.assert_params_equal(expected, resumed)
@@ -68,10 +76,10 @@ def _torchrun(root, out, *extra):
             str(SCRIPT), str(root), str(out), *engine, *[e for e in extra if e != "--ddp"]]
 
 
-def _fsdp2_to_end(root, out, *extra):
-    result = subprocess.run(_torchrun(root, out, *extra), capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
-    assert 0 == result.returncode, result.stderr[-3000:]
-    return load_file(str(out))
+def _fsdp2_to_end(root, out, *extra, monkeypatch):
+    """The 2-process job (FSDP2 unless ``extra`` says ``--ddp``), to its end."""
+    engine = () if "--ddp" in extra else ("--fsdp2",)
+    return _to_end(root, out, (*engine, *[e for e in extra if e != "--ddp"]), 2, monkeypatch)
 
 
 def _newest(root):
@@ -84,20 +92,20 @@ def _fsdp2_killed(root, out, delay, *extra):
 
 
 @pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora"), ("--ddp", "--lora")], ids=["async", "async-lora", "ddp-lora"])
-def test_a_two_process_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra):
+def test_a_two_process_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra, monkeypatch):
     """torchrun, 2 CPU processes under FSDP2, sharded checkpoints after every update, written in the background (the
     blocking path is the same write-and-commit, run inline; pass () here to run it too): killed (launcher and workers,
     SIGKILL) at random moments, restarted each time, it ends bit for bit as a clean run. The same with a LoRA model
     (adapter checkpoints: each process its pieces of the adapters, the base by fingerprint), and under DDP with
     blocking saves."""
-    expected = _fsdp2_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra)
+    expected = _fsdp2_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra, monkeypatch=monkeypatch)
 
     rng = random.Random(99)
     root = tmp_path / "killed"
     slow = (*extra, "--slow-saves")  # 50 ms a micro-batch: the job trains for about two seconds, and the kills land inside
     kills = sum(_fsdp2_killed(root, tmp_path / "killed.safetensors", rng.uniform(0.1, 0.8), *slow) == -signal.SIGKILL for _ in range(3))
     progress = verify_checkpoint(latest_checkpoint(root))["step"]  # the kills left the run part-way
-    resumed = _fsdp2_to_end(root, tmp_path / "killed.safetensors", *extra)
+    resumed = _fsdp2_to_end(root, tmp_path / "killed.safetensors", *extra, monkeypatch=monkeypatch)
 
     assert kills >= 2
     assert 0 < progress < verify_checkpoint(latest_checkpoint(root))["step"]

@@ -7,7 +7,6 @@ A dispatched stream resumes on another number of processes (2 -> 1 -> 3); the ot
 import os
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,8 @@ from trainfold import CheckpointError, latest_checkpoint, testing, verify_checkp
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stream_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import stream_run  # noqa: E402  (its train(argv), run by testing.run_distributed)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 SAMPLES = 384  # stream_run.py's
 
@@ -31,9 +32,17 @@ def _cmd(root, out, processes, extra):
             str(testing.free_port()), str(SCRIPT), str(root), str(out), *extra]
 
 
-def _to_end(root, out, processes, extra):
-    result = subprocess.run(_cmd(root, out, processes, extra), capture_output=True, text=True, timeout=helpers.scaled(300), env=ENV)
-    assert 0 == result.returncode, result.stderr[-3000:]
+def _run(root, out, processes, extra, monkeypatch):
+    """stream_run.py's run on ``processes`` processes of ``testing.run_distributed`` (forked with torch, Accelerate and
+    datasets imported: seconds less than torchrun's new interpreters); what the processes warned, in one text."""
+    for name in ("OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):
+        monkeypatch.setenv(name, ENV[name])
+    said = testing.run_distributed(stream_run.train, [str(root), str(out), *extra], nprocs=processes, timeout=300)
+    return "\n".join(message for messages in said for message in messages)
+
+
+def _to_end(root, out, processes, extra, monkeypatch):
+    _run(root, out, processes, extra, monkeypatch)
     return load_file(str(out / "params.safetensors"))
 
 
@@ -68,6 +77,7 @@ IDS = ["1-own", "1-datasets-workers", "2-shard-datasets", "2-shard", "2-split", 
 def uninterrupted(tmp_path_factory):
     """The uninterrupted run of each kind, run once: ``uninterrupted(processes, extra)`` -> (its out folder, its parameters)."""
     runs = {}
+    monkeypatch = pytest.MonkeyPatch()
 
     def run(processes, extra):
         source = extra[1]
@@ -76,23 +86,25 @@ def uninterrupted(tmp_path_factory):
             folder = tmp_path_factory.mktemp("uninterrupted")
             # two processes: dealt as shards (the other ways deal the same samples); "plain" is "stateful" without a state
             args = extra if processes == 1 else ("--source", key[1], "--deal", "shard")
-            runs[key] = folder / "out", _to_end(folder / "root", folder / "out", processes, args)
+            runs[key] = folder / "out", _to_end(folder / "root", folder / "out", processes, args, monkeypatch)
         return runs[key]
 
-    return run
+    yield run
+    monkeypatch.undo()
 
 
-def test_the_ways_accelerate_deals_a_stream_to_two_processes_train_each_on_the_same_samples(uninterrupted, tmp_path):
+def test_the_ways_accelerate_deals_a_stream_to_two_processes_train_each_on_the_same_samples(uninterrupted, tmp_path, monkeypatch):
     """What lets the kill tests share one uninterrupted run: shards, one split batch, and dispatching from process 0."""
     shard_out, shard = uninterrupted(2, ("--source", "stateful", "--deal", "shard"))
     for deal in ("split", "dispatch"):
-        params = _to_end(tmp_path / deal, tmp_path / f"{deal}-out", 2, ("--source", "stateful", "--deal", deal))
+        params = _to_end(tmp_path / deal, tmp_path / f"{deal}-out", 2, ("--source", "stateful", "--deal", deal), monkeypatch)
         testing.assert_params_equal(shard, params)
         assert [_trained(shard_out, r) for r in (0, 1)] == [_trained(tmp_path / f"{deal}-out", r) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("processes, extra, kills", CASES, ids=IDS)
-def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_to_the_same_parameters(processes, extra, kills, uninterrupted, tmp_path):
+def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_to_the_same_parameters(processes, extra, kills, uninterrupted, tmp_path,
+                                                                                                    monkeypatch):
     clean, expected = uninterrupted(processes, extra)
 
     rng = random.Random(7)
@@ -101,7 +113,7 @@ def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_
     killed = sum(helpers.kill_after_a_new_checkpoint(_cmd(root, out, processes, (*extra, "--slow")), ENV, newest, rng.uniform(0.05, 0.3),
                                                      processes=processes) == -signal.SIGKILL for _ in range(kills))
     progress = verify_checkpoint(latest_checkpoint(root))["step"]
-    resumed = _to_end(root, out, processes, extra)
+    resumed = _to_end(root, out, processes, extra, monkeypatch)  # the last resume: in processes of run_distributed
 
     assert killed >= 1 and 0 < progress < 48  # killed part-way (48 updates in all)
     testing.assert_params_equal(expected, resumed)
@@ -125,7 +137,7 @@ def _ids(out):
     ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
     ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
 ], ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"])
-def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, deal, stops, counts, tmp_path):
+def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, deal, stops, counts, tmp_path, monkeypatch):
     """Saved by 2 processes inside epoch 1 (update 5: 160 samples of 384), continued on 1 process and saved again, then
     on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
 
@@ -142,10 +154,7 @@ def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_o
     said = {}
     for processes, stop, out in ((2, stops[0], "two"), (1, stops[1], "one"), (3, None, "three")):
         extra = ("--source", source, "--deal", first if out == "two" else then or first)
-        cmd = _cmd(root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())))
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(300), env=ENV)
-        assert 0 == result.returncode, result.stderr[-3000:]
-        said[out] = result.stderr
+        said[out] = _run(root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())), monkeypatch)
         if stop:
             assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
     assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said

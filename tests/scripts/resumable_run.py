@@ -3,7 +3,7 @@
     python resumable_run.py ROOT OUT [--slow-saves] [--async-saves] [--lora]
     torchrun --nproc_per_node 2 resumable_run.py ROOT OUT --fsdp2 [--async-saves] [--lora]
 
-Prints "ready" once set up, saves a checkpoint after every update, and writes
+``main(argv)`` runs it in a process of ``testing.run_distributed``. Prints "ready" once set up, saves a checkpoint after every update, and writes
 its final parameters to OUT (safetensors) when it finishes. With --fsdp2 the
 model is sharded by Accelerate's FSDP2 path on CPU processes (as the tests set it up).
 With --lora the model is a frozen base with LoRA adapters (helpers.lora_mlp): its
@@ -39,18 +39,21 @@ def loss_fn(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def main():
-    root, out = sys.argv[1], sys.argv[2]
+def main(argv=None):
+    """The run, with ``argv`` as the command line's arguments (``sys.argv[1:]`` where None): ``testing.run_distributed``
+    calls it so in a test."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    root, out = argv[0], argv[1]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import helpers
 
     torch.manual_seed(0)
-    if "--fsdp2" in sys.argv:
+    if "--fsdp2" in argv:
         accelerator = helpers.fsdp2_accelerator(gradient_accumulation_steps=2)
     else:
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     ctx = Context(accelerator=accelerator)
-    if "--lora" in sys.argv:
+    if "--lora" in argv:
         model = helpers.lora_mlp(width=64)
     else:
         model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
@@ -59,9 +62,9 @@ def main():
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     if latest_checkpoint(root) is not None:
         state = load_checkpoint(ctx, root, state)
-    saving = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in sys.argv)
+    saving = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in argv)
     step = saving(make_step(ctx, loss_fn, clip_grad_norm=1.0))
-    if "--slow-saves" in sys.argv:  # widen the window in which a kill lands during a save
+    if "--slow-saves" in argv:  # widen the window in which a kill lands during a save
         inner, pause = step, 0.05 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.01
 
         def step(s, b):
@@ -79,4 +82,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import resumable_run  # the module, not __main__: the classes a run pickles have one name however it started
+
+    resumable_run.main()

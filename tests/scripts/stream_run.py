@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 stream_run.py ROOT OUT --source datasets-plain --deal shard|split|dispatch
     torchrun --nproc_per_node 3 stream_run.py ROOT OUT --deal dispatch --stop-after 22   (stops at update 22, saved)
 
-Prints "ready <pid>" once set up, saves a checkpoint every 3 updates, and appends every batch it trains to
-OUT/trained-<rank>.txt ("<update> <id> <id> ..."; every run first writes "resumed <update it starts from>"), and its final
+``train(argv)`` runs it in a process of ``testing.run_distributed`` and returns its warnings. Prints "ready <pid>" once
+set up, saves a checkpoint every 3 updates, and appends every batch it trains to OUT/trained-<rank>.txt ("<update> <id> <id> ..."; every run first writes "resumed <update it starts from>"), and its final
 parameters to OUT/params.safetensors when it finishes. ``--deal`` is how Accelerate hands the stream to several
 processes: each process reads it and keeps its share (shard: IterableDatasetShard), the same with one global batch
 split (split), or process 0 reads and sends each its part (dispatch, Accelerate's default for iterable datasets).
@@ -71,7 +71,23 @@ def stream(source: str):
     return ds.with_format("torch")
 
 
+def train(argv: list[str]) -> list[str]:
+    """The run, with ``argv`` as the command line's arguments; returns what it warned (the messages), which ``main``
+    also prints. Called by ``testing.run_distributed`` in a test, where a process's own stderr is not read."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("default")
+        _train(argv)
+    return [str(w.message) for w in said]
+
+
 def main():
+    import sys
+
+    for message in train(sys.argv[1:]):
+        print(message, file=sys.stderr, flush=True)
+
+
+def _train(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("out")
@@ -81,7 +97,7 @@ def main():
     parser.add_argument("--deal", default="shard", choices=["shard", "split", "dispatch"])
     parser.add_argument("--slow", action="store_true")
     parser.add_argument("--stop-after", type=int, default=None, help="stop (and save) at this update")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -127,4 +143,6 @@ def main():
 
 if __name__ == "__main__":
     multiprocessing.set_start_method("fork", force=True)
-    main()
+    import stream_run  # the module, not __main__: a checkpoint names its stream's class, the same however the run started
+
+    stream_run.main()

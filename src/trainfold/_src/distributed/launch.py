@@ -143,7 +143,9 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
     ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` on a free local port), so
     ``Accelerator(cpu=True)`` inside ``fn`` joins a gloo group. ``fn`` must be
     importable (a module-level function) and return picklable values. The
-    process group is destroyed when ``fn`` returns.
+    process group is destroyed when ``fn`` returns. A process may start processes of
+    its own (a ``DataLoader``'s workers): they are not daemons, and every one is
+    stopped before the call returns, an interrupted call's too.
 
     Returns:
         Each rank's return value, in rank order.
@@ -174,30 +176,17 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
     port = free_port()
     environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="trainfold-dist-") as out:
-        procs = [context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs, environ), daemon=True) for r in range(nprocs)]
-        for p in procs:
-            p.start()
-        begun = time.monotonic()
-        started_at: float | None = None
-        failed_at: float | None = None
-        stretch, measured_at = load_factor(), begun
-        while any(p.is_alive() for p in procs):
-            now = time.monotonic()
-            if now - measured_at > 1.0:  # the most loaded the machine has been since the start stretches the limits
-                stretch, measured_at = max(stretch, load_factor()), now
-            if started_at is None and all(Path(out, f"ready-{r}").exists() for r in range(nprocs)):
-                started_at = now  # the time asked for counts from here
-            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                failed_at = now  # give the others a moment, then stop them rather than wait on a hang
-            late = now - begun > STARTUP_S * stretch if started_at is None else now - started_at > timeout * stretch
-            if late or (failed_at is not None and now - failed_at > 5.0 * stretch):
-                break
-            time.sleep(0.05)
-        started = started_at is not None
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        procs = [context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs, environ), daemon=False) for r in range(nprocs)]
+        try:
+            for p in procs:
+                p.start()
+            started, stretch = _wait(procs, out, timeout)
+        finally:  # an interrupted caller (Ctrl-C) too: no process is left behind, nor waited for at exit
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                if p.pid is not None:
+                    p.join()
         results = [_read(out, r) for r in range(nprocs)]
     errors = [r for r in results if r is not None and "error" in r]
     if errors:
@@ -207,6 +196,29 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         raise TimeoutError(f"ranks {missing} did not finish within {timeout * stretch:.0f}s of starting (killed)" if started else
                            f"ranks {missing} did not start within {STARTUP_S * stretch:.0f}s (killed)")
     return [r["ok"] for r in results]  # type: ignore[index]
+
+
+def _wait(procs: list[Any], out: str, timeout: float) -> tuple[bool, float]:
+    """Wait until every process has ended, one failed (and the others had a moment), or a limit passed; whether every
+    process started, and the stretch the limits had."""
+    nprocs = len(procs)
+    begun = time.monotonic()
+    started_at: float | None = None
+    failed_at: float | None = None
+    stretch, measured_at = load_factor(), begun
+    while any(p.is_alive() for p in procs):
+        now = time.monotonic()
+        if now - measured_at > 1.0:  # the most loaded the machine has been since the start stretches the limits
+            stretch, measured_at = max(stretch, load_factor()), now
+        if started_at is None and all(Path(out, f"ready-{r}").exists() for r in range(nprocs)):
+            started_at = now  # the time asked for counts from here
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now  # give the others a moment, then stop them rather than wait on a hang
+        late = now - begun > STARTUP_S * stretch if started_at is None else now - started_at > timeout * stretch
+        if late or (failed_at is not None and now - failed_at > 5.0 * stretch):
+            break
+        time.sleep(0.05)
+    return started_at is not None, stretch
 
 
 def _read(out: str, rank: int) -> dict[str, Any] | None:
