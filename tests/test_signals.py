@@ -45,6 +45,8 @@ from trainfold._src.distributed.launch import free_port
 
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import signal_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -600,12 +602,19 @@ def _torchrun(root, out, *extra):
             str(SCRIPT), str(root), str(out), *extra]
 
 
+def _to_end(root, out, *extra):
+    """The job to its end on 2 processes of ``testing.run_distributed`` (forked with torch and Accelerate imported: the
+    signalled jobs are real torchrun launches, the runs that only train to the end need not be)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        testing.run_distributed(signal_run.main, [str(root), str(out), *extra], nprocs=2, timeout=600)
+    return out
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
-    done = subprocess.run(_torchrun(tmp / "ckpt", tmp / "clean.st", "--step-s", "0"), capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
-    assert 0 == done.returncode, done.stderr[-3000:]
-    return tmp / "clean.st"
+    return _to_end(tmp / "ckpt", tmp / "clean.st", "--step-s", "0")
 
 
 def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_check_s=1.0):
@@ -652,9 +661,8 @@ def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_
     assert "stopped" in output and "signal SIGTERM" in output, output[-3000:]
     assert [f"ckpt-{int(output.split('stopped', 1)[1].split()[0]):010d}"] == [p.name for p in list_checkpoints(root)], output[-3000:]
 
-    resumed = subprocess.run(_torchrun(root, tmp_path / "resumed.st"), capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
-    assert 0 == resumed.returncode, resumed.stderr[-3000:]
-    testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(tmp_path / "resumed.st")))
+    resumed = _to_end(root, tmp_path / "resumed.st")
+    testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(resumed)))
 
 
 @pytest.mark.multiprocess

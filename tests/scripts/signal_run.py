@@ -28,14 +28,16 @@ def say(line):
     sys.stdout.flush()
 
 
-def main():
+def main(argv=None):
+    """The job, with ``argv`` as the command line's arguments (``sys.argv[1:]`` where None): ``testing.run_distributed``
+    runs it so in a test."""
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("out")
     parser.add_argument("--step-s", type=float, default=0.05)
     parser.add_argument("--stop-check-s", type=float, default=1.0)
     parser.add_argument("--uneven", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     loaders = DataLoaderConfiguration(even_batches=not args.uneven)
 
     torch.manual_seed(0)
