@@ -23,14 +23,17 @@ from trainfold import list_checkpoints, testing, verify_checkpoint
 pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import signal_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _one_node(nproc, root, out, *extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(testing.free_port()),
-           str(SCRIPT), str(root), str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
-    assert 0 == done.returncode, done.stderr[-3000:]
+    """The job on one node's ``nproc`` processes, in processes of ``testing.run_distributed`` (the reference needs no
+    launcher of its own; the two nodes' jobs are real torchrun launches)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        testing.run_distributed(signal_run.main, [str(root), str(out), *extra], nprocs=nproc, timeout=600)
     return load_file(str(out))
 
 
