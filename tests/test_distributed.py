@@ -400,22 +400,27 @@ def test_a_loader_that_shards_itself_is_taken_on_two_processes(kind):
 def _environment_and_threads():
     import os
 
-    return os.environ.get("TRAINFOLD_PROBE"), "TRAINFOLD_GONE" in os.environ, torch.get_num_threads()
+    import fsspec.config
+
+    return (os.environ.get("TRAINFOLD_PROBE"), "TRAINFOLD_GONE" in os.environ, torch.get_num_threads(),
+            fsspec.config.conf.get("s3", {}).get("endpoint_url"))
 
 
 def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(monkeypatch):
     """The processes come from a server started at the first call; what the caller's environment says at a later call
-    (a variable set, one removed, the thread count) is what each process has, as a spawned interpreter would."""
+    (a variable set, one removed, the thread count, an fsspec setting, which fsspec reads when it is imported: the
+    server imported it, under datasets) is what each process has, as a spawned interpreter would."""
     monkeypatch.setenv("TRAINFOLD_GONE", "1")
     testing.run_distributed(_environment_and_threads, nprocs=2)  # the server has started, with TRAINFOLD_GONE set
     monkeypatch.setenv("TRAINFOLD_PROBE", "set after the server started")
+    monkeypatch.setenv("FSSPEC_S3_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.delenv("TRAINFOLD_GONE")
     for threads in (1, 2):
         monkeypatch.setenv("OMP_NUM_THREADS", str(threads))
 
         got = testing.run_distributed(_environment_and_threads, nprocs=2)
 
-        assert got == [("set after the server started", False, threads)] * 2
+        assert got == [("set after the server started", False, threads, "http://127.0.0.1:9")] * 2
 
 
 def _read_by_loader_workers():

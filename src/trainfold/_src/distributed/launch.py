@@ -85,7 +85,9 @@ def _take_environment(environ: dict[str, str]) -> None:
 
     The forkserver's processes inherit the environment the server started with.
     torch's OpenMP read ``OMP_NUM_THREADS`` when the server imported it, so a value
-    set since (Accelerate sets 1 on a CPU) is applied to torch here too.
+    set since (Accelerate sets 1 on a CPU) is applied to torch here too; and fsspec
+    (which ``datasets`` imports) read its ``FSSPEC_*`` settings (an S3 endpoint), read
+    again here.
     """
     if environ == os.environ:
         return
@@ -96,6 +98,11 @@ def _take_environment(environ: dict[str, str]) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
+    fsspec_config = sys.modules.get("fsspec.config")
+    if fsspec_config is not None:  # fsspec read its FSSPEC_* settings when the server imported it (under datasets): again
+        fsspec_config.conf.clear()
+        fsspec_config.set_conf_files(environ.get("FSSPEC_CONFIG_DIR", fsspec_config.default_conf_dir), fsspec_config.conf)
+        fsspec_config.set_conf_env(fsspec_config.conf)
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple[Any, ...], kwargs: dict[str, Any],
