@@ -450,9 +450,14 @@ def test_an_interrupted_call_leaves_no_process_behind(tmp_path):
     import signal
     import time
 
-    code = ("import sys; sys.path.insert(0, sys.argv[2]); from trainfold import testing; import test_distributed as t\n"
+    # Ctrl-C reaches the caller whatever this process inherited (a background job starts with SIGINT ignored); the caller
+    # leads a process group of its own, with the forkserver and the ranks in it, so that a failure kills them all
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+            "sys.path.insert(0, sys.argv[2]); from trainfold import testing; import test_distributed as t\n"
             "testing.run_distributed(t._sleep_after_noting_the_pid, sys.argv[1], nprocs=2, timeout=600)")
-    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)], stderr=subprocess.PIPE, text=True)
+    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)], stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
     deadline = time.monotonic() + helpers.scaled(120)
     while len(list(tmp_path.glob("pid-*"))) < 2 and caller.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -460,14 +465,12 @@ def test_an_interrupted_call_leaves_no_process_behind(tmp_path):
     caller.send_signal(signal.SIGINT)
     try:
         _, err = caller.communicate(timeout=helpers.scaled(60))
-    finally:  # a failure leaves nothing running
-        caller.kill()
-        caller.communicate()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    finally:  # a failure leaves nothing running: the caller's group (the forkserver, the ranks) killed
+        try:
+            os.killpg(caller.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        caller.communicate(timeout=helpers.scaled(60))
 
     assert 2 == len(pids)
     assert "KeyboardInterrupt" in err
