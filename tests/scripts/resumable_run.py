@@ -3,8 +3,8 @@
     python resumable_run.py ROOT OUT [--slow-saves] [--async-saves] [--lora]
     torchrun --nproc_per_node 2 resumable_run.py ROOT OUT --fsdp2 [--async-saves] [--lora]
 
-``main(argv)`` runs it in a process of ``testing.run_distributed``. Prints "ready" once set up, saves a checkpoint after every update, and writes
-its final parameters to OUT (safetensors) when it finishes. With --fsdp2 the
+``main(argv)`` runs it in a process of ``testing.run_distributed``. Prints "ready" once set up, saves a checkpoint
+after every update, and writes its final parameters to OUT (safetensors) when it finishes. With --fsdp2 the
 model is sharded by Accelerate's FSDP2 path on CPU processes (as the tests set it up).
 With --lora the model is a frozen base with LoRA adapters (helpers.lora_mlp): its
 checkpoints are adapter checkpoints, the base recorded by fingerprint.

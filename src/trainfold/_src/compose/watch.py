@@ -238,7 +238,7 @@ def _copies(accelerator: Any) -> int:
 
 def epoch_totals(samples: int) -> dict[str, float]:
     """This process's count for an epoch's record, to ride in the epoch's one all-reduce (:func:`epoch_figures`)."""
-    return {"watch:samples": float(samples)}
+    return {"watch:samples": float(samples)}  # sync: none: a host int
 
 
 def epoch_figures(ctx: Context, seconds: float, totals: Mapping[str, float]) -> dict[str, float]:
