@@ -365,3 +365,25 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     series = {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key)) for key in ("train/loss", "train/loss_epoch")}
     assert [(u, float(u)) for u in range(1, 7)] + [(7, 7.5), (8, 8.5)] == series["train/loss"]
     assert [(6, 16.0)] == series["train/loss_epoch"]
+
+
+def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_one(tmp_path, monkeypatch):
+    """A resumed state whose run id no MLflow run carries (another tracking store, say): a warning names the experiment
+    and the tag, and the run logs into a new MLflow run, tagged with its id, holding nothing back."""
+    import attrs
+
+    from trainfold import init_trackers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    testing.reset_accelerate_state()
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="mlflow"))
+    state = attrs.evolve(state, step=3)
+
+    with pytest.warns(UserWarning, match=rf"MLflow holds no run of experiment 'proj' tagged trainfold.run_id={state.run_id}"):
+        init_trackers(ctx, "proj", state)
+
+    run = ctx.accelerator.trackers[0].active_run
+    assert state.run_id == run.data.tags["trainfold.run_id"] and not ctx.runtime.tracker_holds
+    ctx.accelerator.end_training()
+    ctx.close()

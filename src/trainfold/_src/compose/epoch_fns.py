@@ -323,7 +323,7 @@ def reduce_lr_on_plateau(
     if tracker.bad_epochs < patience:
         return state.with_extra(key, tracker)
     for group in inner_optimizer(state.optimizer).param_groups:
-        set_lr(group, max(float(group["lr"]) * factor, min_lr))
+        set_lr(group, max(float(group["lr"]) * factor, min_lr))  # sync: once per epoch; a compiled update's lr is a CPU tensor
     return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor)
 
 
