@@ -166,6 +166,8 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
         finally:
             if live is not None:
                 live.runtime.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
+            settle_collectives()  # gloo's worker threads let go of finished collectives before any group is freed
+            if live is not None:
                 live.runtime.saver.forget()  # its group is destroyed next
                 live.runtime.control.forget()
             end_training()

@@ -20,7 +20,8 @@ def settle_collectives() -> None:
     reducer keeps the group, is freed after the run closed. A short 2-process job
     through :func:`~trainfold.testing.run_distributed` hung about once in five calls.
     Sleeping lets go of the GIL, so the worker threads finish first; called before the
-    group is destroyed (:meth:`~trainfold.Context.close`), and only where there is one.
+    group is destroyed (:meth:`~trainfold.Context.close`, and the Context's wrapper of
+    ``accelerator.end_training``), and only where there is one.
 
     Examples:
         >>> from trainfold._src.distributed.teardown import settle_collectives
