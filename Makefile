@@ -44,12 +44,15 @@ $(STAMP): pyproject.toml
 # process that unwraps a model. It ships as source that imports torch to build: built against .venv's torch,
 # its ops compiled on first use (its tests run on CPU). transformers: Accelerate's DeepSpeed path imports it; the
 # transformers export tests and the peft tests (adapters) run here too. peft without its dependencies: they are
-# .venv's and this folder's (its torch requirement would fetch another torch).
+# .venv's and this folder's (its torch requirement would fetch another torch). DeepSpeed's CPU backend compiles its
+# shared-memory op (C++, ~35 s, into ~/.cache/torch_extensions) when a process first starts its group: compiled here,
+# with the rest of the set-up, rather than inside the first test.
 $(DS_STAMP): $(STAMP)
 	rm -rf $(DS_SITE)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation --no-deps --target $(DS_SITE) "deepspeed>=0.16"
 	$(PY) -m pip install --quiet --target $(DS_SITE) hjson "pydantic>=2" msgpack ninja py-cpuinfo einops "transformers>=4.46"
 	$(PY) -m pip install --quiet --no-deps --target $(DS_SITE) "peft>=0.17"
+	PYTHONPATH=$(DS_SITE) $(PY) -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(DS_STAMP)
 
 # datasets too: Accelerate's loader imports it wherever it is installed (.venv has it for the streamed-data tests), and

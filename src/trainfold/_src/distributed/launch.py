@@ -53,9 +53,11 @@ def load_factor() -> float:
 #: what the processes' server imports once, so that each process starts with them imported (see :func:`_context`):
 #: trainfold and what a process of it imports on first use, ~4 s of a fresh process's CPU in all: FSDP2 and DTensor
 #: (Accelerate's FSDP plugin imports them when it is built), distributed checkpointing, dynamo (an optimizer's
-#: constructor imports it), and ``datasets`` where it is installed (Accelerate's ``prepare_data_loader`` imports it then).
+#: constructor imports it), and ``datasets`` where it is installed (Accelerate's ``prepare_data_loader`` imports it then);
+#: DeepSpeed, transformers (Accelerate's DeepSpeed path imports it) and peft where they are installed, ~3 s more a process.
 #: A module that is not installed is passed over.
-PRELOAD = ("torch", "accelerate", "trainfold", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets")
+PRELOAD = ("torch", "accelerate", "trainfold", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets",
+           "deepspeed", "transformers", "peft")
 
 
 def _context() -> Any:
