@@ -88,8 +88,11 @@ docs: $(STAMP)
 test-docs: docs
 
 # The suite in two parts: the tests that run in this process, spread over the cores by pytest-xdist, then the ones
-# marked multiprocess (they spawn torchrun jobs and gloo process groups, or time a stop), one at a time.
+# marked multiprocess (they spawn torchrun jobs and gloo process groups, or time a stop), two at a time: much of their
+# time is spent waiting (for a checkpoint to kill after, a lease to lapse, a signal's stop), so two keep 2 cores busy
+# (one at a time: ~60% busy, 15 min; two: ~95%, 10 min). Their limits stretch with the machine's load.
 XDIST ?= -n auto --maxprocesses 4
+XDIST_MP ?= -n 2
 
 # Every part runs even when one before it failed; the end says which ran and passed (tests/suite.sh).
 test: $(STAMP)
@@ -105,15 +108,15 @@ test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
 test-multiprocess: $(STAMP) $(TP_STAMP)
-	$(PY) -m pytest -m multiprocess --durations=15
+	$(PY) -m pytest $(XDIST_MP) -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)
-	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py tests/test_peft.py tests/test_flops.py
+	PYTHONPATH=$(DS_SITE) $(PY) -m pytest -o addopts="-p no:cacheprovider" $(XDIST_MP) --durations=10 tests/test_deepspeed.py tests/test_export_transformers.py tests/test_peft.py tests/test_flops.py
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -c "import accelerate, torch; print('floor: accelerate', accelerate.__version__, 'torch', torch.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(XDIST) -m "not multiprocess" $(FLOOR_TESTS)
-	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" -m multiprocess tests/test_distributed.py -k "not digits_example"
+	$(FLOOR_VENV)/bin/python -m pytest -o addopts="-p no:cacheprovider" $(XDIST_MP) -m multiprocess tests/test_distributed.py -k "not digits_example"
 
 # The wheel a user installs, not the editable tree: built (sdist and wheel, into dist/), installed into a fresh
 # .venv-wheel, and used from outside the source tree: the digits example, the pytest plugin, the version it reports.

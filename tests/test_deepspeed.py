@@ -33,7 +33,7 @@ from trainfold import (
 
 import helpers
 
-pytestmark = [helpers.needs_deepspeed, pytest.mark.multiprocess]  # spawns processes: run serially, not under pytest-xdist
+pytestmark = [helpers.needs_deepspeed, pytest.mark.multiprocess]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 
 def _objects(seed=0, mixed_precision="no"):

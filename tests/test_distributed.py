@@ -13,7 +13,7 @@ from trainfold import Context, TrainState, evaluate, loop, make_step, predict, r
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ import helpers
 
 from trainfold.testing import free_port
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "exit_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -22,7 +22,7 @@ from trainfold import (
 
 import helpers
 
-pytestmark = [helpers.needs_cuda, pytest.mark.multiprocess]  # spawns processes: run serially, not under pytest-xdist
+pytestmark = [helpers.needs_cuda, pytest.mark.multiprocess]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 
 def _accelerator(ga: int) -> Accelerator:

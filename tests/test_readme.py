@@ -15,7 +15,7 @@ import pytest
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from trainfold import CheckpointError, latest_checkpoint, testing, verify_checkpoint
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stream_run.py"
 sys.path.insert(0, str(SCRIPT.parent))

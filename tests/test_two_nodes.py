@@ -20,7 +20,7 @@ import helpers
 
 from trainfold import list_checkpoints, testing, verify_checkpoint
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: run serially, not under pytest-xdist
+pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
