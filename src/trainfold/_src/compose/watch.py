@@ -131,39 +131,35 @@ class Meter:
     """One watched step's host counters between reports: samples, FLOPs, and when the interval began.
 
     Not run state (a resumed run's first interval starts at its first step): a display's
-    bookkeeping, like a progress bar's, kept in the step that ``log_every`` returns.
+    bookkeeping, like a progress bar's, kept in the step that ``log_every`` returns. A step
+    adds its batch's samples to the clock's count (one integer addition); the interval's
+    samples and FLOPs are read from it at the report.
     """
 
     def __init__(self, ctx: Context, watch: Watch) -> None:
         self.ctx, self.watch = ctx, watch
-        self.samples = 0
-        self.flops = 0.0
+        self.clock = ctx.runtime.clock
         self.flops_per_sample: float | None = watch.flops_per_sample
         self.measuring = watch.measure_flops and watch.flops_per_sample is None and watch.flops_per_token is None
         self.started: float | None = None
         self.from_update = 0  # the update the interval began after
-        self.seen: Any = None  # the running sums the last step returned (a value: nothing is copied) and their epoch
-        self.seen_epoch = -1
+        self.from_samples = 0  # the clock's sample count then
+        self.last: TrainState | None = None  # the state the last step returned (a value: nothing is copied)
         self.carried: torch.Tensor | float = 0.0  # tokens of epochs that ended since the last report, after it
-        ctx.runtime.clock.on = True
+        self.clock.on = True
 
     def step(self, step: Step, state: TrainState, batch: Batch) -> TrainState:
         """Run ``step``, counting its batch's samples (and, the first time, its FLOPs)."""
-        if self.started is None:
-            self.started, self.from_update = time.perf_counter(), state.step
-            self.ctx.runtime.clock.take()  # the interval begins here
-        if self.seen is not None and state.epoch != self.seen_epoch:
-            self._carry(state)
+        last = self.last
+        if last is None:
+            self.started, self.from_update, self.from_samples = time.perf_counter(), state.step, self.clock.samples
+            self.clock.take()  # the interval begins here
+        elif state.epoch != last.epoch:
+            self._carry(state, last)
         samples = samples_in(batch)
-        if self.measuring:
-            new = self._measured(step, state, batch, samples)
-        else:
-            new = step(state, batch)
-        self.seen, self.seen_epoch = new.sums, new.epoch
-        self.samples += samples
-        self.ctx.runtime.clock.count_samples(samples)
-        if self.flops_per_sample is not None:
-            self.flops += self.flops_per_sample * samples
+        new = self._measured(step, state, batch, samples) if self.measuring else step(state, batch)
+        self.last = new
+        self.clock.samples += samples
         return new
 
     def _measured(self, step: Step, state: TrainState, batch: Batch, samples: int) -> TrainState:
@@ -177,12 +173,12 @@ class Meter:
             self.flops_per_sample = counter.get_total_flops() / samples
         return new
 
-    def _carry(self, state: TrainState) -> None:
+    def _carry(self, state: TrainState, last: TrainState) -> None:
         """An epoch ended since the last step: the tokens its running sums gathered after the last report (which the
         next epoch's sums no longer hold) are carried into this interval, on the device."""
-        final = self.seen.as_dict()
-        last = state.extras.get("log_every")
-        since = last.sums if last is not None and last.epoch == self.seen_epoch else {}
+        final = last.sums.as_dict()
+        report = state.extras.get("log_every")
+        since = report.sums if report is not None and report.epoch == last.epoch else {}
         for name in TOKEN_SUMS:
             if name in final:
                 self.carried = self.carried + (final[name] - since[name] if name in since else final[name])
@@ -190,8 +186,10 @@ class Meter:
 
     def totals(self) -> dict[str, torch.Tensor | float]:
         """This process's counts since the last report, for the report's one all-reduce."""
-        # sync: none here; host numbers, and the carried tokens a device tensor the report's one all-reduce reads
-        return {"watch:samples": float(self.samples), "watch:flops": self.flops, "watch:tokens": self.carried}  # sync: none
+        samples = float(self.clock.samples - self.from_samples)  # sync: none: host ints
+        flops = self.flops_per_sample * samples if self.flops_per_sample is not None else 0.0  # sync: none: host numbers
+        # sync: none here; the carried tokens a device tensor the report's one all-reduce reads
+        return {"watch:samples": samples, "watch:flops": flops, "watch:tokens": self.carried}  # sync: none
 
     def report(self, state: TrainState, totals: Mapping[str, float]) -> dict[str, float]:
         """The interval's figures (at a report, after its all-reduce), and a new interval."""
@@ -217,7 +215,7 @@ class Meter:
         out.update(shares)
         if self.watch.memory:
             out.update(_memory(acc.device))
-        self.samples, self.flops, self.carried, self.started, self.from_update = 0, 0.0, 0.0, time.perf_counter(), state.step
+        self.carried, self.started, self.from_update, self.from_samples = 0.0, time.perf_counter(), state.step, self.clock.samples
         return out
 
     def _flops(self, totals: Mapping[str, float], tokens: float | None, copies: int) -> float | None:

@@ -32,24 +32,20 @@ class Clock:
 
     def __init__(self) -> None:
         self.on = False
-        self._spent = dict.fromkeys(PARTS, 0.0)
+        self._spent = dict.fromkeys(PARTS, 0.0)  # (one dict for the run: the loader's timing holds it)
+        self.samples = 0  # the samples this process's watched steps took, in all (a watched step adds its batch's)
         self.epoch_began: float | None = None  # when this process began the open epoch's first batch (while on)
-        self.epoch_samples = 0  # the samples this process's watched steps took since
+        self._epoch_from = 0  # ``samples`` then
 
     def begin_epoch(self) -> None:
         """Note the open epoch's start, if not noted yet (``run_epoch``, before its first batch; while on)."""
         if self.on and self.epoch_began is None:
-            self.epoch_began = time.perf_counter()
-
-    def count_samples(self, samples: int) -> None:
-        """Count a batch's ``samples`` to the open epoch (a watched step)."""
-        self.epoch_samples += samples
+            self.epoch_began, self._epoch_from = time.perf_counter(), self.samples
 
     def end_epoch(self) -> tuple[float, int] | None:
         """The open epoch's seconds since :meth:`begin_epoch` and its samples, and forget them; None where not noted."""
-        began, samples = self.epoch_began, self.epoch_samples
-        self.epoch_began, self.epoch_samples = None, 0
-        return None if began is None else (max(time.perf_counter() - began, 1e-9), samples)
+        began, self.epoch_began = self.epoch_began, None
+        return None if began is None else (max(time.perf_counter() - began, 1e-9), self.samples - self._epoch_from)
 
     def add(self, part: str, seconds: float) -> None:
         """Count ``seconds`` of host time to ``part`` (while the clock is on)."""
@@ -58,18 +54,20 @@ class Clock:
 
     def take(self) -> dict[str, float]:
         """The seconds per part since the last call, and start again from zero."""
-        spent, self._spent = self._spent, dict.fromkeys(PARTS, 0.0)
+        spent = dict(self._spent)
+        for part in PARTS:
+            self._spent[part] = 0.0
         return spent
 
     def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches``, each wait for the next counted to ``data``."""
-        now = time.perf_counter
+        """``batches``, each wait for the next counted to ``data`` (used while on: nothing checked per batch)."""
+        now, spent = time.perf_counter, self._spent
         while True:
             start = now()
             try:
                 batch = next(batches)
             except StopIteration:
-                self.add("data", now() - start)
+                spent["data"] += now() - start
                 return
-            self.add("data", now() - start)
+            spent["data"] += now() - start
             yield batch
