@@ -367,6 +367,51 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     assert [(6, 16.0)] == series["train/loss_epoch"]
 
 
+def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_is_not_logged_again(tmp_path, monkeypatch):
+    """A checkpoint saved in an epoch's last update (4) comes before the epoch's record at that update. The run before
+    logged updates 1-5, the record at 4 too, and was cut off; resumed at 4, the run logs the record at 4 again, then 5
+    and 6 (its values made different here, to tell them apart). TensorBoard (``purge_step`` 5 drops only what came after
+    4) and MLflow each hold every point once, the record at 4 as the run before logged it. Found by the kill test: its
+    kill once landed after such a record."""
+    import attrs
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainfold import init_trackers
+    from trainfold._src.compose.tracking import emit
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_id = None
+    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
+        testing.reset_accelerate_state()
+        accelerator = Accelerator(cpu=True, log_with=["tensorboard", "mlflow"], project_dir=str(tmp_path / "logs"))
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=accelerator)
+        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
+        run_id = state.run_id
+        init_trackers(ctx, "proj", state)
+        for update in updates:
+            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
+                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
+            if update == 4:
+                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
+        mlflow_run = next(t for t in ctx.accelerator.trackers if t.name == "mlflow").active_run.info.run_id
+        ctx.accelerator.end_training()
+        ctx.close()
+
+    board = EventAccumulator(str(tmp_path / "logs" / "proj"), size_guidance={"scalars": 0})
+    board.Reload()
+    client = MlflowClient()
+    series = {
+        "tensorboard": {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in ("train/loss", "train/loss_epoch")},
+        "mlflow": {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key)) for key in ("train/loss", "train/loss_epoch")},
+    }
+    # update 5: TensorBoard purged the first run's, MLflow kept it (it cannot delete; an exact resume logs the same)
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)] == series["tensorboard"]["train/loss"]
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == series["mlflow"]["train/loss"]
+    assert [(4, 10.0)] == series["tensorboard"]["train/loss_epoch"] == series["mlflow"]["train/loss_epoch"]
+
+
 def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_one(tmp_path, monkeypatch):
     """A resumed state whose run id no MLflow run carries (another tracking store, say): a warning names the experiment
     and the tag, and the run logs into a new MLflow run, tagged with its id, holding nothing back."""

@@ -75,13 +75,38 @@ def _mlflow_run_of(project_name: str, run_id: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def _mlflow_holds(tracker: Any, after: int) -> dict[str, int]:
-    """Each metric of the MLflow run ``tracker`` goes on with, and the last step it holds, where that is past ``after``."""
+def _mlflow_holds(tracker: Any, at: int) -> dict[str, int]:
+    """Each metric of the MLflow run ``tracker`` goes on with, and the last step it holds, where that is ``at`` (the
+    update the resumed run goes on from: an epoch's record logged after its checkpoint) or later."""
     from mlflow.tracking import MlflowClient
 
     client, run_id = MlflowClient(), tracker.active_run.info.run_id
     last = {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in client.get_run(run_id).data.metrics}
-    return {key: step for key, step in last.items() if step > after}
+    return {key: step for key, step in last.items() if step >= at}
+
+
+def _tensorboard_holds(tracker: Any, at: int) -> dict[str, int]:
+    """The tags TensorBoard holds at update ``at``, the one a resumed run goes on from, each with ``at``.
+
+    ``purge_step`` drops what the run before logged after ``at``, not at it: a checkpoint saved in an epoch's last
+    update comes before the epoch's record at that update, which the resumed run logs again. Read from the run's
+    event files (``tensorboard``'s reader; without it, nothing is known to be held).
+    """
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return {}
+    writer = tracker.writer
+    log_dir = writer.get_logdir() if hasattr(writer, "get_logdir") else tracker.logging_dir
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})  # every point (0: no sampling)
+    tb_logger = logging.getLogger("tensorboard")
+    level = tb_logger.level
+    tb_logger.setLevel(logging.ERROR)  # its note that a restart's purge drops points: the purge asked for
+    try:
+        events.Reload()
+    finally:
+        tb_logger.setLevel(level)
+    return {tag: at for tag in events.Tags()["scalars"] if any(e.step == at for e in events.Scalars(tag))}
 
 
 def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
@@ -113,7 +138,9 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     ``purge_step`` set to the update after the checkpoint's: what the run before logged after
     its checkpoint (up to a kill) is purged, and the resumed run logs those updates again, so
     each series holds every update once, with the values of an uninterrupted run (the resume
-    is exact). Every value logged at or before the checkpoint's update stays.
+    is exact). Every value logged at or before the checkpoint's update stays, and what TensorBoard
+    holds at that update (an epoch's record logged after a checkpoint saved in the epoch's last
+    update, which the resumed run logs again) is not sent again.
 
     MLflow's runs are tagged ``trainfold.run_id`` (:attr:`TrainState.run_id`), and a resumed
     run goes on with the MLflow run so tagged in experiment ``project_name`` (unless a
@@ -170,6 +197,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         for tracker in ctx.accelerator.trackers:
             if tracker.name == "mlflow":
                 ctx.runtime.hold_tracker_steps(tracker.name, _mlflow_holds(tracker, state.step))
+            elif tracker.name == "tensorboard":
+                ctx.runtime.hold_tracker_steps(tracker.name, _tensorboard_holds(tracker, state.step))
 
 
 def step_key(name: str) -> str:
