@@ -412,6 +412,25 @@ def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_i
     assert [(4, 10.0)] == series["tensorboard"]["train/loss_epoch"] == series["mlflow"]["train/loss_epoch"]
 
 
+def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A resumed run whose TensorBoard events its reader cannot read (a folder it does not support, a damaged file):
+    init_trackers says what may then appear twice, and the run goes on logging everything."""
+    import attrs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainfold import init_trackers
+
+    def unreadable(self):
+        raise OSError("no such filesystem")
+
+    monkeypatch.setattr(EventAccumulator, "Reload", unreadable)  # tensorboard's reader, not trainfold's code
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path)))
+    with pytest.warns(UserWarning, match=r"could not be read \(OSError: no such filesystem\), so what the run before logged at update 4"):
+        init_trackers(ctx, "proj", attrs.evolve(state, step=4))
+    assert not ctx.runtime.tracker_holds
+    ctx.close()
+
+
 def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_one(tmp_path, monkeypatch):
     """A resumed state whose run id no MLflow run carries (another tracking store, say): a warning names the experiment
     and the tag, and the run logs into a new MLflow run, tagged with its id, holding nothing back."""
