@@ -166,10 +166,9 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
         finally:
             if live is not None:
                 live.runtime.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
-            settle_collectives()  # gloo's worker threads let go of finished collectives before any group is freed
-            if live is not None:
-                live.runtime.saver.forget()  # its group is destroyed next
+                live.runtime.saver.forget()  # its group is destroyed next (the process group registry still holds it)
                 live.runtime.control.forget()
+            settle_collectives()  # gloo's worker threads let go of finished collectives before the groups are destroyed
             end_training()
 
     finishing_saves_first.__doc__ = end_training.__doc__
