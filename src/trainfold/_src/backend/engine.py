@@ -63,7 +63,7 @@ def engine_name(accelerator: Accelerator) -> str:
 
 def shards_parameters(accelerator: Accelerator) -> bool:
     """True under FSDP or tensor parallelism: each process holds a shard of every parameter (a DTensor), never the whole model."""
-    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(accelerator)
+    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(accelerator)  # sync: none: an enum
 
 
 def is_dtensor(t: Any) -> bool:
@@ -89,7 +89,7 @@ def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def owns_clipping(accelerator: Accelerator) -> bool:
     """True where the engine clips and scales gradients itself (DeepSpeed, from its config)."""
-    return bool(accelerator.distributed_type == DistributedType.DEEPSPEED)
+    return bool(accelerator.distributed_type == DistributedType.DEEPSPEED)  # sync: none: an enum
 
 
 def unwrap(accelerator: Accelerator | None, model: torch.nn.Module) -> torch.nn.Module:
@@ -108,7 +108,7 @@ def reset_process_state() -> None:
 
 def is_deepspeed(accelerator: Accelerator | None) -> bool:
     """True where Accelerate hands the model and optimizer to a DeepSpeed engine."""
-    return bool(getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED)
+    return bool(getattr(accelerator, "distributed_type", None) == DistributedType.DEEPSPEED)  # sync: none: an enum
 
 
 def is_config_optimizer(optimizer: Any) -> bool:
@@ -132,7 +132,7 @@ def is_config_scheduler(scheduler: Any) -> bool:
 
 def engine_builds_optimizers(accelerator: Accelerator) -> bool:
     """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
-    return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))
+    return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))  # sync: none: an enum
 
 
 def release_prepared(accelerator: Accelerator, state: Any, loaders: tuple[Any, ...]) -> None:

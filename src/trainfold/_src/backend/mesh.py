@@ -55,7 +55,7 @@ def data_layout(accelerator: Accelerator) -> DataLayout:
 def is_tensor_parallel(accelerator: Accelerator) -> bool:
     """True when the Accelerator's ParallelismConfig splits the model over a ``tp`` dimension (its parameters are DTensors)."""
     config = getattr(accelerator, "parallelism_config", None)
-    return bool(getattr(config, "tp_enabled", False))
+    return bool(getattr(config, "tp_enabled", False))  # sync: none: a config flag
 
 
 def gather_for_metrics(accelerator: Accelerator, layout: DataLayout, data: Any) -> Any:

@@ -75,7 +75,7 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     """
     if _needs_accelerate_optimizer(accelerator, optimizer):
         skipped = getattr(optimizer, "step_was_skipped", None)
-        was_skipped = (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped
+        was_skipped = (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped  # sync: none: a host flag Accelerate's scaler sets
         scaled = getattr(optimizer, "scaler", None) is not None
         return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
     inner = optimizer.optimizer

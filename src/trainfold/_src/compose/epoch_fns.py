@@ -59,7 +59,7 @@ def resolve_mode(metric: str, mode: str, where: str, state: TrainState | None = 
     if mode != "auto":
         return mode
     words = set(re.split(r"[^a-z0-9]+", metric.lower()))
-    lower, higher = bool(words & _LOWER), bool(words & _HIGHER)
+    lower, higher = bool(words & _LOWER), bool(words & _HIGHER)  # sync: none: sets of words
     if lower != higher:
         return "min" if lower else "max"
     if state is not None and metric not in state.history and len(state.history):
@@ -384,7 +384,7 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
             print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
-    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False)
+    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False)  # sync: none: a host int
     if ctx.is_main_process:
         if echo:
             print(summary_line(state, values), flush=True)

@@ -168,4 +168,4 @@ def _number(name: str, value: Any) -> float:
         return float(value)  # sync: once per metric per evaluation
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"evaluate_metrics: metric {name} computed a {type(value).__name__}, not a number.")
-    return float(value)
+    return float(value)  # sync: none: a Python number

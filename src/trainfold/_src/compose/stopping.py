@@ -113,7 +113,7 @@ def stop_when(
                     return new  # nothing to record: no new state made
                 return new.with_extra(name, StopWhenState(raised, new.epoch))
             local = bool(raised)  # sync: a flag on the device is read here, once per check
-            agreed = bool(max_over_processes(ctx.runtime.control, int(local))) if distributed else local
+            agreed = bool(max_over_processes(ctx.runtime.control, int(local))) if distributed else local  # sync: none more: the processes' host int
             new = new.with_extra(name, attrs.evolve(fresh, epoch=new.epoch))
             if not agreed:
                 return new
@@ -134,14 +134,14 @@ def _verdict(name: str, value: Any) -> Any:
                 f"{name}: the predicate returned a tensor of shape {tuple(value.shape)}; return one value "
                 "(a bool, or a one-element tensor such as state.last_loss < 0.1)."
             )
-        return value.detach().reshape(()).bool()
+        return value.detach().reshape(()).bool()  # sync: none: stays on the device
     if isinstance(value, bool):
         return value
     try:
         import numpy
 
         if isinstance(value, numpy.bool_):
-            return bool(value)
+            return bool(value)  # sync: none: a numpy bool
     except ImportError:  # pragma: no cover - numpy comes with torch
         pass
     raise TypeError(f"{name}: the predicate returned a {type(value).__name__}; return a bool or a one-element tensor.")

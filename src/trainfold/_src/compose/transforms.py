@@ -277,7 +277,7 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None) -> LogS
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
     totals = meter.totals() if meter is not None else None
     means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
-    values = {**means, "epoch": float(state.epoch)}
+    values = {**means, "epoch": float(state.epoch)}  # sync: none: a host int
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])  # sync: none: a number, or a compiled update's CPU tensor
     if meter is not None:
