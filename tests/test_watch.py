@@ -412,6 +412,71 @@ def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_i
     assert [(4, 10.0)] == series["tensorboard"]["train/loss_epoch"] == series["mlflow"]["train/loss_epoch"]
 
 
+def _dvclive_series(folder):
+    """Every metric in DVCLive's files under ``folder`` (its ``.tsv`` per key, rows in the order written): {key: [(step, value), ...]}."""
+    import csv
+    from pathlib import Path
+
+    metrics = Path(folder) / "plots" / "metrics"
+    series = {}
+    for path in sorted(metrics.rglob("*.tsv")):
+        with open(path, newline="") as f:
+            series[path.relative_to(metrics).with_suffix("").as_posix()] = [(int(r["step"]), float(r[path.stem])) for r in csv.DictReader(f, delimiter="\t")]
+    return series
+
+
+def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_sends_only_what_they_lack(tmp_path, monkeypatch):
+    """DVCLive started as Accelerate starts it (``Live(**init_kwargs)``) empties its folder: a resumed run erased the series
+    of the run before. The run before logged updates 1-5, the epoch's record at 4 too, and was cut off; resumed at 4,
+    the run goes on with DVCLive's files (``resume=True``) and is sent only what they lack: update 6, and not the
+    record at 4 again. Each point once; those the run before logged, as it logged them (an exact resume logs the same)."""
+    import attrs
+
+    from trainfold import init_trackers
+    from trainfold._src.compose.tracking import emit
+
+    monkeypatch.chdir(tmp_path)  # (DVCLive reads git from where it runs: none here)
+    folder = tmp_path / "dvclive"
+    run_id = None
+    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
+        testing.reset_accelerate_state()
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
+        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
+        run_id = state.run_id
+        init_trackers(ctx, "proj", state, init_kwargs={"dvclive": {"dir": str(folder)}})
+        for update in updates:
+            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
+                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
+            if update == 4:
+                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
+        ctx.accelerator.end_training()
+        ctx.close()
+
+    series = _dvclive_series(folder)
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == series["train/loss"]
+    assert [(4, 10.0)] == series["train/loss_epoch"]
+
+
+def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_are_still_held(tmp_path, monkeypatch):
+    """A resumed run whose DVCLive folder holds a file it cannot read (a row not DVCLive's): init_trackers names the file
+    and what may appear twice there, holds back what the other files hold, and the run goes on."""
+    import attrs
+
+    from trainfold import init_trackers
+
+    monkeypatch.chdir(tmp_path)
+    metrics = tmp_path / "dvclive" / "plots" / "metrics" / "train"
+    metrics.mkdir(parents=True)
+    (metrics / "loss.tsv").write_text("step\tloss\n1\t0.5\n5\t0.25\n")
+    (metrics / "lr.tsv").write_text("step\tlr\n1\t0.1\nfive\t0.1\n")
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
+    with pytest.warns(UserWarning, match=r"DVCLive's .*lr.tsv could not be read \(ValueError: .*five.*\), so what the run before logged to it at or after update 4"):
+        init_trackers(ctx, "proj", attrs.evolve(state, step=4), init_kwargs={"dvclive": {"dir": str(tmp_path / "dvclive")}})
+    assert {"dvclive": {"train/loss": 5}} == ctx.runtime.tracker_holds
+    ctx.accelerator.end_training()
+    ctx.close()
+
+
 def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_run_goes_on(tmp_path, monkeypatch):
     """A resumed run whose TensorBoard events its reader cannot read (a folder it does not support, a damaged file):
     init_trackers says what may then appear twice, and the run goes on logging everything."""

@@ -1,12 +1,13 @@
-"""A run that logs every update to TensorBoard and MLflow and resumes from its latest checkpoint: killed and restarted by
+"""A run that logs every update to TensorBoard, MLflow and DVCLive and resumes from its latest checkpoint: killed and restarted by
 test_tracking.py.
 
     python tracked_run.py ROOT LOGS [--slow]
 
 Prints "ready <pid>" once set up; saves a checkpoint every 3 updates; logs train/loss (and lr, epoch) at every update with
-log_every and the epoch's records with log_epoch, to TensorBoard under LOGS and to an MLflow store in LOGS/mlruns (its
-file store, which needs no server); starts its trackers with trainfold's init_trackers, which cuts TensorBoard's series
-back to the checkpoint a resumed run goes on from, and has MLflow's run go on without what it holds.
+log_every and the epoch's records with log_epoch, to TensorBoard under LOGS, to an MLflow store in LOGS/mlruns (its
+file store, which needs no server) and to DVCLive's files in LOGS/dvclive; starts its trackers with trainfold's
+init_trackers, which cuts TensorBoard's series back to the checkpoint a resumed run goes on from, and has MLflow's run and
+DVCLive's files go on without what they hold.
 """
 
 import argparse
@@ -28,9 +29,12 @@ def main():
     parser.add_argument("--slow", action="store_true")
     args = parser.parse_args()
 
-    os.environ.update(MLFLOW_TRACKING_URI=f"file:{os.path.abspath(args.logs)}/mlruns", MLFLOW_ALLOW_FILE_STORE="true")
+    args.root, args.logs = os.path.abspath(args.root), os.path.abspath(args.logs)
+    os.makedirs(args.logs, exist_ok=True)
+    os.chdir(args.logs)  # (DVCLive looks for a git repository where it runs: none there)
+    os.environ.update(MLFLOW_TRACKING_URI=f"file:{args.logs}/mlruns", MLFLOW_ALLOW_FILE_STORE="true")
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow"], project_dir=args.logs))
+    ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow", "dvclive"], project_dir=args.logs))
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     g = torch.Generator().manual_seed(1)
@@ -40,7 +44,7 @@ def main():
                                             torch.utils.data.DataLoader(data, batch_size=32))
     if latest_checkpoint(args.root) is not None:
         state = load_checkpoint(ctx, args.root, state)
-    init_trackers(ctx, "run", state)
+    init_trackers(ctx, "run", state, init_kwargs={"dvclive": {"dir": os.path.join(args.logs, "dvclive")}})
 
     def loss_fn(model, batch):
         if args.slow:

@@ -62,6 +62,13 @@ def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int
 #: Trackers whose series a resumed run can cut back to its checkpoint, and the init keyword that does it.
 PURGING = {"tensorboard": "purge_step"}
 
+#: Trackers that empty their folder when started, and the init keyword and value with which a resumed run goes on with
+#: what they hold instead (DVCLive's ``Live(resume=False)``, Accelerate's default, deletes the run's metrics files).
+CONTINUING = {"dvclive": ("resume", True)}
+
+#: Trackers a resumed run holds back what they already hold from (see :func:`init_trackers`).
+HOLDING = ("tensorboard", "mlflow", "dvclive")
+
 #: The tag with which :func:`init_trackers` marks an MLflow run as this trainfold run's (``TrainState.run_id``).
 MLFLOW_RUN_TAG = "trainfold.run_id"
 
@@ -114,6 +121,31 @@ def _tensorboard_holds(tracker: Any, at: int) -> dict[str, int]:
     return {tag: at for tag in events.Tags()["scalars"] if any(e.step == at for e in events.Scalars(tag))}
 
 
+def _dvclive_holds(tracker: Any, at: int) -> dict[str, int]:
+    """Each metric DVCLive's files hold, with the last step they hold, where that is ``at`` (the update the resumed run
+    goes on from) or later: DVCLive appends a row per value to ``<dir>/plots/metrics/<key>.tsv`` (a ``step`` column)."""
+    import csv
+    from pathlib import Path
+
+    folder = Path(tracker.live.plots_dir) / "metrics"
+    holds: dict[str, int] = {}
+    for path in sorted(folder.rglob("*.tsv")):
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                steps = [int(row["step"]) for row in csv.DictReader(f, delimiter="\t") if row.get("step")]
+        except (OSError, ValueError, csv.Error) as exc:  # a row cut short by a kill, a file of someone else's
+            warnings.warn(f"init_trackers: DVCLive's {path} could not be read ({type(exc).__name__}: {exc}), so what the run "
+                          f"before logged to it at or after update {at} may appear twice there.", UserWarning, stacklevel=user_stacklevel())
+            continue
+        if steps and max(steps) >= at:
+            holds[path.relative_to(folder).with_suffix("").as_posix()] = max(steps)
+    return holds
+
+
+#: How to read what each of :data:`HOLDING` holds at or after the update a resumed run goes on from.
+_HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds}
+
+
 def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
     """Tag the MLflow run with the trainfold run's id; a resumed run goes on with the MLflow run so tagged."""
     mine = kwargs.setdefault("mlflow", {})
@@ -152,9 +184,11 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     ``run_id`` is given, or ``MLFLOW_RUN_ID`` set; a warning where none is found). MLflow
     cannot delete what it holds, so the values it already holds (each metric up to its last
     step there) are not logged again: each series holds every update once, the values before
-    the kill being those the resumed run would log. Trackers that can neither (Weights &
-    Biases, Comet, Aim, ClearML, DVCLive...) are started as given, and a warning says their
-    series may hold the updates after the checkpoint twice.
+    the kill being those the resumed run would log. DVCLive, which empties its folder when
+    started, goes on with its files (``resume=True``) and is sent only what they lack, in the
+    same way. Trackers that can do none of these (Weights & Biases, Comet, Aim, ClearML,
+    Trackio, SwanLab) are started as given, and a warning says their series may hold the
+    updates after the checkpoint twice.
 
     Args:
         ctx: the run's Context.
@@ -162,7 +196,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
         config: hyperparameters to store, as ``init_trackers`` takes them.
         init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
-            ``purge_step`` or MLflow ``run_id`` given is kept, MLflow ``tags`` get the run's.
+            ``purge_step``, MLflow ``run_id`` or DVCLive ``resume`` given is kept, MLflow ``tags`` get the run's.
 
     Raises:
         Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
@@ -187,23 +221,24 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         for name in names:
             if name in PURGING:
                 kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
-        others = [n for n in names if n not in PURGING and n != "mlflow"]
+            if name in CONTINUING:
+                keyword, value = CONTINUING[name]
+                kwargs.setdefault(name, {}).setdefault(keyword, value)
+        others = [n for n in names if n not in HOLDING]
         if others and ctx.is_main_process:
             warnings.warn(
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
                 f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
                 "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
-                "and MLflow's run goes on without them.",
+                "and MLflow's run and DVCLive's files go on without them.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
     if state.step > 0 and ctx.is_main_process:
         for tracker in ctx.accelerator.trackers:
-            if tracker.name == "mlflow":
-                ctx.runtime.hold_tracker_steps(tracker.name, _mlflow_holds(tracker, state.step))
-            elif tracker.name == "tensorboard":
-                ctx.runtime.hold_tracker_steps(tracker.name, _tensorboard_holds(tracker, state.step))
+            if tracker.name in _HOLDS:
+                ctx.runtime.hold_tracker_steps(tracker.name, _HOLDS[tracker.name](tracker, state.step))
 
 
 def step_key(name: str) -> str:
