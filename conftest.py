@@ -1,10 +1,18 @@
 """pytest set-up shared by the tests and the docstring examples."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 import trainfold
 from trainfold import testing
+
+
+def pytest_configure(config):
+    """Trackio's local store in a folder of this session's (it reads ``TRACKIO_DIR`` once, at import), never the user's."""
+    os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trainfold-tests-trackio-"))
 
 
 @pytest.fixture(autouse=True)

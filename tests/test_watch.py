@@ -477,6 +477,84 @@ def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_
     ctx.close()
 
 
+def test_a_resumed_run_goes_on_with_its_trackio_run_and_sends_only_what_trackio_lacks():
+    """Trackio (its local store) keeps every row it is sent. The run before logged updates 1-5, the epoch's record at 4
+    too, and was cut off; resumed at 4, the run goes on with the Trackio run whose config holds its run id, and is
+    sent only what that run lacks: update 6, and not the record at 4 again. Each point once in one run; those the
+    run before logged, as it logged them."""
+    import uuid
+
+    import attrs
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from trainfold import init_trackers
+    from trainfold._src.compose.tracking import emit
+
+    project = f"proj-{uuid.uuid4().hex[:8]}"  # (the session's one store: a project of this test's own)
+    run_id, names = None, []
+    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
+        testing.reset_accelerate_state()
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
+        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
+        run_id = state.run_id
+        init_trackers(ctx, project, state, config={"lr": 0.1})
+        names.append(ctx.accelerator.trackers[0].run.name)
+        for update in updates:
+            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
+                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
+            if update == 4:
+                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
+        ctx.accelerator.end_training()
+        ctx.close()
+
+    assert names[0] == names[1] and [names[0]] == SQLiteStorage.get_runs(project)
+    rows = SQLiteStorage.get_logs(project, names[0])
+    series = {key: [(row["step"], row[key]) for row in rows if key in row] for key in ("train/loss", "train/loss_epoch")}
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == series["train/loss"]
+    assert [(4, 10.0)] == series["train/loss_epoch"]
+    assert {"lr": 0.1, "trainfold.run_id": run_id}.items() <= SQLiteStorage.get_run_config(project, names[0]).items()
+
+
+def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_one():
+    """A resumed state whose run id no Trackio run of the project holds (another store, or a run killed before Trackio
+    wrote anything): a warning names the project and the key, and the run starts a new Trackio run, marked with its id."""
+    import uuid
+
+    import attrs
+
+    from trainfold import init_trackers
+
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
+    state = attrs.evolve(state, step=3)
+    with pytest.warns(UserWarning, match=rf"Trackio holds no run of project '{project}' whose config has trainfold.run_id={state.run_id}"):
+        init_trackers(ctx, project, state)
+    run = ctx.accelerator.trackers[0].run
+    assert state.run_id == run.config["trainfold.run_id"] and not ctx.runtime.tracker_holds
+    ctx.accelerator.end_training()
+    ctx.close()
+
+
+def test_a_trackio_store_that_cannot_be_read_at_a_resume_is_named_and_the_run_goes_on(monkeypatch):
+    """A resumed run whose Trackio run its store's reader cannot read: init_trackers says what may then appear twice,
+    and the run goes on logging everything."""
+    import attrs
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from trainfold import init_trackers
+
+    def unreadable(*args, **kwargs):
+        raise OSError("database disk image is malformed")
+
+    monkeypatch.setattr(SQLiteStorage, "get_logs", unreadable)  # trackio's reader, not trainfold's code
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
+    with pytest.warns(UserWarning, match=r"Trackio's run '.*' of project 'proj-unread' could not be read \(OSError: database disk image"):
+        init_trackers(ctx, "proj-unread", attrs.evolve(state, step=4), init_kwargs={"trackio": {"name": "named"}})
+    assert "named" == ctx.accelerator.trackers[0].run.name and not ctx.runtime.tracker_holds
+    ctx.accelerator.end_training()
+    ctx.close()
+
+
 def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_run_goes_on(tmp_path, monkeypatch):
     """A resumed run whose TensorBoard events its reader cannot read (a folder it does not support, a damaged file):
     init_trackers says what may then appear twice, and the run goes on logging everything."""

@@ -67,7 +67,7 @@ PURGING = {"tensorboard": "purge_step"}
 CONTINUING = {"dvclive": ("resume", True)}
 
 #: Trackers a resumed run holds back what they already hold from (see :func:`init_trackers`).
-HOLDING = ("tensorboard", "mlflow", "dvclive")
+HOLDING = ("tensorboard", "mlflow", "dvclive", "trackio")
 
 #: The tag with which :func:`init_trackers` marks an MLflow run as this trainfold run's (``TrainState.run_id``).
 MLFLOW_RUN_TAG = "trainfold.run_id"
@@ -142,8 +142,33 @@ def _dvclive_holds(tracker: Any, at: int) -> dict[str, int]:
     return holds
 
 
+def _trackio_holds(tracker: Any, at: int) -> dict[str, int]:
+    """Each metric of the Trackio run ``tracker`` goes on with, and the last step its store holds, where that is ``at``
+    or later. Read with the store's own reader (``SQLiteStorage.get_logs``, what ``trackio get`` uses: Trackio has no
+    public reader of a run's values); where it cannot be read, a warning says what may appear twice."""
+    run = tracker.run
+    try:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        rows = SQLiteStorage.get_logs(run.project, run.name, run_id=getattr(run, "id", None))
+        last: dict[str, int] = {}
+        for row in rows:
+            step = int(row["step"])
+            for key in row.keys() - {"step", "timestamp"}:
+                last[key] = max(last.get(key, step), step)
+    except Exception as exc:  # another trackio's store, a database it cannot open: the run goes on
+        warnings.warn(f"init_trackers: Trackio's run {run.name!r} of project {run.project!r} could not be read ({type(exc).__name__}: "
+                      f"{exc}), so what the run before logged at or after update {at} may appear twice there.",
+                      UserWarning, stacklevel=user_stacklevel())
+        return {}
+    return {key: step for key, step in last.items() if step >= at}
+
+
 #: How to read what each of :data:`HOLDING` holds at or after the update a resumed run goes on from.
-_HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds}
+_HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds, "trackio": _trackio_holds}
+
+#: The config key with which :func:`init_trackers` marks a Trackio run as this trainfold run's (``TrainState.run_id``).
+TRACKIO_RUN_KEY = "trainfold.run_id"
 
 
 def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
@@ -167,6 +192,39 @@ def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: 
             mine["run_id"] = found
 
 
+def _trackio_run_of(project_name: str, run_id: str) -> str | None:
+    """The name of the newest Trackio run of ``project_name`` whose config holds trainfold's ``run_id``, or None."""
+    from trackio import Api
+
+    try:
+        runs = list(Api().runs(project_name))
+    except ValueError:  # no such project
+        return None
+    found = [run.name for run in runs if (run.config or {}).get(TRACKIO_RUN_KEY) == run_id]
+    return found[-1] if found else None
+
+
+def _prepare_trackio(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
+    """Mark the Trackio run with the trainfold run's id (in its config); a resumed run goes on with the run so marked."""
+    mine = kwargs.setdefault("trackio", {})
+    mine["config"] = {**(mine.get("config") or {}), TRACKIO_RUN_KEY: state.run_id}
+    if state.step == 0 or not ctx.is_main_process:
+        return
+    if mine.get("name"):
+        mine.setdefault("resume", "allow")  # the run named goes on (trackio's default, "never", would start another)
+        return
+    found = _trackio_run_of(project_name, state.run_id)
+    if found is None:
+        warnings.warn(
+            f"init_trackers: Trackio holds no run of project {project_name!r} whose config has {TRACKIO_RUN_KEY}={state.run_id}, "
+            f"so this run, resumed at update {state.step}, starts a new one (is TRACKIO_DIR the run's store?).",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+        return
+    mine.update(name=found, resume="must")
+
+
 def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
                   init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Start the Accelerator's trackers (``Accelerator(log_with=...)``) for a run that goes on from ``state``.
@@ -186,9 +244,11 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     step there) are not logged again: each series holds every update once, the values before
     the kill being those the resumed run would log. DVCLive, which empties its folder when
     started, goes on with its files (``resume=True``) and is sent only what they lack, in the
-    same way. Trackers that can do none of these (Weights & Biases, Comet, Aim, ClearML,
-    Trackio, SwanLab) are started as given, and a warning says their series may hold the
-    updates after the checkpoint twice.
+    same way. Trackio's run is marked ``trainfold.run_id`` in its config, a resumed run goes on
+    with the run so marked and is sent only what its store lacks (Trackio writes from a thread
+    every half second: a kill loses what it had not written). Trackers that can do none of
+    these (Weights & Biases, Comet, Aim, ClearML, SwanLab) are started as given, and a warning
+    says their series may hold the updates after the checkpoint twice.
 
     Args:
         ctx: the run's Context.
@@ -196,7 +256,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
         config: hyperparameters to store, as ``init_trackers`` takes them.
         init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
-            ``purge_step``, MLflow ``run_id`` or DVCLive ``resume`` given is kept, MLflow ``tags`` get the run's.
+            ``purge_step``, MLflow ``run_id``, DVCLive ``resume`` or Trackio ``name`` given is kept, MLflow ``tags``
+            and Trackio's ``config`` get the run's.
 
     Raises:
         Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
@@ -217,6 +278,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     names = [t.name if isinstance(t, GeneralTracker) else str(t) for t in ctx.accelerator.log_with]  # (an enum's own name is its member's)
     if "mlflow" in names:
         _prepare_mlflow(ctx, project_name, state, kwargs)
+    if "trackio" in names:
+        _prepare_trackio(ctx, project_name, state, kwargs)
     if state.step > 0:
         for name in names:
             if name in PURGING:
@@ -230,7 +293,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
                 f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
                 "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
-                "and MLflow's run and DVCLive's files go on without them.",
+                "and MLflow's and Trackio's runs and DVCLive's files go on without them.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
