@@ -393,6 +393,21 @@ def test_log_every_reports_interval_means_to_logging(caplog):
     assert "lr" in final.extras["log_every"].values
 
 
+@pytest.mark.parametrize("periods", [(2, 3), (4, 4), (4, 2)])
+def test_log_every_composed_twice_in_one_step_is_refused_at_the_inner_ones_first_report(periods):
+    """Both would keep their report in ``state.extras["log_every"]``, each taking the other's as where its interval
+    began: log_every(3) inside log_every(2) reported at update 3 the mean of update 3 alone, and log_every(2) at
+    update 4 that of update 4 alone, silently (watched, both counted every batch's samples). The outer one refuses it,
+    naming both, when the inner one first reports."""
+    outer, inner = periods
+    ctx, state, loader, loss_fn = testing.tiny_setup(n=64)
+    step = log_every(ctx, outer)(log_every(ctx, inner)(make_step(ctx, loss_fn)))
+
+    with pytest.raises(ValueError, match=rf"log_every\({outer}\) is composed around another log_every, inside 'log_every\({inner}\)") as raised:
+        run_epoch(ctx, step, loader, state)
+    assert "Use one log_every per step" in str(raised.value)
+
+
 def test_log_every_does_not_change_the_epoch_loss_even_in_the_last_bit():
     """Reports fold the waiting micro-batches for reading only; the run's sums add the same groups."""
     results = []

@@ -243,6 +243,8 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
             if state.step % n == 0 and state.step and _reported_before(state) < state.step:
                 state = _missed_report(state)
             new = step(state, batch) if meter is None else meter.step(step, state, batch)
+            if new.extras is not state.extras and new.extras.get("log_every") is not state.extras.get("log_every"):
+                raise ValueError(_composed_twice(n, step))
             if new.step == state.step or new.step % n:
                 return new
             return new.with_extra("log_every", _report(ctx, new, meter))
@@ -250,6 +252,14 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
         return named(logged, f"log_every({n}{', watch' if watching else ''})({name_of(step)})")
 
     return transform
+
+
+def _composed_twice(n: int, step: Step) -> str:
+    """Why a step with ``log_every`` inside ``log_every(n)`` is refused (the inner one's report came out of ``step``)."""
+    return (f"log_every({n}) is composed around another log_every, inside {name_of(step)!r}: both keep their last report "
+            "in state.extras['log_every'], so each would take the other's report as where its interval began and report "
+            "the means of the wrong updates (and, watched, count every batch's samples twice). Use one log_every per step, "
+            "with the period you want reports at.")
 
 
 def _reported_before(state: TrainState) -> int:
