@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
@@ -61,10 +63,6 @@ def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int
 
 #: Trackers whose series a resumed run can cut back to its checkpoint, and the init keyword that does it.
 PURGING = {"tensorboard": "purge_step"}
-
-#: Trackers that empty their folder when started, and the init keyword and value with which a resumed run goes on with
-#: what they hold instead (DVCLive's ``Live(resume=False)``, Accelerate's default, deletes the run's metrics files).
-CONTINUING = {"dvclive": ("resume", True)}
 
 #: Trackers a resumed run holds back what they already hold from (see :func:`init_trackers`).
 HOLDING = ("tensorboard", "mlflow", "dvclive", "trackio")
@@ -125,7 +123,6 @@ def _dvclive_holds(tracker: Any, at: int) -> dict[str, int]:
     """Each metric DVCLive's files hold, with the last step they hold, where that is ``at`` (the update the resumed run
     goes on from) or later: DVCLive appends a row per value to ``<dir>/plots/metrics/<key>.tsv`` (a ``step`` column)."""
     import csv
-    from pathlib import Path
 
     folder = Path(tracker.live.plots_dir) / "metrics"
     holds: dict[str, int] = {}
@@ -175,8 +172,6 @@ def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: 
     """Tag the MLflow run with the trainfold run's id; a resumed run goes on with the MLflow run so tagged."""
     mine = kwargs.setdefault("mlflow", {})
     if isinstance(mine.get("tags"), str):
-        import json
-
         mine["tags"] = json.loads(mine["tags"])  # as Accelerate's MLflowTracker reads a string
     mine["tags"] = {**(mine.get("tags") or {}), MLFLOW_RUN_TAG: state.run_id}
     if state.step > 0 and ctx.is_main_process and not mine.get("run_id") and not os.environ.get("MLFLOW_RUN_ID"):
@@ -190,6 +185,25 @@ def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: 
             )
         else:
             mine["run_id"] = found
+
+
+def _prepare_dvclive(ctx: Context, kwargs: dict[str, dict[str, Any]]) -> None:
+    """Have DVCLive go on with its folder for a resumed run (``resume=True``: its default, and Accelerate's, empties it,
+    deleting the run's series), first setting aside a summary a kill cut short, on which DVCLive would fail."""
+    mine = kwargs.setdefault("dvclive", {})
+    if not mine.setdefault("resume", True) or not ctx.is_main_process:
+        return
+    summary = Path(mine.get("dir", "dvclive")) / "metrics.json"  # (Live's own default folder and file name)
+    try:
+        json.loads(summary.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except ValueError as exc:  # (not JSON) DVCLive rewrites it in place at every step: a kill can leave it cut short
+        aside = summary.with_name(summary.name + ".damaged")
+        os.replace(summary, aside)
+        warnings.warn(f"init_trackers: DVCLive's summary {summary} was cut short ({type(exc).__name__}: {exc}), by a kill while "
+                      f"DVCLive wrote it: set aside as {aside}. DVCLive writes a new one as the run logs; its series, the "
+                      ".tsv files under plots/metrics, go on whole.", UserWarning, stacklevel=user_stacklevel())
 
 
 def _trackio_run_of(project_name: str, run_id: str) -> str | None:
@@ -280,13 +294,12 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         _prepare_mlflow(ctx, project_name, state, kwargs)
     if "trackio" in names:
         _prepare_trackio(ctx, project_name, state, kwargs)
+    if "dvclive" in names and state.step > 0:
+        _prepare_dvclive(ctx, kwargs)
     if state.step > 0:
         for name in names:
             if name in PURGING:
                 kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
-            if name in CONTINUING:
-                keyword, value = CONTINUING[name]
-                kwargs.setdefault(name, {}).setdefault(keyword, value)
         others = [n for n in names if n not in HOLDING]
         if others and ctx.is_main_process:
             warnings.warn(
