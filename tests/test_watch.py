@@ -457,10 +457,13 @@ def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_s
     assert [(4, 10.0)] == series["train/loss_epoch"]
 
 
-def test_a_dvclive_summary_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goes_on(tmp_path, monkeypatch):
-    """DVCLive rewrites its summary (``metrics.json``) in place at every step, so a kill can leave it cut short, and
-    DVCLive going on with its folder fails on it (found by the kill test). init_trackers sets it aside, says so, and
-    the run goes on with the series (the ``.tsv`` files are appended to, and whole); DVCLive writes a new summary."""
+@pytest.mark.parametrize("damaged, content", [("metrics.json", '{\n    "step": 5,\n    "tra'), ("metrics.json", ""), ("params.yaml", ""),
+                                              ("params.yaml", "lr: [0.1\n")])
+def test_a_dvclive_file_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goes_on(tmp_path, monkeypatch, damaged, content):
+    """DVCLive rewrites its summary (``metrics.json``, at every step) and parameters (``params.yaml``, at every start)
+    in place, so a kill can leave them cut short, and DVCLive going on with its folder fails on them (the kill test
+    found the summary). init_trackers sets the file aside, says so, and the run goes on with the series (the ``.tsv``
+    files are appended to, and whole); DVCLive writes the file anew."""
     import attrs
 
     from trainfold import init_trackers
@@ -470,18 +473,20 @@ def test_a_dvclive_summary_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_
     folder = tmp_path / "dvclive"
     (folder / "plots" / "metrics" / "train").mkdir(parents=True)
     (folder / "plots" / "metrics" / "train" / "loss.tsv").write_text("step\tloss\n4\t0.5\n5\t0.25\n")
-    (folder / "metrics.json").write_text('{\n    "step": 5,\n    "tra')
+    (folder / "metrics.json").write_text('{\n    "step": 5\n}\n')
+    (folder / "params.yaml").write_text("lr: 0.1\n")
+    (folder / damaged).write_text(content)
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
 
-    with pytest.warns(UserWarning, match=r"DVCLive's summary .*metrics.json was cut short .*set aside as .*metrics.json.damaged"):
-        init_trackers(ctx, "proj", attrs.evolve(state, step=4), init_kwargs={"dvclive": {"dir": str(folder)}})
+    with pytest.warns(UserWarning, match=rf"DVCLive's .* .*{damaged} is cut short .*set aside as .*{damaged}.damaged"):
+        init_trackers(ctx, "proj", attrs.evolve(state, step=4), config={"lr": 0.1}, init_kwargs={"dvclive": {"dir": str(folder)}})
     emit(ctx, {"train/loss": 0.125}, 6)
     ctx.accelerator.end_training()
     ctx.close()
 
-    assert '{\n    "step": 5,\n    "tra' == (folder / "metrics.json.damaged").read_text()
+    assert content == (folder / f"{damaged}.damaged").read_text()
     assert [(4, 0.5), (5, 0.25), (6, 0.125)] == _dvclive_series(folder)["train/loss"]
-    assert '"step": 6' in (folder / "metrics.json").read_text()
+    assert '"step": 6' in (folder / "metrics.json").read_text() and "lr: 0.1" in (folder / "params.yaml").read_text()
 
 
 def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_are_still_held(tmp_path, monkeypatch):

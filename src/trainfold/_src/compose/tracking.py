@@ -189,21 +189,32 @@ def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: 
 
 def _prepare_dvclive(ctx: Context, kwargs: dict[str, dict[str, Any]]) -> None:
     """Have DVCLive go on with its folder for a resumed run (``resume=True``: its default, and Accelerate's, empties it,
-    deleting the run's series), first setting aside a summary a kill cut short, on which DVCLive would fail."""
+    deleting the run's series), first setting aside the files a kill cut short, which DVCLive reads then and fails on:
+    it rewrites them in place (its summary at every step, its parameters at every start)."""
     mine = kwargs.setdefault("dvclive", {})
     if not mine.setdefault("resume", True) or not ctx.is_main_process:
         return
-    summary = Path(mine.get("dir", "dvclive")) / "metrics.json"  # (Live's own default folder and file name)
+    folder = Path(mine.get("dir", "dvclive"))  # (Live's own default folder, and its file names)
+    for path, what, again in ((folder / "metrics.json", "summary", "DVCLive writes a new one as the run logs"),
+                              (folder / "params.yaml", "parameters", "the config given to init_trackers is written again")):
+        if path.is_file() and not _whole_dvclive_file(path):
+            aside = path.with_name(path.name + ".damaged")
+            os.replace(path, aside)
+            warnings.warn(f"init_trackers: DVCLive's {what} {path} is cut short (a kill while DVCLive wrote it), and DVCLive "
+                          f"would fail on it: set aside as {aside}; {again}. Its series, the .tsv files under plots/metrics, go "
+                          "on whole.", UserWarning, stacklevel=user_stacklevel())
+
+
+def _whole_dvclive_file(path: Path) -> bool:
+    """Whether DVCLive can read back its summary (JSON) or parameters (YAML) file ``path``: a mapping."""
     try:
-        json.loads(summary.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return
-    except ValueError as exc:  # (not JSON) DVCLive rewrites it in place at every step: a kill can leave it cut short
-        aside = summary.with_name(summary.name + ".damaged")
-        os.replace(summary, aside)
-        warnings.warn(f"init_trackers: DVCLive's summary {summary} was cut short ({type(exc).__name__}: {exc}), by a kill while "
-                      f"DVCLive wrote it: set aside as {aside}. DVCLive writes a new one as the run logs; its series, the "
-                      ".tsv files under plots/metrics, go on whole.", UserWarning, stacklevel=user_stacklevel())
+        if path.suffix == ".json":
+            return isinstance(json.loads(path.read_text(encoding="utf-8")), dict)
+        from dvclive.serialize import load_yaml  # DVCLive's own reader of it
+
+        return isinstance(load_yaml(path), dict)
+    except Exception:  # (its reader's error for a damaged file: ValueError, DVCLive's YAMLFileCorruptedError...)
+        return False
 
 
 def _trackio_run_of(project_name: str, run_id: str) -> str | None:
