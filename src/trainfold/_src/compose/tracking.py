@@ -64,9 +64,6 @@ def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int
 #: Trackers whose series a resumed run can cut back to its checkpoint, and the init keyword that does it.
 PURGING = {"tensorboard": "purge_step"}
 
-#: Trackers a resumed run holds back what they already hold from (see :func:`init_trackers`).
-HOLDING = ("tensorboard", "mlflow", "dvclive", "trackio")
-
 #: The tag with which :func:`init_trackers` marks an MLflow run as this trainfold run's (``TrainState.run_id``).
 MLFLOW_RUN_TAG = "trainfold.run_id"
 
@@ -161,8 +158,9 @@ def _trackio_holds(tracker: Any, at: int) -> dict[str, int]:
     return {key: step for key, step in last.items() if step >= at}
 
 
-#: How to read what each of :data:`HOLDING` holds at or after the update a resumed run goes on from.
-_HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds, "trackio": _trackio_holds}
+#: The trackers a resumed run sends only what they lack (see :func:`init_trackers`), and how to read what each holds at
+#: or after the update the run goes on from.
+HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds, "trackio": _trackio_holds}
 
 #: The config key with which :func:`init_trackers` marks a Trackio run as this trainfold run's (``TrainState.run_id``).
 TRACKIO_RUN_KEY = "trainfold.run_id"
@@ -311,7 +309,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         for name in names:
             if name in PURGING:
                 kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
-        others = [n for n in names if n not in HOLDING]
+        others = [n for n in names if n not in HOLDS]
         if others and ctx.is_main_process:
             warnings.warn(
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
@@ -324,8 +322,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
     if state.step > 0 and ctx.is_main_process:
         for tracker in ctx.accelerator.trackers:
-            if tracker.name in _HOLDS:
-                ctx.runtime.hold_tracker_steps(tracker.name, _HOLDS[tracker.name](tracker, state.step))
+            if tracker.name in HOLDS:
+                ctx.runtime.hold_tracker_steps(tracker.name, HOLDS[tracker.name](tracker, state.step))
 
 
 def step_key(name: str) -> str:
