@@ -447,6 +447,20 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
     return proc.returncode
 
 
+def dvclive_series(folder) -> dict[str, list[tuple[int, float]]]:
+    """Every metric in DVCLive's files under ``folder`` (a ``.tsv`` per key under ``plots/metrics``, rows in the order
+    written): ``{key: [(step, value), ...]}``."""
+    import csv
+
+    metrics = Path(folder) / "plots" / "metrics"
+    series = {}
+    for path in sorted(metrics.rglob("*.tsv")):
+        with open(path, newline="") as f:
+            rows = csv.DictReader(f, delimiter="\t")
+            series[path.relative_to(metrics).with_suffix("").as_posix()] = [(int(r["step"]), float(r[path.stem])) for r in rows]
+    return series
+
+
 class NoisyData(torch.utils.data.Dataset):
     """Draws from the global torch RNG in __getitem__, like a random augmentation."""
 

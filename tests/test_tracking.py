@@ -47,23 +47,11 @@ def _mlflow_series(logs):
             for key in run.data.metrics}
 
 
-def _dvclive_series(logs):
-    """Every metric in the run's DVCLive files (a .tsv per key, rows as written): {key: [(step, value), ...]}."""
-    import csv
-
-    metrics = Path(logs) / "dvclive" / "plots" / "metrics"
-    series = {}
-    for path in sorted(metrics.rglob("*.tsv")):
-        with open(path, newline="") as f:
-            series[path.relative_to(metrics).with_suffix("").as_posix()] = [(int(r["step"]), float(r[path.stem])) for r in csv.DictReader(f, delimiter="\t")]
-    return series
-
-
 def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
     clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
-    clean_dvclive = _dvclive_series(tmp_path / "clean-logs")
+    clean_dvclive = helpers.dvclive_series(tmp_path / "clean-logs" / "dvclive")
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
@@ -72,7 +60,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_upd
     for _ in range(4):  # a kill that lands between a checkpoint and the next update's log proves nothing: again, resumed
         killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, rng.uniform(0.15, 0.4), processes=1)
         resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
-        before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), _dvclive_series(logs)  # what the killed run left
+        before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
     result = _run(root, logs)
@@ -92,7 +80,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_upd
     assert clean_mlflow.keys() == mlflow_series.keys() and len(clean_mlflow) > 3
     for key in clean_mlflow:
         assert clean_mlflow[key] == mlflow_series[key], key
-    dvclive_series = _dvclive_series(logs)  # DVCLive's files went on (not emptied) and were sent only what they lacked
+    dvclive_series = helpers.dvclive_series(logs / "dvclive")  # DVCLive's files went on (not emptied) and were sent only what they lacked
     assert list(range(1, UPDATES + 1)) == [step for step, _ in dvclive_series["train/loss"]]
     assert clean_dvclive.keys() == dvclive_series.keys() and len(clean_dvclive) > 3
     for key in clean_dvclive:

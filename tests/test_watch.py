@@ -8,6 +8,7 @@ FLOPs against a hand count of a small MLP's matmuls.
 import time
 import warnings
 
+import attrs
 import helpers
 import pytest
 import torch
@@ -306,7 +307,6 @@ def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_t
     """A resumed state at update 4: TensorBoard starts with purge_step 5 (what the run before logged after update 4 is
     dropped); a tracker that cannot cut its series is started as given, and a warning names it. A fresh state: no
     purge, no warning."""
-    import attrs
     from accelerate.tracking import GeneralTracker
 
     from trainfold import init_trackers
@@ -331,7 +331,6 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
     goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key
     once. A tracker that keeps nothing of its own (``mine``) is sent everything, as before."""
-    import attrs
     from accelerate.tracking import GeneralTracker
     from mlflow.tracking import MlflowClient
 
@@ -373,31 +372,13 @@ def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_i
     and 6 (its values made different here, to tell them apart). TensorBoard (``purge_step`` 5 drops only what came after
     4) and MLflow each hold every point once, the record at 4 as the run before logged it. Found by the kill test: its
     kill once landed after such a record."""
-    import attrs
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from trainfold import init_trackers
-    from trainfold._src.compose.tracking import emit
-
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run_id = None
-    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
-        testing.reset_accelerate_state()
-        accelerator = Accelerator(cpu=True, log_with=["tensorboard", "mlflow"], project_dir=str(tmp_path / "logs"))
-        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=accelerator)
-        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
-        run_id = state.run_id
-        init_trackers(ctx, "proj", state)
-        for update in updates:
-            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
-                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
-            if update == 4:
-                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
-        mlflow_run = next(t for t in ctx.accelerator.trackers if t.name == "mlflow").active_run.info.run_id
-        ctx.accelerator.end_training()
-        ctx.close()
+    _, trackers = _cut_off_then_resumed("proj", {"log_with": ["tensorboard", "mlflow"], "project_dir": str(tmp_path / "logs")})
+    mlflow_run = next(t for t in trackers[-1] if t.name == "mlflow").active_run.info.run_id
 
     board = EventAccumulator(str(tmp_path / "logs" / "proj"), size_guidance={"scalars": 0})
     board.Reload()
@@ -412,17 +393,30 @@ def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_i
     assert [(4, 10.0)] == series["tensorboard"]["train/loss_epoch"] == series["mlflow"]["train/loss_epoch"]
 
 
-def _dvclive_series(folder):
-    """Every metric in DVCLive's files under ``folder`` (its ``.tsv`` per key, rows in the order written): {key: [(step, value), ...]}."""
-    import csv
-    from pathlib import Path
+def _cut_off_then_resumed(project, accelerator_kwargs, **init):
+    """The run before logs updates 1-5, the epoch's record at 4 too, and is cut off; resumed at 4 with its run id, the run
+    logs the record at 4 again, then 5 and 6 (values 0.5 higher, to tell them apart; no update at 4: log_every reported it
+    before the checkpoint). Each run starts its trackers with init_trackers(ctx, project, state, **init); returns each
+    run's trackers, as it ended."""
+    from trainfold import init_trackers
+    from trainfold._src.compose.tracking import emit
 
-    metrics = Path(folder) / "plots" / "metrics"
-    series = {}
-    for path in sorted(metrics.rglob("*.tsv")):
-        with open(path, newline="") as f:
-            series[path.relative_to(metrics).with_suffix("").as_posix()] = [(int(r["step"]), float(r[path.stem])) for r in csv.DictReader(f, delimiter="\t")]
-    return series
+    run_id, trackers = None, []
+    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
+        testing.reset_accelerate_state()
+        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, **accelerator_kwargs))
+        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
+        run_id = state.run_id
+        init_trackers(ctx, project, state, **init)
+        for update in updates:
+            if first or update > 4:
+                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
+            if update == 4:
+                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
+        trackers.append(list(ctx.accelerator.trackers))
+        ctx.accelerator.end_training()
+        ctx.close()
+    return run_id, trackers
 
 
 def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_sends_only_what_they_lack(tmp_path, monkeypatch):
@@ -430,29 +424,11 @@ def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_s
     of the run before. The run before logged updates 1-5, the epoch's record at 4 too, and was cut off; resumed at 4,
     the run goes on with DVCLive's files (``resume=True``) and is sent only what they lack: update 6, and not the
     record at 4 again. Each point once; those the run before logged, as it logged them (an exact resume logs the same)."""
-    import attrs
-
-    from trainfold import init_trackers
-    from trainfold._src.compose.tracking import emit
-
     monkeypatch.chdir(tmp_path)  # (DVCLive reads git from where it runs: none here)
     folder = tmp_path / "dvclive"
-    run_id = None
-    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
-        testing.reset_accelerate_state()
-        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
-        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
-        run_id = state.run_id
-        init_trackers(ctx, "proj", state, init_kwargs={"dvclive": {"dir": str(folder)}})
-        for update in updates:
-            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
-                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
-            if update == 4:
-                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
-        ctx.accelerator.end_training()
-        ctx.close()
+    _cut_off_then_resumed("proj", {"log_with": "dvclive"}, init_kwargs={"dvclive": {"dir": str(folder)}})
 
-    series = _dvclive_series(folder)
+    series = helpers.dvclive_series(folder)
     assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == series["train/loss"]
     assert [(4, 10.0)] == series["train/loss_epoch"]
 
@@ -464,8 +440,6 @@ def test_a_dvclive_file_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goe
     in place, so a kill can leave them cut short, and DVCLive going on with its folder fails on them (the kill test
     found the summary). init_trackers sets the file aside, says so, and the run goes on with the series (the ``.tsv``
     files are appended to, and whole); DVCLive writes the file anew."""
-    import attrs
-
     from trainfold import init_trackers
     from trainfold._src.compose.tracking import emit
 
@@ -485,15 +459,13 @@ def test_a_dvclive_file_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goe
     ctx.close()
 
     assert content == (folder / f"{damaged}.damaged").read_text()
-    assert [(4, 0.5), (5, 0.25), (6, 0.125)] == _dvclive_series(folder)["train/loss"]
+    assert [(4, 0.5), (5, 0.25), (6, 0.125)] == helpers.dvclive_series(folder)["train/loss"]
     assert '"step": 6' in (folder / "metrics.json").read_text() and "lr: 0.1" in (folder / "params.yaml").read_text()
 
 
 def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_are_still_held(tmp_path, monkeypatch):
     """A resumed run whose DVCLive folder holds a file it cannot read (a row not DVCLive's): init_trackers names the file
     and what may appear twice there, holds back what the other files hold, and the run goes on."""
-    import attrs
-
     from trainfold import init_trackers
 
     monkeypatch.chdir(tmp_path)
@@ -516,28 +488,11 @@ def test_a_resumed_run_goes_on_with_its_trackio_run_and_sends_only_what_trackio_
     run before logged, as it logged them."""
     import uuid
 
-    import attrs
     from trackio.sqlite_storage import SQLiteStorage
 
-    from trainfold import init_trackers
-    from trainfold._src.compose.tracking import emit
-
     project = f"proj-{uuid.uuid4().hex[:8]}"  # (the session's one store: a project of this test's own)
-    run_id, names = None, []
-    for first, updates in ((True, range(1, 6)), (False, range(4, 7))):
-        testing.reset_accelerate_state()
-        ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
-        state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 4)
-        run_id = state.run_id
-        init_trackers(ctx, project, state, config={"lr": 0.1})
-        names.append(ctx.accelerator.trackers[0].run.name)
-        for update in updates:
-            if first or update > 4:  # the resumed run logs no update at 4: log_every reported it before the save
-                emit(ctx, {"train/loss": update + (0.0 if first else 0.5)}, update)
-            if update == 4:
-                emit(ctx, {"train/loss_epoch": 10.0 if first else 20.0}, update)
-        ctx.accelerator.end_training()
-        ctx.close()
+    run_id, trackers = _cut_off_then_resumed(project, {"log_with": "trackio"}, config={"lr": 0.1})
+    names = [ended[0].run.name for ended in trackers]
 
     assert names[0] == names[1] and [names[0]] == SQLiteStorage.get_runs(project)
     rows = SQLiteStorage.get_logs(project, names[0])
@@ -551,8 +506,6 @@ def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_o
     """A resumed state whose run id no Trackio run of the project holds (another store, or a run killed before Trackio
     wrote anything): a warning names the project and the key, and the run starts a new Trackio run, marked with its id."""
     import uuid
-
-    import attrs
 
     from trainfold import init_trackers
 
@@ -570,7 +523,6 @@ def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_o
 def test_a_trackio_store_that_cannot_be_read_at_a_resume_is_named_and_the_run_goes_on(monkeypatch):
     """A resumed run whose Trackio run its store's reader cannot read: init_trackers says what may then appear twice,
     and the run goes on logging everything."""
-    import attrs
     from trackio.sqlite_storage import SQLiteStorage
 
     from trainfold import init_trackers
@@ -590,7 +542,6 @@ def test_a_trackio_store_that_cannot_be_read_at_a_resume_is_named_and_the_run_go
 def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_run_goes_on(tmp_path, monkeypatch):
     """A resumed run whose TensorBoard events its reader cannot read (a folder it does not support, a damaged file):
     init_trackers says what may then appear twice, and the run goes on logging everything."""
-    import attrs
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from trainfold import init_trackers
@@ -609,8 +560,6 @@ def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_ru
 def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_one(tmp_path, monkeypatch):
     """A resumed state whose run id no MLflow run carries (another tracking store, say): a warning names the experiment
     and the tag, and the run logs into a new MLflow run, tagged with its id, holding nothing back."""
-    import attrs
-
     from trainfold import init_trackers
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")

@@ -166,6 +166,12 @@ HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": 
 TRACKIO_RUN_KEY = "trainfold.run_id"
 
 
+def _warn_no_run(tracker: str, which: str, state: TrainState, store: str) -> None:
+    """Say that ``tracker`` holds no run of this trainfold run's (``which``), so the resumed run starts a new one."""
+    warnings.warn(f"init_trackers: {tracker} holds no run of {which}, so this run, resumed at update {state.step}, starts a new one "
+                  f"(is {store} the run's store?).", UserWarning, stacklevel=user_stacklevel())
+
+
 def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
     """Tag the MLflow run with the trainfold run's id; a resumed run goes on with the MLflow run so tagged."""
     mine = kwargs.setdefault("mlflow", {})
@@ -175,12 +181,7 @@ def _prepare_mlflow(ctx: Context, project_name: str, state: TrainState, kwargs: 
     if state.step > 0 and ctx.is_main_process and not mine.get("run_id") and not os.environ.get("MLFLOW_RUN_ID"):
         found = _mlflow_run_of(project_name, state.run_id)
         if found is None:
-            warnings.warn(
-                f"init_trackers: MLflow holds no run of experiment {project_name!r} tagged {MLFLOW_RUN_TAG}={state.run_id}, "
-                f"so this run, resumed at update {state.step}, starts a new one (is MLFLOW_TRACKING_URI the run's store?).",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+            _warn_no_run("MLflow", f"experiment {project_name!r} tagged {MLFLOW_RUN_TAG}={state.run_id}", state, "MLFLOW_TRACKING_URI")
         else:
             mine["run_id"] = found
 
@@ -238,12 +239,7 @@ def _prepare_trackio(ctx: Context, project_name: str, state: TrainState, kwargs:
         return
     found = _trackio_run_of(project_name, state.run_id)
     if found is None:
-        warnings.warn(
-            f"init_trackers: Trackio holds no run of project {project_name!r} whose config has {TRACKIO_RUN_KEY}={state.run_id}, "
-            f"so this run, resumed at update {state.step}, starts a new one (is TRACKIO_DIR the run's store?).",
-            UserWarning,
-            stacklevel=user_stacklevel(),
-        )
+        _warn_no_run("Trackio", f"project {project_name!r} whose config has {TRACKIO_RUN_KEY}={state.run_id}", state, "TRACKIO_DIR")
         return
     mine.update(name=found, resume="must")
 
