@@ -160,7 +160,7 @@ def ls_text(doc: dict[str, Any]) -> str:
 
 
 def size_text(n: int) -> str:
-    size = float(n)
+    size = float(n)  # sync: none: a host int
     for unit in ("B", "KB", "MB"):
         if size < 1024:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -331,7 +331,7 @@ def export(path: str, out: Path, transformers_config: str | None, base: str | No
     if transformers_config is not None and not Path(transformers_config).is_dir():
         raise Refused(f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least).")
     try:
-        adapters = base is None and bool(_state(folder).get("frozen"))
+        adapters = base is None and bool(_state(folder).get("frozen"))  # sync: none: a JSON value
         written = export_checkpoint(folder, out, transformers_config=transformers_config, base=base)
     except (FileExistsError, ImportError) as exc:
         raise Refused(str(exc)) from None

@@ -128,7 +128,7 @@ def _record(r: Any) -> Record:
     epoch, step, name, value = r
     if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
-    return Record(counter("history epoch", epoch), counter("history step", step), name, float(value))
+    return Record(counter("history epoch", epoch), counter("history step", step), name, float(value))  # sync: none: a JSON number
 
 
 class _AtStep(Mapping[str, float]):

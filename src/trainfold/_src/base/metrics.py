@@ -218,7 +218,7 @@ def as_float32(value: torch.Tensor) -> torch.Tensor:
     """``value.detach().float()``, skipping each call that has nothing to do (this runs per batch)."""
     if value.requires_grad:
         value = value.detach()
-    return value if value.dtype is torch.float32 else value.float()
+    return value if value.dtype is torch.float32 else value.float()  # sync: none: a cast on the device
 
 
 def _aux_names_changed(earlier: Iterable[str], aux: Iterable[str]) -> str:
@@ -253,7 +253,7 @@ def reduce_with_totals(accelerator: Accelerator, sums: Mapping[str, torch.Tensor
         local = accelerator.reduce(local, reduction="sum")
     values = local.tolist()  # sync: once per epoch / log interval
     n = values[-1]
-    means = {name: (v / n if n else float("nan")) for name, v in zip(names, values)}
+    means = {name: (v / n if n else float("nan")) for name, v in zip(names, values)}  # sync: none: host numbers
     return means, dict(zip(extra, values[len(names):-1]))
 
 
@@ -275,7 +275,7 @@ def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dic
     """
     if nonfinite in means and "loss" in means and "loss" + WEIGHT not in means:
         finite_share = 1.0 - means[nonfinite]
-        means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}
+        means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}  # sync: none: host numbers
     return means
 
 
@@ -296,5 +296,5 @@ def weighted_means(means: dict[str, float], suffix: str = WEIGHT) -> dict[str, f
         if name.endswith(suffix):
             continue
         weight = means.get(name + suffix)
-        out[name] = value if weight is None else (value / weight if weight else float("nan"))
+        out[name] = value if weight is None else (value / weight if weight else float("nan"))  # sync: none: host numbers
     return out

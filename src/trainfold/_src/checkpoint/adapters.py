@@ -169,7 +169,7 @@ def _lora_scale(folder: object, config: Mapping[str, Any]) -> float:
     """``lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA), refusing what this merge does not do (PEFT's merge_and_unload does)."""
     unsupported = [what for what, on in (
         (f"peft_type {config.get('peft_type')!r}", config.get("peft_type") != "LORA"),
-        ("use_dora", bool(config.get("use_dora"))),
+        ("use_dora", bool(config.get("use_dora"))),  # sync: none: these are a JSON config's values
         ("lora_bias", bool(config.get("lora_bias"))),
         ("rank_pattern", bool(config.get("rank_pattern"))),
         ("alpha_pattern", bool(config.get("alpha_pattern"))),
@@ -180,13 +180,13 @@ def _lora_scale(folder: object, config: Mapping[str, Any]) -> float:
         raise CheckpointError(
             f"{folder}: merging its adapter ({reason}) is not done here (plain LoRA on Linear layers is). Export the "
             "adapters alone (without --base) and merge them with peft: PeftModel.from_pretrained(base, out).merge_and_unload().")
-    return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)
+    return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else r)  # sync: none: config numbers
 
 
 def _merged(folder: object, whole: dict[str, torch.Tensor], adapter: str, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """``whole`` (a PEFT model's names) with each LoRA pair merged into its layer's weight and taken out."""
     scale = _lora_scale(folder, config)
-    transpose = bool(config.get("fan_in_fan_out"))
+    transpose = bool(config.get("fan_in_fan_out"))  # sync: none: a config value
     out = dict(whole)
     for name in sorted(whole):
         suffix = f".lora_A.{adapter}.weight"
@@ -197,9 +197,9 @@ def _merged(folder: object, whole: dict[str, torch.Tensor], adapter: str, config
         if a.dim() != 2 or target not in out:
             raise CheckpointError(f"{folder}: the adapter of {module!r} is not a LoRA pair on a Linear layer: merge it with peft "
                                   "(export without --base, then merge_and_unload()).")
-        delta = (b.float() @ a.float()) * scale
+        delta = (b.float() @ a.float()) * scale  # sync: none: casts at an export, on the host
         weight = out[target]
-        out[target] = (weight.float() + (delta.T if transpose else delta)).to(weight.dtype)
+        out[target] = (weight.float() + (delta.T if transpose else delta)).to(weight.dtype)  # sync: none: casts
     leftover = sorted(n for n in out if ".lora_" in n)  # embeddings' lora_embedding_A/B, DoRA's magnitudes...
     if leftover:
         raise CheckpointError(f"{folder}: {leftover[0]!r} belongs to no LoRA pair on a Linear layer, which is what this merge "

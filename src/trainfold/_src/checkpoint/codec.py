@@ -92,7 +92,7 @@ class Encoder:
             self.tensor(path, torch.from_numpy(np.ascontiguousarray(value)))
             return {"__ndarray__": path}
         if isinstance(value, np.generic) and value.dtype.kind in "biuf":
-            return value.item()
+            return value.item()  # sync: none: a numpy scalar
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             # kept as its fields; a resumed loader's own batches give the type back (_batch.like)
             return {"__fields__": [[f.name, self.encode(getattr(value, f.name), f"{path}.{f.name}")] for f in dataclasses.fields(value)]}

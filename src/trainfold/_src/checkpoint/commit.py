@@ -52,7 +52,7 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
     if acc.num_processes > 1:
         import torch.distributed as dist
 
-        flag = torch.tensor([float(failed)])
+        flag = torch.tensor([float(failed)])  # sync: none: a host bool
         dist.all_reduce(flag, group=ctx.runtime.control.group() if group is None else group)
         failed = bool(flag.item() > 0)  # sync: none, a CPU tensor
     if not failed:

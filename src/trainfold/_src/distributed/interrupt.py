@@ -157,7 +157,7 @@ class Interrupt:
         now = time.monotonic()
         then, at = self._launched
         speed = (now - then) / (micro_step - at) if at and micro_step > at else 0.0
-        flags = torch.tensor([float(self.requested), speed], dtype=torch.float64)
+        flags = torch.tensor([float(self.requested), speed], dtype=torch.float64)  # sync: none: host numbers
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control.group(), async_op=True)
         self._pending = (work, flags)
         self._launched = (now, micro_step)

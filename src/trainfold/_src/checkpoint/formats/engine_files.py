@@ -230,7 +230,7 @@ def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         raise ValueError("holds no DeepSpeed model states: incomplete, refused.")
     first = ranked[0]
     module = first.get("module") or {}
-    weights: dict[str, torch.Tensor] = {k: v.float() if v.is_floating_point() else v
+    weights: dict[str, torch.Tensor] = {k: v.float() if v.is_floating_point() else v  # sync: none: casts of loaded CPU tensors
                                         for k, v in module.items() if k in set(first.get("buffer_names") or ())}
     optim = [states["optimizer_state_dict"] for states in _by_rank(parsed, "optim")]
     if not optim:  # no ZeRO partitions (stage 0): the module's states are the whole model

@@ -265,7 +265,7 @@ class RemoteRoot:
         return self.url
 
     def exists(self) -> bool:
-        return bool(call(self.fs, f"looking for {self.url}", "exists", self.where))
+        return bool(call(self.fs, f"looking for {self.url}", "exists", self.where))  # sync: none: a store's answer
 
     def unusable(self) -> str | None:
         if self.url.startswith("memory://"):
