@@ -108,11 +108,22 @@ def samples_in(batch: Batch) -> int:
     Examples:
         >>> samples_in({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), samples_in((torch.zeros(5, 2), [1, 2])), samples_in("text")
         (8, 5, 0)
+        >>> samples_in([[torch.zeros(3, 1)], 7]), samples_in(torch.tensor(1.0))
+        (3, 0)
     """
-    for _ in range(8):  # the usual batches, without the abstract-class checks of the general walk
+    kind = type(batch)  # the usual batches first: a tensor, or one in a list, tuple or dict (this runs per step)
+    if (kind is list or kind is tuple) and batch:
+        first = batch[0]
+    elif kind is dict and batch:
+        first = next(iter(batch.values()))
+    else:
+        first = batch
+    if type(first) is torch.Tensor:
+        return int(first.shape[0]) if first.ndim else 0
+    for _ in range(8):  # nested ones, without the abstract-class checks of the general walk
         kind = type(batch)
         if kind is torch.Tensor:
-            return int(batch.shape[0]) if batch.dim() else 0
+            return int(batch.shape[0]) if batch.ndim else 0
         if (kind is tuple or kind is list) and batch:
             batch = batch[0]
         elif kind is dict and batch:
