@@ -1,6 +1,7 @@
 """pytest set-up shared by the tests and the docstring examples."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,9 +11,20 @@ import trainfold
 from trainfold import testing
 
 
+_TRACKIO_DIR = []
+
+
 def pytest_configure(config):
     """Trackio's local store in a folder of this session's (it reads ``TRACKIO_DIR`` once, at import), never the user's."""
-    os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="trainfold-tests-trackio-"))
+    if "TRACKIO_DIR" not in os.environ:
+        _TRACKIO_DIR.append(tempfile.mkdtemp(prefix="trainfold-tests-trackio-"))
+        os.environ["TRACKIO_DIR"] = _TRACKIO_DIR[-1]
+
+
+def pytest_unconfigure(config):
+    """Remove the session's Trackio store."""
+    for folder in _TRACKIO_DIR:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
