@@ -502,6 +502,22 @@ def test_a_resumed_run_goes_on_with_its_trackio_run_and_sends_only_what_trackio_
     assert {"lr": 0.1, "trainfold.run_id": run_id}.items() <= SQLiteStorage.get_run_config(project, names[0]).items()
 
 
+def test_a_resumed_run_given_its_trackio_runs_name_goes_on_with_that_run():
+    """A name given in init_kwargs wins over the run id's mark: the resumed run goes on with the run of that name
+    (resume="allow"; Trackio's own default would start a second run of the name), and is sent only what it lacks."""
+    import uuid
+
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = f"proj-{uuid.uuid4().hex[:8]}"
+    _, trackers = _cut_off_then_resumed(project, {"log_with": "trackio"}, init_kwargs={"trackio": {"name": "named"}})
+
+    assert ["named", "named"] == [ended[0].run.name for ended in trackers]
+    assert trackers[0][0].run.id == trackers[1][0].run.id and 1 == len(SQLiteStorage.get_run_records(project))
+    rows = SQLiteStorage.get_logs(project, "named")
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+
+
 def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_one():
     """A resumed state whose run id no Trackio run of the project holds (another store, or a run killed before Trackio
     wrote anything): a warning names the project and the key, and the run starts a new Trackio run, marked with its id."""
