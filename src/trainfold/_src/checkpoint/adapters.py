@@ -170,9 +170,9 @@ def _lora_scale(folder: object, config: Mapping[str, Any]) -> float:
     unsupported = [what for what, on in (
         (f"peft_type {config.get('peft_type')!r}", config.get("peft_type") != "LORA"),
         ("use_dora", bool(config.get("use_dora"))),  # sync: none: these are a JSON config's values
-        ("lora_bias", bool(config.get("lora_bias"))),
-        ("rank_pattern", bool(config.get("rank_pattern"))),
-        ("alpha_pattern", bool(config.get("alpha_pattern"))),
+        ("lora_bias", bool(config.get("lora_bias"))),  # sync: none: config values
+        ("rank_pattern", bool(config.get("rank_pattern"))),  # sync: none: config values
+        ("alpha_pattern", bool(config.get("alpha_pattern"))),  # sync: none: config values
     ) if on]
     r, alpha = config.get("r"), config.get("lora_alpha")
     if unsupported or not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):

@@ -236,7 +236,7 @@ def _decode_sums(saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
         _codec.decode(saved["loss_sum"], tensors, device=device),
         MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
         tuple((loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)),
-        bool(saved.get("mask_nonfinite", mask_default)),
+        bool(saved.get("mask_nonfinite", mask_default)),  # sync: none: JSON
     )
 
 
@@ -267,7 +267,7 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
             s = position.stream
             meta["stream"] = {"holder": s.holder, "kind": s.kind, "workers": s.workers, "state": enc.encode(s.state, "stream")}
     tensors.update(enc.tensors)
-    meta["grads"] = bool(run.grads)
+    meta["grads"] = bool(run.grads)  # sync: none: a host flag
     tensors.update({f"grad.{n}": g for n, g in run.grads.items()})
     json_name, tensors_name = rank_files(rank)
     return {tensors_name: tensors, json_name: json_bytes(meta)}
@@ -294,7 +294,7 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
     read_ahead: tuple[bool, Any] = (False, None)
     if "read_ahead" in meta:
         has, encoded = meta["read_ahead"]
-        read_ahead = (bool(has), _codec.decode(encoded, tensors) if has else None)
+        read_ahead = (bool(has), _codec.decode(encoded, tensors) if has else None)  # sync: none: JSON
     length = meta.get("epoch_length")
     if length is not None:
         counter("epoch_length", length)

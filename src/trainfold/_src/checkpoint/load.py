@@ -119,7 +119,7 @@ def _agreed(ctx: Context, work: Callable[[], TrainState]) -> TrainState:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([float(outcome)])
+        flag = torch.tensor([float(outcome)])  # sync: none: a host number
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.runtime.control.group())
         outcome = int(flag.item())  # sync: none, a CPU tensor
     if outcome == 0:

@@ -124,7 +124,7 @@ def _from_accelerate(accelerator: Any) -> Compile:
     if plugin is None or backend == "NO":
         return Compile()
     return Compile(backend=backend.lower(), mode=plugin.mode, options=plugin.options, dynamic=plugin.dynamic,
-                   fullgraph=bool(plugin.fullgraph))
+                   fullgraph=bool(plugin.fullgraph))  # sync: none: a config flag
 
 
 def own_code(fn: types.FunctionType, name: str) -> types.FunctionType:

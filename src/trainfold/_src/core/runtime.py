@@ -60,7 +60,7 @@ class Runtime:
 
     def __init__(self, processes: int, stop_check_s: float, signals: Sequence[int]) -> None:
         self.control = Control()
-        self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))
+        self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))  # sync: none: a flag
         self.saver = Saver()
         self.handlers = Handlers(self.interrupt, signals)
         self.clock = Clock()

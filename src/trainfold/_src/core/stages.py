@@ -166,7 +166,7 @@ def bind_all(ctx: Context, specs: tuple[StageSpec, ...]) -> tuple[Stage, ...]:
 def _positive(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number (got {value!r}).")
-    return float(value)
+    return float(value)  # sync: none: an option's number
 
 
 #: The aux name under which a stage records the gradient norm of each update (see :func:`recording_norm`).
@@ -212,7 +212,7 @@ class _Clip:
 
         def on_update_recording(mb: MicroBatch) -> None:
             norm = clip(mb.model.parameters(), threshold)
-            mb.aux = {**mb.aux, GRAD_NORM: norm.detach().float().reshape(()), weight: one}
+            mb.aux = {**mb.aux, GRAD_NORM: norm.detach().float().reshape(()), weight: one}  # sync: none: a cast on the device
 
         return Stage(name, on_batch=on_batch, on_update=on_update_recording)
 

@@ -31,7 +31,7 @@ class _NormalizeTokens:
         accelerator = ctx.accelerator
         if owns_clipping(accelerator):
             raise ValueError("normalize='tokens' is not supported under DeepSpeed, which scales gradients itself.")
-        factor = float(ctx.gradient_accumulation_steps * accelerator.num_processes)
+        factor = float(ctx.gradient_accumulation_steps * accelerator.num_processes)  # sync: none: host ints
         several = accelerator.num_processes > 1
 
         def count(mb: MicroBatch) -> None:
@@ -42,7 +42,7 @@ class _NormalizeTokens:
                     "number of real (non-padding) tokens of the batch, e.g. (labels != -100).sum()."
                 )
             group = mb.extras.get(TOKENS)
-            tokens = tokens.detach().float()
+            tokens = tokens.detach().float()  # sync: none: a cast on the device
             mb.extras = MappingProxyType({**mb.extras, TOKENS: tokens if group is None else group + tokens})
             mb.loss = mb.loss.detach() / tokens.clamp(min=1)  # the per-token mean, recorded weighted by the tokens:
             # train_loss is then (all token losses) / (all tokens); the count is the loss's weight, not a metric of its own

@@ -132,6 +132,6 @@ def tag(fs: Any, path: str) -> str:
 def exists(fs: Any, path: str) -> bool:
     """Whether the object is there, asked of the store."""
     if protocol_of(fs) == "memory":
-        return bool(fs.exists(path))
+        return bool(fs.exists(path))  # sync: none: a store's answer
     fresh(fs, path)
-    return bool(call(fs, "reading the lock", "exists", path))
+    return bool(call(fs, "reading the lock", "exists", path))  # sync: none: a store's answer

@@ -73,9 +73,9 @@ def lease_s() -> float:
     if text is None:
         return LEASE_S
     try:
-        value = float(text)
+        value = float(text)  # sync: none: a lease file's text
     except ValueError:
-        value = float("nan")
+        value = float("nan")  # sync: none: a host number
     if not 0 < value <= MAX_LEASE_S:
         raise ValueError(f"TRAINFOLD_LOCK_LEASE_S={text!r}: the lease of a checkpoint root's lock must be a number of seconds "
                          f"above 0 and at most {MAX_LEASE_S:.0f}.")
@@ -133,7 +133,7 @@ class LeaseLock:
         """
         etag, owner = conditional.tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
         declared = owner.get("lease_s")
-        watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
+        watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S  # sync: none: JSON
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
         logger.warning("%s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
                        "killed leaves its lock behind).", self.url, _describe(owner), watch_s + 2 * POLL_S)
