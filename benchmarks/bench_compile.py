@@ -4,11 +4,14 @@
     PYTHONPATH=.deepspeed-site python benchmarks/bench_compile.py --json benchmarks/results_compile.json
     python benchmarks/bench_compile.py --models tiny --rounds 20 --backend inductor
 
-Four loops train the same model on the same batches, one epoch of ``--steps`` batches per round:
+Five loops train the same model on the same batches, one epoch of ``--steps`` batches per round:
 
 - ``raw``: the hand-written eager loop (``loss_fn(model, batch).backward()``, ``opt.step()``, ``opt.zero_grad()``);
 - ``raw_compiled``: the same loop compiled the way torch's tutorials do: ``torch.compile`` of the loss with the
-  model inside, and of ``opt.step`` with the learning rate a tensor (what ``make_step(compile=True)`` compiles);
+  model inside, and of ``opt.step`` with the learning rate a tensor; ``opt.zero_grad()`` eager;
+- ``raw_compiled_lean``: the same loop with the update compiled as ``make_step(compile=True)`` compiles it: the
+  body of the optimizer's ``step`` (under torch's profiler and grad-mode wrappers) and the gradients set to None,
+  one compiled function, called with the grad mode off;
 - ``trainfold``: ``run_epoch(ctx, make_step(ctx, loss_fn), loader)``;
 - ``trainfold_compiled``: the same with ``make_step(..., compile=Compile(backend=...))``.
 
@@ -16,7 +19,8 @@ The first round of each loop is its warm-up (compilation) and is reported apart,
 caches on disk are off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``, ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``), so each
 compiled loop compiles from nothing rather than the second reusing the first's kernels. The
 timed rounds are paired: every loop once per round, in a shuffled order; reported per loop are the
-median microseconds per step and the medians of the per-round ratios to ``raw`` and to ``raw_compiled``.
+median microseconds per step and the medians of the per-round ratios to ``raw``, ``raw_compiled`` and
+``raw_compiled_lean``.
 The small GPT-2 (2 layers of width 128, 4 heads, a vocabulary of 256, sequences of 64) is built from
 its config with transformers (``.deepspeed-site`` has it): nothing is downloaded.
 """
@@ -99,6 +103,27 @@ def raw(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: l
     return run
 
 
+def raw_lean(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str) -> Runner:
+    opt = _optimizer(model, tensor_lr=True)
+    body = type(opt).step.__wrapped__.__wrapped__  # type: ignore[attr-defined]  # inside the profiler's and grad mode's wrappers
+    params = list(model.parameters())
+
+    def update() -> None:
+        body(opt)
+        for p in params:
+            p.grad = None
+
+    loss_call, update_call = torch.compile(loss_fn, backend=backend), torch.compile(update, backend=backend)
+
+    def run() -> None:
+        for batch in batches:
+            loss_call(model, batch).backward()
+            with torch.no_grad():
+                update_call()
+
+    return run
+
+
 def composed(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str | None) -> Runner:
     from accelerate import Accelerator
 
@@ -131,6 +156,7 @@ def bench(model_name: str, *, rounds: int, steps: int, backend: str, seed: int) 
     loops = {
         "raw": raw(build(0).to(device), loss_fn, batches, None),
         "raw_compiled": raw(build(0).to(device), loss_fn, batches, backend),
+        "raw_compiled_lean": raw_lean(build(0).to(device), loss_fn, batches, backend),
         "trainfold": composed(build(0).to(device), loss_fn, batches, None),
         "trainfold_compiled": composed(build(0).to(device), loss_fn, batches, backend),
     }
@@ -152,6 +178,7 @@ def bench(model_name: str, *, rounds: int, steps: int, backend: str, seed: int) 
         "us_per_step": {name: round(statistics.median(t), 1) for name, t in times.items()},
         "ratio_to_raw": {name: round(ratio(name, "raw"), 3) for name in loops},
         "ratio_to_raw_compiled": {name: round(ratio(name, "raw_compiled"), 3) for name in loops},
+        "ratio_to_raw_compiled_lean": {name: round(ratio(name, "raw_compiled_lean"), 3) for name in loops},
     }
 
 

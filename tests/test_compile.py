@@ -1,5 +1,6 @@
 """make_step(compile=...): compiled, proven compiled, no recompiles after warm-up, equal to eager, checkpoints of one format."""
 
+import functools
 import json
 
 import helpers
@@ -7,10 +8,11 @@ import pytest
 import torch
 import torch._dynamo
 from accelerate import Accelerator
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainfold import (
     Compile, Context, TrainState, evaluate, latest_checkpoint, load_checkpoint, log_every, loop, lr_schedule, make_step, max_steps,
-    run_epoch, save_checkpoint, testing, warmup_cosine,
+    nan_guard, run_epoch, save_checkpoint, testing, warmup_cosine,
 )
 
 
@@ -183,17 +185,87 @@ def test_a_step_asked_to_compile_where_dynamo_compiles_nothing_says_so_at_its_fi
         step(state, batch)
 
 
-def test_an_optimizer_class_whose_step_reached_dynamo_s_limit_of_versions_is_named_not_run_eagerly():
-    """Each optimizer of a class is another version of the class's compiled step; past dynamo's limit it would run eagerly."""
+def test_each_step_compiles_its_own_update_so_optimizers_of_one_class_never_share_dynamo_s_limit():
+    """The update is compiled from a code object of the step's own (the body of SGD.step inlined, the gradients set to
+    None), not from SGD.step, which every SGD in the process shares: three optimizers under a limit of two versions each
+    compile their update (the step's check raises at the first update where one ran eagerly)."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
     with torch._dynamo.config.patch(recompile_limit=2):
         for i in range(3):
             ctx, state, dl = _setup(ga=1)
-            step = make_step(ctx, helpers.ce_loss, compile=AOT)
+            before = len(graphs)
+            new = make_step(ctx, helpers.ce_loss, compile=Compile(backend=counting))(state, next(iter(dl)))
+
+            assert len(graphs) == before + 2, f"step {i}: {len(graphs) - before} graphs, not the loss's and the update's"
+            assert all(p.grad is None for p in new.model.parameters())
+
+
+def test_a_gated_update_compiles_optimizer_step_itself_and_names_dynamo_s_limit_of_versions_once_reached():
+    """A gated update (nan_guard) may skip the step and still zero the gradients: its step is optimizer.step compiled, a
+    frame of torch's shared by every optimizer of the class. Each optimizer is another version of it; past dynamo's limit
+    it would run eagerly, so the step raises."""
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for i in range(3):
+            ctx, state, dl = _setup(ga=1)
+            step = make_step(ctx, helpers.ce_loss, compile=AOT, stages=[nan_guard(3)])
             if i < 2:
                 step(state, next(iter(dl)))
                 continue
             with pytest.raises(RuntimeError, match=r"the optimizer's update \(SGD.step\) ran eagerly: dynamo already holds 2 compiled versions"):
                 step(state, next(iter(dl)))
+
+
+@pytest.mark.parametrize("hook", ["the optimizer's pre-hook", "a global post-hook"])
+def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and_the_run_trains_the_same(hook):
+    """The compiled update leaves torch's wrapper of optimizer.step out (its profiler range, its hooks) where it has
+    nothing to do. A hook registered mid-run sends each update through optimizer.step (compiled) and zero_grad from
+    then on; removed, the update goes back to the one compiled function. Parameters bit for bit as the run without a hook."""
+    def train(with_hook):
+        ctx, state, dl = _setup(ga=1, optimizer="adamw")
+        step, calls = make_step(ctx, helpers.ce_loss, compile=AOT), []
+        for i, batch in enumerate(batches):
+            if with_hook and i == 2:
+                register = (state.optimizer.optimizer.register_step_pre_hook if hook == "the optimizer's pre-hook"
+                            else register_optimizer_step_post_hook)
+                handle = register(lambda opt, args, kwargs: calls.append(opt))
+            if with_hook and i == 5:
+                handle.remove()
+            state = step(state, batch)
+        return state, calls
+
+    batches = [batch for _ in range(2) for batch in _setup()[2]]
+    expected, _ = train(with_hook=False)
+    state, calls = train(with_hook=True)
+
+    assert len(calls) == 3
+    assert all(p.grad is None for p in state.model.parameters())
+    testing.assert_params_equal(expected, state)
+
+
+def test_an_optimizer_whose_step_was_replaced_is_updated_through_it():
+    """A step put on the optimizer itself (a user's wrapper; not a scheduler's, whose wrapper only marks the call) is
+    what the update calls: not the body of the class's step."""
+    ctx, state, dl = _setup(ga=1)
+    inner, calls = state.optimizer.optimizer, []
+    own = inner.step  # the scheduler's wrapper of SGD.step
+
+    @functools.wraps(own)  # (its marks too: the scheduler sees its own wrapper inside)
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return own(*args, **kwargs)
+
+    inner.step = counted
+    step = make_step(ctx, helpers.ce_loss, compile=AOT)
+    for batch in dl:
+        state = step(state, batch)
+
+    assert len(calls) == state.step == 6
+    assert all(p.grad is None for p in state.model.parameters())
 
 
 def test_many_steps_built_in_one_process_each_compile_their_loss():

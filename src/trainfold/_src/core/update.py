@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 from trainfold._src.backend.optim import OptimizerOps, optimizer_ops
-from trainfold._src.core.compiling import Compile, update_of
+from trainfold._src.core.compiling import Compile, step_and_zero_of, update_of
 
 #: ``apply(skip)``: step and zero the gradients; where the 0-d ``skip`` flag is non-zero, leave the weights.
 Apply = Callable[["torch.Tensor | None"], None]
@@ -99,14 +99,19 @@ class Updates:
         if update is None:
             ops = optimizer_ops(self._accelerator, optimizer)
             if self._compile is not None:
-                ops = compiled(ops, self._compile)
+                ops = compiled(ops, self._compile, gated=self._gate)
             update = Update(ops, self._make(ops))
             optimizer.__dict__.setdefault(_ATTRIBUTE, {})[self._key] = update
         return update
 
 
-def compiled(ops: OptimizerOps, spec: Compile) -> OptimizerOps:
+def compiled(ops: OptimizerOps, spec: Compile, *, gated: bool = False) -> OptimizerOps:
     """``ops`` with the torch optimizer's ``step`` compiled.
+
+    An update with no gate always zeroes the gradients right after the step: there
+    ``step`` is the two compiled as one (:func:`~trainfold._src.core.compiling.step_and_zero_of`)
+    and ``zero_grad`` does nothing. A gated update may skip the step and still zero
+    the gradients: there only the step is compiled.
 
     Raises:
         ValueError: Accelerate's optimizer wrapper must run on every micro-batch here
@@ -116,7 +121,13 @@ def compiled(ops: OptimizerOps, spec: Compile) -> OptimizerOps:
         raise ValueError("make_step(compile=...): the optimizer's update cannot be compiled here: Accelerate's optimizer "
                          "wrapper must run it (fp16 loss scaling, XLA, or a wrapper of another engine). Compile the rest "
                          "with Compile(optimizer=False).")
-    return attrs.evolve(ops, step=update_of(ops.raw, spec))
+    if gated:
+        return attrs.evolve(ops, step=update_of(ops.raw, spec))
+    return attrs.evolve(ops, step=step_and_zero_of(ops.raw, spec), zero_grad=zeroed_by_step)
+
+
+def zeroed_by_step() -> None:
+    """An update's ``zero_grad`` where its ``step`` has set the gradients to None already."""
 
 
 def supports_found_inf(optimizer: Any) -> bool:
