@@ -461,6 +461,22 @@ def dvclive_series(folder) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+def clearml_series(cache_dir) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of the one offline ClearML session under ``cache_dir`` (its ``metrics.jsonl``: a JSON list of events
+    per line), by the key Accelerate's ClearMLTracker was given (title ``x``, series ``eval``: ``eval_x``; series ``train``:
+    the title), in the order written: ``{key: [(iteration, value), ...]}``."""
+    import json
+
+    (session,) = [p for p in (Path(cache_dir) / "offline").iterdir() if p.is_dir()]  # one session: the resumed run went on with it
+    series: dict[str, list[tuple[int, float]]] = {}
+    for line in (session / "metrics.jsonl").read_text().splitlines():
+        for event in json.loads(line):
+            if event["type"] == "training_stats_scalar":
+                key = event["metric"] if event["variant"] == "train" else f"{event['variant']}_{event['metric']}"
+                series.setdefault(key, []).append((event["iter"], event["value"]))
+    return series
+
+
 class NoisyData(torch.utils.data.Dataset):
     """Draws from the global torch RNG in __getitem__, like a random augmentation."""
 

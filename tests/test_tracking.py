@@ -1,6 +1,6 @@
-"""A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's, MLflow's and
-DVCLive's series hold every update once, with the values the uninterrupted run logs (tests/scripts/tracked_run.py: its
-event files, its MLflow store and DVCLive's files read back)."""
+"""A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's, MLflow's,
+DVCLive's and (offline) ClearML's series hold every update once, with the values the uninterrupted run logs
+(tests/scripts/tracked_run.py: its event files, its MLflow store, DVCLive's files and ClearML's session read back)."""
 
 import os
 import random
@@ -47,11 +47,12 @@ def _mlflow_series(logs):
             for key in run.data.metrics}
 
 
-def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
+def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_and_clearml_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
     clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
     clean_dvclive = helpers.dvclive_series(tmp_path / "clean-logs" / "dvclive")
+    clean_clearml = helpers.clearml_series(tmp_path / "clean-logs" / "clearml")
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
@@ -61,6 +62,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_upd
         killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, rng.uniform(0.15, 0.4), processes=1)
         resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
         before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
+        before_clearml = helpers.clearml_series(logs / "clearml")
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
     result = _run(root, logs)
@@ -69,6 +71,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_upd
     assert max(step for step, _ in before["train/loss"]) > resumed_from  # it had logged past its checkpoint
     assert max(step for step, _ in before_mlflow["train/loss"]) > resumed_from
     assert max(step for step, _ in before_dvclive["train/loss"]) > resumed_from
+    assert max(step for step, _ in before_clearml["train/loss"]) >= resumed_from  # (it writes behind: what came after the checkpoint may be lost; nothing before)
     assert "cannot cut a series back" not in result.stderr  # trackers that can keep their series: no such warning
     series = _series(logs)
     assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
@@ -85,3 +88,59 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_and_dvclive_hold_every_upd
     assert clean_dvclive.keys() == dvclive_series.keys() and len(clean_dvclive) > 3
     for key in clean_dvclive:
         assert clean_dvclive[key] == dvclive_series[key], key
+    clearml_series = helpers.clearml_series(logs / "clearml")  # the session went on, each checkpoint waited for what ClearML was given
+    assert list(range(1, UPDATES + 1)) == [step for step, _ in clearml_series["train/loss"]]
+    assert clean_clearml.keys() == clearml_series.keys() and len(clean_clearml) > 3
+    for key in clean_clearml:
+        assert clean_clearml[key] == clearml_series[key], key
+
+
+CLEARML_RUN = r'''
+import json, sys, warnings
+import attrs
+from accelerate import Accelerator
+from trainfold import init_trackers, testing
+from trainfold._src.compose.tracking import emit
+
+resumed = sys.argv[1] == "resumed"
+ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="clearml"))
+state = attrs.evolve(state, run_id="r-1", step=4 if resumed else 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    init_trackers(ctx, "proj", state, init_kwargs={"clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False}})
+for update in (5, 6) if resumed else (1, 2, 3, 4, 5):
+    emit(ctx, {"train/loss": update + (0.5 if resumed else 0.0)}, update, log=False)
+(tracker,) = ctx.accelerator.trackers
+print(json.dumps({"task": tracker.task.id, "warnings": [str(w.message) for w in caught]}), file=sys.stderr)
+ctx.accelerator.end_training()
+ctx.close()
+'''
+
+
+def test_a_resumed_run_goes_on_with_its_offline_clearml_session_mends_a_line_cut_short_and_sends_only_what_it_lacks(tmp_path):
+    """A run logs updates 1-5 to an offline ClearML session, which a kill then leaves with a last line cut short (appended
+    by hand). Resumed at update 4, the run finds the session by its tag (the run's id), cuts the unfinished line off
+    (ClearML would glue its next line to it), goes on with the session, its iterations as given (ClearML would shift them
+    past the last it holds), and sends it update 6 only."""
+    import json
+
+    cache, home = tmp_path / "clearml", tmp_path / "home"
+    home.mkdir()
+    (home / "clearml.conf").write_text("sdk { development { report_use_subprocess: false } }\n")  # (see tracked_run.py)
+    env = {**ENV, "HOME": str(home), "CLEARML_CACHE_DIR": str(cache), "CLEARML_OFFLINE_MODE": "1"}
+    reports = []
+    for run in ("first", "resumed"):
+        result = subprocess.run([sys.executable, "-c", CLEARML_RUN, run], capture_output=True, text=True, env=env, cwd=tmp_path,
+                                timeout=helpers.scaled(120))
+        assert 0 == result.returncode, result.stderr[-3000:]
+        reports.append(json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"task"'))))
+        if run == "first":
+            (session,) = [p for p in (cache / "offline").iterdir() if p.is_dir()]
+            with open(session / "metrics.jsonl", "a") as f:
+                f.write('[{"type": "training_stats_scalar", "iter": 6, "metr')
+
+    assert reports[0]["task"] == reports[1]["task"] == session.name
+    warned = reports[1]["warnings"]
+    assert any("ended in a line a kill cut short: cut off" in w for w in warned), warned
+    assert not any("cannot cut a series back" in w or "holds no run" in w for w in warned), warned
+    assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)]} == helpers.clearml_series(cache)

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 import attrs
 
+from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.base.checks import name_of, named, user_stacklevel
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
@@ -33,6 +34,8 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
             _log_what_trackers_lack(ctx, values, step)
         else:
             ctx.accelerator.log(dict(values), step=step)
+        if step == ctx.runtime.checkpointed_step:  # logged at a checkpoint's update, after it: a resumed run would not log it again
+            flush_trackers(ctx.accelerator)
     elif getattr(ctx.accelerator, "log_with", None) and ctx.runtime.warn_once("trackers not started"):
         if ctx.is_main_process:
             warnings.warn(
@@ -158,9 +161,43 @@ def _trackio_holds(tracker: Any, at: int) -> dict[str, int]:
     return {key: step for key, step in last.items() if step >= at}
 
 
+def _clearml_holds(tracker: Any, at: int) -> dict[str, int]:
+    """Each value of the offline ClearML task ``tracker`` goes on with, and the last iteration its session holds, where
+    that is ``at`` or later. Read from the session's ``metrics.jsonl`` (one JSON list of events per line, as ClearML's
+    reporter writes them; a line a kill cut short holds nothing), each scalar named back from its title and series as
+    Accelerate's ``ClearMLTracker`` names them (``eval_x``: title ``x``, series ``eval``; any other key: itself, series
+    ``train``)."""
+    folder = tracker.task.get_offline_mode_folder()
+    path = Path(folder) / "metrics.jsonl"
+    last: dict[str, int] = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:  # killed before ClearML wrote a value: it holds none
+        return {}
+    except OSError as exc:
+        warnings.warn(f"init_trackers: ClearML's {path} could not be read ({type(exc).__name__}: {exc}), so what the run before "
+                      f"logged at or after update {at} may appear twice there.", UserWarning, stacklevel=user_stacklevel())
+        return {}
+    for line in lines:
+        try:
+            events = json.loads(line)
+        except ValueError:
+            continue
+        for event in events if isinstance(events, list) else ():
+            if isinstance(event, dict) and event.get("type") == "training_stats_scalar":
+                title, series, step = event.get("metric"), event.get("variant"), event.get("iter")
+                if not (isinstance(title, str) and isinstance(series, str) and isinstance(step, int)):
+                    continue
+                for key in ((title, f"train_{title}") if series == "train" else (f"{series}_{title}",)):
+                    last[key] = max(last.get(key, step), step)
+    return {key: step for key, step in last.items() if step >= at}
+
+
 #: The trackers a resumed run sends only what they lack (see :func:`init_trackers`), and how to read what each holds at
-#: or after the update the run goes on from.
-HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds, "trackio": _trackio_holds}
+#: or after the update the run goes on from (ClearML: offline only).
+HOLDS = {"tensorboard": _tensorboard_holds, "mlflow": _mlflow_holds, "dvclive": _dvclive_holds, "trackio": _trackio_holds,
+         "clearml": _clearml_holds}
 
 #: The config key with which :func:`init_trackers` marks a Trackio run as this trainfold run's (``TrainState.run_id``).
 TRACKIO_RUN_KEY = "trainfold.run_id"
@@ -244,6 +281,70 @@ def _prepare_trackio(ctx: Context, project_name: str, state: TrainState, kwargs:
     mine.update(name=found, resume="must")
 
 
+#: The tag with which :func:`init_trackers` marks a ClearML task as this trainfold run's (followed by its ``run_id``).
+CLEARML_RUN_TAG = "trainfold.run_id="
+
+
+def _clearml_offline() -> bool:
+    """Whether ClearML runs offline (``Task.set_offline(True)``, or ``CLEARML_OFFLINE_MODE``): its sessions are folders here."""
+    from clearml import Task
+
+    return bool(Task.is_offline())
+
+
+def _clearml_task_of(run_id: str) -> str | None:
+    """The id of the newest offline ClearML session (under ClearML's cache folder) tagged with trainfold's ``run_id``."""
+    from clearml.config import get_offline_dir
+
+    tag, found = f"{CLEARML_RUN_TAG}{run_id}", []
+    for path in Path(get_offline_dir()).glob("*/task.json"):
+        try:
+            task = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # a session of someone else's, or one cut short
+            continue
+        if isinstance(task, dict) and tag in (task.get("tags") or []) and isinstance(task.get("id"), str):
+            found.append((path.stat().st_mtime, task["id"]))
+    return max(found)[1] if found else None
+
+
+def _prepare_clearml(ctx: Context, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> bool:
+    """Tag the ClearML task with the trainfold run's id; offline, a resumed run goes on with the session so tagged, its
+    iterations as logged (``continue_last_task=0``: ClearML would otherwise shift them past the last it holds).
+    Whether the resumed run's ClearML goes on without what it holds (offline; online nothing here can read the server)."""
+    mine = kwargs.setdefault("clearml", {})
+    tag = f"{CLEARML_RUN_TAG}{state.run_id}"
+    mine["tags"] = [*(t for t in (mine.get("tags") or []) if t != tag), tag]
+    if state.step == 0 or not ctx.is_main_process:
+        return True
+    if not _clearml_offline():
+        return False
+    if mine.get("reuse_last_task_id") or mine.get("continue_last_task"):
+        mine.setdefault("continue_last_task", 0)
+        return True
+    found = _clearml_task_of(state.run_id)
+    if found is None:
+        _warn_no_run("ClearML", f"offline session tagged {tag}", state, "CLEARML_CACHE_DIR")
+        return True
+    _mend_clearml_session(found)
+    mine.update(reuse_last_task_id=found, continue_last_task=0)
+    return True
+
+
+def _mend_clearml_session(task_id: str) -> None:
+    """Cut off a last line a kill left unfinished in the offline session's ``.jsonl`` files, which ClearML appends to:
+    its next line would be glued to it and lost. The values on it came after the last checkpoint (each checkpoint waits
+    until ClearML has written what it was given), so the resumed run logs them again."""
+    from clearml.config import get_offline_dir
+
+    for path in sorted(Path(get_offline_dir(task_id)).glob("*.jsonl")):
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+            warnings.warn(f"init_trackers: ClearML's {path} ended in a line a kill cut short: cut off (what it held came after "
+                          "the checkpoint, and the resumed run logs it again).", UserWarning, stacklevel=user_stacklevel())
+
+
 def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
                   init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Start the Accelerator's trackers (``Accelerator(log_with=...)``) for a run that goes on from ``state``.
@@ -265,9 +366,13 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     started, goes on with its files (``resume=True``) and is sent only what they lack, in the
     same way. Trackio's run is marked ``trainfold.run_id`` in its config, a resumed run goes on
     with the run so marked and is sent only what its store lacks (Trackio writes from a thread
-    every half second: a kill loses what it had not written). Trackers that can do none of
-    these (Weights & Biases, Comet, Aim, ClearML, SwanLab) are started as given, and a warning
-    says their series may hold the updates after the checkpoint twice.
+    every half second: a kill loses what it had not written). An offline ClearML task is tagged
+    ``trainfold.run_id=<run_id>``; a resumed run goes on with the session so tagged, its
+    iterations as given, and is sent only what its ``metrics.jsonl`` lacks (a checkpoint waits
+    until ClearML has written what it was given, so a kill loses only what came after it).
+    Trackers that can do none of these (Weights & Biases, Comet, Aim, SwanLab, ClearML online)
+    are started as given, and a warning says their series may hold the updates after the
+    checkpoint twice.
 
     Args:
         ctx: the run's Context.
@@ -275,8 +380,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
         config: hyperparameters to store, as ``init_trackers`` takes them.
         init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
-            ``purge_step``, MLflow ``run_id``, DVCLive ``resume`` or Trackio ``name`` given is kept, MLflow ``tags``
-            and Trackio's ``config`` get the run's.
+            ``purge_step``, MLflow ``run_id``, DVCLive ``resume``, Trackio ``name`` or ClearML ``reuse_last_task_id``
+            given is kept, MLflow ``tags``, ClearML ``tags`` and Trackio's ``config`` get the run's.
 
     Raises:
         Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
@@ -301,24 +406,27 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         _prepare_trackio(ctx, project_name, state, kwargs)
     if "dvclive" in names and state.step > 0:
         _prepare_dvclive(ctx, kwargs)
+    going_on = set(HOLDS)
+    if "clearml" in names and not _prepare_clearml(ctx, state, kwargs):
+        going_on.discard("clearml")  # online: started as given
     if state.step > 0:
         for name in names:
             if name in PURGING:
                 kwargs.setdefault(name, {}).setdefault(PURGING[name], state.step + 1)
-        others = [n for n in names if n not in HOLDS]
+        others = [n for n in names if n not in going_on]
         if others and ctx.is_main_process:
             warnings.warn(
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
                 f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
                 "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
-                "and MLflow's and Trackio's runs and DVCLive's files go on without them.",
+                "and MLflow's and Trackio's runs, DVCLive's files and an offline ClearML session go on without them.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
     if state.step > 0 and ctx.is_main_process:
         for tracker in ctx.accelerator.trackers:
-            if tracker.name in HOLDS:
+            if tracker.name in going_on:
                 ctx.runtime.hold_tracker_steps(tracker.name, HOLDS[tracker.name](tracker, state.step))
 
 

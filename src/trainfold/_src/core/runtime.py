@@ -70,6 +70,9 @@ class Runtime:
         self._released: weakref.WeakSet[Any] = weakref.WeakSet()
         self._digests: dict[str, tuple[weakref.ref[Any], Any, str]] = {}
         self._tracker_holds: dict[str, dict[str, int]] = {}
+        #: the update of the last checkpoint this process saved: what is logged at it after the save, a tracker that
+        #: writes behind writes at once (a resumed run does not log it again)
+        self.checkpointed_step: int | None = None
         self._closed = False
 
     @property
