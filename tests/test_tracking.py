@@ -1,6 +1,7 @@
 """A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's, MLflow's,
-DVCLive's and (offline) ClearML's series hold every update once, with the values the uninterrupted run logs
-(tests/scripts/tracked_run.py: its event files, its MLflow store, DVCLive's files and ClearML's session read back)."""
+DVCLive's, (offline) ClearML's and Trackio's series hold every update once, with the values the uninterrupted run logs
+(tests/scripts/tracked_run.py: its event files, its MLflow store, DVCLive's files, ClearML's session and Trackio's store
+read back)."""
 
 import os
 import random
@@ -47,12 +48,34 @@ def _mlflow_series(logs):
             for key in run.data.metrics}
 
 
-def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_and_clearml_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
+TRACKIO_READ = r'''
+import json
+from trackio.sqlite_storage import SQLiteStorage
+
+(name,) = SQLiteStorage.get_runs("run")  # one run: the resumed run went on with it
+rows = SQLiteStorage.get_logs("run", name)
+print(json.dumps({key: [(row["step"], row[key]) for row in rows if key in row] for key in sorted({k for row in rows for k in row} - {"step", "timestamp"})}))
+'''
+
+
+def _trackio_series(logs):
+    """Every metric of the one Trackio run in the run's store (LOGS/trackio), read by Trackio's own reader (in a process
+    of its own: Trackio reads TRACKIO_DIR once, at import): {key: [(step, value), ...]} in the order written."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", TRACKIO_READ], capture_output=True, text=True, timeout=helpers.scaled(120),
+                            env={**ENV, "TRACKIO_DIR": str(Path(logs) / "trackio")})
+    assert 0 == result.returncode, result.stderr[-3000:]
+    return {key: [tuple(point) for point in points] for key, points in json.loads(result.stdout.splitlines()[-1]).items()}
+
+
+def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_and_trackio_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
     clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
     clean_dvclive = helpers.dvclive_series(tmp_path / "clean-logs" / "dvclive")
     clean_clearml = helpers.clearml_series(tmp_path / "clean-logs" / "clearml")
+    clean_trackio = _trackio_series(tmp_path / "clean-logs")
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
@@ -63,6 +86,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_and_clearml_hold_e
         resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
         before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
         before_clearml = helpers.clearml_series(logs / "clearml")
+        before_trackio = _trackio_series(logs)
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
     result = _run(root, logs)
@@ -72,6 +96,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_and_clearml_hold_e
     assert max(step for step, _ in before_mlflow["train/loss"]) > resumed_from
     assert max(step for step, _ in before_dvclive["train/loss"]) > resumed_from
     assert max(step for step, _ in before_clearml["train/loss"]) >= resumed_from  # (it writes behind: what came after the checkpoint may be lost; nothing before)
+    assert max(step for step, _ in before_trackio["train/loss"]) >= resumed_from  # (so does Trackio)
     assert "cannot cut a series back" not in result.stderr  # trackers that can keep their series: no such warning
     series = _series(logs)
     assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
@@ -93,6 +118,11 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_and_clearml_hold_e
     assert clean_clearml.keys() == clearml_series.keys() and len(clean_clearml) > 3
     for key in clean_clearml:
         assert clean_clearml[key] == clearml_series[key], key
+    trackio_series = _trackio_series(logs)  # the run went on, each checkpoint waited for what Trackio was given
+    assert list(range(1, UPDATES + 1)) == [step for step, _ in trackio_series["train/loss"]]
+    assert clean_trackio.keys() == trackio_series.keys() and len(clean_trackio) > 3
+    for key in clean_trackio:
+        assert clean_trackio[key] == trackio_series[key], key
 
 
 CLEARML_RUN = r'''

@@ -5,7 +5,7 @@ written yet. What it was given after the last checkpoint, a resumed run logs
 again; what it was given before, it does not: a hole in the series. So a
 checkpoint first has each such tracker write out what it holds (:func:`flush_trackers`).
 TensorBoard (Accelerate flushes it at every ``log``), MLflow and DVCLive write
-as they are given, and need nothing.
+as they are given, and need nothing; ClearML and Trackio write from a thread.
 """
 
 from __future__ import annotations
@@ -19,8 +19,18 @@ def _clearml(tracker: Any) -> None:
         task.flush(wait_for_uploads=True)  # its reporter's thread writes every event it was given, and is waited for
 
 
-#: Per tracker (Accelerate's name), how to wait until what it was given is written. Trackio has no public way to.
-FLUSHES: dict[str, Callable[[Any], None]] = {"clearml": _clearml}
+def _trackio(tracker: Any) -> None:
+    run = getattr(tracker, "run", None)
+    lock, flush = getattr(run, "_client_lock", None), getattr(run, "_flush_queues_inline", None)
+    if lock is None or flush is None or not getattr(run, "_is_local", False):
+        return  # another Trackio (a server's, another version): not waited for, as before
+    with lock:  # what its sender thread does every half second, done now, under the sender's own lock
+        flush()
+
+
+#: Per tracker (Accelerate's name), how to wait until what it was given is written. Trackio has no public way to: its
+#: local sender's own step is called (Trackio 0.43's ``Run._flush_queues_inline``, under ``Run._client_lock``).
+FLUSHES: dict[str, Callable[[Any], None]] = {"clearml": _clearml, "trackio": _trackio}
 
 
 def flush_trackers(accelerator: Any) -> None:

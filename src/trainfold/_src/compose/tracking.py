@@ -365,11 +365,11 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     the kill being those the resumed run would log. DVCLive, which empties its folder when
     started, goes on with its files (``resume=True``) and is sent only what they lack, in the
     same way. Trackio's run is marked ``trainfold.run_id`` in its config, a resumed run goes on
-    with the run so marked and is sent only what its store lacks (Trackio writes from a thread
-    every half second: a kill loses what it had not written). An offline ClearML task is tagged
+    with the run so marked and is sent only what its store lacks. An offline ClearML task is tagged
     ``trainfold.run_id=<run_id>``; a resumed run goes on with the session so tagged, its
-    iterations as given, and is sent only what its ``metrics.jsonl`` lacks (a checkpoint waits
-    until ClearML has written what it was given, so a kill loses only what came after it).
+    iterations as given, and is sent only what its ``metrics.jsonl`` lacks. Trackio and ClearML
+    write from a thread: a checkpoint first waits until they have written what they were given,
+    so a kill loses only what came after it, which the resumed run logs again.
     Trackers that can do none of these (Weights & Biases, Comet, Aim, SwanLab, ClearML online)
     are started as given, and a warning says their series may hold the updates after the
     checkpoint twice.
