@@ -591,3 +591,41 @@ def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_on
     assert state.run_id == run.data.tags["trainfold.run_id"] and not ctx.runtime.tracker_holds
     ctx.accelerator.end_training()
     ctx.close()
+
+
+def test_a_tracker_that_cannot_be_made_to_write_before_a_checkpoint_is_named_and_the_checkpoint_is_written(tmp_path):
+    """A checkpoint first has each tracker that writes behind (ClearML, Trackio) write what it was given. One whose own
+    flush fails (here a stand-in named as Accelerate names ClearML's, its task's flush raising) is named in a warning,
+    and the checkpoint is saved: a tracker's trouble does not cost the run its checkpoint."""
+    from accelerate.tracking import GeneralTracker
+
+    from trainfold import latest_checkpoint, save_checkpoint
+
+    class Task:
+        def flush(self, wait_for_uploads=False):
+            raise OSError("No space left on device")
+
+    class Broken(GeneralTracker):
+        name, requires_logging_directory, main_process_only = "clearml", False, True
+
+        def __init__(self):
+            super().__init__()
+            self.task = Task()
+
+        @property
+        def tracker(self):
+            return self.task
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            pass
+
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with=[Broken()]))
+    ctx.accelerator.init_trackers("proj")
+
+    with pytest.warns(UserWarning, match=r"clearml could not be made to write what it was given before this checkpoint \(OSError: No space"):
+        save_checkpoint(ctx, tmp_path, state)
+    assert latest_checkpoint(tmp_path) is not None
+    ctx.close()

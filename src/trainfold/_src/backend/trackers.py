@@ -10,7 +10,10 @@ as they are given, and need nothing; ClearML and Trackio write from a thread.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
+
+from trainfold._src.base.checks import user_stacklevel
 
 
 def _clearml(tracker: Any) -> None:
@@ -34,10 +37,21 @@ FLUSHES: dict[str, Callable[[Any], None]] = {"clearml": _clearml, "trackio": _tr
 
 
 def flush_trackers(accelerator: Any) -> None:
-    """Have each tracker of ``accelerator`` that writes behind write what it was given (on the main process, where they run)."""
+    """Have each tracker of ``accelerator`` that writes behind write what it was given (on the main process, where they run).
+
+    A tracker that fails to is named in a warning, and the checkpoint goes on: a tracker's trouble
+    must not cost the run its checkpoint.
+    """
     if not accelerator.is_main_process:
         return
     for tracker in getattr(accelerator, "trackers", ()):
-        flush = FLUSHES.get(getattr(tracker, "name", ""))
-        if flush is not None:
+        name = getattr(tracker, "name", "")
+        flush = FLUSHES.get(name)
+        if flush is None:
+            continue
+        try:
             flush(tracker)
+        except Exception as exc:  # (ClearML's or Trackio's own error, whatever it is)
+            warnings.warn(f"{name} could not be made to write what it was given before this checkpoint ({type(exc).__name__}: {exc}); "
+                          "the checkpoint goes on, and a kill now may lose the values it had not written.", UserWarning,
+                          stacklevel=user_stacklevel())

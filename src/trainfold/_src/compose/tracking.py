@@ -289,7 +289,7 @@ def _clearml_offline() -> bool:
     """Whether ClearML runs offline (``Task.set_offline(True)``, or ``CLEARML_OFFLINE_MODE``): its sessions are folders here."""
     from clearml import Task
 
-    return bool(Task.is_offline())
+    return bool(Task.is_offline())  # sync: none: a flag of ClearML's
 
 
 def _clearml_task_of(run_id: str) -> str | None:
