@@ -22,7 +22,8 @@ timed rounds are paired: every loop once per round, in a shuffled order; reporte
 median microseconds per step and the medians of the per-round ratios to ``raw``, ``raw_compiled`` and
 ``raw_compiled_lean``.
 The small GPT-2 (2 layers of width 128, 4 heads, a vocabulary of 256, sequences of 64) is built from
-its config with transformers (``.deepspeed-site`` has it): nothing is downloaded.
+its config with transformers (``.deepspeed-site`` has it): nothing is downloaded. ``--models gpt2-small`` is GPT-2
+small itself (124M, sequences of 1024, batch 8), for a GPU (``benchmarks/gpu_checks.sh`` runs it there).
 """
 
 from __future__ import annotations
@@ -75,6 +76,18 @@ def _gpt2_batches(steps: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (8, 64), generator=g) for _ in range(steps)]
 
 
+def _gpt2_small(seed: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))  # 124M, built locally
+
+
+def _gpt2_small_batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 50257, (8, 1024), generator=g) for _ in range(steps)]
+
+
 def _gpt2_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return model(input_ids=batch, labels=batch).loss
 
@@ -82,6 +95,7 @@ def _gpt2_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], Callable[[int], list[Any]], Callable[..., torch.Tensor]]] = {
     "tiny": (_mlp, _mlp_batches, _mlp_loss),
     "gpt2": (_gpt2, _gpt2_batches, _gpt2_loss),
+    "gpt2-small": (_gpt2_small, _gpt2_small_batches, _gpt2_loss),  # GPT-2 small (124M), sequences of 1024, batch 8: for a GPU
 }
 
 

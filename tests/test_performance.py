@@ -129,6 +129,40 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     torch.cuda.synchronize()
 
 
+@needs_cuda
+@pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")
+def test_no_host_sync_in_a_compiled_step_on_the_gpu():
+    """On a GPU, a step compiled with inductor (the loss with the model inside, and the update as one compiled function)
+    runs under set_sync_debug_mode('error') after its warm-up, across accumulation boundaries."""
+    from accelerate import Accelerator
+
+    from trainfold import Compile
+
+    torch._dynamo.reset()
+    ctx = Context(accelerator=Accelerator(gradient_accumulation_steps=2))
+    torch.manual_seed(0)
+    model = helpers.mlp()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8))
+    step = log_every(ctx, 1000)(make_step(ctx, helpers.ce_loss, compile=Compile(backend="inductor")))
+    batches = list(dl)
+    for b in batches[:2]:  # the warm-up: one micro-batch of each kind compiles
+        state = step(state, b)
+    torch.cuda.synchronize()
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        for b in batches[2:]:
+            state = step(state, b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch._dynamo.reset()
+    torch.cuda.synchronize()
+    assert state.step == len(batches) // 2
+
+
 def _calls(funcs, run) -> int:
     """How many calls of ``funcs`` (torch functions, tensor methods) ``run()`` makes."""
     from torch.overrides import TorchFunctionMode
