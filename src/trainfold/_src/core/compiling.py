@@ -59,7 +59,10 @@ class Compile:
       block, seconds instead of minutes for a deep model, and the way under FSDP2,
       whose hooks stay outside the compiled code. The loss and the rest of the model run eagerly;
     - with ``optimizer`` (the default), the optimizer's update, with the learning rate a 0-d
-      tensor (dynamo specialises on a float: each new value a scheduler sets would compile again).
+      tensor (dynamo specialises on a float: each new value a scheduler sets would compile again);
+      where torch's wrappers of ``optimizer.step`` have nothing to do (no step hook, no fused
+      optimizer, no gating stage), the body of its ``step`` and the gradients set to None as one
+      compiled function (:func:`step_and_zero_of`).
 
     The model itself is not wrapped (no ``_orig_mod.`` in its names), so checkpoints
     of compiled and eager runs are one format. Evaluation and prediction call the
