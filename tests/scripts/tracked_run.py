@@ -39,7 +39,7 @@ def main():
                       CLEARML_OFFLINE_MODE="1", CLEARML_CACHE_DIR=f"{args.logs}/clearml", HOME=f"{args.logs}/home",
                       TRACKIO_DIR=f"{args.logs}/trackio")  # (read once, when trackio is imported: in init_trackers)
     os.makedirs(os.environ["HOME"], exist_ok=True)
-    with open(os.path.join(os.environ["HOME"], "clearml.conf"), "w") as f:  # ClearML reports from a thread, not a forked process
+    with open(os.path.join(os.environ["HOME"], "clearml.conf"), "w") as f:  # ClearML reports from a thread: from its forked process, closing took 11-90 s
         f.write("sdk { development { report_use_subprocess: false } }\n")
     torch.manual_seed(0)
     ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow", "dvclive", "clearml", "trackio"], project_dir=args.logs))
