@@ -1,5 +1,6 @@
 """Performance guards that are correctness: no recompiles, flat memory. (Timing lives in benchmarks/.)"""
 
+import contextlib
 import gc
 import warnings
 
@@ -118,15 +119,22 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     state = step(state, batches[0])
     torch.cuda.synchronize()
 
+    with _syncs_raise():
+        for b in batches[1:]:
+            state = step(state, b)
+    torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _syncs_raise():
+    """Inside, a synchronising CUDA call raises (``set_sync_debug_mode("error")``); off after."""
     try:
         with warnings.catch_warnings():  # "a prototype feature" (a UserWarning, which pytest makes an error)
             warnings.simplefilter("ignore", UserWarning)
             torch.cuda.set_sync_debug_mode("error")
-        for b in batches[1:]:
-            state = step(state, b)
+        yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
 
 
 @needs_cuda
@@ -151,13 +159,10 @@ def test_no_host_sync_in_a_compiled_step_on_the_gpu():
     torch.cuda.synchronize()
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.cuda.set_sync_debug_mode("error")
-        for b in batches[2:]:
-            state = step(state, b)
+        with _syncs_raise():
+            for b in batches[2:]:
+                state = step(state, b)
     finally:
-        torch.cuda.set_sync_debug_mode(0)
         torch._dynamo.reset()
     torch.cuda.synchronize()
     assert state.step == len(batches) // 2

@@ -124,7 +124,7 @@ def _mixed_precision(ctx: Context) -> str:
 
 
 def _is_main_process(ctx: Context) -> bool:
-    return bool(ctx.accelerator.is_main_process)
+    return bool(ctx.accelerator.is_main_process)  # sync: none: a flag
 
 
 def _runtime(ctx: Context) -> Runtime:

@@ -112,7 +112,7 @@ class NanGuardState:
             return NanGuardState(self.max_consecutive, self.check_every, (skipped, 0, longest))
         for bad in flags:
             consecutive = consecutive + 1 if bad else 0
-            skipped += bool(bad)
+            skipped += bool(bad)  # sync: none: host ints, read above
             longest = max(longest, consecutive)
         return NanGuardState(self.max_consecutive, self.check_every, (skipped, consecutive, longest))
 

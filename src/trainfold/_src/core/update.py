@@ -132,7 +132,7 @@ def zeroed_by_step() -> None:
 
 def supports_found_inf(optimizer: Any) -> bool:
     """Fused torch optimizers skip an update on the device when given ``found_inf``."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))  # sync: none: a class flag
 
 
 def skip_on_device(optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
