@@ -227,15 +227,19 @@ def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and
     then on; removed, the update goes back to the one compiled function. Parameters bit for bit as the run without a hook."""
     def train(with_hook):
         ctx, state, dl = _setup(ga=1, optimizer="adamw")
-        step, calls = make_step(ctx, helpers.ce_loss, compile=AOT), []
-        for i, batch in enumerate(batches):
-            if with_hook and i == 2:
-                register = (state.optimizer.optimizer.register_step_pre_hook if hook == "the optimizer's pre-hook"
-                            else register_optimizer_step_post_hook)
-                handle = register(lambda opt, args, kwargs: calls.append(opt))
-            if with_hook and i == 5:
-                handle.remove()
-            state = step(state, batch)
+        step, calls, handle = make_step(ctx, helpers.ce_loss, compile=AOT), [], None
+        try:
+            for i, batch in enumerate(batches):
+                if with_hook and i == 2:
+                    register = (state.optimizer.optimizer.register_step_pre_hook if hook == "the optimizer's pre-hook"
+                                else register_optimizer_step_post_hook)
+                    handle = register(lambda opt, args, kwargs: calls.append(opt))
+                if with_hook and i == 5:
+                    handle.remove()
+                state = step(state, batch)
+        finally:
+            if handle is not None:
+                handle.remove()  # (a global hook must not outlive the test)
         return state, calls
 
     batches = [batch for _ in range(2) for batch in _setup()[2]]
