@@ -134,7 +134,7 @@ from trainfold._src.compose.tracking import emit
 
 resumed = sys.argv[1] == "resumed"
 ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="clearml"))
-state = attrs.evolve(state, run_id="r-1", step=4 if resumed else 0)
+state = attrs.evolve(state, run_id=sys.argv[2] if len(sys.argv) > 2 else "r-1", step=4 if resumed else 0)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     init_trackers(ctx, "proj", state, init_kwargs={"clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False}})
@@ -174,3 +174,12 @@ def test_a_resumed_run_goes_on_with_its_offline_clearml_session_mends_a_line_cut
     assert any("ended in a line a kill cut short: cut off" in w for w in warned), warned
     assert not any("cannot cut a series back" in w or "holds no run" in w for w in warned), warned
     assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)]} == helpers.clearml_series(cache)
+
+    # a resumed state of another run: no session is tagged with its id, so it says so and starts a session of its own
+    other = subprocess.run([sys.executable, "-c", CLEARML_RUN, "resumed", "r-2"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=helpers.scaled(120))
+    assert 0 == other.returncode, other.stderr[-3000:]
+    report = json.loads(next(line for line in other.stderr.splitlines() if line.startswith('{"task"')))
+    assert any("ClearML holds no run of offline session tagged trainfold.run_id=r-2" in w for w in report["warnings"]), report["warnings"]
+    assert report["task"] != session.name
+    assert {session.name, report["task"]} == {p.name for p in (cache / "offline").iterdir() if p.is_dir()}
