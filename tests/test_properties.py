@@ -85,6 +85,25 @@ def test_running_sums_equal_the_sum_of_what_was_added_however_often_they_fold(va
     assert math.isclose(2 * sum(values), sums.aux["twice"].item(), rel_tol=1e-4, abs_tol=1e-2)
 
 
+@settings(max_examples=60, deadline=None)
+@given(parents=st.lists(st.integers(0, 10**6), min_size=1, max_size=160))
+def test_running_sums_are_values_whatever_earlier_sums_are_added_to_again(parents):
+    """Sums added to in a tree (a step called again on an older state, a branch of a sweep): each sums holds exactly
+    the batches on its own path from the first, pending and folded, whatever was added to the others since."""
+    from trainfold._src.base.metrics import FOLD_EVERY, RunningSums
+
+    sums, paths = [RunningSums.zero("cpu")], [[]]
+    for i, parent in enumerate(parents):
+        parent %= len(sums)  # any sums made so far: the newest, or an older one
+        value = float(i + 1)
+        sums.append(sums[parent].add(torch.tensor(value), {}))
+        paths.append([*paths[parent], value])
+
+    for made, path in zip(sums, paths):
+        assert [loss.item() for loss, _ in made.pending] == path[len(path) // FOLD_EVERY * FOLD_EVERY:]
+        assert sum(path) == made.loss.item()  # integers below 2**24: exact in float32
+
+
 _CHANGES = {
     "step": st.integers(0, 10**6),
     "micro_step": st.integers(0, 10**6),
