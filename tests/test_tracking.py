@@ -1,7 +1,7 @@
 """A tracker's series survives a kill: after kill -9 and a resume from the last checkpoint, TensorBoard's, MLflow's,
-DVCLive's, (offline) ClearML's and Trackio's series hold every update once, with the values the uninterrupted run logs
-(tests/scripts/tracked_run.py: its event files, its MLflow store, DVCLive's files, ClearML's session and Trackio's store
-read back)."""
+DVCLive's, (offline) ClearML's, Trackio's and Aim's series hold every update once, with the values the uninterrupted run
+logs (tests/scripts/tracked_run.py: its event files, its MLflow store, DVCLive's files, ClearML's session, Trackio's store
+and its Aim repository read back)."""
 
 import os
 import random
@@ -69,13 +69,14 @@ def _trackio_series(logs):
     return {key: [tuple(point) for point in points] for key, points in json.loads(result.stdout.splitlines()[-1]).items()}
 
 
-def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_and_trackio_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
+def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_and_aim_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
     clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
     clean_dvclive = helpers.dvclive_series(tmp_path / "clean-logs" / "dvclive")
     clean_clearml = helpers.clearml_series(tmp_path / "clean-logs" / "clearml")
     clean_trackio = _trackio_series(tmp_path / "clean-logs")
+    _, clean_aim = helpers.aim_runs_and_series(tmp_path / "clean-logs")
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
@@ -87,6 +88,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_and_tracki
         before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
         before_clearml = helpers.clearml_series(logs / "clearml")
         before_trackio = _trackio_series(logs)
+        _, before_aim = helpers.aim_runs_and_series(logs)
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
     result = _run(root, logs)
@@ -97,6 +99,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_and_tracki
     assert max(step for step, _ in before_dvclive["train/loss"]) > resumed_from
     assert max(step for step, _ in before_clearml["train/loss"]) >= resumed_from  # (it writes behind: what came after the checkpoint may be lost; nothing before)
     assert max(step for step, _ in before_trackio["train/loss"]) >= resumed_from  # (so does Trackio)
+    assert list(range(1, resumed_from + 1)) == [step for step, _ in before_aim["train/loss"]][:resumed_from]  # (Aim writes as it is given)
     assert "cannot cut a series back" not in result.stderr  # trackers that can keep their series: no such warning
     series = _series(logs)
     assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
@@ -123,6 +126,12 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_and_tracki
     assert clean_trackio.keys() == trackio_series.keys() and len(clean_trackio) > 3
     for key in clean_trackio:
         assert clean_trackio[key] == trackio_series[key], key
+    aim_runs, aim_series = helpers.aim_runs_and_series(logs)  # the run went on, each step logged again replacing its value
+    assert 1 == len(aim_runs) and any(tag.startswith("trainfold.run_id=") for tag in aim_runs[0][1])
+    assert list(range(1, UPDATES + 1)) == [step for step, _ in aim_series["train/loss"]]
+    assert clean_aim.keys() == aim_series.keys() and len(clean_aim) > 3
+    for key in clean_aim:
+        assert clean_aim[key] == aim_series[key], key
 
 
 CLEARML_RUN = r'''
@@ -183,3 +192,60 @@ def test_a_resumed_run_goes_on_with_its_offline_clearml_session_mends_a_line_cut
     assert any("ClearML holds no run of offline session tagged trainfold.run_id=r-2" in w for w in report["warnings"]), report["warnings"]
     assert report["task"] != session.name
     assert {session.name, report["task"]} == {p.name for p in (cache / "offline").iterdir() if p.is_dir()}
+
+
+AIM_RUN = r'''
+import json, sys, warnings
+import attrs
+from accelerate import Accelerator
+from trainfold import init_trackers, testing
+from trainfold._src.compose.tracking import emit
+
+resumed = sys.argv[1] == "resumed"
+ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="aim", project_dir="."))
+state = attrs.evolve(state, run_id=sys.argv[2] if len(sys.argv) > 2 else "r-1", step=4 if resumed else 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    given = {"run_hash": sys.argv[3]} if len(sys.argv) > 3 else {}
+    init_trackers(ctx, "proj", state, init_kwargs={"aim": {"capture_terminal_logs": False, "system_tracking_interval": None, **given}})
+for update in (5, 6) if resumed else (1, 2, 3, 4, 5):
+    emit(ctx, {"train/loss": update + (0.5 if resumed else 0.0)}, update, log=False)
+(tracker,) = ctx.accelerator.trackers
+print(json.dumps({"run": tracker.writer.hash, "warnings": [str(w.message) for w in caught]}), file=sys.stderr)
+ctx.accelerator.end_training()
+ctx.close()
+'''
+
+
+def _aim_run(tmp_path, *args):
+    import json
+
+    result = subprocess.run([sys.executable, "-c", AIM_RUN, *args], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                            timeout=helpers.scaled(120))
+    assert 0 == result.returncode, result.stderr[-3000:]
+    return json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"run"')))
+
+
+def test_a_resumed_run_goes_on_with_the_aim_run_tagged_with_its_id_and_replaces_what_it_logs_again(tmp_path):
+    """A run logs updates 1-5 to Aim (a repository in the Accelerator's logging_dir). Resumed at update 4, it finds the Aim
+    run by its tag (the run's id) and goes on with it: update 5 logged again replaces the value Aim held (one value per
+    step), and update 6 follows. A resumed state of another run finds no run tagged with its id: it says so and starts
+    an Aim run of its own."""
+    first, resumed = _aim_run(tmp_path, "first"), _aim_run(tmp_path, "resumed")
+
+    assert first["run"] == resumed["run"]
+    assert not any("cannot cut a series back" in w or "holds no run" in w for w in resumed["warnings"]), resumed["warnings"]
+    runs, series = helpers.aim_runs_and_series(tmp_path)
+    assert [(first["run"], ["trainfold.run_id=r-1"])] == runs
+    assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)]} == series
+
+    other = _aim_run(tmp_path, "resumed", "r-2")
+
+    assert any("Aim holds no run of repository . tagged trainfold.run_id=r-2" in w for w in other["warnings"]), other["warnings"]
+    assert {(first["run"], ("trainfold.run_id=r-1",)), (other["run"], ("trainfold.run_id=r-2",))} == {
+        (h, tuple(tags)) for h, tags in helpers.aim_runs_and_series(tmp_path)[0]}
+
+    # a run_hash given is the run it goes on with, whatever its tags
+    given = _aim_run(tmp_path, "resumed", "r-3", other["run"])
+
+    assert given["run"] == other["run"] and not any("holds no run" in w for w in given["warnings"]), given["warnings"]

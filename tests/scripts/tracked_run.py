@@ -1,14 +1,15 @@
-"""A run that logs every update to TensorBoard, MLflow, DVCLive, ClearML (offline) and Trackio and resumes from its latest
-checkpoint: killed and restarted by test_tracking.py.
+"""A run that logs every update to TensorBoard, MLflow, DVCLive, ClearML (offline), Trackio and Aim and resumes from its
+latest checkpoint: killed and restarted by test_tracking.py.
 
     python tracked_run.py ROOT LOGS [--slow]
 
 Prints "ready <pid>" once set up; saves a checkpoint every 3 updates; logs train/loss (and lr, epoch) at every update with
 log_every and the epoch's records with log_epoch, to TensorBoard under LOGS, to an MLflow store in LOGS/mlruns (its
 file store, which needs no server), to DVCLive's files in LOGS/dvclive and to an offline ClearML session under
-LOGS/clearml (HOME is LOGS/home: ClearML keeps a file there) and to Trackio's store in LOGS/trackio; starts its trackers
-with trainfold's init_trackers, which cuts TensorBoard's series back to the checkpoint a resumed run goes on from, and has
-MLflow's and Trackio's runs, DVCLive's files and ClearML's session go on without what they hold.
+LOGS/clearml (HOME is LOGS/home: ClearML keeps a file there), to Trackio's store in LOGS/trackio and to an Aim repository
+in LOGS/.aim; starts its trackers with trainfold's init_trackers, which cuts TensorBoard's series back to the checkpoint a
+resumed run goes on from, has MLflow's and Trackio's runs, DVCLive's files and ClearML's session go on without what they
+hold, and Aim's run go on (a step logged again replaces what it held).
 """
 
 import argparse
@@ -42,7 +43,7 @@ def main():
     with open(os.path.join(os.environ["HOME"], "clearml.conf"), "w") as f:  # ClearML reports from a thread: from its forked process, closing took 11-90 s
         f.write("sdk { development { report_use_subprocess: false } }\n")
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow", "dvclive", "clearml", "trackio"], project_dir=args.logs))
+    ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow", "dvclive", "clearml", "trackio", "aim"], project_dir=args.logs))
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     g = torch.Generator().manual_seed(1)
@@ -54,7 +55,8 @@ def main():
         state = load_checkpoint(ctx, args.root, state)
     with contextlib.redirect_stdout(sys.stderr):  # ClearML and Trackio say where they write: stdout is for "ready" first
         init_trackers(ctx, "run", state, init_kwargs={"dvclive": {"dir": os.path.join(args.logs, "dvclive")},
-                                                      "clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False}})
+                                                      "clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False},
+                                                      "aim": {"capture_terminal_logs": False}})  # (stdout is the test's)
 
     def loss_fn(model, batch):
         if args.slow:

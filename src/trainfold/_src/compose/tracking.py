@@ -281,8 +281,9 @@ def _prepare_trackio(ctx: Context, project_name: str, state: TrainState, kwargs:
     mine.update(name=found, resume="must")
 
 
-#: The tag with which :func:`init_trackers` marks a ClearML task as this trainfold run's (followed by its ``run_id``).
-CLEARML_RUN_TAG = "trainfold.run_id="
+#: The tag with which :func:`init_trackers` marks a ClearML task or an Aim run as this trainfold run's (followed by its
+#: ``run_id``).
+RUN_TAG = "trainfold.run_id="
 
 
 def _clearml_offline() -> bool:
@@ -296,7 +297,7 @@ def _clearml_task_of(run_id: str) -> str | None:
     """The id of the newest offline ClearML session (under ClearML's cache folder) tagged with trainfold's ``run_id``."""
     from clearml.config import get_offline_dir
 
-    tag, found = f"{CLEARML_RUN_TAG}{run_id}", []
+    tag, found = f"{RUN_TAG}{run_id}", []
     for path in Path(get_offline_dir()).glob("*/task.json"):
         try:
             task = json.loads(path.read_text(encoding="utf-8"))
@@ -312,7 +313,7 @@ def _prepare_clearml(ctx: Context, state: TrainState, kwargs: dict[str, dict[str
     iterations as logged (``continue_last_task=0``: ClearML would otherwise shift them past the last it holds).
     Whether the resumed run's ClearML goes on without what it holds (offline; online nothing here can read the server)."""
     mine = kwargs.setdefault("clearml", {})
-    tag = f"{CLEARML_RUN_TAG}{state.run_id}"
+    tag = f"{RUN_TAG}{state.run_id}"
     mine["tags"] = [*(t for t in (mine.get("tags") or []) if t != tag), tag]
     if state.step == 0 or not ctx.is_main_process:
         return True
@@ -345,6 +346,45 @@ def _mend_clearml_session(task_id: str) -> None:
                           "the checkpoint, and the resumed run logs it again).", UserWarning, stacklevel=user_stacklevel())
 
 
+#: Trackers that keep one value per step: a resumed run goes on with their run, and a step it logs again replaces what the
+#: run before logged there after its checkpoint, so there is nothing to cut back nor to leave out.
+REPLACING = ("aim",)
+
+
+def _aim_run_of(repo: str, run_id: str) -> str | None:
+    """The hash of the newest run of the Aim repository in ``repo`` tagged with trainfold's ``run_id``, or None (no such
+    run, or no repository there). Read from the repository's table of runs, where Aim keeps a run's tags as soon as they
+    are added, a killed run's too; Aim's queries read an index its UI builds, which a killed run is not in yet."""
+    if not (Path(repo) / ".aim").is_dir():
+        return None
+    from aim.sdk.repo import Repo
+
+    tag = f"{RUN_TAG}{run_id}"
+    found = [(run.creation_time or 0.0, run.hash) for run in Repo.from_path(repo).structured_db.runs() if tag in (run.tags or [])]
+    return max(found)[1] if found else None
+
+
+def _prepare_aim(ctx: Context, state: TrainState, kwargs: dict[str, dict[str, Any]]) -> None:
+    """A resumed run goes on with the Aim run tagged with the trainfold run's id (``run_hash``), in the repository in the
+    Accelerator's ``logging_dir`` (where Accelerate's ``AimTracker`` keeps it); a ``run_hash`` given is kept."""
+    mine = kwargs.setdefault("aim", {})
+    if state.step == 0 or not ctx.is_main_process or mine.get("run_hash"):
+        return
+    repo = str(ctx.accelerator.logging_dir or ".")
+    found = _aim_run_of(repo, state.run_id)
+    if found is None:
+        _warn_no_run("Aim", f"repository {repo} tagged {RUN_TAG}{state.run_id}", state, "the Accelerator's logging_dir")
+        return
+    mine["run_hash"] = found
+
+
+def _tag_aim_run(tracker: Any, run_id: str) -> None:
+    """Tag the Aim run ``tracker`` writes to with trainfold's ``run_id`` (once: a run gone on with has its tag)."""
+    tag = f"{RUN_TAG}{run_id}"
+    if tag not in (tracker.writer.props.tags or []):
+        tracker.writer.add_tag(tag)
+
+
 def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
                   init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
     """Start the Accelerator's trackers (``Accelerator(log_with=...)``) for a run that goes on from ``state``.
@@ -369,8 +409,11 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     ``trainfold.run_id=<run_id>``; a resumed run goes on with the session so tagged, its
     iterations as given, and is sent only what its ``metrics.jsonl`` lacks. Trackio and ClearML
     write from a thread: a checkpoint first waits until they have written what they were given,
-    so a kill loses only what came after it, which the resumed run logs again.
-    Trackers that can do none of these (Weights & Biases, Comet, Aim, SwanLab, ClearML online)
+    so a kill loses only what came after it, which the resumed run logs again. Aim's run is
+    tagged ``trainfold.run_id=<run_id>`` too; a resumed run goes on with the run so tagged in
+    the repository in the Accelerator's ``logging_dir``, and each update it logs again replaces
+    the value Aim held for it (Aim keeps one value per step).
+    Trackers that can do none of these (Weights & Biases, Comet, SwanLab, ClearML online)
     are started as given, and a warning says their series may hold the updates after the
     checkpoint twice.
 
@@ -380,8 +423,8 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         state: the state the run goes on from (a fresh one, or ``load_checkpoint``'s).
         config: hyperparameters to store, as ``init_trackers`` takes them.
         init_kwargs: keyword arguments per tracker (``{"tensorboard": {"flush_secs": 30}}``); a
-            ``purge_step``, MLflow ``run_id``, DVCLive ``resume``, Trackio ``name`` or ClearML ``reuse_last_task_id``
-            given is kept, MLflow ``tags``, ClearML ``tags`` and Trackio's ``config`` get the run's.
+            ``purge_step``, MLflow ``run_id``, DVCLive ``resume``, Trackio ``name``, ClearML ``reuse_last_task_id``
+            or Aim ``run_hash`` given is kept, MLflow ``tags``, ClearML ``tags`` and Trackio's ``config`` get the run's.
 
     Raises:
         Exception: nothing of its own; what ``accelerator.init_trackers`` raises (a tracker not installed).
@@ -406,7 +449,9 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         _prepare_trackio(ctx, project_name, state, kwargs)
     if "dvclive" in names and state.step > 0:
         _prepare_dvclive(ctx, kwargs)
-    going_on = set(HOLDS)
+    if "aim" in names:
+        _prepare_aim(ctx, state, kwargs)
+    going_on = {*HOLDS, *REPLACING}
     if "clearml" in names and not _prepare_clearml(ctx, state, kwargs):
         going_on.discard("clearml")  # online: started as given
     if state.step > 0:
@@ -419,15 +464,19 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
                 f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
                 "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
-                "and MLflow's and Trackio's runs, DVCLive's files and an offline ClearML session go on without them.",
+                "MLflow's and Trackio's runs, DVCLive's files and an offline ClearML session go on without them, and Aim's run "
+                "goes on, replacing them.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
-    if state.step > 0 and ctx.is_main_process:
-        for tracker in ctx.accelerator.trackers:
-            if tracker.name in going_on:
-                ctx.runtime.hold_tracker_steps(tracker.name, HOLDS[tracker.name](tracker, state.step))
+    if not ctx.is_main_process:
+        return
+    for tracker in ctx.accelerator.trackers:
+        if tracker.name == "aim":
+            _tag_aim_run(tracker, state.run_id)
+        if state.step > 0 and tracker.name in going_on and tracker.name in HOLDS:
+            ctx.runtime.hold_tracker_steps(tracker.name, HOLDS[tracker.name](tracker, state.step))
 
 
 def step_key(name: str) -> str:
