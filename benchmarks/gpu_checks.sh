@@ -24,5 +24,5 @@ python3 -c "import torch, accelerate, transformers; print('torch', torch.__versi
 python3 benchmarks/bench_gpt2.py --json "$out/gpt2.json" | tail -40
 python3 -m pytest -q -p no:cacheprovider -W ignore::SyntaxWarning -k "cuda or gpu or fp8 or fp16" -o addopts="" --durations 15 \
     tests/test_precision.py tests/test_equivalence.py tests/test_performance.py tests/test_gpu_engines.py tests/test_deepspeed.py \
-    tests/test_bad_input.py tests/test_streams.py 2>&1 | tee "$out/tests.log" | tail -60
+    tests/test_bad_input.py tests/test_streams.py tests/test_watch.py 2>&1 | tee "$out/tests.log" | tail -60
 python3 benchmarks/bench_compile.py --models tiny gpt2-small --steps 20 --rounds 3 --json "$out/compile.json" | tail -60

@@ -514,4 +514,5 @@ def test_inspect_lists_the_throughput_of_each_watched_epoch(tmp_path, capsys):
     rows = json.loads(_run(capsys, "inspect", str(tmp_path / "watched"), "--json")[1])["throughput"]
     assert 0 == code and [1, 2] == [r["epoch"] for r in rows] and [4, 8] == [r["update"] for r in rows]
     assert [state.history["train_samples_per_s"][i] for i in (0, 1)] == [r["samples_per_s"] for r in rows]
-    assert line.startswith("  throughput by epoch: 1: ") and " samples/s" in line and "; 2: " in line
+    assert [state.history["train_memory_rss_gb"][i] for i in (0, 1)] == [r["memory_rss_gb"] for r in rows]
+    assert line.startswith("  throughput by epoch: 1: ") and " samples/s" in line and "; 2: " in line and " GB rss" in line

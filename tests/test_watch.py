@@ -130,6 +130,73 @@ def test_each_epoch_records_its_samples_and_real_tokens_per_second(accumulation)
     assert not {"train_epoch_s", "train_samples_per_s", "train_tokens_per_s"} & set(plain.history.names)
 
 
+def _peak_rss_gb():
+    import resource
+    import sys
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
+
+
+def test_each_epoch_records_the_processs_peak_memory_where_memory_is_watched():
+    """The epoch's record holds the peak memory (on a CPU the process's peak resident memory so far, read at the epoch's
+    end: between what it was before the run and after it, and never lower in a later epoch); with Watch(memory=False),
+    none."""
+    before = _peak_rss_gb()
+    ctx, state, _, _ = _token_run(1)
+    ctx.close()
+    after = _peak_rss_gb()
+    other, unwatched_memory, _, _ = _token_run(1, watch=Watch(memory=False))
+    other.close()
+
+    peaks = state.history["train_memory_rss_gb"]
+    assert 2 == len(peaks) and before <= peaks[0] <= peaks[1] <= after
+    assert "train_memory_rss_gb" not in unwatched_memory.history.names and "train_samples_per_s" in unwatched_memory.history.names
+
+
+@helpers.needs_cuda
+def test_on_cuda_an_epochs_peak_memory_holds_the_peak_of_every_report_interval_in_it():
+    """A report reads CUDA's peak memory and resets it, at every update here; the epoch's record still holds the peak
+    of the one batch that allocated 256 MB (each reading is folded into the epoch's peak too), and the reports after
+    that batch's do not."""
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator())
+    model = torch.nn.Linear(WIDTH, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Padded(), batch_size=BATCH))
+    calls = [0]
+
+    def loss_fn(model, batch):
+        calls[0] += 1
+        if calls[0] == 2:
+            torch.empty(2**26, device=ctx.accelerator.device).fill_(1.0)  # 256 MB, freed at once
+        return summed_loss(model, batch)
+
+    step, reports = _reports(log_every(ctx, 1, watch=True)(make_step(ctx, loss_fn, normalize="tokens")))
+    state = run_epoch(ctx, step, dl, state)
+    ctx.close()
+
+    assert reports[1]["memory_allocated_gb"] >= 0.268 and all(r["memory_allocated_gb"] < 0.1 for r in reports[2:])
+    assert state.history["train_memory_allocated_gb"] == [pytest.approx(reports[1]["memory_allocated_gb"])]
+    assert state.history["train_memory_reserved_gb"][0] >= 0.268
+
+
+def _two_process_memory():
+    before = _peak_rss_gb()
+    ctx, state, _, _ = _token_run(1)
+    ctx.close()
+    return before, _peak_rss_gb(), state.history["train_memory_rss_gb"]
+
+
+@pytest.mark.multiprocess
+def test_on_two_processes_an_epochs_peak_memory_is_the_mean_of_both_processes_peaks():
+    """Each process's peak rides in the epoch's one all-reduce: both record the same mean, which lies between the two
+    processes' own peaks."""
+    (before_0, after_0, peaks_0), (before_1, after_1, peaks_1) = testing.run_distributed(_two_process_memory, nprocs=2)
+
+    assert peaks_0 == peaks_1 and 2 == len(peaks_0)
+    assert all(min(before_0, before_1) <= p <= max(after_0, after_1) for p in peaks_0)
+
+
 def _two_process_epochs():
     ctx, state, _, dataset = _token_run(4)
     ctx.close()

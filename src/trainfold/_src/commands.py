@@ -259,11 +259,11 @@ def _last_report(state: dict[str, Any]) -> dict[str, Any] | None:
 
 
 #: A watched run's epoch figures (``run_epoch``'s records when ``log_every(watch=...)`` is on), as ``inspect`` lists them.
-EPOCH_FIGURES = ("epoch_s", "samples_per_s", "tokens_per_s")
+EPOCH_FIGURES = ("epoch_s", "samples_per_s", "tokens_per_s", "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
 
 
 def _throughput(history: Any) -> list[dict[str, Any]]:
-    """Each watched epoch's figures, in order: ``{"epoch", "update", "epoch_s", "samples_per_s"[, "tokens_per_s"]}``."""
+    """Each watched epoch's figures, in order: ``{"epoch", "update", "epoch_s", "samples_per_s"[, "tokens_per_s"][, memory]}``."""
     rows: dict[int, dict[str, Any]] = {}
     for r in history:
         if r.name.startswith("train_") and r.name[len("train_"):] in EPOCH_FIGURES:
@@ -274,6 +274,15 @@ def _throughput(history: Any) -> list[dict[str, Any]]:
 #: What ``inspect`` prints of a watched run's last report, in this order (a share of time as a percentage).
 REPORTED = ("samples_per_s", "tokens_per_s", "updates_per_s", "mfu", "time_data", "time_step", "time_update", "time_checkpoint", "time_stop",
             "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
+
+
+def _epoch_figure(name: str, value: float) -> str:
+    """One of :data:`EPOCH_FIGURES` as ``inspect`` prints it: ``12.5 s``, ``300 samples/s``, ``1.2 GB rss``."""
+    if name.endswith("_per_s"):
+        return f"{value:.4g} {name.removesuffix('_per_s')}/s"
+    if name.startswith("memory_"):
+        return f"{value:.3g} GB {name.removeprefix('memory_').removesuffix('_gb')}"
+    return f"{value:.4g} s"
 
 
 def _stop(state: dict[str, Any]) -> dict[str, Any]:
@@ -307,8 +316,7 @@ def inspect_text(d: dict[str, Any]) -> str:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
     if d.get("throughput"):
         lines.append("  throughput by epoch: " + "; ".join(
-            f"{t['epoch']}: " + ", ".join(f"{t[k]:.4g} {k.removesuffix('_per_s')}/s" if k.endswith("_per_s") else f"{t[k]:.4g} s"
-                                          for k in EPOCH_FIGURES if k in t) for t in d["throughput"][-8:]))
+            f"{t['epoch']}: " + ", ".join(_epoch_figure(k, t[k]) for k in EPOCH_FIGURES if k in t) for t in d["throughput"][-8:]))
     report = d.get("last_report")
     shown = [k for k in REPORTED if k in report["values"]] if report is not None else []
     if report is not None and shown:

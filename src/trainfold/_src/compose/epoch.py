@@ -387,7 +387,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
     else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
         seconds, samples = timed
-        means, totals = state.sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(samples))
+        means, totals = state.sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(ctx, samples))
         means = {**means, **epoch_figures(ctx, seconds, totals)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(

@@ -58,7 +58,7 @@ class Watch:
         peak_flops: one device's peak FLOP/s that MFU divides by; None: from :data:`PEAKS` by the
             CUDA device's name and the mixed precision (none on a CPU: MFU is then not reported).
         memory: report peak memory (CUDA: allocated and reserved since the last report; elsewhere the
-            process's peak resident memory so far).
+            process's peak resident memory so far), and record each epoch's (``train_memory_*_gb``).
 
     Examples:
         >>> from trainfold import log_every, make_step, run_epoch, testing
@@ -158,6 +158,8 @@ class Meter:
         self.last: TrainState | None = None  # the state the last step returned (a value: nothing is copied)
         self.carried: torch.Tensor | float = 0.0  # tokens of epochs that ended since the last report, after it
         self.clock.on = True
+        if watch.memory and self.clock.peaks is None:
+            self.clock.peaks = Peaks()
 
     def step(self, step: Step, state: TrainState, batch: Batch) -> TrainState:
         """Run ``step``, counting its batch's samples (and, the first time, its FLOPs)."""
@@ -224,8 +226,8 @@ class Meter:
         shares = {f"time_{part}": spent / seconds for part, spent in self.ctx.runtime.clock.take().items()}
         out["time_step"] = max(0.0, 1.0 - sum(shares.values()))  # the rest: forward, backward, the loop's own work
         out.update(shares)
-        if self.watch.memory:
-            out.update(_memory(acc.device))
+        if self.watch.memory and self.clock.peaks is not None:
+            out.update(self.clock.peaks.take(acc.device, "report"))
         self.carried, self.started, self.from_update, self.from_samples = 0.0, time.perf_counter(), state.step, self.clock.samples
         return out
 
@@ -245,21 +247,62 @@ def _copies(accelerator: Any) -> int:
     return int(accelerator.num_processes // max(data_layout(accelerator).size, 1))
 
 
-def epoch_totals(samples: int) -> dict[str, float]:
-    """This process's count for an epoch's record, to ride in the epoch's one all-reduce (:func:`epoch_figures`)."""
-    return {"watch:samples": float(samples)}  # sync: none: a host int
+def epoch_totals(ctx: Context, samples: int) -> dict[str, float]:
+    """This process's count for an epoch's record and, where memory is watched, its peak memory during the epoch, to
+    ride in the epoch's one all-reduce (:func:`epoch_figures`)."""
+    totals = {"watch:samples": float(samples)}  # sync: none: a host int
+    peaks = ctx.runtime.clock.peaks
+    if peaks is not None:
+        totals.update((f"watch:{name}", value) for name, value in peaks.take(ctx.accelerator.device, "epoch").items())
+    return totals
 
 
 def epoch_figures(ctx: Context, seconds: float, totals: Mapping[str, float]) -> dict[str, float]:
     """A watched epoch's throughput, from its one all-reduce: ``epoch_s`` (this process's wall time from the epoch's
     first batch to its end), ``samples_per_s`` and, where the loss counts tokens, ``tokens_per_s`` (every process's, a
-    tensor-parallel group's batch once, over that time)."""
+    tensor-parallel group's batch once, over that time); where memory is watched, the processes' mean of each one's
+    peak memory in the epoch (``memory_allocated_gb`` and ``memory_reserved_gb`` on CUDA, ``memory_rss_gb`` elsewhere:
+    the process's peak so far)."""
     copies = _copies(ctx.accelerator)
     out = {"epoch_s": seconds, "samples_per_s": totals["watch:samples"] / copies / seconds}
     tokens = next((totals[f"sum:{name}"] for name in TOKEN_SUMS if f"sum:{name}" in totals), None)
     if tokens is not None:
         out["tokens_per_s"] = tokens / copies / seconds
+    processes = ctx.accelerator.num_processes
+    out.update((name.removeprefix("watch:"), value / processes) for name, value in totals.items() if name.startswith("watch:memory_"))
     return out
+
+
+class Peaks:
+    """The peak device memory of one process since the last report and since the open epoch began.
+
+    CUDA keeps one peak, which a reading resets: each reading (a report's, an epoch's end) is folded
+    into both, and each takes its own, so a report's interval and an epoch that overlap each see
+    every peak inside them. Elsewhere the reading is the process's peak resident memory so far.
+    """
+
+    def __init__(self) -> None:
+        self.since: dict[str, dict[str, float]] = {"report": {}, "epoch": {}}
+
+    def take(self, device: Any, mark: str) -> dict[str, float]:
+        """The peaks since ``mark`` (``"report"`` or ``"epoch"``) was last taken, read now."""
+        return self.fold(_memory(device), mark)
+
+    def fold(self, read: Mapping[str, float], mark: str) -> dict[str, float]:
+        """Fold ``read`` (the peaks since the last reading) into both, and take those since ``mark``.
+
+        Examples:
+            >>> peaks = Peaks()
+            >>> peaks.fold({"memory_allocated_gb": 5.0}, "report"), peaks.fold({"memory_allocated_gb": 3.0}, "report")
+            ({'memory_allocated_gb': 5.0}, {'memory_allocated_gb': 3.0})
+            >>> peaks.fold({"memory_allocated_gb": 4.0}, "epoch")  # the epoch saw the first report's 5
+            {'memory_allocated_gb': 5.0}
+        """
+        for held in self.since.values():
+            for name, value in read.items():
+                held[name] = max(held.get(name, value), value)
+        taken, self.since[mark] = self.since[mark], {}
+        return taken
 
 
 def _memory(device: Any) -> dict[str, float]:

@@ -35,6 +35,9 @@ class Clock:
         self._spent = dict.fromkeys(PARTS, 0.0)  # (one dict for the run: the loader's timing holds it)
         self.samples = 0  # the samples this process's watched steps took, in all (a watched step adds its batch's)
         self.epoch_began: float | None = None  # when this process began the open epoch's first batch (while on)
+        #: the watcher's peak memory since its last report and since the open epoch began (``compose.watch.Peaks``),
+        #: or None while memory is not watched: the epoch's end reads it for the epoch's record
+        self.peaks: Any = None
         self._epoch_from = 0  # ``samples`` then
 
     def begin_epoch(self) -> None:
