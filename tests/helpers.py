@@ -482,20 +482,21 @@ import json, sys
 from aim import Repo, Run
 
 repo = Repo.from_path(sys.argv[1])
-runs = [(run.hash, run.tags) for run in repo.structured_db.runs()]
-series = {}
-for run_hash, _ in runs:
-    for metric in Run(run_hash, repo=repo, read_only=True).metrics():
+runs = {}
+for stored in repo.structured_db.runs():
+    series = {}
+    for metric in Run(stored.hash, repo=repo, read_only=True).metrics():
         if not metric.name.startswith("__system__"):  # Aim's own resource series
             steps, (values, _, _) = metric.data.numpy()
             series[metric.name] = [(int(step), float(value)) for step, value in zip(steps, values)]
-print(json.dumps({"runs": runs, "series": series}))
+    runs[stored.hash] = {"tags": sorted(stored.tags), "series": series}
+print(json.dumps(runs))
 """
 
 
-def aim_runs_and_series(path) -> tuple[list[tuple[str, list[str]]], dict[str, list[tuple[int, float]]]]:
-    """The runs of the Aim repository under ``path`` (``(hash, tags)`` each), and the series of its runs:
-    ``{name: [(step, value), ...]}`` by step, as Aim holds them (a step logged again holds its last value).
+def aim_runs(path) -> dict[str, dict[str, Any]]:
+    """The runs of the Aim repository under ``path``, by hash: ``{"tags": [...], "series": {name: [(step, value), ...]}}``,
+    each series by step as Aim holds it (a step logged again holds its last value).
 
     Indexed first with Aim's own command (``aim storage reindex``: Aim's UI indexes runs as it shows them, and a run
     nothing indexed, a killed one, cannot be read), then read in a process of its own (Aim keeps its repositories open).
@@ -509,8 +510,10 @@ def aim_runs_and_series(path) -> tuple[list[tuple[str, list[str]]], dict[str, li
     subprocess.run([str(aim), "storage", "--repo", str(path), "reindex", "--yes"], check=True, capture_output=True, timeout=scaled(120), env=env)
     result = subprocess.run([sys.executable, "-c", AIM_READ, str(path)], capture_output=True, text=True, timeout=scaled(120), env=env)
     assert 0 == result.returncode, result.stderr[-3000:]
-    read = json.loads(result.stdout.splitlines()[-1])
-    return [(h, tags) for h, tags in read["runs"]], {k: [tuple(p) for p in v] for k, v in read["series"].items()}
+    runs = json.loads(result.stdout.splitlines()[-1])
+    for run in runs.values():
+        run["series"] = {name: [tuple(point) for point in points] for name, points in run["series"].items()}
+    return runs
 
 
 class NoisyData(torch.utils.data.Dataset):

@@ -76,7 +76,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_an
     clean_dvclive = helpers.dvclive_series(tmp_path / "clean-logs" / "dvclive")
     clean_clearml = helpers.clearml_series(tmp_path / "clean-logs" / "clearml")
     clean_trackio = _trackio_series(tmp_path / "clean-logs")
-    _, clean_aim = helpers.aim_runs_and_series(tmp_path / "clean-logs")
+    ((_, clean_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(tmp_path / "clean-logs").values()]
 
     root, logs = tmp_path / "root", tmp_path / "logs"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
@@ -88,7 +88,7 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_an
         before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
         before_clearml = helpers.clearml_series(logs / "clearml")
         before_trackio = _trackio_series(logs)
-        _, before_aim = helpers.aim_runs_and_series(logs)
+        ((_, before_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(logs).values()]
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
     result = _run(root, logs)
@@ -126,8 +126,10 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_an
     assert clean_trackio.keys() == trackio_series.keys() and len(clean_trackio) > 3
     for key in clean_trackio:
         assert clean_trackio[key] == trackio_series[key], key
-    aim_runs, aim_series = helpers.aim_runs_and_series(logs)  # the run went on, each step logged again replacing its value
-    assert 1 == len(aim_runs) and any(tag.startswith("trainfold.run_id=") for tag in aim_runs[0][1])
+    aim_runs = helpers.aim_runs(logs)  # the run went on, each step logged again replacing its value
+    assert 1 == len(aim_runs), aim_runs.keys()
+    ((aim_tags, aim_series),) = [(run["tags"], run["series"]) for run in aim_runs.values()]
+    assert 1 == len(aim_tags) and aim_tags[0].startswith("trainfold.run_id=")
     assert list(range(1, UPDATES + 1)) == [step for step, _ in aim_series["train/loss"]]
     assert clean_aim.keys() == aim_series.keys() and len(clean_aim) > 3
     for key in clean_aim:
@@ -194,58 +196,59 @@ def test_a_resumed_run_goes_on_with_its_offline_clearml_session_mends_a_line_cut
     assert {session.name, report["task"]} == {p.name for p in (cache / "offline").iterdir() if p.is_dir()}
 
 
-AIM_RUN = r'''
+AIM_RUNS = r'''
 import json, sys, warnings
 import attrs
 from accelerate import Accelerator
 from trainfold import init_trackers, testing
 from trainfold._src.compose.tracking import emit
 
-resumed = sys.argv[1] == "resumed"
-ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="aim", project_dir="."))
-state = attrs.evolve(state, run_id=sys.argv[2] if len(sys.argv) > 2 else "r-1", step=4 if resumed else 0)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    given = {"run_hash": sys.argv[3]} if len(sys.argv) > 3 else {}
-    init_trackers(ctx, "proj", state, init_kwargs={"aim": {"capture_terminal_logs": False, "system_tracking_interval": None, **given}})
-for update in (5, 6) if resumed else (1, 2, 3, 4, 5):
-    emit(ctx, {"train/loss": update + (0.5 if resumed else 0.0)}, update, log=False)
-(tracker,) = ctx.accelerator.trackers
-print(json.dumps({"run": tracker.writer.hash, "warnings": [str(w.message) for w in caught]}), file=sys.stderr)
-ctx.accelerator.end_training()
-ctx.close()
+
+def run(run_id, resumed, given=None):
+    testing.reset_accelerate_state()
+    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="aim", project_dir="."))
+    state = attrs.evolve(state, run_id=run_id, step=4 if resumed else 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        init_trackers(ctx, "proj", state, init_kwargs={"aim": {"capture_terminal_logs": False, "system_tracking_interval": None,
+                                                               **({"run_hash": given} if given else {})}})
+    for update in (5, 6) if resumed else (1, 2, 3, 4, 5):
+        emit(ctx, {"train/loss": update + (0.5 if resumed else 0.0)}, update, log=False)
+    (tracker,) = ctx.accelerator.trackers
+    report = {"run": tracker.writer.hash, "warnings": [str(w.message) for w in caught]}
+    ctx.accelerator.end_training()
+    ctx.close()
+    return report
+
+
+first, resumed, other = run("r-1", False), run("r-1", True), run("r-2", True)
+given = run("r-3", True, given=first["run"])  # (one Aim has seen: Aim's list of runs is cached for 0.5 s in a process)
+print(json.dumps({"first": first, "resumed": resumed, "other": other, "given": given}), file=sys.stderr)
 '''
-
-
-def _aim_run(tmp_path, *args):
-    import json
-
-    result = subprocess.run([sys.executable, "-c", AIM_RUN, *args], capture_output=True, text=True, env=ENV, cwd=tmp_path,
-                            timeout=helpers.scaled(120))
-    assert 0 == result.returncode, result.stderr[-3000:]
-    return json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"run"')))
 
 
 def test_a_resumed_run_goes_on_with_the_aim_run_tagged_with_its_id_and_replaces_what_it_logs_again(tmp_path):
     """A run logs updates 1-5 to Aim (a repository in the Accelerator's logging_dir). Resumed at update 4, it finds the Aim
     run by its tag (the run's id) and goes on with it: update 5 logged again replaces the value Aim held (one value per
     step), and update 6 follows. A resumed state of another run finds no run tagged with its id: it says so and starts
-    an Aim run of its own."""
-    first, resumed = _aim_run(tmp_path, "first"), _aim_run(tmp_path, "resumed")
+    an Aim run of its own. A run_hash given is the run a resumed state goes on with, whatever its tags."""
+    import json
+
+    result = subprocess.run([sys.executable, "-c", AIM_RUNS], capture_output=True, text=True, env=ENV, cwd=tmp_path,
+                            timeout=helpers.scaled(180))
+    assert 0 == result.returncode, result.stderr[-3000:]
+    made = json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"first"')))
+    first, resumed, other, given = made["first"], made["resumed"], made["other"], made["given"]
+    runs = helpers.aim_runs(tmp_path)
 
     assert first["run"] == resumed["run"]
     assert not any("cannot cut a series back" in w or "holds no run" in w for w in resumed["warnings"]), resumed["warnings"]
-    runs, series = helpers.aim_runs_and_series(tmp_path)
-    assert [(first["run"], ["trainfold.run_id=r-1"])] == runs
-    assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)]} == series
-
-    other = _aim_run(tmp_path, "resumed", "r-2")
-
+    assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)]} == runs[first["run"]]["series"]
+    # another run's state: no run is tagged with its id, so it says so and starts a run of its own
     assert any("Aim holds no run of repository . tagged trainfold.run_id=r-2" in w for w in other["warnings"]), other["warnings"]
-    assert {(first["run"], ("trainfold.run_id=r-1",)), (other["run"], ("trainfold.run_id=r-2",))} == {
-        (h, tuple(tags)) for h, tags in helpers.aim_runs_and_series(tmp_path)[0]}
-
-    # a run_hash given is the run it goes on with, whatever its tags
-    given = _aim_run(tmp_path, "resumed", "r-3", other["run"])
-
-    assert given["run"] == other["run"] and not any("holds no run" in w for w in given["warnings"]), given["warnings"]
+    assert {first["run"], other["run"]} == set(runs)
+    assert ["trainfold.run_id=r-2"] == runs[other["run"]]["tags"]
+    assert {"train/loss": [(5, 5.5), (6, 6.5)]} == runs[other["run"]]["series"]
+    # a run_hash given: that run goes on (no warning, though no run is tagged r-3), and gets this run's tag too
+    assert given["run"] == first["run"] and not any("holds no run" in w for w in given["warnings"]), given["warnings"]
+    assert ["trainfold.run_id=r-1", "trainfold.run_id=r-3"] == runs[first["run"]]["tags"]
