@@ -370,7 +370,7 @@ def _prepare_aim(ctx: Context, state: TrainState, kwargs: dict[str, dict[str, An
     mine = kwargs.setdefault("aim", {})
     if state.step == 0 or not ctx.is_main_process or mine.get("run_hash"):
         return
-    repo = str(ctx.accelerator.logging_dir or ".")
+    repo = str(ctx.accelerator.logging_dir)  # (Accelerate refuses Aim without one) AimTracker's Run(repo=logging_dir)
     found = _aim_run_of(repo, state.run_id)
     if found is None:
         _warn_no_run("Aim", f"repository {repo} tagged {RUN_TAG}{state.run_id}", state, "the Accelerator's logging_dir")

@@ -306,8 +306,9 @@ class Peaks:
 
 
 def _memory(device: Any) -> dict[str, float]:
-    """Peak memory in GB: CUDA allocated and reserved since the last report (the peaks are reset); elsewhere the
-    process's peak resident memory so far (``getrusage``, which cannot be reset)."""
+    """Peak memory in GB: CUDA allocated and reserved since the last reading (the peaks are reset: :class:`Peaks`
+    folds each reading into a report's and an epoch's); elsewhere the process's peak resident memory so far
+    (``getrusage``, which cannot be reset)."""
     if getattr(device, "type", None) == "cuda":
         out = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
                "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
