@@ -379,10 +379,8 @@ def _prepare_aim(ctx: Context, state: TrainState, kwargs: dict[str, dict[str, An
 
 
 def _tag_aim_run(tracker: Any, run_id: str) -> None:
-    """Tag the Aim run ``tracker`` writes to with trainfold's ``run_id`` (once: a run gone on with has its tag)."""
-    tag = f"{RUN_TAG}{run_id}"
-    if tag not in (tracker.writer.props.tags or []):
-        tracker.writer.add_tag(tag)
+    """Tag the Aim run ``tracker`` writes to with trainfold's ``run_id`` (a run gone on with has it: Aim keeps a tag once)."""
+    tracker.writer.add_tag(f"{RUN_TAG}{run_id}")
 
 
 def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,

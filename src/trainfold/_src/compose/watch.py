@@ -226,7 +226,7 @@ class Meter:
         shares = {f"time_{part}": spent / seconds for part, spent in self.ctx.runtime.clock.take().items()}
         out["time_step"] = max(0.0, 1.0 - sum(shares.values()))  # the rest: forward, backward, the loop's own work
         out.update(shares)
-        if self.watch.memory and self.clock.peaks is not None:
+        if self.watch.memory:  # (the clock holds the Peaks this meter's __init__ gave it)
             out.update(self.clock.peaks.take(acc.device, "report"))
         self.carried, self.started, self.from_update, self.from_samples = 0.0, time.perf_counter(), state.step, self.clock.samples
         return out
