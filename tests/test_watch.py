@@ -5,6 +5,7 @@ Token counts are checked against batches of known random padding, with accumulat
 FLOPs against a hand count of a small MLP's matmuls.
 """
 
+import contextlib
 import time
 import warnings
 
@@ -484,6 +485,77 @@ def _cut_off_then_resumed(project, accelerator_kwargs, **init):
         ctx.accelerator.end_training()
         ctx.close()
     return run_id, trackers
+
+
+class _Killed(Exception):
+    """What a kill does to a run, here: it stops inside a tracker's log."""
+
+
+class _CutAt(_Mine):
+    """A tracker of one's own that, given update ``at``, stops the run there: the trackers before it in ``log_with`` got
+    that update, those after it did not, as when a kill lands while ``accelerator.log`` goes through them."""
+
+    def __init__(self, at=None):
+        super().__init__()
+        self.at = at
+
+    def log(self, values, step=None, **kwargs):
+        if step == self.at:
+            raise _Killed(step)
+        super().log(values, step, **kwargs)
+
+
+@pytest.mark.parametrize("saved_every, cut", [(2, 4), (3, 6)], ids=["inside-an-epoch", "at-an-epochs-end"])
+@pytest.mark.parametrize("watch", [False, True], ids=["plain", "watched"])
+def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_a_tracker_reaches_it_after_the_resume(tmp_path, monkeypatch, watch,
+                                                                                                                      saved_every, cut):
+    """log_every(2) outside checkpoint_every: the report of the update ``cut`` is made after its checkpoint, so the
+    resumed run goes on from the next update and the report at ``cut`` is never made again. The run before stopped while
+    that report went through the trackers: TensorBoard got it, MLflow did not (the kill test found Trackio so, its writer
+    thread behind). The resumed run makes that report again, from the checkpoint's sums (at an epoch's end, 6 of 6
+    batches: from the sums the epoch closed with), and sends it to the trackers that lack it: each series holds every
+    report once, with the uninterrupted run's values (the means of 2 updates, the learning rate, the epoch: to the last
+    bit, watched or not)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainfold import init_trackers, latest_checkpoint, load_checkpoint
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's file store: no server, no database
+
+    def run(name, cut=None, resume=False):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / name}/mlruns")
+        testing.reset_accelerate_state()
+        mine = type("Cut", (_CutAt, GeneralTracker), {})(cut)
+        accelerator = Accelerator(cpu=True, log_with=["tensorboard", mine, "mlflow"], project_dir=str(tmp_path / name))
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=24, accelerator=accelerator)
+        if resume:
+            state = load_checkpoint(ctx, latest_checkpoint(tmp_path / name / "checkpoints"), state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # mine cannot cut a series back: said
+            init_trackers(ctx, "proj", state)
+        step = log_every(ctx, 2, watch=watch)(checkpoint_every(ctx, tmp_path / name / "checkpoints", saved_every)(make_step(ctx, loss_fn)))
+        with pytest.raises(_Killed) if cut else contextlib.nullcontext():
+            loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
+        ctx.accelerator.end_training()
+        ctx.close()
+        board = EventAccumulator(str(tmp_path / name / "proj"), size_guidance={"scalars": 0})
+        board.Reload()
+        client = MlflowClient()
+        (mlflow_run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+        keys = ("train/loss", "train/lr", "epoch")
+        return ({key: [(e.step, e.value) for e in board.Scalars(key)] for key in keys},
+                {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)) for key in keys})
+
+    from accelerate.tracking import GeneralTracker
+
+    clean = run("clean")
+    board, mlflow = run("cut", cut=cut)
+    assert cut // 2 == len(board["train/loss"]) == len(mlflow["train/loss"]) + 1  # the run before: TensorBoard got the cut report, MLflow not
+    board, mlflow = run("cut", resume=True)
+
+    assert [2, 4, 6, 8, 10, 12] == [u for u, _ in clean[0]["train/loss"]]
+    assert clean == (board, mlflow)
 
 
 def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_sends_only_what_they_lack(tmp_path, monkeypatch):

@@ -65,6 +65,10 @@ class RunningSums:
     #: the last batch added, detached ``(loss, aux)`` as given (None in fresh sums): kept when the
     #: pending batches are folded, so a step transformer can always read its step's values
     last: Entry | None = attrs.field(default=None, eq=False, repr=False)
+    #: in the sums :meth:`reset` gives a new epoch, until its first batch: the sums the epoch before ended with (folded)
+    #: and its batches, which a report due at that epoch's last update, made after the epoch closed, reads (``log_every``
+    #: on a run resumed from a checkpoint saved in that update)
+    closed: tuple[RunningSums, int] | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
     def zero(cls, device: torch.device | str, *, mask_nonfinite: bool = False, dtype: torch.dtype = torch.float32) -> RunningSums:
@@ -102,9 +106,11 @@ class RunningSums:
             return self
         return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.last)
 
-    def reset(self, device: torch.device | str) -> RunningSums:
-        """Empty sums on ``device`` that mask as these do (a new epoch)."""
-        return RunningSums.zero(device, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+    def reset(self, device: torch.device | str, batches: int | None = None) -> RunningSums:
+        """Empty sums on ``device`` that mask as these do (a new epoch); given the epoch's ``batches``, they hold these,
+        folded, as ``closed`` until their first batch."""
+        fresh = RunningSums.zero(device, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+        return fresh if batches is None else attrs.evolve(fresh, closed=(self.folded(), batches))
 
     @property
     def loss(self) -> torch.Tensor | None:

@@ -383,11 +383,12 @@ def _warn_if_global_batch_changed(ctx: Context, resume: Resume, loader: Any) -> 
 def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics (and a watched run's throughput), count it, reset the running sums."""
     timed = ctx.runtime.clock.end_epoch()
+    sums = state.sums.folded()
     if timed is None:
-        means = state.sums.means(ctx.accelerator, state.batch_in_epoch)
+        means = sums.means(ctx.accelerator, state.batch_in_epoch)
     else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
         seconds, samples = timed
-        means, totals = state.sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(ctx, samples))
+        means, totals = sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(ctx, samples))
         means = {**means, **epoch_figures(ctx, seconds, totals)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
@@ -398,7 +399,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
         epoch=state.epoch + 1,
         batch_in_epoch=0,
         end_of_epoch=False,
-        sums=state.sums.reset(ctx.accelerator.device),
+        sums=sums.reset(ctx.accelerator.device, state.batch_in_epoch),
         history=history,
         # Between epochs the cursor keeps the loader (no iteration): a checkpoint taken now
         # records the state of the loader's own random generators.

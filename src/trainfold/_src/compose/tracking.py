@@ -393,7 +393,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     each series holds every update once, with the values of an uninterrupted run (the resume
     is exact). Every value logged at or before the checkpoint's update stays, and what TensorBoard
     holds at that update (an epoch's record logged after a checkpoint saved in the epoch's last
-    update, which the resumed run logs again) is not sent again.
+    update, or ``log_every``'s report there, which the resumed run makes again) is not sent again.
 
     MLflow's runs are tagged ``trainfold.run_id`` (:attr:`TrainState.run_id`), and a resumed
     run goes on with the MLflow run so tagged in experiment ``project_name`` (unless a
@@ -460,7 +460,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
         if others and ctx.is_main_process:
             warnings.warn(
                 f"init_trackers: the run goes on from update {state.step}, and {', '.join(others)} cannot cut a series back "
-                f"to it: what the run before logged after update {state.step} (up to its end) is logged again, so those "
+                f"to it: what the run before logged after its checkpoint (up to its end) is logged again, so those "
                 "updates may appear twice there (with the same values: the resume is exact). TensorBoard's series are cut back, "
                 "MLflow's and Trackio's runs, DVCLive's files and an offline ClearML session go on without them, and Aim's run "
                 "goes on, replacing them.",

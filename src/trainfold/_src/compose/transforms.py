@@ -241,7 +241,7 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
 
         def logged(state: TrainState, batch: Batch) -> TrainState:
             if state.step % n == 0 and state.step and _reported_before(state) < state.step:
-                state = _missed_report(state)
+                state = _missed_report(ctx, state, n, meter)
             new = step(state, batch) if meter is None else meter.step(step, state, batch)
             if new.extras is not state.extras and new.extras.get("log_every") is not state.extras.get("log_every"):
                 raise ValueError(_composed_twice(n, step))
@@ -267,16 +267,29 @@ def _reported_before(state: TrainState) -> int:
     return -1 if last is None else last.step
 
 
-def _missed_report(state: TrainState) -> TrainState:
+def _missed_report(ctx: Context, state: TrainState, n: int, meter: Meter | None) -> TrainState:
     """``state`` holding the report due at its update, which it does not hold: a checkpoint saved inside that update's
-    step, before ``log_every`` (composed outside ``checkpoint_every``) reported it. The report was made from these very
-    sums, so they are the next report's starting point, as in the run that was not stopped."""
+    step, before ``log_every`` (composed outside ``checkpoint_every``) reported it. A resumed run goes on from the next
+    update, so it makes that report again, from the same sums (the same values: the loss and aux means, the learning
+    rate, the epoch), and sends it to each tracker that lacks it: a kill can land after the checkpoint, before every
+    tracker had written it. Where that update ended its epoch, ``run_epoch`` has closed the epoch since: its sums are
+    the new sums' ``closed``. Not to the logger (the run before printed it), and without the watch's rates (the
+    interval's time was the run before's). Where the state's last report is not the one before it (another period, a
+    checkpoint of a run without ``log_every``), no run made this report: the sums are only the next report's start."""
     last: LogState | None = state.extras.get("log_every")
+    due = state
+    if state.batch_in_epoch == 0 and state.sums.closed is not None:
+        sums, batches = state.sums.closed
+        due = attrs.evolve(state, epoch=state.epoch - 1, batch_in_epoch=batches, sums=sums)
+    if (last.step if last is not None else 0) == state.step - n and due.batch_in_epoch > 0:
+        return state.with_extra("log_every", _report(ctx, due, meter, again=True))
     values = last.values if last is not None else MappingProxyType({})
     return state.with_extra("log_every", LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(state.sums.folded().as_dict()), values))
 
 
-def _report(ctx: Context, state: TrainState, meter: Meter | None = None) -> LogState:
+def _report(ctx: Context, state: TrainState, meter: Meter | None = None, *, again: bool = False) -> LogState:
+    """The report at ``state``'s update: the means since the last one, sent to the trackers and the logger; ``again``: a
+    report the run before made (:func:`_missed_report`), sent only to the trackers that lack it, without the watch's rates."""
     last: LogState | None = state.extras.get("log_every")
     # The folded sums are read, not kept: the run's own sums are added in the same groups
     # with or without logging, so logging never changes train_loss, even in the last bit.
@@ -285,14 +298,14 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None) -> LogS
     same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
     since = last.sums if same_epoch else None  # type: ignore[union-attr]
     base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
-    totals = meter.totals() if meter is not None else None
+    totals = meter.totals() if meter is not None else None  # (again too: summed over processes in the precision they were)
     means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
     values = {**means, "epoch": float(state.epoch)}  # sync: none: a host int
     if state.optimizer is not None:
         values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])  # sync: none: a number, or a compiled update's CPU tensor
-    if meter is not None:
+    if meter is not None and not again:
         values.update(meter.report(state, summed))
-    emit(ctx, {step_key(k): v for k, v in values.items()}, state.step)
+    emit(ctx, {step_key(k): v for k, v in values.items()}, state.step, log=not again)
     return LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(sums), values)
 
 
