@@ -544,7 +544,7 @@ def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_
         client = MlflowClient()
         (mlflow_run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
         keys = ("train/loss", "train/lr", "epoch")
-        return ({key: [(e.step, e.value) for e in board.Scalars(key)] for key in keys},
+        return ({key: sorted((e.step, e.value) for e in board.Scalars(key)) for key in keys},  # (two runs' files: read in either order)
                 {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)) for key in keys})
 
     from accelerate.tracking import GeneralTracker
