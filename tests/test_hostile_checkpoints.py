@@ -212,6 +212,16 @@ def test_a_bad_value_anywhere_is_refused_before_anything_changes(ckpt, plant, ma
     _load_refused(folder, secret, match)
 
 
+@pytest.mark.parametrize("value,match", [(-1, "running.started_at"), ("2", "running.started_at"), (True, "running.started_at"),
+                                         (5, "the running sums start after batch 5, past the epoch's batch 4")])
+def test_running_sums_that_start_anywhere_but_inside_the_epoch_so_far_are_refused(ckpt, value, match):
+    """A process's running sums say after which batch of the epoch they start (an epoch resumed on another number of
+    processes restarts them): a count no further than the epoch's position (4 batches here), or the load is refused."""
+    folder, secret = ckpt
+    _edit_json(folder, "rank-0.json", lambda meta: meta["running"].__setitem__("started_at", value))
+    _load_refused(folder, secret, match)
+
+
 def test_a_manifest_that_lists_no_files_verifies_nothing_and_is_refused(ckpt):
     folder, secret = ckpt
     doc = _manifest(folder)

@@ -62,6 +62,9 @@ class RunningSums:
     mask_nonfinite: bool = False
     #: the sums' dtype: float32 for a run's batch values, float64 for ``evaluate``'s weighted ones
     dtype: torch.dtype = attrs.field(default=torch.float32, eq=False)
+    #: the epoch's batch these sums start after: 0, or where an epoch resumed on another number of processes, whose
+    #: sums were each process's own, restarted them (a mean divides by the batches since)
+    started_at: int = attrs.field(default=0, eq=False)
     #: the last batch added, detached ``(loss, aux)`` as given (None in fresh sums): kept when the
     #: pending batches are folded, so a step transformer can always read its step's values
     last: Entry | None = attrs.field(default=None, eq=False, repr=False)
@@ -89,28 +92,38 @@ class RunningSums:
         entry = detached(loss, aux)
         pending = (*self.pending, entry)
         if len(pending) < FOLD_EVERY:
-            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype, entry)
+            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype, self.started_at, entry)
         loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, entry)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.started_at, entry)
 
     def folded(self) -> RunningSums:
         """These sums with the pending batches added (a few kernels, no sync)."""
         if not self.pending:
             return self
         loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
-        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.last)
+        return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.started_at, self.last)
 
     def masking(self, mask_nonfinite: bool = True) -> RunningSums:
         """These sums, masking non-finite losses from now on (or not)."""
         if mask_nonfinite == self.mask_nonfinite:
             return self
-        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.last)
+        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.started_at, self.last)
 
-    def reset(self, device: torch.device | str, batches: int | None = None) -> RunningSums:
-        """Empty sums on ``device`` that mask as these do (a new epoch); given the epoch's ``batches``, they hold these,
-        folded, as ``closed`` until their first batch."""
+    def reset(self, device: torch.device | str, batches: int | None = None, *, started_at: int = 0) -> RunningSums:
+        """Empty sums on ``device`` that mask as these do: a new epoch's, which (given the epoch's ``batches``) hold these,
+        folded, as ``closed`` until their first batch; or, with ``started_at``, the rest of an epoch's from that batch."""
         fresh = RunningSums.zero(device, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+        if started_at:
+            fresh = attrs.evolve(fresh, started_at=started_at)
         return fresh if batches is None else attrs.evolve(fresh, closed=(self.folded(), batches))
+
+    def interval(self, epoch: int, last: Any) -> tuple[Mapping[str, torch.Tensor] | None, int]:
+        """Where the interval these sums (of ``epoch``) hold since ``last`` began: ``last``'s sums and batch (a
+        ``log_every`` report: ``epoch``, ``batches``, ``sums``) where it is of this epoch, with these names, and these
+        sums held its batches; else no sums to subtract, from the batch these sums start after."""
+        if last is not None and last.epoch == epoch and last.batches >= self.started_at and last.sums.keys() == self.as_dict().keys():
+            return last.sums, last.batches
+        return None, self.started_at
 
     @property
     def loss(self) -> torch.Tensor | None:

@@ -130,6 +130,8 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         sums = _decode_sums(saved, shared, device, "nan_guard" in extras)  # decoded either way: every value is checked
         if own is not None:
             sums = _decode_sums(own, per_rank, device, "nan_guard" in extras)
+        if sums.started_at > values.get("batch_in_epoch", 0):
+            raise ValueError(f"the running sums start after batch {sums.started_at}, past the epoch's batch {values.get('batch_in_epoch', 0)}")
         history = history_from_rows(saved["history"])
         optimizer = _codec.decode(doc["optimizer"], shared)
         scheduler = None if doc["scheduler"] is None else _codec.decode(doc["scheduler"], shared)
@@ -228,6 +230,7 @@ def _encode_sums(enc: _codec.Encoder, sums: RunningSums) -> dict[str, Any]:
         "aux_sums": enc.encode(dict(sums.folded_aux), "running.aux"),
         "unsummed": enc.encode(tuple((loss, dict(aux)) for loss, aux in sums.pending), "running.unsummed"),
         "mask_nonfinite": sums.mask_nonfinite,
+        "started_at": sums.started_at,
     }
 
 
@@ -237,6 +240,7 @@ def _decode_sums(saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
         MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
         tuple((loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)),
         bool(saved.get("mask_nonfinite", mask_default)),  # sync: none: JSON
+        started_at=counter("running.started_at", saved.get("started_at", 0)),  # (0 in a checkpoint written before it was)
     )
 
 

@@ -218,9 +218,12 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         return EpochCursor(iter(loader), loader, rng.capture(generators))
     epoch_start = position.epoch_start
     _check_dealing(resume, loader)
+    # An epoch dealt by samples may have begun on another layout (a checkpoint inside an epoch that was itself resumed on
+    # another number of processes), whose loader had other generators: its order is drawn with the saved ones.
+    restore_start = rng.restore_loosely if by_samples else restore
 
     def restore_epoch_start() -> None:
-        restore(epoch_start, generators)
+        restore_start(epoch_start, generators)
 
     def restore_now() -> None:
         restore(resume.now, generators)
@@ -384,11 +387,12 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics (and a watched run's throughput), count it, reset the running sums."""
     timed = ctx.runtime.clock.end_epoch()
     sums = state.sums.folded()
+    held = state.batch_in_epoch - sums.started_at  # the batches the sums hold: all, but after a resume on another layout
     if timed is None:
-        means = sums.means(ctx.accelerator, state.batch_in_epoch)
+        means = sums.means(ctx.accelerator, held)
     else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
         seconds, samples = timed
-        means, totals = sums.means_and_totals(ctx.accelerator, state.batch_in_epoch, totals=epoch_totals(ctx, samples))
+        means, totals = sums.means_and_totals(ctx.accelerator, held, totals=epoch_totals(ctx, samples))
         means = {**means, **epoch_figures(ctx, seconds, totals)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(

@@ -295,9 +295,7 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None, *, agai
     # with or without logging, so logging never changes train_loss, even in the last bit.
     folded = state.sums.folded()
     sums = folded.as_dict()
-    same_epoch = last is not None and last.epoch == state.epoch and last.sums.keys() == sums.keys()
-    since = last.sums if same_epoch else None  # type: ignore[union-attr]
-    base_batches = last.batches if same_epoch else 0  # type: ignore[union-attr]
+    since, base_batches = folded.interval(state.epoch, last)
     totals = meter.totals() if meter is not None else None  # (again too: summed over processes in the precision they were)
     means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
     values = {**means, "epoch": float(state.epoch)}  # sync: none: a host int

@@ -191,7 +191,7 @@ class Meter:
         next epoch's sums no longer hold) are carried into this interval, on the device."""
         final = last.sums.as_dict()
         report = state.extras.get("log_every")
-        since = report.sums if report is not None and report.epoch == last.epoch else {}
+        since = last.sums.interval(last.epoch, report)[0] or {}
         for name in TOKEN_SUMS:
             if name in final:
                 self.carried = self.carried + (final[name] - since[name] if name in since else final[name])

@@ -150,7 +150,8 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
     group, by its position in samples.
 
     The epoch's running train sums were each process's own and cannot be dealt out
-    anew: they restart empty, with a warning (the next epochs' train values are exact).
+    anew: they restart empty from the batch the run stands at (``RunningSums.started_at``),
+    with a warning: the epoch's train values are then the means of the batches since.
     """
     saved = layout_words(manifest["world_size"], data_ranks(manifest))
     now = layout_words(acc.num_processes, data_layout(acc).size)
@@ -161,11 +162,13 @@ def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int,
             f"load_checkpoint: {folder} was saved by {saved} in the middle of epoch {run.values.epoch + 1}; this run "
             f"has {now}. The model, optimizer and data position continue exactly, but the epoch's running "
             "train sums were each process's own and cannot be dealt out anew, so they restart empty: this epoch's "
-            "train_loss (and train aux values) will not be exact; the next epochs' are.",
+            "train_loss (and train aux values) will be the means of the batches trained from here, and log_every's "
+            "next report of those since here; the next epochs' are exact.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )
-        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=run.values.sums.reset(acc.device)))
+        sums = run.values.sums.reset(acc.device, started_at=run.values.batch_in_epoch)
+        run = attrs.evolve(run, values=attrs.evolve(run.values, sums=sums))
     return run, attrs.evolve(resume, elastic=True)
 
 
