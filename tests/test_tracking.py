@@ -82,15 +82,15 @@ def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_an
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
     cmd = [sys.executable, str(SCRIPT), str(root), str(logs), "--slow"]
     rng = random.Random(3)
-    for _ in range(4):  # a kill that lands between a checkpoint and the next update's log proves nothing: again, resumed
+    for _ in range(4):  # a kill that lands between a checkpoint and the next update's log proves less: again, resumed
         killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, rng.uniform(0.15, 0.4), processes=1)
         resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
-        before, before_mlflow, before_dvclive = _series(logs), _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive")  # what the killed run left
-        before_clearml = helpers.clearml_series(logs / "clearml")
-        before_trackio = _trackio_series(logs)
-        ((_, before_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(logs).values()]
+        before = _series(logs)  # what the killed run left
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
+    before_mlflow, before_dvclive, before_clearml = _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive"), helpers.clearml_series(logs / "clearml")
+    before_trackio = _trackio_series(logs)
+    ((_, before_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(logs).values()]
     result = _run(root, logs)
 
     assert -signal.SIGKILL == killed and 0 < resumed_from < UPDATES
