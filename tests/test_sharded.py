@@ -563,3 +563,68 @@ def test_an_epoch_resumed_on_another_number_of_processes_records_the_means_of_th
     assert reports[1][1] == pytest.approx(sum(losses[1:3]) / 2, rel=1e-6)
     assert more_reports[0][1] == pytest.approx(sum(rest[:2]) / 2, rel=1e-6)
     assert train_loss[-1] == pytest.approx(sum(losses + rest) / 6, rel=1e-6)
+
+
+class _Sent:
+    """A tracker of one's own (Accelerate's GeneralTracker protocol) that keeps what it is sent: ``[(step, values)]``."""
+
+    name, requires_logging_directory, main_process_only = "sent", False, True
+
+    def __init__(self):
+        self.sent = []
+
+    def start(self):
+        pass
+
+    def store_init_configuration(self, values):
+        pass
+
+    def log(self, values, step=None, **kwargs):
+        self.sent.append((step, dict(values)))
+
+    def finish(self):
+        pass
+
+    @property
+    def tracker(self):
+        return self
+
+
+def _elastic_sent(root, *, stop_after=None, resume=False):
+    """One epoch over 48 samples with log_every(2) outside checkpoint_every(1); returns what a tracker was sent."""
+    import warnings
+
+    from accelerate.tracking import GeneralTracker
+
+    from trainfold import init_trackers, log_every
+
+    sent = type("Sent", (_Sent, GeneralTracker), {})()
+    ctx = Context(accelerator=Accelerator(cpu=True, log_with=[sent]))
+    torch.manual_seed(0)
+    model = helpers.mlp(dropout=0.1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
+    step = checkpoint_every(ctx, root, 1, keep_last=1)(make_step(ctx, helpers.ce_loss))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the sums restart, the global batch changed, the tracker cannot cut back: said
+        if resume:
+            state = load_checkpoint(ctx, root, state)
+        init_trackers(ctx, "proj", state)
+        state = run_epoch(ctx, log_every(ctx, 2)(max_steps(stop_after)(step) if stop_after else step), dl, state)
+    ctx.accelerator.end_training()
+    ctx.close()
+    return [(at, values["train/loss"]) for at, values in sent.sent if "train/loss" in values]
+
+
+@pytest.mark.multiprocess
+def test_a_report_made_after_the_checkpoint_is_not_made_again_from_sums_that_restarted_on_another_number_of_processes(tmp_path):
+    """Stopped on 2 processes at update 4, whose report log_every (outside checkpoint_every) made after the checkpoint;
+    resumed on 1, where the epoch's sums restart empty. A resumed run makes such a report again for the trackers that
+    lack it, from the checkpoint's sums; these hold none of its batches, so it is not made (it was a NaN loss): the
+    tracker is sent the reports from update 6 on, each of finite values."""
+    before = helpers.on_processes(2, _elastic_sent, str(tmp_path), stop_after=4)
+    ((after,),) = [helpers.on_processes(1, _elastic_sent, str(tmp_path), resume=True)]
+
+    assert [2, 4] == [at for at, _ in before[0]]
+    assert [6, 8] == [at for at, _ in after], after  # 16 samples left: updates 5 to 8 on one process
+    assert all(loss == loss and abs(loss) < 1e3 for _, loss in after)

@@ -275,13 +275,15 @@ def _missed_report(ctx: Context, state: TrainState, n: int, meter: Meter | None)
     tracker had written it. Where that update ended its epoch, ``run_epoch`` has closed the epoch since: its sums are
     the new sums' ``closed``. Not to the logger (the run before printed it), and without the watch's rates (the
     interval's time was the run before's). Where the state's last report is not the one before it (another period, a
-    checkpoint of a run without ``log_every``), no run made this report: the sums are only the next report's start."""
+    checkpoint of a run without ``log_every``), no run made this report; where the sums do not hold its batches (they
+    restarted on another number of processes), it cannot be made again: the sums are only the next report's start."""
     last: LogState | None = state.extras.get("log_every")
     due = state
     if state.batch_in_epoch == 0 and state.sums.closed is not None:
         sums, batches = state.sums.closed
         due = attrs.evolve(state, epoch=state.epoch - 1, batch_in_epoch=batches, sums=sums)
-    if (last.step if last is not None else 0) == state.step - n and due.batch_in_epoch > 0:
+    began = last.batches if last is not None and last.epoch == due.epoch else 0  # the report's first batch, after this one
+    if (last.step if last is not None else 0) == state.step - n and due.sums.started_at <= began < due.batch_in_epoch:
         return state.with_extra("log_every", _report(ctx, due, meter, again=True))
     values = last.values if last is not None else MappingProxyType({})
     return state.with_extra("log_every", LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(state.sums.folded().as_dict()), values))
