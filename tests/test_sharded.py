@@ -628,3 +628,14 @@ def test_a_report_made_after_the_checkpoint_is_not_made_again_from_sums_that_res
     assert [2, 4] == [at for at, _ in before[0]]
     assert [6, 8] == [at for at, _ in after], after  # 16 samples left: updates 5 to 8 on one process
     assert all(loss == loss and abs(loss) < 1e3 for _, loss in after)
+
+
+@pytest.mark.multiprocess
+def test_an_epoch_resumed_on_another_number_of_processes_at_its_last_update_records_no_train_values(tmp_path):
+    """Stopped on 2 processes at update 6, the epoch's last, and resumed on 1: the epoch's sums restart empty where no
+    batch is left, so they hold none of it. Its record has no train_loss (it was 0.0 once, then NaN with a warning that
+    the run had diverged)."""
+    helpers.on_processes(2, _elastic_means, str(tmp_path), stop_after=6)
+    ((losses, reports, train_loss),) = helpers.on_processes(1, _elastic_means, str(tmp_path), resume=True)
+
+    assert [] == losses and [] == reports and train_loss is None

@@ -26,6 +26,7 @@ from trainfold._src.backend.streams import (
 )
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
+from trainfold._src.base.metrics import RunningSums
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
 from trainfold._src.compose.watch import epoch_figures, epoch_totals
@@ -87,7 +88,8 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
 
     Returns:
         The state after the epoch; ``state.history["train_loss"]`` has the epoch's
-        mean batch loss over all processes.
+        mean batch loss over all processes (none for an epoch resumed on another
+        number of processes at its last update: its running sums hold no batch of it).
 
     Raises:
         ValueError: the loader yielded no batches; the processes have different
@@ -388,11 +390,13 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     timed = ctx.runtime.clock.end_epoch()
     sums = state.sums.folded()
     held = state.batch_in_epoch - sums.started_at  # the batches the sums hold: all, but after a resume on another layout
+    # None where that resume came at the epoch's last update (the same on every process): the record has no train values
+    averaged = sums if held else RunningSums()
     if timed is None:
-        means = sums.means(ctx.accelerator, held)
+        means = averaged.means(ctx.accelerator, held)
     else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
         seconds, samples = timed
-        means, totals = sums.means_and_totals(ctx.accelerator, held, totals=epoch_totals(ctx, samples))
+        means, totals = averaged.means_and_totals(ctx.accelerator, held, totals=epoch_totals(ctx, samples))
         means = {**means, **epoch_figures(ctx, seconds, totals)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
