@@ -565,40 +565,13 @@ def test_an_epoch_resumed_on_another_number_of_processes_records_the_means_of_th
     assert train_loss[-1] == pytest.approx(sum(losses + rest) / 6, rel=1e-6)
 
 
-class _Sent:
-    """A tracker of one's own (Accelerate's GeneralTracker protocol) that keeps what it is sent: ``[(step, values)]``."""
-
-    name, requires_logging_directory, main_process_only = "sent", False, True
-
-    def __init__(self):
-        self.sent = []
-
-    def start(self):
-        pass
-
-    def store_init_configuration(self, values):
-        pass
-
-    def log(self, values, step=None, **kwargs):
-        self.sent.append((step, dict(values)))
-
-    def finish(self):
-        pass
-
-    @property
-    def tracker(self):
-        return self
-
-
 def _elastic_sent(root, *, stop_after=None, resume=False):
     """One epoch over 48 samples with log_every(2) outside checkpoint_every(1); returns what a tracker was sent."""
     import warnings
 
-    from accelerate.tracking import GeneralTracker
-
     from trainfold import init_trackers, log_every
 
-    sent = type("Sent", (_Sent, GeneralTracker), {})()
+    sent = helpers.own_tracker()
     ctx = Context(accelerator=Accelerator(cpu=True, log_with=[sent]))
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
@@ -613,7 +586,7 @@ def _elastic_sent(root, *, stop_after=None, resume=False):
         state = run_epoch(ctx, log_every(ctx, 2)(max_steps(stop_after)(step) if stop_after else step), dl, state)
     ctx.accelerator.end_training()
     ctx.close()
-    return [(at, values["train/loss"]) for at, values in sent.sent if "train/loss" in values]
+    return [(at, values["train/loss"]) for at, values in sent.logged if "train/loss" in values]
 
 
 @pytest.mark.multiprocess

@@ -344,42 +344,13 @@ def test_the_progress_bar_shows_the_rates_of_the_last_report():
     assert "samples_per_s=" in shown and "loss=" in shown and "8/8" in shown
 
 
-class _Mine:
-    """A tracker of one's own (Accelerate's GeneralTracker protocol), which cannot cut its series back."""
-
-    name = "mine"
-    requires_logging_directory = False
-    main_process_only = True
-
-    def __init__(self):
-        self.logged = []
-
-    def start(self):
-        pass
-
-    def store_init_configuration(self, values):
-        pass
-
-    def log(self, values, step=None, **kwargs):
-        self.logged.append((step, dict(values)))
-
-    def finish(self):
-        pass
-
-    @property
-    def tracker(self):
-        return self
-
-
 def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_tracker_that_cannot(tmp_path):
     """A resumed state at update 4: TensorBoard starts with purge_step 5 (what the run before logged after update 4 is
     dropped); a tracker that cannot cut its series is started as given, and a warning names it. A fresh state: no
     purge, no warning."""
-    from accelerate.tracking import GeneralTracker
-
     from trainfold import init_trackers
 
-    mine = type("Mine", (_Mine, GeneralTracker), {})()
+    mine = helpers.own_tracker()
     for step, warned in ((0, False), (4, True)):
         testing.reset_accelerate_state()
         accelerator = Accelerator(cpu=True, log_with=["tensorboard", mine], project_dir=str(tmp_path / str(step)))
@@ -399,7 +370,6 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
     goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key
     once. A tracker that keeps nothing of its own (``mine``) is sent everything, as before."""
-    from accelerate.tracking import GeneralTracker
     from mlflow.tracking import MlflowClient
 
     from trainfold import init_trackers
@@ -410,7 +380,7 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     run_id = None
     for first, updates in ((True, range(1, 7)), (False, range(4, 9))):
         testing.reset_accelerate_state()
-        mine = type("Mine", (_Mine, GeneralTracker), {})()
+        mine = helpers.own_tracker()
         ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with=["mlflow", mine]))
         state = attrs.evolve(state, run_id=run_id or state.run_id, step=0 if first else 3)
         run_id = state.run_id
@@ -491,7 +461,7 @@ class _Killed(Exception):
     """What a kill does to a run, here: it stops inside a tracker's log."""
 
 
-class _CutAt(_Mine):
+class _CutAt(helpers.OwnTracker):
     """A tracker of one's own that, given update ``at``, stops the run there: the trackers before it in ``log_with`` got
     that update, those after it did not, as when a kill lands while ``accelerator.log`` goes through them."""
 
@@ -526,7 +496,7 @@ def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_
     def run(name, cut=None, resume=False):
         monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / name}/mlruns")
         testing.reset_accelerate_state()
-        mine = type("Cut", (_CutAt, GeneralTracker), {})(cut)
+        mine = helpers.own_tracker(_CutAt, cut)
         accelerator = Accelerator(cpu=True, log_with=["tensorboard", mine, "mlflow"], project_dir=str(tmp_path / name))
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=24, accelerator=accelerator)
         if resume:
@@ -546,8 +516,6 @@ def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_
         keys = ("train/loss", "train/lr", "epoch")
         return ({key: sorted((e.step, e.value) for e in board.Scalars(key)) for key in keys},  # (two runs' files: read in either order)
                 {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)) for key in keys})
-
-    from accelerate.tracking import GeneralTracker
 
     clean = run("clean")
     board, mlflow = run("cut", cut=cut)
