@@ -390,7 +390,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     timed = ctx.runtime.clock.end_epoch()
     sums = state.sums.folded()
     held = state.batch_in_epoch - sums.started_at  # the batches the sums hold: all, but after a resume on another layout
-    # None where that resume came at the epoch's last update (the same on every process): the record has no train values
+    # none where that resume came at the epoch's last update (so on every process): the record then has no train values
     averaged = sums if held else RunningSums()
     if timed is None:
         means = averaged.means(ctx.accelerator, held)

@@ -282,7 +282,7 @@ def _missed_report(ctx: Context, state: TrainState, n: int, meter: Meter | None)
     if state.batch_in_epoch == 0 and state.sums.closed is not None:
         sums, batches = state.sums.closed
         due = attrs.evolve(state, epoch=state.epoch - 1, batch_in_epoch=batches, sums=sums)
-    began = last.batches if last is not None and last.epoch == due.epoch else 0  # the report's first batch, after this one
+    began = last.batches if last is not None and last.epoch == due.epoch else 0  # the batch its interval began after
     if (last.step if last is not None else 0) == state.step - n and due.sums.started_at <= began < due.batch_in_epoch:
         return state.with_extra("log_every", _report(ctx, due, meter, again=True))
     values = last.values if last is not None else MappingProxyType({})
