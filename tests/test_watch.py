@@ -477,15 +477,17 @@ class _CutAt(helpers.OwnTracker):
 
 @pytest.mark.parametrize("saved_every, cut", [(2, 4), (3, 6)], ids=["inside-an-epoch", "at-an-epochs-end"])
 @pytest.mark.parametrize("watch", [False, True], ids=["plain", "watched"])
-def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_a_tracker_reaches_it_after_the_resume(tmp_path, monkeypatch, watch,
-                                                                                                                      saved_every, cut):
+def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_a_tracker_reaches_it_after_the_resume(tmp_path, monkeypatch, caplog,
+                                                                                                                      watch, saved_every, cut):
     """log_every(2) outside checkpoint_every: the report of the update ``cut`` is made after its checkpoint, so the
     resumed run goes on from the next update and the report at ``cut`` is never made again. The run before stopped while
     that report went through the trackers: TensorBoard got it, MLflow did not (the kill test found Trackio so, its writer
     thread behind). The resumed run makes that report again, from the checkpoint's sums (at an epoch's end, 6 of 6
     batches: from the sums the epoch closed with), and sends it to the trackers that lack it: each series holds every
     report once, with the uninterrupted run's values (the means of 2 updates, the learning rate, the epoch: to the last
-    bit, watched or not)."""
+    bit, watched or not). The logger does not print it again, and it has no rates (their interval was the run before's)."""
+    import logging
+
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -514,16 +516,23 @@ def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_
         client = MlflowClient()
         (mlflow_run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
         keys = ("train/loss", "train/lr", "epoch")
+        rates.extend(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/samples_per_s"))
         return ({key: sorted((e.step, e.value) for e in board.Scalars(key)) for key in keys},  # (two runs' files: read in either order)
                 {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)) for key in keys})
 
+    rates = []
     clean = run("clean")
     board, mlflow = run("cut", cut=cut)
     assert cut // 2 == len(board["train/loss"]) == len(mlflow["train/loss"]) + 1  # the run before: TensorBoard got the cut report, MLflow not
-    board, mlflow = run("cut", resume=True)
+    rates.clear()
+    with caplog.at_level(logging.INFO, logger="trainfold"):
+        board, mlflow = run("cut", resume=True)
 
     assert [2, 4, 6, 8, 10, 12] == [u for u, _ in clean[0]["train/loss"]]
     assert clean == (board, mlflow)
+    printed = [m.split(":")[0] for m in caplog.messages if m.startswith("step ")]
+    assert [f"step {u}" for u in range(cut + 2, 13, 2)] == printed
+    assert sorted(rates) == ([u for u in range(2, 13, 2) if u != cut] if watch else [])
 
 
 def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_sends_only_what_they_lack(tmp_path, monkeypatch):
