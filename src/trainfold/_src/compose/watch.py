@@ -189,9 +189,9 @@ class Meter:
     def _carry(self, state: TrainState, last: TrainState) -> None:
         """An epoch ended since the last step: the tokens its running sums gathered after the last report (which the
         next epoch's sums no longer hold) are carried into this interval, on the device."""
-        final = last.sums.as_dict()
-        report = state.extras.get("log_every")
-        since = last.sums.interval(last.epoch, report)[0] or {}
+        sums = last.sums.folded()  # (once: its names and values both are read)
+        final = sums.as_dict()
+        since = sums.interval(last.epoch, state.extras.get("log_every"))[0] or {}
         for name in TOKEN_SUMS:
             if name in final:
                 self.carried = self.carried + (final[name] - since[name] if name in since else final[name])
