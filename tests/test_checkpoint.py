@@ -520,3 +520,65 @@ def test_a_resumed_epoch_over_a_map_style_dataset_loads_one_consumed_batch_again
     # one consumed batch again, then the 5 after the batch read ahead (which the checkpoint holds): 6 batches of 4
     assert 6 * 4 == len(data.reads)
     ctx.close()
+
+
+_FRESH_LOAD = """
+import sys
+
+import torch
+from accelerate import Accelerator
+
+import trainfold as tf
+
+torch.manual_seed(0)
+ctx = tf.Context(accelerator=Accelerator(cpu=True))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+state = tf.TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
+state = tf.load_checkpoint(ctx, sys.argv[1], state)  # before anything that would import log_every's module
+print(sorted((name, type(value).__name__) for name, value in state.extras.items()))
+"""
+
+
+@pytest.mark.multiprocess
+def test_load_before_building_the_step(tmp_path):
+    """A script that loads its checkpoint right after ``import trainfold`` (before it builds the step that made the
+    records) reads every record trainfold's own transformers and epoch functions keep."""
+    import subprocess
+    import sys
+
+    from toolz import compose
+
+    from trainfold import early_stop, stop_when
+
+    ctx, state, dl = _setup(ga=1)
+    step = compose(ema(0.9), log_every(ctx, 2), stop_when(ctx, lambda s: s.last_loss > 1e9, check_every=4))(
+        make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)]))
+    trained = compose(early_stop("train_loss"), run_epoch(ctx, step, dl))(state)
+    save_checkpoint(ctx, tmp_path, trained)
+    saved = sorted((name, type(value).__name__) for name, value in trained.extras.items())
+    assert {"EmaState", "LogState", "StopWhenState", "NanGuardState", "PatienceState"} <= {kind for _, kind in saved}
+
+    run = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(tmp_path)], capture_output=True, text=True,
+                         timeout=helpers.scaled(120))
+
+    assert 0 == run.returncode, run.stderr[-2000:]
+    assert repr(saved) == run.stdout.strip()
+
+
+def test_every_record_trainfold_registers_has_a_home():
+    """Each record type trainfold's own modules register is in the table a load consults when its module is not
+    imported yet, under the module that defines it: a load never meets its own library's record as unknown."""
+    import importlib
+    import pkgutil
+
+    import trainfold
+    from trainfold._src.base import records
+
+    for module in pkgutil.walk_packages(trainfold.__path__, "trainfold."):
+        if module.name != "trainfold.__main__":  # the command line, which runs on import
+            importlib.import_module(module.name)
+    own = {name: cls.__module__ for name, cls in records.RECORDS.items() if cls.__module__.startswith("trainfold.")}
+
+    assert own == records.HOMES

@@ -4,12 +4,14 @@ A checkpoint stores a record (an attrs class kept in ``state.extras``, such as
 ``nan_guard``'s or ``early_stop``'s) as its registered name and its
 ``__init__`` arguments, and rebuilds it only if that name is registered here:
 loading never imports or calls anything by a name read from a file. trainfold's
-own records register themselves where they are defined; register yours with
-:func:`register_record`.
+own records register themselves where they are defined, and :data:`HOMES` names
+those modules, so that a load finds them before the script has imported them
+(``import trainfold`` imports lazily); register yours with :func:`register_record`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, TypeVar
 
 import attrs
@@ -18,6 +20,21 @@ _T = TypeVar("_T", bound=type)
 
 #: Registered record types by name.
 RECORDS: dict[str, type] = {}
+
+#: trainfold's own record types and the module that defines (and registers) each: a fixed table, so a name read from
+#: a checkpoint only ever selects one of these modules to import (tests check it against what the modules register).
+HOMES: dict[str, str] = {
+    "BestState": "trainfold._src.compose.epoch_fns",
+    "EmaState": "trainfold._src.compose.transforms",
+    "LocalSgdState": "trainfold._src.compose.local_sgd",
+    "LogState": "trainfold._src.compose.transforms",
+    "NanGuardFlags": "trainfold._src.core.guard",
+    "NanGuardState": "trainfold._src.core.guard",
+    "PatienceState": "trainfold._src.compose.epoch_fns",
+    "ProfileState": "trainfold._src.compose.profiling",
+    "Stop": "trainfold._src.core.stop",
+    "StopWhenState": "trainfold._src.compose.stopping",
+}
 
 
 def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
@@ -65,6 +82,15 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
         return record
 
     return register if cls is None else register(cls)  # type: ignore[return-value]
+
+
+def lookup(name: str) -> type | None:
+    """The record type registered as ``name``, importing trainfold's own module for it first if need be; or None."""
+    cls = RECORDS.get(name)
+    if cls is None and name in HOMES:
+        importlib.import_module(HOMES[name])
+        cls = RECORDS.get(name)
+    return cls
 
 
 def record_name(cls: type) -> str | None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from trainfold._src.base.io import ALIGNMENT
-from trainfold._src.base.records import RECORDS, record_name
+from trainfold._src.base.records import lookup, record_name
 
 #: How deep a decoded value may nest (trainfold's own values nest a few levels).
 MAX_DEPTH = 64
@@ -134,9 +134,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
                 raise ValueError(f"the checkpoint names an unknown dtype {o['__dtype__']!r}")
             return dtype
         if "__record__" in o:
-            cls = RECORDS.get(o["__record__"])
+            cls = lookup(o["__record__"]) if isinstance(o["__record__"], str) else None
             if cls is None:
-                raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r}")
+                raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r} (a record of your own: "
+                                 "import the module that registers it before load_checkpoint)")
             return cls(**{k: go(v, depth) for k, v in o["fields"].items()})
         if "__module__" in o:
             if module_template is None:
