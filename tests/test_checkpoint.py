@@ -582,3 +582,20 @@ def test_every_record_trainfold_registers_has_a_home():
     own = {name: cls.__module__ for name, cls in records.RECORDS.items() if cls.__module__.startswith("trainfold.")}
 
     assert own == records.HOMES
+
+
+def test_an_infinite_buffer_is_not_divergence(tmp_path, caplog):
+    """A causal mask registered as a buffer holds -inf by design: checkpoints of a healthy run with it are finite
+    (judged by what training changes), are not reported as diverged, and keep_last prunes them as usual."""
+    ctx, state, dl = _setup(ga=1)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    assert torch.isinf(mask).any()
+    state.model.register_buffer("mask", mask)
+    step = checkpoint_every(ctx, tmp_path, 1, keep_last=2)(make_step(ctx, helpers.ce_loss))
+
+    with caplog.at_level("ERROR", logger="trainfold"):
+        run_epoch(ctx, step, dl, state)
+
+    assert "non-finite" not in caplog.text
+    assert ["ckpt-0000000005", "ckpt-0000000006"] == [p.name for p in list_checkpoints(tmp_path)]
+    assert all(json.loads((p / "MANIFEST.json").read_text())["finite"] for p in list_checkpoints(tmp_path))

@@ -30,7 +30,8 @@ class Captured:
 
     #: the run state the shared and per-process files encode
     run: RunState = attrs.field(repr=False)
-    #: the weights whose finiteness the manifest records (this process's part)
+    #: the parameters whose finiteness the manifest records (this process's part): what training changes, not the
+    #: buffers, which may hold infinities by design (a causal mask)
     weights: Mapping[str, torch.Tensor] = attrs.field(repr=False)
     #: files the format writes as they are (DeepSpeed's engine files), by name
     files: Mapping[str, bytes] = attrs.field(default=MappingProxyType({}), converter=read_only, repr=False)
@@ -68,6 +69,12 @@ def without(tensors: Mapping[str, torch.Tensor], frozen: tuple[FrozenTensor, ...
     """``tensors`` but the frozen parameters an adapter checkpoint records by fingerprint (keyed ``prefix`` + name)."""
     dropped = {prefix + f.name for f in frozen}
     return {k: v for k, v in tensors.items() if k not in dropped}
+
+
+def parameters_of(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+    """``tensors`` but ``model``'s buffers (keyed ``prefix`` + name): the trained values a save judges finite."""
+    buffers = {prefix + name for name, _ in model.named_buffers()}
+    return {k: v for k, v in tensors.items() if k not in buffers}
 
 
 def live_fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:

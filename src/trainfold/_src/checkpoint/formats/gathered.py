@@ -17,8 +17,8 @@ from trainfold._src.base import rng as _rng
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, with_peers,
-    without,
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, parameters_of, saved_elsewhere, to_host,
+    with_peers, without,
 )
 from trainfold._src.checkpoint.manifest import FORMAT, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -39,7 +39,8 @@ class Gathered:
         weights = without(weights, frozen)
         if copied:
             weights = to_host(weights)
-        return Captured(attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights, frozen=frozen), weights)
+        run = attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights, frozen=frozen)
+        return Captured(run, parameters_of(weights, unwrap(ctx.accelerator, state.model)))
 
     def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
         return {}  # every tensor is in the shared files

@@ -17,8 +17,8 @@ from trainfold._src.checkpoint.commit import agreed
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, saved_elsewhere, to_host, with_peers,
-    without,
+    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, parameters_of, saved_elsewhere, to_host,
+    with_peers, without,
 )
 from trainfold._src.checkpoint.manifest import SHARDED, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -42,12 +42,14 @@ class Sharded:
 
         acc = ctx.accelerator
         shards, rest = agreed(ctx, lambda: dcp.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
-        buffers = [dcp.MODEL + name for name, _ in unwrap(acc, state.model).named_buffers()]
+        model = unwrap(acc, state.model)
+        buffers = [dcp.MODEL + name for name, _ in model.named_buffers()]
         shards = dcp.own_share(without(shards, frozen, prefix=dcp.MODEL), acc.process_index, acc.num_processes, buffers)
         if copied:
             shards = to_host(shards)
         run = attrs.evolve(capture(state, copied=copied, rng=rng, sharded_optimizer=rest), frozen=frozen)
-        return Captured(run, {k: local(v) for k, v in shards.items() if k.startswith(dcp.MODEL)}, shards=shards)
+        weights = {k: local(v) for k, v in shards.items() if k.startswith(dcp.MODEL)}
+        return Captured(run, parameters_of(weights, model, prefix=dcp.MODEL), shards=shards)
 
     def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
         from trainfold._src.checkpoint.formats import dcp
