@@ -243,6 +243,20 @@ def test_a_figure_per_token_gives_the_flops_and_no_peak_on_a_cpu_gives_no_mfu():
     assert not any("mfu" in r for r in reports)
 
 
+def test_flops_per_token_without_tokens_warns():
+    """A figure per token with a loss that counts no tokens gives no FLOPs: said once, at the first report."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32)
+    step = log_every(ctx, 1, watch=Watch(flops_per_token=100.0))(make_step(ctx, loss_fn))
+
+    with pytest.warns(UserWarning, match=r"flops_per_token.*counts no tokens.*normalize=\"tokens\"") as caught:
+        state = run_epoch(ctx, step, loader, state)
+    ctx.close()
+
+    assert 1 == sum("flops_per_token" in str(w.message) for w in caught)
+    assert state.step > 1
+    assert "flops" not in state.extras["log_every"].values
+
+
 def test_watching_changes_nothing_in_training_bit_for_bit():
     """The FLOPs are counted under a dispatch mode at the first step: the same kernels, the same numbers."""
     _, watched, _, _ = _token_run(4, watch=True)

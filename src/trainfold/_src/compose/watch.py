@@ -11,12 +11,14 @@ from __future__ import annotations
 import resource
 import sys
 import time
+import warnings
 from typing import Any, Mapping
 
 import attrs
 import torch
 
 from trainfold._src.backend.mesh import data_layout
+from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.base.metrics import WEIGHT
 from trainfold._src.base.types import Batch
 from trainfold._src.core.context import Context
@@ -50,7 +52,8 @@ class Watch:
 
     Attributes:
         flops_per_token: the training FLOPs of one token, for a transformer ``6 * n_parameters``
-            (a figure of yours: MFU as most papers state it).
+            (a figure of yours: MFU as most papers state it); needs a loss that counts tokens
+            (the first report warns once if it counts none).
         flops_per_sample: the training FLOPs of one sample, as you count them.
         measure_flops: with neither figure, count the FLOPs of the first step with torch's
             ``FlopCounterMode`` (forward and backward, every matmul and convolution; this process's
@@ -236,10 +239,24 @@ class Meter:
         tensor-parallel group's copies counted once), or as counted per sample on each process (its own share of the
         model, under tensor parallelism) and summed."""
         if self.watch.flops_per_token is not None:
-            return None if tokens is None else self.watch.flops_per_token * tokens
+            if tokens is None:
+                self._warn_no_tokens()
+                return None
+            return self.watch.flops_per_token * tokens
         if self.watch.flops_per_sample is not None:
             return totals["watch:flops"] / copies
         return totals["watch:flops"] if self.flops_per_sample is not None else None
+
+
+    def _warn_no_tokens(self) -> None:
+        if self.ctx.is_main_process and self.ctx.runtime.warn_once("watch:flops_per_token"):
+            warnings.warn(
+                "Watch(flops_per_token=...): the loss counts no tokens, so the reports carry no flops and no mfu. Count "
+                'them with make_step(..., normalize="tokens") or an aux "tokens" (a sum of real tokens per batch), or '
+                "give Watch(flops_per_sample=...) instead. Said once.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 def _copies(accelerator: Any) -> int:
