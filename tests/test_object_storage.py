@@ -291,6 +291,29 @@ def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, 
     assert root not in lease._HELD
 
 
+def test_a_renewal_changes_the_lock_with_the_clock_frozen(monkeypatch):
+    """Each renewal writes other bytes (a count), so a job watching the lock sees a live owner renew even when the
+    owner's wall clock stands still (its expiry time the same at every renewal)."""
+    import fsspec
+
+    from trainfold._src.checkpoint.storage import conditional, lease
+
+    fs = fsspec.filesystem("memory")
+    monkeypatch.setattr(lease.time, "time", lambda: 1_000_000.0)
+    lock = lease.LeaseLock(fs, "/frozen-clock/.trainfold.lock", "memory://frozen-clock", "run")
+    lock.take()
+    lock._stop.set()  # renewed by hand below, not by its thread
+    tags = [conditional.tag(fs, lock.path)]
+    for _ in range(3):
+        lock.renew()
+        tags.append(conditional.tag(fs, lock.path))
+    lost = lock.lost
+    lock.release_now()
+
+    assert lost is None
+    assert 4 == len(set(tags))
+
+
 _HOLDING_COPY = """
 import json, sys
 from trainfold import load_checkpoint, save_checkpoint, testing

@@ -98,10 +98,14 @@ class LeaseLock:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lease_s = lease_s()
+        self.writes = 0
 
     def body(self) -> bytes:
+        """The lock's next bytes: never the same twice (``write`` counts them), since a watcher tells a renewal by
+        the ETag changing, and ``expires`` alone repeats when this host's wall clock stands still."""
+        self.writes += 1
         owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
-                                 "expires": time.time() + self.lease_s, "lease_s": self.lease_s}
+                                 "write": self.writes, "expires": time.time() + self.lease_s, "lease_s": self.lease_s}
         if self.committing is not None:
             owner["committing"] = self.committing
         return json.dumps(owner).encode()
