@@ -92,3 +92,17 @@ def test_batches_read_ahead_are_cut_or_joined_into_this_runs_batches():
         units_of(pair, 3)
     with pytest.raises(CheckpointError, match=r"cannot be dealt out as this run's batches of 2 \(.*str"):
         units_of([{"x": torch.arange(4), "text": ["a", "b", "c", "d"]}], 2)
+
+
+def test_tuple_samples_are_dealt():
+    """A stream of ``(x, y, id)`` samples, whose read-ahead batches default_collate made lists of tensors, is dealt
+    like one of single tensors: a collated batch is never taken for a list of samples still to collate."""
+    sample = lambda i: (torch.full((2,), float(i)), torch.tensor(i % 3), torch.tensor(i))
+    ahead = [default_collate([sample(i) for i in range(1000, 1002)])]
+    assert isinstance(ahead[0], list)
+    items = [(True, b) for b in ahead] + [(False, sample(i)) for i in range(6)]
+
+    got = [[b[2].tolist() for b in deal(iter(items), unit=2, processes=2, index=i, drop_last=False, collate=default_collate)]
+           for i in range(2)]
+
+    assert [[[1000, 1001], [2, 3]], [[0, 1], [4, 5]]] == got

@@ -439,38 +439,47 @@ def deal(items: Any, *, unit: int, processes: int, index: int, drop_last: bool, 
     (the whole batches, if no sample was read), as Accelerate completes an epoch's last global batch. One process takes
     a last short batch as it is, as a ``DataLoader`` does.
     """
-    round_: list[Any] = []  # this round's batches: collated ones, or lists of samples
+    round_: list[Any] = []  # this round's batches: collated ones, or _Samples still to collate
     first: list[Any] = []  # the first samples read, for completing the last round
     wanted = unit * processes
+
+    def filling() -> bool:  # the round's last batch is samples, not yet ``unit`` of them
+        return isinstance(round_[-1], _Samples) and len(round_[-1]) < unit
+
     for whole, item in items:
         if whole:
             round_.append(item)
         else:
             if len(first) < wanted:
                 first.append(item)
-            if not round_ or not isinstance(round_[-1], list) or len(round_[-1]) == unit:
-                round_.append([])
+            if not round_ or not filling():
+                round_.append(_Samples())
             round_[-1].append(item)
-        if len(round_) == processes and (not isinstance(round_[-1], list) or len(round_[-1]) == unit):
+        if len(round_) == processes and not filling():
             mine = round_[index]
             round_ = []
-            yield collate(mine) if isinstance(mine, list) else mine
-    if not round_ or drop_last and (len(round_) < processes or isinstance(round_[-1], list) and len(round_[-1]) < unit):
+            yield collate(mine) if isinstance(mine, _Samples) else mine
+    if not round_ or drop_last and (len(round_) < processes or filling()):
         return
     if processes > 1:
-        fill = first or [b for b in round_ if not isinstance(b, list)]
+        fill = first or [b for b in round_ if not isinstance(b, _Samples)]
         at = 0
-        while len(round_) < processes or isinstance(round_[-1], list) and len(round_[-1]) < unit:
+        while len(round_) < processes or filling():
             if first:
-                if not isinstance(round_[-1], list) or len(round_[-1]) == unit:
-                    round_.append([])
+                if not filling():
+                    round_.append(_Samples())
                 round_[-1].append(fill[at % len(fill)])
             else:
                 round_.append(fill[at % len(fill)])
             at += 1
     if index < len(round_):
         mine = round_[index]
-        yield collate(mine) if isinstance(mine, list) else mine
+        yield collate(mine) if isinstance(mine, _Samples) else mine
+
+
+class _Samples(list[Any]):
+    """Samples of one batch still to collate: told apart from a collated batch that is itself a list (the
+    ``default_collate`` of tuple samples)."""
 
 
 def redeal(whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt: str, epoch: int, unit: int) -> Redealt:
