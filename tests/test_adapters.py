@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainfold import (
-    CheckpointError, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step, run_epoch,
+    CheckpointError, checkpoint_every, export_checkpoint, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step, run_epoch,
     save_checkpoint, testing,
 )
 
@@ -398,6 +398,72 @@ def test_export_with_another_base_or_a_base_for_a_whole_checkpoint_is_refused_an
     assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(tmp_path / "nothing")])
     assert "no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out").exists()
+
+
+def test_export_base_through_links(tmp_path):
+    """A base in a Hugging Face hub cache's layout: the snapshot folder's files are symbolic links into blobs/. The
+    export follows the links the user's base is made of and writes the whole model."""
+    from trainfold import cli
+    from trainfold._src.checkpoint.safetensors import parse
+
+    ctx, state, dl = helpers.adapter_setup()
+    blob = _base_file(tmp_path, state).rename(tmp_path / "blob-0123abcd")
+    snapshot = tmp_path / "snapshots" / "main"
+    snapshot.mkdir(parents=True)
+    (snapshot / "model.safetensors").symlink_to(f"../../{blob.name}")
+    state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx.close()
+
+    assert 0 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "model.safetensors"), "--base", str(snapshot)])
+    written = parse(bytearray((tmp_path / "model.safetensors").read_bytes()))
+    live = state.model.state_dict()
+    assert live.keys() == written.keys() and all(torch.equal(live[n], written[n]) for n in live)
+
+
+def test_export_base_refuses_a_fifo(tmp_path, capsys):
+    """A FIFO named like a weights file in the base folder is refused at once (an open would wait for a writer)."""
+    import os
+    import threading
+
+    from trainfold import cli
+
+    ctx, state, dl = helpers.adapter_setup()
+    base = tmp_path / "base"
+    base.mkdir()
+    _base_file(tmp_path, state).rename(base / "model.safetensors")
+    os.mkfifo(base / "extra.safetensors")
+    save_checkpoint(ctx, tmp_path / "root", state)
+    ctx.close()
+    codes = []
+    command = threading.Thread(target=lambda: codes.append(
+        cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(base)])), daemon=True)
+    command.start()
+    command.join(timeout=helpers.scaled(60))
+    if command.is_alive():  # blocked in the open: let it go before failing
+        os.close(os.open(base / "extra.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        command.join(timeout=helpers.scaled(60))
+        pytest.fail("export blocked on a FIFO in the base folder")
+
+    assert [2] == codes
+    assert "extra.safetensors is not a regular file" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_export_follows_the_umask(umask, tmp_path):
+    """An export is as readable as any file its user writes (save_pretrained's 0644 under umask 022), not private."""
+    import os
+
+    ctx, state, dl = helpers.adapter_setup()
+    save_checkpoint(ctx, tmp_path / "root", state)
+    ctx.close()
+    old = os.umask(umask)
+    try:
+        export_checkpoint(tmp_path / "root", tmp_path / "adapters.safetensors")
+    finally:
+        os.umask(old)
+
+    assert 0o666 & ~umask == (tmp_path / "adapters.safetensors").stat().st_mode & 0o777
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "background"])

@@ -7,6 +7,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -42,10 +43,10 @@ def staged_beside(target: Path, folder: bool = False) -> Iterator[Path]:
     tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
     made = False
     try:
-        if folder:
-            os.mkdir(tmp, 0o700)
+        if folder:  # the modes of any new file or folder (the umask applies): readable by whom the user's files are
+            os.mkdir(tmp, 0o777)
         else:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666))
         made = True
         yield tmp
     except BaseException as e:
@@ -101,12 +102,17 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
     so a tensor at an aligned offset of the file is aligned in it too.
 
     Raises:
-        ValueError: the file does not have ``size`` bytes (it changed since it was measured, or while it was read).
+        ValueError: the file does not have ``size`` bytes (it changed since it was measured, or while it was read),
+            or is not a regular file (a FIFO, a device).
         FileNotFoundError: the file is gone.
     """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # non-blocking: a FIFO or a device in a file's place is refused here, not waited on (no effect on a regular file)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     try:
-        if os.fstat(fd).st_size != size:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if info.st_size != size:
             raise ValueError(f"{path} has another size than {size} bytes")
         if size == 0:
             return bytearray()

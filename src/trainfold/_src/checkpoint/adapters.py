@@ -96,16 +96,20 @@ def read_base(path: str | Path) -> dict[str, torch.Tensor]:
             a name in two files.
     """
     where = Path(path)
-    files = [where] if where.is_file() else sorted(where.glob("*.safetensors")) if where.is_dir() else []
+    files = [where] if where.exists() and not where.is_dir() else sorted(where.glob("*.safetensors")) if where.is_dir() else []
     if not files:
         raise CheckpointError(f"--base {where}: {'no *.safetensors file in that folder' if where.is_dir() else 'no such file or folder'}; "
                               "name the base's safetensors file or its save_pretrained folder.")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
+        real = file.resolve()  # the user's own base, links followed: a hub cache's snapshot files link into blobs/
         try:
-            part = _safetensors.parse(read_into(file, file.stat().st_size))
+            part = _safetensors.parse(read_into(real, real.stat().st_size))
         except _safetensors.FormatError as exc:
             raise CheckpointError(f"--base {file} is not a safetensors file ({exc}).") from None
+        except (OSError, ValueError) as exc:
+            reason = "is not a regular file" if real.exists() and not real.is_file() else f"cannot be read ({exc})"
+            raise CheckpointError(f"--base {file} {reason}: a base folder holds the model's *.safetensors files.") from None
         twice = sorted(tensors.keys() & part.keys())
         if twice:
             raise CheckpointError(f"--base {where}: the tensor {twice[0]!r} is in two files.")
@@ -137,19 +141,25 @@ def _frozen_from_base(folder: object, base_path: object, frozen: Sequence[Frozen
         CheckpointError: a tensor the base lacks, or of another shape, dtype or value, naming it.
     """
     digests: dict[str, str] = {}
+    by_kind: dict[tuple[tuple[int, ...], str], list[str]] = {}  # the base's names by shape and dtype, made once if needed
 
     def digest_of(name: str) -> str:
         if name not in digests:
             digests[name] = _digest_of(base[name])
         return digests[name]
 
+    def alike(f: FrozenTensor) -> list[str]:
+        if not by_kind:
+            for n, t in base.items():
+                by_kind.setdefault((tuple(t.shape), dtype_name(t.dtype)), []).append(n)
+        return by_kind.get((f.shape, f.dtype), [])
+
     out: dict[str, torch.Tensor] = {}
     for f in frozen:
         name = _base_name(f.name, adapter)
         t = base.get(name)
         if t is None:  # tied: the same bytes under another name
-            t = next((base[n] for n in base if tuple(base[n].shape) == f.shape and dtype_name(base[n].dtype) == f.dtype
-                      and digest_of(n) == f.digest), None)
+            t = next((base[n] for n in alike(f) if digest_of(n) == f.digest), None)
             if t is None:
                 raise CheckpointError(f"--base {base_path} has no tensor {name!r}, and none with the values of the frozen {f.name!r} of "
                                       f"{folder}: not the base the run trained on.")
