@@ -131,6 +131,14 @@ def test_exported_adapters_are_what_peft_saves_and_load_with_peft_to_the_same_lo
         assert torch.equal(logits, loaded(input_ids=ids).logits)
 
 
+def test_adapters_export_to_a_file_name(trained_gpt2, capsys):
+    """PEFT adapters export as a folder (weights and config): a target named like a file is refused, nothing written."""
+    tmp, *_ = trained_gpt2
+    assert 2 == cli.main(["export", str(tmp / "root"), str(tmp / "adapters.safetensors")])
+    assert "name a folder" in capsys.readouterr().err
+    assert not (tmp / "adapters.safetensors").exists()
+
+
 def test_merged_with_its_base_the_model_gives_the_adapter_models_logits(trained_gpt2, capsys):
     tmp, model, ids, logits = trained_gpt2
     assert 0 == cli.main(["export", str(tmp / "root"), str(tmp / "merged"), "--base", str(tmp / "base"), "--transformers", str(tmp / "base")])

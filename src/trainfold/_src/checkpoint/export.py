@@ -169,6 +169,9 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
 
 def _write_peft(stored: Stored, manifest: Any, target: Path, peft: Any) -> Path:
     """A PEFT model's adapters as the folder ``PeftModel.from_pretrained`` loads, renamed into place when whole."""
+    if target.suffix == ".safetensors":
+        raise CheckpointError(f"{stored} holds a PEFT model's adapters, which export as a folder (adapter_model.safetensors and "
+                              f"adapter_config.json, what PeftModel.from_pretrained loads): name a folder, not {target.name}.")
     held = by_code(manifest["format"]).weights(stored, manifest)
     tensors, config = _adapters.peft_files(stored, held, peft)
     target.parent.mkdir(parents=True, exist_ok=True)
