@@ -187,6 +187,64 @@ def test_a_signal_outside_any_trainfold_call_is_a_request_until_the_context_clos
     assert before is signal.getsignal(signal.SIGTERM)
 
 
+_UNHONOURED = """
+import os, signal, sys, time
+import torch
+from accelerate import Accelerator
+from trainfold import Context, TrainState, make_step, run_epoch, testing
+
+where, deadline = sys.argv[1], float(sys.argv[2])
+ctx = Context(accelerator=Accelerator(cpu=True), stop_deadline_s=deadline if deadline > 0 else None)
+model = torch.nn.Linear(1, 1)
+state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+(loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(testing.regression_data(8), batch_size=4))
+inner = make_step(ctx, testing.mse_loss)
+
+def hung(s, batch):  # a tracker's log that never returns, inside the epoch
+    print("stuck", flush=True)
+    time.sleep(600)
+    return inner(s, batch)
+
+print("ready", flush=True)
+if where == "blocked":  # requested, then the main thread cannot take the signal again (a C call that never returns)
+    signal.raise_signal(signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    time.sleep(600)
+elif where == "outside":  # the script's own code, no epoch running: nothing will act on a stop
+    time.sleep(600)
+else:
+    run_epoch(ctx, hung, loader, state)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where, deadline, second", [("outside", 1.0, False), ("in-step", 1.0, False),
+                                                     ("in-step", 0, True), ("blocked", 1.0, False)])
+def test_an_unhonoured_stop_ends_the_process(where, deadline, second):
+    """A stop request that nothing acts on (no epoch running, a step hung in a tracker's log) does not keep the process
+    alive: past the Context's stop_deadline_s, or at a second SIGTERM a second after the first, the signal acts as it
+    would without trainfold (the process ends by SIGTERM), and the log says why; a main thread that cannot take the
+    signal any more (blocked in it) still ends, with SIGTERM's exit status."""
+    proc = subprocess.Popen([sys.executable, "-c", _UNHONOURED, where, str(deadline)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert "ready" == proc.stdout.readline().strip()
+        if where == "in-step":
+            assert "stuck" == proc.stdout.readline().strip()
+        if where != "blocked":
+            proc.send_signal(signal.SIGTERM)
+        if second:
+            time.sleep(interrupt.ECHO_S + 0.2)  # a person or a scheduler asking again, not a launcher's echo
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=helpers.scaled(60))
+    finally:
+        proc.kill()
+
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-2000:]
+    assert ("SIGTERM received again" if second else "was not acted on within") in err
+    assert (where == "blocked") == ("the main thread did not take the signal" in err)
+
+
 def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_update(tmp_path):
     """Without the save catching it, Ctrl-C would raise KeyboardInterrupt in the middle of the save."""
     ctx, state, dl = _setup()
@@ -209,6 +267,7 @@ def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_upd
 @pytest.mark.parametrize(
     "kw,words",
     [({"stop_check_s": 0}, "positive, finite number of seconds"), ({"stop_check_s": float("inf")}, "positive, finite"),
+     ({"stop_deadline_s": -1}, "'stop_deadline_s' must be a positive"),
      ({"timeout": -1}, "positive, finite"), ({"signals": ["TERM"]}, "must be signal numbers")],
 )
 def test_the_contexts_stop_settings_are_checked(kw, words):

@@ -57,6 +57,11 @@ def positive_seconds(instance: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"'{attribute.name}' must be a positive, finite number of seconds (got {value!r}).")
 
 
+def positive_seconds_or_none(instance: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        positive_seconds(instance, attribute, value)
+
+
 def timeout_of(value: Any) -> datetime.timedelta | None:
     if value is None or isinstance(value, datetime.timedelta):
         if value is not None and value.total_seconds() <= 0:
@@ -128,7 +133,7 @@ def _is_main_process(ctx: Context) -> bool:
 
 
 def _runtime(ctx: Context) -> Runtime:
-    return Runtime(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.signals)
+    return Runtime(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.signals, ctx.stop_deadline_s)
 
 
 def context_of(accelerator: Any) -> Context | None:
@@ -192,13 +197,19 @@ class Context:
         signals: the signals that, from the Context's creation until :meth:`close`, are a request
             to stop at the next step boundary, the end of an evaluation or the next epoch of a
             loop, wherever they arrive (the saving you composed writes a final checkpoint; a
-            repeated SIGTERM changes nothing, a second Ctrl-C acts at once; see
-            :class:`~trainfold.Runtime`). SIGINT and SIGTERM by default; ``signals=()``
+            launcher's echo of the signal changes nothing; the signal comes again a second or
+            more later, or nothing acts on it within ``stop_deadline_s``: it acts as without
+            trainfold; see :class:`~trainfold.Runtime`). SIGINT and SIGTERM by default; ``signals=()``
             leaves every signal to the host application. Made outside the main thread, a
             Context installs no handler (Python delivers signals to the main thread).
         stop_check_s: on several processes, the length of an agreement round in
             seconds: a stop requested on any process stops all of them within two
             rounds and the optimizer update in progress.
+        stop_deadline_s: how long a stop request may wait for a step boundary, an evaluation's
+            end or a loop's next epoch to act on it (300 s by default; None: for ever). Past it
+            (no epoch running, a step hung in a tracker's log) the signal acts as it would
+            without trainfold (SIGTERM ends the process), and the log says so. An evaluation
+            agrees on a stop at its end: give one that runs longer a longer deadline.
         timeout: how long a collective waits for the other processes before it fails
             (a ``datetime.timedelta`` or seconds), set on the process group now. By
             default the group keeps what it was made with: torch's 30 minutes for
@@ -234,6 +245,7 @@ class Context:
     is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
     signals: tuple[int, ...] = attrs.field(kw_only=True, default=DEFAULT_SIGNALS, converter=signals_of)
     stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=positive_seconds)
+    stop_deadline_s: float | None = attrs.field(kw_only=True, default=300.0, validator=positive_seconds_or_none)
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=timeout_of)
     runtime: Runtime = attrs.field(init=False, default=attrs.Factory(_runtime, takes_self=True), repr=False)
 
@@ -324,7 +336,8 @@ class Context:
         if is_deepspeed(self.accelerator):
             raise ValueError("under DeepSpeed the accumulation steps are the DeepSpeed config's (gradient_accumulation_steps there).")
         self.accelerator.gradient_accumulation_steps = steps
-        return Context(accelerator=self.accelerator, signals=self.signals, stop_check_s=self.stop_check_s, timeout=self.timeout)
+        return Context(accelerator=self.accelerator, signals=self.signals, stop_check_s=self.stop_check_s,
+                       stop_deadline_s=self.stop_deadline_s, timeout=self.timeout)
 
     def release(self, state: Any, *loaders: Any) -> None:
         """Let a finished run's model, optimizer, scheduler and loaders be freed: drop the Accelerator's references to them.

@@ -49,6 +49,7 @@ class Runtime:
         processes: the number of processes of the run.
         stop_check_s: the length of a stop-agreement round, in seconds.
         signals: the signals that request a stop (none: no handler is installed).
+        stop_deadline_s: how long a request may wait to be acted on before the signal acts as without trainfold.
 
     Examples:
         >>> from accelerate import Accelerator
@@ -58,11 +59,11 @@ class Runtime:
         (True, False, False)
     """
 
-    def __init__(self, processes: int, stop_check_s: float, signals: Sequence[int]) -> None:
+    def __init__(self, processes: int, stop_check_s: float, signals: Sequence[int], stop_deadline_s: float | None = None) -> None:
         self.control = Control()
         self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))  # sync: none: a flag
         self.saver = Saver()
-        self.handlers = Handlers(self.interrupt, signals)
+        self.handlers = Handlers(self.interrupt, signals, stop_deadline_s)
         self.clock = Clock()
         self._locks: dict[str, Any] = {}
         self._held: dict[str, Any] = {}

@@ -4,8 +4,9 @@ For the whole life of a Context (from its creation to ``ctx.close()``), the
 signals it names (SIGINT and SIGTERM by default) do not kill the process: the
 first one is a request to stop, honoured at the next optimizer update, when an
 evaluation ends, or before a loop's next epoch, so a final checkpoint can be
-written (see :class:`Handlers`). A repeated SIGTERM stays a request; a second
-Ctrl-C acts at once.
+written (see :class:`Handlers`). A launcher's echo of the signal stays a request; the
+signal again a second later, or a request nothing acted on within the Context's
+``stop_deadline_s``, acts as it would without trainfold.
 
 On one process the request is seen at the next step boundary. On several, a
 signal may reach one process only (a scheduler that signals one task, a user
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -72,7 +74,8 @@ class Interrupt:
         self._launched = (0.0, 0)  # (monotonic time, micro_step) of the last launch
         self._period = 1
         self._speed = 0.0
-        self._scopes = 0
+        #: a stop was agreed since the request: it is being acted on (a final checkpoint, the end of the run)
+        self.agreed = False
 
     def request(self, signum: int) -> None:
         """Ask the run to stop (what the signal handler does)."""
@@ -96,6 +99,7 @@ class Interrupt:
             return self._decided[1]
         agreed = self._round(micro_step) if self.distributed else self.requested
         self._decided = (micro_step, agreed)
+        self.agreed = self.agreed or bool(agreed)
         return agreed
 
     def agree_now(self) -> int:
@@ -104,11 +108,14 @@ class Interrupt:
         For the end of a phase without step boundaries (an evaluation); every
         process must call it at the same point.
         """
-        return max_over_processes(self._control, self.requested) if self.distributed else self.requested
+        agreed = max_over_processes(self._control, self.requested) if self.distributed else self.requested
+        self.agreed = self.agreed or bool(agreed)
+        return agreed
 
     def clear(self) -> None:
         """Forget the request once the stop has been honoured (a host that runs many trials goes on)."""
         self.requested = 0
+        self.agreed = False
         self._decided = (-1, 0)
         if not self.distributed:
             self.next_check = NEVER
@@ -175,6 +182,8 @@ def signal_name(signum: int) -> str:
 #: a repeat of a signal sooner than this after the one before is its echo, not a person asking again: torchrun
 #: forwards the SIGTERM (or the terminal's SIGINT) it received to workers that already received their own
 ECHO_S = 1.0
+#: how long an expired request waits for the main thread to take the signal before the process exits without it
+_LAST_RESORT_S = 10.0
 
 
 class Handlers:
@@ -184,18 +193,26 @@ class Handlers:
     honoured at the next step boundary, at the end of an evaluation, or between two
     epochs of a loop, wherever it arrived: in a step, an evaluation, a metric, your
     epoch functions, a tracker's flush, the wait for the last background save.
-    A repeated SIGTERM (SLURM signals every process of a job step, and torchrun
-    forwards its own copy milliseconds later) stays a request: the scheduler's
-    SIGKILL is its "now". Only a second Ctrl-C (SIGINT, at least :data:`ECHO_S` after
-    the first) acts at once: ``KeyboardInterrupt``, or the previous handler.
+    A copy that follows it within :data:`ECHO_S` (SLURM signals every process of a job
+    step, and torchrun forwards its own copy milliseconds later) stays a request. A
+    request must not keep a process alive that nothing will stop, so the signal acts as
+    it would without trainfold (the previous handler, or the default: SIGTERM ends the
+    process, SIGINT raises ``KeyboardInterrupt``) when it comes again at least
+    :data:`ECHO_S` later before a stop was agreed, or when no stop was agreed within
+    ``deadline_s`` of it (no epoch running, a step hung in a tracker's log). Once a stop
+    is agreed (a final checkpoint being written), a repeated signal changes nothing.
 
     Handlers of several live Contexts chain: a signal is a request to each of them.
     """
 
-    def __init__(self, interrupt: Interrupt, signals: Sequence[int]) -> None:
+    def __init__(self, interrupt: Interrupt, signals: Sequence[int], deadline_s: float | None = None) -> None:
         self._interrupt = weakref.ref(interrupt)
         self._previous: dict[int, Any] = {}
         self._last = 0.0
+        self._deadline_s = deadline_s
+        self._watch: threading.Timer | None = None
+        self._expired = False
+        self._acted = threading.Event()  # the handler ran on an expired request (it passed the signal on)
         self.installed = False
         if not signals or threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only: a Context made elsewhere leaves them to the host
@@ -208,20 +225,52 @@ class Handlers:
         if interrupt is None or not self.installed:  # the Context is gone or closed: what was there before decides
             self._pass_on(signum, frame)
             return
+        if self._expired:  # the deadline passed with nothing acting on the request (see _expire)
+            self._acted.set()
+            self.uninstall()
+            self._pass_on(signum, frame)
+            return
         now, last = time.monotonic(), self._last
         self._last = now
         self._request_previous(signum)
         if not interrupt.requested:
             interrupt.request(signum)
+            self._start_watch(interrupt, signum)
             log.warning("%s received: stopping at the next step boundary (a final checkpoint is written where you "
-                        "save); %s", signal_name(signum), "press Ctrl-C again to stop at once." if signum == signal.SIGINT else
-                        "a repeated SIGTERM changes nothing; SIGKILL ends the process at once.")
+                        "save); %s again ends the process at once.", signal_name(signum),
+                        "Ctrl-C" if signum == signal.SIGINT else signal_name(signum))
             return
-        if signum == signal.SIGINT and now - last >= ECHO_S:  # a person asking again: now
+        if not interrupt.agreed and now - last >= ECHO_S:  # asked again, not a launcher's echo, before any stop: now
+            log.warning("%s received again before the run could stop: acting on it now.", signal_name(signum))
             self.uninstall()
             self._pass_on(signum, frame)
             return
         log.info("%s received again: the stop already requested goes on.", signal_name(signum))
+
+    def _start_watch(self, interrupt: Interrupt, signum: int) -> None:
+        """Act on the request as without trainfold if no stop is agreed within the deadline (a daemon timer)."""
+        if self._deadline_s is None:
+            return
+        if self._watch is not None:
+            self._watch.cancel()
+        self._watch = threading.Timer(self._deadline_s, self._expire, (weakref.ref(interrupt), signum))
+        self._watch.daemon = True
+        self._watch.start()
+
+    def _expire(self, interrupt_ref: Any, signum: int) -> None:
+        interrupt = interrupt_ref()
+        if interrupt is None or not self.installed or not interrupt.requested or interrupt.agreed:
+            return  # honoured, cleared or closed meanwhile
+        log.error("%s was not acted on within %.0f s (no epoch, evaluation or loop reached a point to stop at; a step "
+                  "may be hung): acting on it as without trainfold. Context(stop_deadline_s=...) sets the wait.",
+                  signal_name(signum), self._deadline_s)
+        self._expired = True
+        signal.pthread_kill(threading.main_thread().ident or 0, signum)  # the main thread runs the handler, which passes it on
+        if not self._acted.wait(_LAST_RESORT_S):  # its handler cannot run (the signal blocked, a C call that never returns)
+            log.error("%s: the main thread did not take the signal within %.0f s: the process exits now.",
+                      signal_name(signum), _LAST_RESORT_S)
+            logging.shutdown()
+            os._exit(128 + signum)  # what a shell reports for a process that the signal ended
 
     def _request_previous(self, signum: int) -> None:
         """Every live Context in the process sees the request: a Context's handler made before this one is asked too."""
@@ -249,6 +298,8 @@ class Handlers:
         if not self.installed:
             return
         self.installed = False
+        if self._watch is not None and threading.current_thread() is not self._watch:
+            self._watch.cancel()
         if threading.current_thread() is not threading.main_thread():
             return  # cannot be changed from here: the handler passes every signal on
         for s, previous in self._previous.items():
