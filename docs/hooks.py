@@ -186,7 +186,7 @@ _INCLUDE = re.compile(r'^--8<-- "([\w./-]+)"\s*$')
 #: Links of the repository's files made the site's: into docs/ and to the changelog, pages; to the repository's
 #: other files (examples/, benchmarks/), their text alone (the site does not hold them).
 _LINKS = ((re.compile(r"\]\(docs/"), "]("), (re.compile(r"\]\(CHANGELOG\.md\)"), "](changelog.md)"),
-          (re.compile(r"\[([^\]]*)\]\((?:examples|benchmarks|tests|src)/[^)]*\)"), r"\1"))
+          (re.compile(r"\[([^\]]*)\]\((?:(?:examples|benchmarks|tests|src)/[^)]*|CONTRIBUTING\.md)\)"), r"\1"))
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:

@@ -97,6 +97,7 @@ def test_the_readme_becomes_the_home_page_with_the_sites_links():
     assert text.startswith("# trainfold")
     assert "](guides/step.md)" in text and "](docs/" not in text
     assert "](examples/" not in text  # the site does not hold the examples: their names stay, as text
+    assert "](CONTRIBUTING.md)" not in text and "CONTRIBUTING.md" in text  # nor the contributors' page
 
 
 def test_no_docstring_reference_names_something_that_does_not_exist():
