@@ -562,3 +562,14 @@ def test_aux_values_that_appear_or_vanish_within_an_epoch_are_refused_naming_bot
         state = step(state, batch)
     with pytest.raises(ValueError, match=r"aux names \[(|'acc')\] but earlier batches of this epoch returned \[('acc'|)\]"):
         step(state, batch)
+
+
+def test_a_runtime_name_on_the_context_points_to_ctx_runtime():
+    """``ctx.saver`` (what a run holds lives in ``ctx.runtime``) names where it is; another missing name is plain."""
+    ctx = Context(accelerator=Accelerator(cpu=True))
+
+    with pytest.raises(AttributeError, match=r"no attribute 'saver': .*ctx\.runtime\.saver"):
+        ctx.saver
+    with pytest.raises(AttributeError, match=r"^'Context' object has no attribute 'nothing'$"):
+        ctx.nothing
+    ctx.close()

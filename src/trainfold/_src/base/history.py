@@ -35,11 +35,18 @@ class History:
     A record is added once per epoch or evaluation, never per step, so the
     tuple stays small; adding returns a new History.
 
+    Read it by name as a read-only mapping of each metric to its values, oldest
+    first: ``h["eval_loss"]``, ``h.get(name)``, ``h.keys()``, ``h.items()``,
+    ``name in h``. Iterating gives the records themselves (each a :class:`Record`:
+    a value with its epoch and update), and ``len`` counts them.
+
     Examples:
         >>> h = History().add(epoch=1, step=10, values={"train_loss": 0.5})
         >>> h = h.add(epoch=2, step=20, values={"train_loss": 0.25, "eval_loss": 0.3})
         >>> h["train_loss"], h.latest("eval_loss"), h.names
         ((0.5, 0.25), 0.3, ('train_loss', 'eval_loss'))
+        >>> dict(h.items())
+        {'train_loss': (0.5, 0.25), 'eval_loss': (0.3,)}
     """
 
     records: tuple[Record, ...] = ()
@@ -59,6 +66,25 @@ class History:
         if not values:
             raise KeyError(f"no metric {name!r} has been recorded; recorded: {list(self.names)}")
         return values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """The values recorded under ``name``, oldest first, or ``default`` if none were."""
+        return self[name] if name in self else default
+
+    def keys(self) -> tuple[str, ...]:
+        """The recorded metric names, in order of first appearance (as :attr:`names`)."""
+        return self.names
+
+    def items(self) -> Iterator[tuple[str, tuple[float, ...]]]:
+        """Each recorded name with its values, oldest first."""
+        by_name: dict[str, list[float]] = {}
+        for r in self.records:
+            by_name.setdefault(r.name, []).append(r.value)
+        return ((name, tuple(values)) for name, values in by_name.items())
+
+    def values(self) -> Iterator[tuple[float, ...]]:
+        """Each recorded name's values, in the order of :meth:`keys`."""
+        return (values for _, values in self.items())
 
     def __contains__(self, name: object) -> bool:
         return any(r.name == name for r in self.records)

@@ -257,6 +257,17 @@ class Context:
         _finish_saves_before_end_training(self)
         self.accelerator._trainfold_context = weakref.ref(self)
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for a name the Context lacks: one of its Runtime's is named there (``ctx.saver``: ``ctx.runtime.saver``)."""
+        try:
+            runtime = None if name.startswith("__") else object.__getattribute__(self, "runtime")
+        except AttributeError:  # not made yet (inside __init__)
+            runtime = None
+        if runtime is not None and hasattr(runtime, name):
+            raise AttributeError(f"'Context' object has no attribute {name!r}: what a run holds and changes is the Context's "
+                                 f"runtime: ctx.runtime.{name}.", name=name, obj=self)
+        raise AttributeError(f"'Context' object has no attribute {name!r}", name=name, obj=self)
+
     def collective_timeout(self) -> datetime.timedelta | None:
         """How long a collective waits for the other processes before it fails (None on one process)."""
         return current_timeout() if self.accelerator.num_processes > 1 else None
