@@ -76,6 +76,22 @@ def test_ls_verify_marks_a_damaged_checkpoint_and_says_which_one_a_load_resumes_
     assert 1 == code and [True, False] == [e["ok"] for e in json.loads(out)["checkpoints"] if e["complete"]]
 
 
+def test_ls_unverified_claims_no_resume(root, capsys):
+    """Without --verify, ls has not read the newest checkpoint's files: it says the newest is what a load resumes from
+    only if it verifies (a damaged one is passed over), and how to check."""
+    shard = latest_checkpoint(root) / "shard-0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+    code, out, _ = _run(capsys, "ls", str(root))
+
+    assert 0 == code
+    assert "what load_checkpoint(ctx, root, state) resumes from\n" not in out + "\n"
+    assert ("* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest that "
+            "does (trainfold ls --verify checks each)") in out
+
+
 def test_inspect_shows_counters_stop_records_settings_and_versions(root, capsys):
     code, out, _ = _run(capsys, "inspect", str(root), "--json")
     doc = json.loads(out)

@@ -151,7 +151,10 @@ def ls_text(doc: dict[str, Any]) -> str:
         lines.append("    (no checkpoints)")
     elif any(e.get("latest") for e in complete):
         sound = [e for e in complete if e.get("ok", True)]
-        if complete[-1].get("ok", True):
+        if "ok" not in complete[-1]:  # not read: a damaged newest would be passed over by a load
+            lines.append("* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest "
+                         "that does (trainfold ls --verify checks each)")
+        elif complete[-1]["ok"]:
             lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
         else:
             instead = f"from {sound[-1]['name']}, the newest that verifies" if sound else "from none: every checkpoint is damaged"
