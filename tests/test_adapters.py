@@ -326,6 +326,30 @@ def test_inspect_shows_trainable_and_frozen_counts_and_one_digest_of_the_base(tm
     assert f"adapter checkpoint: 8 frozen tensor(s) (419,203 values) not held, recorded by fingerprint; base {docs[0]['frozen']['base']}" in text
 
 
+def test_inspect_tied_frozen_weight(tmp_path, capsys):
+    """A frozen weight tied under two names (an LM head tied to its embedding) is one parameter, recorded by fingerprint
+    under each name: inspect says so where its two counts differ."""
+    from accelerate import Accelerator
+
+    from trainfold import Context, TrainState, cli
+
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2), torch.nn.Linear(4, 4, bias=False))
+    model[2].weight = model[0].weight  # tied
+    model[0].weight.requires_grad_(False)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model[1].parameters(), lr=0.1))
+    save_checkpoint(ctx, tmp_path, state)
+    ctx.close()
+
+    assert 0 == cli.main(["inspect", str(tmp_path)])
+    text = capsys.readouterr().out
+
+    assert "parameters: 10 trainable, 16 frozen" in text
+    assert "2 frozen tensor(s) (32 values, one fingerprint per name: a weight tied under several names counts under each)" in text
+
+
 def test_inspect_of_a_checkpoint_that_holds_every_parameter_says_no_adapters(tmp_path, capsys):
     from trainfold import cli
 

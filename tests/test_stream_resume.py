@@ -158,7 +158,7 @@ def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_o
         if stop:
             assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
     assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said
-    assert f"saved by 1 processes in the middle of epoch {2 if stops[1] > 19 else 1}" in said["three"]
+    assert f"saved by 1 process in the middle of epoch {2 if stops[1] > 19 else 1}" in said["three"]
 
     runs = [_ids(tmp_path / out) for out in ("two", "one", "three")]
     assert counts == [len(ids) for ids in runs]
@@ -223,7 +223,7 @@ def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     before = testing.parameters(state)
     with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch over a stream, and this run has 1 "
-                                              rf"processes: {reason}.*Resume it on 2 processes"):
+                                              rf"process: {reason}.*Resume it on 2 processes"):
         load_checkpoint(ctx, tmp_path, state)
     ctx.close()
     testing.assert_params_equal(before, state)

@@ -313,7 +313,10 @@ def inspect_text(d: dict[str, Any]) -> str:
         lines.append(f"  parameters: {counts.get('trainable', 0):,} trainable, {counts.get('frozen', 0):,} frozen")
     if d["frozen"]:
         f = d["frozen"]
-        lines.append(f"  adapter checkpoint: {f['tensors']} frozen tensor(s) ({f['values']:,} values) not held, recorded by fingerprint; "
+        counts = d["parameters"] or {}
+        tied = "frozen" in counts and counts["frozen"] != f["values"]  # the parameters count a tensor once, fingerprints per name
+        values = f"{f['values']:,} values" + (", one fingerprint per name: a weight tied under several names counts under each" if tied else "")
+        lines.append(f"  adapter checkpoint: {f['tensors']} frozen tensor(s) ({values}) not held, recorded by fingerprint; "
                      f"base {f['base']} (a load checks the model's base against it)")
     if d["last_records"]:
         lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))

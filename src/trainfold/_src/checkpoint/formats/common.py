@@ -148,8 +148,8 @@ def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
 
 
 def layout_words(processes: int, ranks: int) -> str:
-    """``"4 processes"``, or ``"4 processes (2 data-parallel ranks)"`` where tensor parallelism groups them."""
-    return f"{processes} processes" + ("" if ranks == processes else f" ({ranks} data-parallel ranks)")
+    """``"4 processes"`` (``"1 process"``), or ``"4 processes (2 data-parallel ranks)"`` where tensor parallelism groups them."""
+    return f"{processes} process{'es' if processes != 1 else ''}" + ("" if ranks == processes else f" ({ranks} data-parallel ranks)")
 
 
 def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int, manifest: Mapping[str, Any], acc: Any) -> tuple[RunState, Resume]:
@@ -230,7 +230,9 @@ def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, save
         why = ("tensor parallelism grouped the saving processes, and trainfold deals a stream anew only where each process "
                "is a data-parallel rank of its own")
     else:
-        why = "its position in samples is unknown (an iterable dataset that cannot say where it stood)"
+        why = ("its position in samples is unknown: the stream had no state that says where it stood (no state_dict(), "
+               "or a state that leaves something out, such as a datasets shuffle buffer), so it is read again, which "
+               "only the same number of processes can do")
     raise CheckpointError(
         f"{folder} was saved by {saved} in the middle of an epoch over a stream, and this run has {now}: {why}. "
         f"Resume it on {saved}, or from a checkpoint between epochs."
