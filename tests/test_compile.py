@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 
 import helpers
 import pytest
@@ -51,12 +52,19 @@ def _train(compile, *, epochs=3, **kwargs):
     return _epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, epochs)
 
 
-def test_a_compiled_loss_trains_bit_for_bit_as_the_eager_step():
-    """Accumulation 2, a shuffled loader with a short last batch, a scheduler: 3 epochs, the same parameters and history."""
-    eager, compiled = _train(False), _train(AOT_LOSS)
+def test_a_compiled_loss_trains_bit_for_bit_as_the_eager_step(caplog):
+    """Accumulation 2, a shuffled loader with a short last batch, a scheduler: 3 epochs, the same parameters and history;
+    the log says what compiles, and how long it took once it was checked."""
+    eager = _train(False)
+    with caplog.at_level("INFO", logger="trainfold"):
+        compiled = _train(AOT_LOSS)
 
     testing.assert_params_equal(eager, compiled)
     assert eager.history == compiled.history
+    said = [r.getMessage() for r in caplog.records if "make_step(compile=...)" in r.getMessage()]
+    assert 2 == len(said)
+    assert said[0].startswith("make_step(compile=...): compiling the loss (compiled_loss[ce_loss]) at its first call (backend aot_eager")
+    assert re.fullmatch(r"make_step\(compile=\.\.\.\): the loss \(compiled_loss\[ce_loss\]\) compiled in \d+\.\d s \(checked: .*\)", said[1])
 
 
 def test_a_compiled_update_trains_as_the_eager_step_within_rounding():

@@ -18,6 +18,8 @@ eagerly while called compiled.
 
 from __future__ import annotations
 
+import logging
+import time
 import types
 from typing import Any, Callable, Mapping
 
@@ -25,6 +27,8 @@ import attrs
 import torch
 
 from trainfold._src.base.types import Batch, LossFn
+
+log = logging.getLogger("trainfold")
 
 
 def _regions_value(value: Any) -> bool | tuple[type, ...]:
@@ -172,9 +176,14 @@ def checked(fn: Callable[..., Any], spec: Compile, codes: tuple[types.CodeType, 
         if _counting():
             return fn(*args)  # the same computation; the check waits for the next call
         before = [compiled_versions(c) for c in codes]
+        log.info("make_step(compile=...): compiling %s at its first call (backend %s; this can take minutes)", what,
+                 getattr(spec.backend, "__name__", spec.backend))
+        started = time.perf_counter()
         out = compiled(*args)
         first[0] = False
         _check(what, before, [compiled_versions(c) for c in codes], shared)
+        log.info("make_step(compile=...): %s compiled in %.1f s (checked: dynamo holds compiled code for it)", what,
+                 time.perf_counter() - started)
         return out
 
     return call
