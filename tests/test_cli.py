@@ -92,6 +92,23 @@ def test_ls_unverified_claims_no_resume(root, capsys):
             "does (trainfold ls --verify checks each)") in out
 
 
+@pytest.mark.parametrize("field, value", [("epoch", "3"), ("world_size", True), ("world_size", [2]), ("epoch", -1)])
+def test_ls_manifest_of_wrong_types(root, capsys, field, value):
+    """A manifest whose counters are not counts (forged, or written by something else) is listed with those marked
+    unknown, in one line each: ls reads a root to say what is there, and one odd manifest must not hide the others."""
+    newest = latest_checkpoint(root)
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    manifest[field] = value
+    (newest / "MANIFEST.json").write_text(json.dumps(manifest))
+
+    code, out, err = _run(capsys, "ls", str(root))
+
+    assert 0 == code, err
+    assert "ckpt-0000000004" in out and "Traceback" not in out + err
+    line = next(line for line in out.splitlines() if newest.name in line)
+    assert "?" in line
+
+
 def test_inspect_shows_counters_stop_records_settings_and_versions(root, capsys):
     code, out, _ = _run(capsys, "inspect", str(root), "--json")
     doc = json.loads(out)

@@ -69,6 +69,20 @@ def test_a_config_of_another_model_is_refused_naming_the_shapes_and_nothing_is_w
     assert not [p.name for p in tmp.iterdir() if p.name.startswith(".hf")]
 
 
+@pytest.mark.parametrize("architectures", [["pipeline"], [7], ["PretrainedConfig"], "GPT2LMHeadModel"])
+def test_architectures_that_name_no_model(trained, architectures):
+    """config.json's "architectures" must name a transformers model class: a function, a number, a config class or a
+    bare string is refused with the fix, nothing written."""
+    tmp, _ = trained
+    config = json.loads((tmp / "config" / "config.json").read_text())
+    (tmp / "odd").mkdir()
+    (tmp / "odd" / "config.json").write_text(json.dumps({**config, "architectures": architectures}))
+
+    with pytest.raises(CheckpointError, match=r"names no model class transformers has .*set \"architectures\""):
+        export_checkpoint(tmp / "root", tmp / "hf", transformers_config=tmp / "odd")
+    assert not (tmp / "hf").exists()
+
+
 def test_the_command_writes_the_folder_and_refuses_a_folder_without_config_in_one_line(trained):
     tmp, _ = trained
     run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=helpers.scaled(300))

@@ -90,15 +90,24 @@ def _summary(folder: str, manifest: dict[str, Any]) -> dict[str, Any]:
     files = manifest.get("files", {})
     return {
         "name": _name(folder),
-        "update": manifest.get("step"),
-        "epoch": manifest.get("epoch"),
-        "micro_step": manifest.get("micro_step"),
+        "update": _count(manifest.get("step")),
+        "epoch": _count(manifest.get("epoch")),
+        "micro_step": _count(manifest.get("micro_step")),
         "format": FORMAT_NAMES.get(manifest.get("format", -1), f"unknown ({manifest.get('format')})"),
-        "processes": manifest.get("world_size"),
+        "processes": _count(manifest.get("world_size")),
         "data_ranks": data_ranks(manifest),  # under tensor parallelism a group of processes is one share of the data
         "finite": manifest.get("finite", True),
         "bytes": sum(e.get("size", 0) for e in files.values() if isinstance(e, dict)),
     }
+
+
+def _count(value: Any) -> int | None:
+    """A manifest's counter as read: a non-negative int, or None for anything else (a damaged or forged manifest)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _shown(value: Any) -> str:
+    return "?" if value is None else str(value)
 
 
 def ls(root: str, verify: bool = False) -> dict[str, Any]:
@@ -140,12 +149,13 @@ def ls_text(doc: dict[str, Any]) -> str:
         if not e["complete"]:
             lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
             continue
-        where = f"after epoch {e['epoch']}"
+        where = f"after epoch {_shown(e['epoch'])}"
         if e.get("batch_in_epoch"):  # of how many: a save at an epoch's last batch reads "batch 44/44", not as if half-way
-            where = f"epoch {e['epoch'] + 1} batch {e['batch_in_epoch']}" + (f"/{e['epoch_length']}" if e.get("epoch_length") else "")
+            epoch = "?" if e["epoch"] is None else e["epoch"] + 1
+            where = f"epoch {epoch} batch {e['batch_in_epoch']}" + (f"/{e['epoch_length']}" if e.get("epoch_length") else "")
         checked = "" if "ok" not in e else "  verified" if e["ok"] else f"  DAMAGED: {e['error']}"
-        lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {e['update']:<8} {where:<22} {e['format']:<9} "
-                     f"{e['processes']} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}")
+        lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {_shown(e['update']):<8} {where:<22} {e['format']:<9} "
+                     f"{_shown(e['processes'])} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}")
     complete = [e for e in doc["checkpoints"] if e["complete"]]
     if len(lines) == 1:
         lines.append("    (no checkpoints)")
@@ -301,7 +311,7 @@ def inspect_text(d: dict[str, Any]) -> str:
     stop = d["stop"]
     lines = [
         f"{d['checkpoint']}",
-        f"  update {d['update']}, epoch {d['epoch']} done, batch {d['batch_in_epoch']} of the next, micro-batch {d['micro_step']}",
+        f"  update {_shown(d['update'])}, epoch {_shown(d['epoch'])} done, batch {d['batch_in_epoch']} of the next, micro-batch {_shown(d['micro_step'])}",
         f"  stop: {'finished' if stop['finished'] else 'stopped' if stop['should_stop'] else 'none (a run resumed from it goes on)'}"
         + (f" ({stop['reason']})" if stop["reason"] else ""),
         f"  {d['format']} format, {d['processes']} process(es){_ranks(d)}, {'finite' if d['finite'] is not False else 'NON-FINITE'} weights, {size_text(d['bytes'])}",

@@ -53,8 +53,9 @@ def _model_class(config_dir: Path) -> tuple[Any, Any]:
         raise ImportError("exporting to a transformers folder needs transformers: pip install transformers") from None
     config = transformers.AutoConfig.from_pretrained(str(config_dir), local_files_only=True, trust_remote_code=False)
     names = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
+    first = names[0] if isinstance(names, (list, tuple)) and names else None
+    cls = getattr(transformers, first, None) if isinstance(first, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(
             f"{config_dir}/config.json names no model class transformers has (architectures: {names}): "
             "set \"architectures\" to the class the checkpoint's model is, e.g. [\"GPT2LMHeadModel\"].")
