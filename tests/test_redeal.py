@@ -106,3 +106,19 @@ def test_tuple_samples_are_dealt():
            for i in range(2)]
 
     assert [[[1000, 1001], [2, 3]], [[0, 1], [4, 5]]] == got
+
+
+@pytest.mark.parametrize("parts, words", [
+    ([[[2, 0], {}], [[2, 0], {}]], r"names the part \[2, 0\] twice"),
+    ([[[2, 0], {}], [[3, 1], {}]], r"parts of streams split 2 and 3 ways"),
+    ([[None, {}], [[2, 1], {}]], r"the whole stream and a part of it"),
+    ([[[2, 1], {}]], r"Ids cannot be split \(it has no shard\(\)\)"),
+])
+def test_forged_redealt_parts_are_refused(parts, words):
+    """A stream dealt anew records the parts still to read; a checkpoint naming one twice (trained twice), parts of
+    different splits, the whole stream beside a part of it, or a part of a stream that cannot be split is refused."""
+    from trainfold._src.backend.streams import StreamState, redeal
+
+    saved = [StreamState("redealt", "test_redeal.Ids", 0, {"pieces": [], "parts": parts})]
+    with pytest.raises(CheckpointError, match=words):
+        redeal(Ids(range(8)), [], saved, "part", 0, 2)

@@ -407,3 +407,43 @@ def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_ru
     assert type(dl) is DataLoaderDispatcher
     assert expected_ids == before[: 20 * BATCH] + after
     testing.assert_params_equal(expected, resumed)
+
+
+class _Short(torch.utils.data.IterableDataset):
+    """A stream without a state, of ``n`` samples."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return ({"x": torch.tensor([i / 64]), "id": torch.tensor(i)} for i in range(self.n))
+
+
+def test_a_shorter_stream_read_again_is_refused(tmp_path):
+    """A stream read again on a resume that ends before the batches the checkpoint had trained (it changed, or the
+    checkpoint's position is forged) is refused with both counts, before a step."""
+    def setup(n):
+        testing.reset_accelerate_state()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(1, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_Short(n), batch_size=4))
+        return ctx, state, dl
+
+    ctx, state, dl = setup(32)
+    step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, _loss([])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the stream is read again on a resume: said at the save
+        run_epoch(ctx, step, dl, state, max_batches=6)
+    ctx.close()
+
+    ctx, fresh, dl = setup(12)  # 3 batches: fewer than the 5 the checkpoint trained
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    trained = []
+    with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"the stream ended after 3 of the 6 batches of "
+                                                                         r"this epoch that the checkpoint had read"):
+        warnings.simplefilter("ignore")  # it is read again: said
+        run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
+    assert [] == trained
+    ctx.close()

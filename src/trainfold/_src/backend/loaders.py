@@ -15,6 +15,7 @@ from accelerate.utils import DistributedType
 
 from trainfold._src.backend.engine import is_deepspeed
 from trainfold._src.backend.mesh import DataLayout
+from trainfold.errors import CheckpointError
 
 
 def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
@@ -182,9 +183,11 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     if has_ahead and skip:
         # One consumed batch loaded again (its random draws are undone by restore_now): the
         # container types the checkpoint could not keep (namedtuple, BatchEncoding...).
-        template = next(base_iter)
+        template = next(base_iter, _END)
+        if template is _END:
+            raise _stream_ended(0, skip)
         skip -= 1
-    passing_over(loader, base_iter)(skip)
+    passing_over(loader, base_iter)(skip, 0 if template is None else 1)
     restore_now()
     if template is not None:
         ahead = like(template, ahead)
@@ -194,26 +197,41 @@ def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], rest
     yield from look_ahead(loader, base_iter, to_device(ahead), to_device)
 
 
-def passing_over(loader: Any, base_iter: Any) -> Callable[[int], None]:
+#: what ``next`` gives for a finished iterator here
+_END = object()
+
+
+def _stream_ended(read: int, wanted: int) -> CheckpointError:
+    return CheckpointError(
+        f"run_epoch: the stream ended after {read} of the {wanted} batches of this epoch that the checkpoint had read: it "
+        "is not the stream that saved it (shorter, or changed), or the checkpoint's position is not its own. Resume with "
+        "the data that saved it, or from a checkpoint between epochs.")
+
+
+def passing_over(loader: Any, base_iter: Any) -> Callable[[int, int], None]:
     """How a resumed epoch passes over its consumed batches, one way per kind of loader, chosen once.
 
     A map-style dataset read in this process (``num_workers=0``): its sampler's indices are drawn and
     dropped, nothing is loaded. With workers (the indices are already in flight) or an iterable dataset
     (its sampler is an endless run of Nones: skipping it would advance nothing and train the consumed
     part again): the consumed batches are read and dropped, in order. (A stream that can say where it
-    is, ``state_dict()``, is not passed over: it continues from its state, ``streams.py``.)
+    is, ``state_dict()``, is not passed over: it continues from its state, ``streams.py``.) The function
+    returned takes how many batches to pass over and how many were read before it; a stream that ends
+    first raises a ``CheckpointError`` with both counts.
     """
     sampler_iter = getattr(base_iter, "_sampler_iter", None)
     if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
-        def by_sampler_order(n: int) -> None:
+        def by_sampler_order(n: int, already: int = 0) -> None:
+            del already  # unused: a map-style epoch's length is checked against the checkpoint's before
             for _ in range(n):  # draws the permutation, loads nothing
                 next(sampler_iter)
 
         return by_sampler_order
 
-    def by_reading_again(n: int) -> None:
-        for _ in range(n):
-            next(base_iter)
+    def by_reading_again(n: int, already: int = 0) -> None:
+        for done in range(n):
+            if next(base_iter, _END) is _END:
+                raise _stream_ended(already + done, already + n)
 
     return by_reading_again
 

@@ -370,8 +370,9 @@ class Redealt:
             self._parts.pop(0)
 
 
-def _parts_of(state: Any) -> tuple[list[Any], list[tuple[tuple[int, int] | None, Any]]]:
-    """The batches still to come and the parts still to read, from a :class:`Redealt`'s ``state_dict()``, checked."""
+def _parts_of(state: Any, whole: Any) -> tuple[list[Any], list[tuple[tuple[int, int] | None, Any]]]:
+    """The batches still to come and the parts still to read, from a :class:`Redealt`'s ``state_dict()``, checked: each
+    part once, of one split of ``whole`` (which can be split), or the whole stream alone."""
     if not (isinstance(state, dict) and set(state) == {"pieces", "parts"} and isinstance(state["pieces"], list)
             and isinstance(state["parts"], list)):
         raise CheckpointError(f"run_epoch: the checkpoint's stream state is not one of a stream dealt anew ({str(state)[:200]}).")
@@ -381,7 +382,25 @@ def _parts_of(state: Any) -> tuple[list[Any], list[tuple[tuple[int, int] | None,
         if not (spec is None or (isinstance(spec, list) and len(spec) == 2 and all(type(n) is int for n in spec) and 0 <= spec[1] < spec[0])):
             raise CheckpointError(f"run_epoch: the checkpoint's stream names a part {entry!r:.200}, not [processes, index] or null.")
         parts.append((None if spec is None else (spec[0], spec[1]), entry[1]))
+    _check_parts([spec for spec, _ in parts], whole)
     return state["pieces"], parts
+
+
+def _check_parts(specs: list[tuple[int, int] | None], whole: Any) -> None:
+    where = "run_epoch: the checkpoint's stream dealt anew"
+    seen: set[tuple[int, int] | None] = set()
+    for spec in specs:
+        if spec in seen:
+            raise CheckpointError(f"{where} names the part {list(spec) if spec else None} twice: its samples would be trained twice.")
+        seen.add(spec)
+    splits = sorted({spec[0] for spec in specs if spec is not None})
+    if len(splits) > 1:
+        raise CheckpointError(f"{where} names parts of streams split {' and '.join(map(str, splits))} ways: not one stream's rest.")
+    if splits and None in specs:
+        raise CheckpointError(f"{where} names the whole stream and a part of it: the part would be trained twice.")
+    if splits and not callable(getattr(whole, "shard", None)):
+        raise CheckpointError(f"{where} names parts of a split stream, and this loader's {type(whole).__name__} cannot be split "
+                              "(it has no shard()): resume with the dataset that saved it.")
 
 
 def units_of(pieces: list[Any], unit: int) -> list[Any]:
@@ -489,7 +508,7 @@ def redeal(whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt
     if not states:  # every process had ended its part: the batches read ahead are all that is left
         return Redealt(whole, units_of(aheads, unit), [], epoch)
     if states[0].holder == "redealt":  # an epoch dealt anew before: every process's reader stood at the same place
-        pending, parts = _parts_of(states[0].state)
+        pending, parts = _parts_of(states[0].state, whole)
         return Redealt(whole, units_of([*aheads, *pending], unit), parts, epoch)
     pieces = units_of(aheads, unit)
     if dealt == WHOLE:  # each process's state is the whole stream's, past the batches read ahead
