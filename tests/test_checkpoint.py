@@ -599,3 +599,28 @@ def test_an_infinite_buffer_is_not_divergence(tmp_path, caplog):
     assert "non-finite" not in caplog.text
     assert ["ckpt-0000000005", "ckpt-0000000006"] == [p.name for p in list_checkpoints(tmp_path)]
     assert all(json.loads((p / "MANIFEST.json").read_text())["finite"] for p in list_checkpoints(tmp_path))
+
+
+def test_nan_guard_checkpoint_after_a_fold(tmp_path):
+    """A checkpoint taken right after the running sums folded (batch 64 of an epoch) under nan_guard, whose folded sums
+    hold its "nonfinite" count beside the loss's aux names, resumes to the uninterrupted run's end."""
+    from trainfold._src.base.metrics import FOLD_EVERY
+
+    def setup():
+        testing.reset_accelerate_state()
+        return testing.tiny_setup(seed=0, n=2 * (FOLD_EVERY + 6), batch_size=2)
+
+    def step(ctx, loss_fn):
+        return make_step(ctx, loss_fn, stages=[nan_guard(3)])
+
+    ctx, state, loader, loss_fn = setup()
+    expected = run_epoch(ctx, step(ctx, loss_fn), loader, state)
+    ctx, state, loader, loss_fn = setup()
+    run_epoch(ctx, checkpoint_every(ctx, tmp_path, FOLD_EVERY)(step(ctx, loss_fn)), loader, state, max_batches=FOLD_EVERY)
+    assert [f"ckpt-{FOLD_EVERY:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
+
+    ctx, fresh, loader, loss_fn = setup()
+    resumed = run_epoch(ctx, step(ctx, loss_fn), loader, load_checkpoint(ctx, tmp_path, fresh))
+
+    testing.assert_params_equal(expected, resumed)
+    assert expected.history == resumed.history

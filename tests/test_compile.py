@@ -228,7 +228,7 @@ def test_a_gated_update_compiles_optimizer_step_itself_and_names_dynamo_s_limit_
                 step(state, next(iter(dl)))
 
 
-@pytest.mark.parametrize("hook", ["the optimizer's pre-hook", "a global post-hook"])
+@pytest.mark.parametrize("hook", ["the optimizer's pre-hook", "the optimizer's post-hook", "a global post-hook"])
 def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and_the_run_trains_the_same(hook):
     """The compiled update leaves torch's wrapper of optimizer.step out (its profiler range, its hooks) where it has
     nothing to do. A hook registered mid-run sends each update through optimizer.step (compiled) and zero_grad from
@@ -239,8 +239,9 @@ def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and
         try:
             for i, batch in enumerate(batches):
                 if with_hook and i == 2:
-                    register = (state.optimizer.optimizer.register_step_pre_hook if hook == "the optimizer's pre-hook"
-                                else register_optimizer_step_post_hook)
+                    register = {"the optimizer's pre-hook": state.optimizer.optimizer.register_step_pre_hook,
+                                "the optimizer's post-hook": state.optimizer.optimizer.register_step_post_hook,
+                                "a global post-hook": register_optimizer_step_post_hook}[hook]
                     handle = register(lambda opt, args, kwargs: calls.append(opt))
                 if with_hook and i == 5:
                     handle.remove()

@@ -314,6 +314,25 @@ def test_a_renewal_changes_the_lock_with_the_clock_frozen(monkeypatch):
     assert 4 == len(set(tags))
 
 
+def test_a_superseded_owner_leaves_the_new_lock():
+    """An owner whose lock another job took over (its lease ran out while it stalled) removes nothing when it closes:
+    the new owner's lock stays."""
+    import fsspec
+
+    from trainfold._src.checkpoint.storage import lease
+
+    fs = fsspec.filesystem("memory")
+    path = "/superseded/.trainfold.lock"
+    old = lease.LeaseLock(fs, path, "memory://superseded", "run-a")
+    old.take()
+    old._stop.set()  # stalled: no more renewals
+    fs.pipe_file(path, json.dumps({"run_id": "run-b", "token": "new", "expires": time.time() + 600}).encode())  # taken over
+
+    old.release_now()
+
+    assert "new" == json.loads(fs.cat_file(path))["token"]
+
+
 _HOLDING_COPY = """
 import json, sys
 from trainfold import load_checkpoint, save_checkpoint, testing

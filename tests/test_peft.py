@@ -160,3 +160,33 @@ def test_a_merge_onto_another_base_is_refused_naming_the_tensor(trained_gpt2, tm
     with pytest.raises(CheckpointError, match=r"has other values than the frozen 'base_model\.model\.transformer\.wte\.weight'"):
         export_checkpoint(tmp / "root", tmp / "merged.safetensors", base=other)
     assert not (tmp / "merged.safetensors").exists()
+
+
+@pytest.mark.parametrize("config", [
+    {"modules_to_save": ["4"]},
+    {"use_rslora": True},
+    {"bias": "all"},
+    {"bias": "lora_only"},
+], ids=["modules_to_save", "rslora", "bias-all", "bias-lora-only"])
+def test_merged_export_of_lora_variants(config, tmp_path, isolated):
+    """A merged export (--base) equals PEFT's own merge_and_unload() for each LoRA variant a user configures: a module
+    to save (its trained copy, not the untrained original), rsLoRA's scale (alpha / sqrt(r)), trained biases."""
+    from safetensors.torch import save_file
+
+    from trainfold import export_checkpoint
+    from trainfold._src.checkpoint.safetensors import parse
+
+    base = _mlp_base()
+    save_file({n: t.contiguous() for n, t in base.state_dict().items()}, str(tmp_path / "base.safetensors"))
+    model = peft.get_peft_model(_mlp_base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["0", "2"], **config))
+    ctx, state, dl = _setup(model)
+    state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+    ctx.close()
+
+    export_checkpoint(tmp_path / "root", tmp_path / "merged.safetensors", base=tmp_path / "base.safetensors")
+    merged = parse(bytearray((tmp_path / "merged.safetensors").read_bytes()))
+    expected = model.merge_and_unload().state_dict()
+
+    assert sorted(expected) == sorted(merged)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=1e-6, atol=1e-6, msg=name)

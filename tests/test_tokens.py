@@ -144,3 +144,27 @@ def test_the_token_count_is_the_losss_weight_not_a_metric():
     state = evaluate(ctx, summed_loss, batches, run_epoch(ctx, make_step(ctx, summed_loss, normalize="tokens"), batches, state), normalize="tokens")
 
     assert {"train_loss", "eval_loss"} == set(state.metrics)
+
+
+def test_nan_guard_masks_a_skipped_batchs_tokens():
+    """Under nan_guard a non-finite batch adds neither its loss nor its tokens: train_loss is the per-token loss of the
+    finite batches alone (weights fixed, lr 0)."""
+    from trainfold import nan_guard
+
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = _lm()
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
+    batches = _token_batches()
+    seen = []
+
+    def poisoned(model, batch):
+        loss, aux = summed_loss(model, batch)
+        seen.append(1)
+        return (loss * float("nan") if len(seen) == 2 else loss), aux
+
+    state = run_epoch(ctx, make_step(ctx, poisoned, normalize="tokens", stages=[nan_guard(3)]), ctx.own_shards(batches)[0], state)
+
+    finite = [batches[0], batches[2]]
+    assert state.history["train_loss"][-1] == pytest.approx(_per_token_loss(model, finite), rel=1e-6)
+    assert _per_token_loss(model, finite) != pytest.approx(_per_token_loss(model, batches), rel=1e-3)

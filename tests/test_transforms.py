@@ -180,13 +180,17 @@ def test_nan_guard_skips_on_the_device_without_a_host_sync_for_fused_optimizers(
 
 
 def test_nan_guard_stops_the_run_after_k_in_a_row():
+    """The stop is a preemption, not the run's planned end: the epoch is interrupted, so an evaluation composed after it
+    passes the diverged model through instead of recording it as the final one."""
     ctx, state, dl = _nan_setup(True)
     step = make_step(ctx, _poisoned({3, 4}), stages=[nan_guard(2, check_every=1)])
 
     final = run_epoch(ctx, step, dl, state)
 
     assert final.should_stop and 4 == final.step and "nan_guard" == final.stop.reason and not final.stop.finished
+    assert not final.stop.final and final.interrupted
     assert 2 == final.extras["nan_guard"].skipped
+    assert "eval_loss" not in evaluate(ctx, ce_loss, dl, final).history
 
 
 @pytest.mark.parametrize("fused", [True, False])
