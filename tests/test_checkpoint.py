@@ -624,3 +624,38 @@ def test_nan_guard_checkpoint_after_a_fold(tmp_path):
 
     testing.assert_params_equal(expected, resumed)
     assert expected.history == resumed.history
+
+
+def test_at_end_composed_first_is_warned(tmp_path):
+    """``compose(loop(...), saving.at_end)`` runs at_end on the untrained state, before the loop: the first step of the
+    loop says so, naming the order to compose in."""
+    from toolz import compose
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    saving = checkpoint_every(ctx, tmp_path, 3)
+    wrong = compose(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2), saving.at_end)
+
+    with pytest.warns(UserWarning, match=r"at_end ran before its step trained anything.*compose\(saving\.at_end, loop\(\.\.\.\)\)"):
+        wrong(state)
+    ctx.close()
+
+
+def test_a_forgotten_at_end_is_said_at_close(tmp_path, caplog):
+    """A run whose last updates checkpoint_every did not reach (no at_end after the loop) says at close how many
+    updates a restart would train again; with at_end, nothing is said."""
+    def run(with_end):
+        ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+        saving = checkpoint_every(ctx, tmp_path / str(with_end), 3)
+        train = loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)  # 8 updates: saved at 3, 6
+        (compose(saving.at_end, train) if with_end else train)(state)
+        with caplog.at_level("WARNING", logger="trainfold"):
+            ctx.close()
+
+    from toolz import compose
+
+    run(with_end=False)
+    assert "the run's last 2 update(s), after update 6, are not in a checkpoint" in caplog.text
+    assert "compose(saving.at_end, loop(...))" in caplog.text
+    caplog.clear()
+    run(with_end=True)
+    assert "not in a checkpoint" not in caplog.text

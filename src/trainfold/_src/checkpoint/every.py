@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any, Mapping
 
 import attrs
 
 from trainfold._src.backend.loaders import not_resumable
-from trainfold._src.base.checks import name_of, named, positive_int
+from trainfold._src.base.checks import name_of, named, positive_int, user_stacklevel
 from trainfold._src.base.types import Batch
 from trainfold._src.checkpoint import codec as _codec
 from trainfold._src.checkpoint.save import flag, position_of, save_checkpoint, sharded_layout
@@ -19,6 +21,8 @@ from trainfold._src.core.cursor import EpochCursor
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step
 from trainfold.errors import CheckpointError
+
+logger = logging.getLogger("trainfold")
 
 
 def _check_resumable(state: TrainState, batch: Batch) -> None:
@@ -66,15 +70,18 @@ class CheckpointEvery:
 
     def __call__(self, step: Step) -> Step:
         """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
-        ctx, n, interrupt = self.ctx, self.n, self.ctx.runtime.interrupt
+        ctx, n, interrupt, runtime = self.ctx, self.n, self.ctx.runtime.interrupt, self.ctx.runtime
+        key = open_root(self.root, self.storage_options).key
         checked = ""  # the run whose first step was checked
 
         def saving(state: TrainState, batch: Batch) -> TrainState:
             nonlocal checked
             if checked != state.run_id:  # once per run: what would fail at the first save, refused at the first step
                 _check_resumable(state, batch)
+                self._first_step(key)
                 checked = state.run_id
             new = step(state, batch)
+            runtime.note_stepped(key, new)
             due = new.step != state.step and new.step % n == 0
             # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
             stopping = (new.should_stop and not state.should_stop) or (
@@ -103,10 +110,36 @@ class CheckpointEvery:
         Returns:
             The state (as ``save_checkpoint`` returns it when it saves).
         """
-        if self.ctx.runtime.held_position(open_root(self.root, self.storage_options).key) != position_of(state):
+        key = open_root(self.root, self.storage_options).key
+        if self.ctx.runtime.last_stepped(key) is None:
+            self.ctx.runtime.note_end_before_steps(key)
+        if self.ctx.runtime.held_position(key) != position_of(state):
             state = self._save(state)
         self.ctx.wait_for_checkpoints()  # committed when this returns, whether this call submitted it or the step's own save did
         return state
+
+    def _first_step(self, key: str) -> None:
+        """At a run's first step: say that ``at_end`` ran before it (composed on the wrong side), and have the close say
+        what the end of the run left unsaved (no ``at_end`` composed after the loop)."""
+        runtime = self.ctx.runtime
+        if runtime.ended_before_steps(key) and runtime.warn_once(f"at_end first:{key}") and self.ctx.is_main_process:
+            warnings.warn(
+                f"checkpoint_every({self.root!r}).at_end ran before its step trained anything: it saved the state the loop "
+                "started from, and the loop's end will not be saved. Compose it after the loop: compose(saving.at_end, "
+                "loop(...)) (compose applies right to left).", UserWarning, stacklevel=user_stacklevel())
+        if runtime.warn_once(f"unsaved end:{key}"):
+            runtime.at_close(lambda: self._say_unsaved(key))
+
+    def _say_unsaved(self, key: str) -> None:
+        runtime = self.ctx.runtime
+        last, held = runtime.last_stepped(key), runtime.held_position(key)
+        saved = held[0] if held is not None else 0  # the update of the checkpoint the root holds (position_of's first)
+        if last is None or last.step <= saved or not self.ctx.is_main_process:
+            return
+        after = f"after update {saved}" if held is not None else "and none before them"
+        logger.warning("checkpoint_every(%r): the run's last %d update(s), %s, are not in a checkpoint: a restart trains "
+                       "them again. Compose saving.at_end after the loop to save the end: compose(saving.at_end, loop(...)).",
+                       self.root, last.step - saved, after)
 
     def _save(self, state: TrainState) -> TrainState:
         return save_checkpoint(self.ctx, self.root, state, keep_last=self.keep_last, sharded=self.sharded, async_save=self.async_save,

@@ -12,7 +12,7 @@ what it does.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from trainfold._src.core.clock import Clock
 from trainfold._src.distributed.control import Control
@@ -74,6 +74,9 @@ class Runtime:
         #: the update of the last checkpoint this process saved: what is logged at it after the save, a tracker that
         #: writes behind writes at once (a resumed run does not log it again)
         self.checkpointed_step: int | None = None
+        self._stepped: dict[str, Any] = {}
+        self._ended_unstepped: set[str] = set()
+        self._at_close: list[Callable[[], None]] = []
         self._closed = False
 
     @property
@@ -141,11 +144,35 @@ class Runtime:
             return None
         return noted[2]
 
+    def note_stepped(self, root: str, state: Any) -> None:
+        """Record ``state`` as the newest a ``checkpoint_every`` step of ``root`` returned (read at close)."""
+        self._stepped[root] = state
+
+    def last_stepped(self, root: str) -> Any:
+        """The newest state a ``checkpoint_every`` step of ``root`` returned, or None before its first step."""
+        return self._stepped.get(root)
+
+    def note_end_before_steps(self, root: str) -> None:
+        """Record that ``checkpoint_every(...).at_end`` of ``root`` ran before any of its steps."""
+        self._ended_unstepped.add(root)
+
+    def ended_before_steps(self, root: str) -> bool:
+        """Whether :meth:`note_end_before_steps` was called for ``root``."""
+        return root in self._ended_unstepped
+
+    def at_close(self, check: Callable[[], None]) -> None:
+        """Run ``check`` when the Context closes, before anything is released (what a run left undone is said then)."""
+        self._at_close.append(check)
+
     def close(self) -> None:
-        """Forget the saver's and control channel's groups, release the roots' locks, put the signal handlers back.
+        """Run the checks given to :meth:`at_close`; forget the saver's and control channel's groups, release the roots'
+        locks, put the signal handlers back.
 
         The caller has waited for the save in flight (``Context.close`` does).
         """
+        checks, self._at_close = self._at_close, []
+        for check in checks:
+            check()
         self.saver.forget()
         for lock in self._locks.values():
             if lock is not None:
