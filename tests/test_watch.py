@@ -380,6 +380,29 @@ def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_t
         ctx.close()
 
 
+@pytest.mark.parametrize("started_by", ["init_trackers", "accelerate"])
+def test_trackers_started_before_the_load_warn(started_by, tmp_path):
+    """Trackers started before load_checkpoint (trainfold's init_trackers given the fresh state, or Accelerate's own)
+    start as a new run: a resumed run would log the updates after its checkpoint twice. The load says so and names
+    the order that keeps each update once; trackers started after it are not warned about."""
+    from trainfold import init_trackers, load_checkpoint, save_checkpoint
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+    ctx.close()
+    testing.reset_accelerate_state()
+    ctx, fresh, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path)))
+    if started_by == "init_trackers":
+        init_trackers(ctx, "run", fresh)
+    else:
+        ctx.accelerator.init_trackers("run")
+
+    with pytest.warns(UserWarning, match=r"the Accelerator's trackers \(tensorboard\) were started before this load.*"
+                                         r"init_trackers\(ctx, project_name, state\) after load_checkpoint"):
+        load_checkpoint(ctx, tmp_path / "root", fresh)
+    ctx.close()
+
+
 def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_lacks(tmp_path, monkeypatch):
     """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
     goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key
