@@ -4,8 +4,7 @@ A frozen base of ``--layers`` square ``Linear`` layers of ``--width`` (a 4096-wi
 268 MB in float32) with rank-``--rank`` LoRA adapters on each, AdamW over the adapters, one update trained. Each round
 saves the same state twice, as an adapter checkpoint (the frozen parameters by fingerprint) and with
 ``save_frozen=True`` (every parameter), in alternating order, each into a fresh root; the times are medians over the
-rounds. The adapter save's first round includes hashing the base once (each later save reuses the digests); it is
-reported apart.
+rounds. Every adapter save hashes the base (its first round is reported apart too).
 
     python benchmarks/bench_adapters.py [--width 4096] [--layers 4] [--rank 8] [--rounds 5] [--json benchmarks/results_adapters.json]
 """

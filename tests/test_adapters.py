@@ -121,6 +121,29 @@ def test_the_same_base_changed_in_place_during_a_run_is_hashed_again_at_the_next
     assert {"2.base.bias"} == {n for n in first if first[n] != second[n]}
 
 
+@pytest.mark.parametrize("write", ["data", "numpy"])
+def test_a_base_changed_around_autograd_is_seen(write, tmp_path):
+    """Writes that bump no version counter (through ``p.data``, as PEFT's unmerge does, or a numpy view) are seen too:
+    the run's own checkpoint is refused on the changed base, and the next save records the base as it is."""
+    ctx, state, dl = helpers.adapter_setup()
+    step = make_step(ctx, helpers.ce_loss)
+    state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, step, dl, state))
+    saved = latest_checkpoint(tmp_path)
+    weight = state.model[5].base.weight
+    if write == "data":
+        weight.data[2, 7] += 1.0
+    else:
+        weight.detach().numpy()[2, 7] += 1.0
+
+    with pytest.raises(CheckpointError, match=r"the frozen parameter '5.base.weight'"):
+        load_checkpoint(ctx, saved, state)
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, step, dl, state))
+    from trainfold._src.checkpoint import digest, safetensors
+
+    newest = {e["name"]: e["xxh3_128"] for e in _state_json(latest_checkpoint(tmp_path))["frozen"]}
+    assert digest.of(safetensors.raw(weight.detach())) == newest["5.base.weight"]
+
+
 def test_a_base_converted_by_to_during_a_run_is_hashed_again(tmp_path):
     """A module's .to() keeps the Parameter and swaps its data (a new version counter at 0): the digest is taken again."""
     ctx, state, dl = helpers.adapter_setup()

@@ -9,10 +9,13 @@ dtype and the XXH3-128 digest of its bytes. The digest is of the whole tensor,
 gathered from its shards one at a time, so it does not depend on how a run
 shards it. A load checks the live model's tensors against it before anything changes.
 
-Hashing a base costs a pass over its bytes: each tensor is hashed once per Context,
-which remembers its digest with the tensor's version counter (every in-place
-change bumps it), its memory, dtype, device and shape (a module's ``.to()`` swaps
-them), and hashes it again only after one of them changed (``ctx.runtime``).
+Hashing a base costs a pass over its bytes at every save and load (about 10 GB/s on a
+CPU core), so that no way of writing it goes unseen: an in-place change bumps a
+tensor's version counter, but a write through ``p.data`` (PEFT's ``unmerge``) or a
+numpy view bumps none. A sharded tensor's whole digest needs its shards gathered:
+each process hashes its own shard, and the whole tensor is gathered and hashed again
+only when a shard's bytes changed on some process (``ctx.runtime`` remembers the
+digests, with the shards' bytes they were taken of).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from trainfold._src.backend.engine import is_dtensor, local
 from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold._src.core.context import Context
+from trainfold._src.distributed.control import max_over_processes
 from trainfold._src.core.runstate import FrozenTensor
 from trainfold.errors import CheckpointError
 
@@ -47,7 +51,28 @@ def fingerprint(ctx: Context, model: torch.nn.Module, names: Iterable[str]) -> t
         ValueError: a tensor on the meta device (a base whose weights were never loaded): it has no bytes to hash.
     """
     tensors = model.state_dict(keep_vars=True)
-    return tuple(_fingerprint_of(ctx, name, tensors[name]) for name in names)
+    names = list(names)
+    for name in names:
+        _check_loaded(name, tensors[name])
+    # this process's bytes of each tensor, hashed (of a sharded one, its shard): what tells that its values changed
+    stamps = {name: _stamp(tensors[name]) for name in names}
+    known = {name: ctx.runtime.remembered_digest(name, tensors[name], stamps[name]) for name in names}
+    sharded = [name for name in names if is_dtensor(tensors[name])]
+    changed = any(known[name] is None for name in sharded)
+    if sharded and ctx.accelerator.num_processes > 1:  # a gather is a collective: every process gathers, or none
+        changed = bool(max_over_processes(ctx.runtime.control, int(changed)))
+    out = []
+    for name in names:
+        tensor, digest = tensors[name], known[name]
+        if name in sharded and changed:
+            digest = None
+        if digest is None:
+            # a whole tensor's digest is its stamp's; a sharded one's is of the gathered whole
+            whole = tensor.detach().full_tensor() if is_dtensor(tensor) else None
+            digest = stamps[name][0] if whole is None else _digest.of(_safetensors.raw(whole))
+            ctx.runtime.remember_digest(name, tensor, stamps[name], digest)
+        out.append(FrozenTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), digest))
+    return tuple(out)
 
 
 def model_fingerprint(ctx: Context, model: torch.nn.Module) -> tuple[FrozenTensor, ...]:
@@ -56,21 +81,18 @@ def model_fingerprint(ctx: Context, model: torch.nn.Module) -> tuple[FrozenTenso
     return fingerprint(ctx, model, names) if names else ()
 
 
-def _fingerprint_of(ctx: Context, name: str, tensor: torch.Tensor) -> FrozenTensor:
+def _check_loaded(name: str, tensor: torch.Tensor) -> None:
     if tensor.device.type == "meta":
         raise ValueError(
             f"the frozen parameter {name!r} is on the meta device: its weights were never loaded, so a checkpoint cannot "
             "record which base it is. Load the base's weights into the model before training."
         )
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[str, torch.dtype, torch.device, tuple[int, ...]]:
+    """The digest of this process's bytes of ``tensor`` (its shard, for a sharded one), with its dtype, device and shape."""
     part = local(tensor)
-    # what changes when the values may have: a change in place bumps the version; a module's .to() swaps the data
-    stamp = (part._version, part.data_ptr(), part.dtype, part.device, tuple(part.shape))
-    digest = ctx.runtime.remembered_digest(name, tensor, stamp)
-    if digest is None:
-        whole = tensor.detach().full_tensor() if is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
-        digest = _digest.of(_safetensors.raw(whole))
-        ctx.runtime.remember_digest(name, tensor, stamp, digest)
-    return FrozenTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), digest)
+    return (_digest.of(_safetensors.raw(part)), part.dtype, part.device, tuple(part.shape))
 
 
 def check_frozen_alike(folder: object, saved: Sequence[FrozenTensor], model: torch.nn.Module) -> None:
