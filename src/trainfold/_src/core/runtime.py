@@ -41,8 +41,9 @@ class Runtime:
         from each root (:meth:`note_held`, by ``save_checkpoint`` and ``load_checkpoint``; read by
         ``checkpoint_every(...).at_end`` so that the end of a run is not saved twice); the warnings given once (:meth:`warn_once`, by ``run_epoch`` and the
         trackers); the models of states given back (:meth:`release`, by ``Context.release``); the digest
-        of each frozen parameter, with the version of the tensor it was taken of (:meth:`remember_digest`,
-        by adapter checkpoints: a base is hashed once per Context, again only after it changed); and
+        of each frozen parameter, with the bytes of this process's shard it was taken of (:meth:`remember_digest`,
+        by adapter checkpoints: a sharded base is gathered again only after a shard changed); what a
+        ``checkpoint_every`` step last returned per root (:meth:`note_stepped`); and
         whether the Context was closed (:meth:`close`, by ``Context.close``).
 
     Args:
@@ -133,8 +134,8 @@ class Runtime:
         return model in self._released
 
     def remember_digest(self, name: str, tensor: Any, stamp: Any, digest: str) -> None:
-        """Note ``digest`` as the digest of ``tensor`` (held weakly) as ``stamp`` describes it (its version counter, memory,
-        dtype...: what changes when its values may have), under ``name``."""
+        """Note ``digest`` as the digest of ``tensor`` (held weakly) as ``stamp`` describes it (the digest of this
+        process's bytes of it, its dtype...: what changes when its values do), under ``name``."""
         self._digests[name] = (weakref.ref(tensor), stamp, digest)
 
     def remembered_digest(self, name: str, tensor: Any, stamp: Any) -> str | None:
