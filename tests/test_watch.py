@@ -782,3 +782,21 @@ def test_a_tracker_that_cannot_be_made_to_write_before_a_checkpoint_is_named_and
         save_checkpoint(ctx, tmp_path, state)
     assert latest_checkpoint(tmp_path) is not None
     ctx.close()
+
+
+def test_a_watched_report_line_reads_at_a_glance(caplog):
+    """The logger's line is for a person: no tracker prefixes, rates with units, the time split in percent adding up
+    to about 100; the trackers and the state keep the full values."""
+    import logging
+    import re
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32)
+    with caplog.at_level(logging.INFO, logger="trainfold"):
+        state = run_epoch(ctx, log_every(ctx, 4, watch=True)(make_step(ctx, loss_fn)), loader, state)
+    ctx.close()
+
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("step 8: epoch 1  loss ") and "train/" not in line
+    assert re.search(r"  \|  [\d,]+ samples/s  [\d,]+ updates/s  [\d.]+ kFLOP/s  \|  time: step \d+%", line), line
+    assert 95 <= sum(int(p) for p in re.findall(r"(\d+)%", line.split("time: ")[1].split("|")[0])) <= 105
+    assert 0 < state.extras["log_every"].values["time_step"] < 1  # the state keeps the fraction
