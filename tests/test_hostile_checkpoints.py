@@ -630,3 +630,20 @@ def test_a_manifest_declaring_a_billion_processes_is_refused_at_once_without_bui
         verify_checkpoint(folder)
     assert time.process_time() - started < 5  # a list of 10^9 names takes minutes and tens of GB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB
+
+
+@pytest.mark.parametrize("where", ["frozen_param_fragments", "module"])
+def test_deepspeed_values_that_are_no_tensors_are_refused(where):
+    """DeepSpeed engine files that parse (plain values pass the restricted unpickler) but hold a string where a weight
+    belongs are refused naming the value, never handed to an export or a diff as a weight."""
+    from trainfold._src.checkpoint.formats import engine_files
+
+    model = {"module": {"b": torch.zeros(2)}, "buffer_names": ["b"], "param_shapes": [{"w": [2]}], "frozen_param_fragments": {}}
+    model[where]["odd"] = "not a tensor"
+    if where == "module":
+        model["buffer_names"].append("odd")
+    parsed = {"zero_pp_rank_0_mp_rank_00_model_states.pt": model,
+              "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"optimizer_state_dict": {"zero_stage": 2, "single_partition_of_fp32_groups": [torch.zeros(2)]}}}
+
+    with pytest.raises(ValueError, match=r"holds 'odd' as a str, not a tensor"):
+        engine_files.merged_weights(parsed)

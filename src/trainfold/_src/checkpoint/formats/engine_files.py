@@ -230,6 +230,7 @@ def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         raise ValueError("holds no DeepSpeed model states: incomplete, refused.")
     first = ranked[0]
     module = first.get("module") or {}
+    _tensors_only(module, (first.get("buffer_names") or ()))
     weights: dict[str, torch.Tensor] = {k: v.float() if v.is_floating_point() else v  # sync: none: casts of loaded CPU tensors
                                         for k, v in module.items() if k in set(first.get("buffer_names") or ())}
     optim = [states["optimizer_state_dict"] for states in _by_rank(parsed, "optim")]
@@ -250,8 +251,17 @@ def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _tensors_only(values: Mapping[str, Any], names: Any) -> None:
+    """Refuse a value among ``names`` of ``values`` (a parsed engine file's) that is not a tensor: a weight it would be."""
+    odd = next((k for k in names if k in values and not isinstance(values[k], torch.Tensor)), None)
+    if odd is not None:
+        raise ValueError(f"holds {odd!r} as a {type(values[odd]).__name__}, not a tensor, in its DeepSpeed model states: refused.")
+
+
 def _merge_zero2(weights: dict[str, torch.Tensor], states: Mapping[str, Any], optim: list[Any], world: int) -> None:
-    weights.update(states.get("frozen_param_fragments") or {})
+    fragments = states.get("frozen_param_fragments") or {}
+    _tensors_only(fragments, list(fragments))
+    weights.update(fragments)
     paddings = optim[0].get("param_alignment_paddings")
     for group, shapes in enumerate(states["param_shapes"]):
         flat = torch.cat([o["single_partition_of_fp32_groups"][group] for o in optim])
