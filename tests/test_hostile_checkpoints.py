@@ -647,3 +647,19 @@ def test_deepspeed_values_that_are_no_tensors_are_refused(where):
 
     with pytest.raises(ValueError, match=r"holds 'odd' as a str, not a tensor"):
         engine_files.merged_weights(parsed)
+
+
+def test_a_stream_source_that_is_no_mapping_is_refused(tmp_path):
+    """A rank file's recorded stream source must be a mapping (what source_identity records): a forged list is refused at
+    the load, before anything changes."""
+    from trainfold import max_steps, run_epoch
+
+    ctx, state = _setup()
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss)), dl, state))
+    folder = latest_checkpoint(tmp_path)
+    _edit_json(folder, "rank-0.json", lambda doc: doc.__setitem__("source", ["part-0.jsonl"]))
+
+    ctx, fresh = _setup()
+    with pytest.raises(CheckpointError, match=r"the stream's source is .*not a mapping"):
+        load_checkpoint(ctx, folder, fresh)

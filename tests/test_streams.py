@@ -447,3 +447,92 @@ def test_a_shorter_stream_read_again_is_refused(tmp_path):
         run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
     assert [] == trained
     ctx.close()
+
+
+def _json_shards(folder, sizes):
+    folder.mkdir(exist_ok=True)
+    for f in folder.glob("*.jsonl"):
+        f.unlink()
+    start = 0
+    for k, n in enumerate(sizes):
+        (folder / f"part-{k}.jsonl").write_text("".join(json.dumps({"x": [i / 64], "id": i}) + "\n" for i in range(start, start + n)))
+        start += n
+
+
+def _json_setup(folder):
+    from datasets import load_dataset
+
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    files = sorted(str(p) for p in folder.glob("*.jsonl"))
+    stream = load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream, batch_size=4))
+    return ctx, state, dl
+
+
+@pytest.mark.parametrize("change, words", [
+    (None, None),
+    ([16, 20, 16, 16], r"part-1\.jsonl .*changed size"),
+    ([16, 16, 16, 16, 16], r"part-4\.jsonl .*added"),
+    ([16, 16, 16], r"part-3\.jsonl .*removed"),
+])
+def test_a_changed_stream_source_is_refused(change, words, tmp_path):
+    """A datasets stream records its data files (names and sizes) and shards with its position: a resume onto files
+    rewritten, added or removed since is refused naming the file, before a step; the same files resume."""
+    data = tmp_path / "data"
+    _json_shards(data, [16, 16, 16, 16])
+    ctx, state, dl = _json_setup(data)
+    save = checkpoint_every(ctx, tmp_path / "root", 5)(make_step(ctx, _loss([])))
+    run_epoch(ctx, save, dl, state, max_batches=5)
+    ctx.close()
+    if change is not None:
+        _json_shards(data, change)
+
+    ctx, fresh, dl = _json_setup(data)
+    resumed = load_checkpoint(ctx, tmp_path / "root", fresh)
+    trained = []
+    if words is None:
+        run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
+        assert list(range(20, 64)) == trained  # batches 6.. of 16: the rest, once
+    else:
+        with pytest.raises(CheckpointError, match=r"the stream's source changed since the checkpoint: " + words):
+            run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
+        assert [] == trained
+    ctx.close()
+
+
+class _Versioned(Numbers):
+    """A user's stream that says what data it reads (``source_id()``): here, a version of its own."""
+
+    version = "v1"
+
+    def source_id(self):
+        return {"version": self.version}
+
+
+def test_a_users_stream_source_id_is_checked(tmp_path):
+    def setup(version):
+        testing.reset_accelerate_state()
+        torch.manual_seed(0)
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(1, 1)
+        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        stream = _Versioned()
+        stream.version = version
+        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream, batch_size=BATCH))
+        return ctx, state, dl
+
+    ctx, state, dl = setup("v1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read again on a resume: said
+        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 3)(make_step(ctx, _loss([]))), dl, state, max_batches=3)
+    ctx.close()
+    ctx, fresh, dl = setup("v2")
+    resumed = load_checkpoint(ctx, tmp_path, fresh)
+    with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"source changed since the checkpoint: version was 'v1', now 'v2'"):
+        warnings.simplefilter("ignore")
+        run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
+    ctx.close()

@@ -265,6 +265,8 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
         meta["dispatched"] = position.dispatched
         if position.dealt is not None:
             meta["dealt"] = position.dealt
+        if position.source is not None:
+            meta["source"] = position.source  # JSON values (source_identity checked them)
         has, batch = position.read_ahead
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
         if position.stream is not None:
@@ -310,9 +312,12 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
             raise ValueError(f"{flag} is {meta[flag]!r}, not a bool")
     if meta.get("dealt") not in (None, WHOLE, PART):
         raise ValueError(f"dealt is {meta['dealt']!r}, not {WHOLE!r} or {PART!r}")
+    if not isinstance(meta.get("source", {}), dict):
+        raise ValueError(f"the stream's source is {str(meta['source'])[:100]!r}, not a mapping")
     position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),
                              stream=_decode_stream(meta.get("stream"), tensors),
-                             dispatched=meta.get("dispatched", False), dealt=meta.get("dealt")) if "epoch_start" in meta else None
+                             dispatched=meta.get("dispatched", False), dealt=meta.get("dealt"),
+                             source=meta.get("source")) if "epoch_start" in meta else None
     resume = Resume(now=states("now"), position=position)
     return grads, resume
 

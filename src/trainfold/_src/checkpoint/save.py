@@ -23,7 +23,7 @@ from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters, unwrap
 from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
-from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, stream_source
+from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, source_identity, stream_source
 from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
@@ -280,7 +280,8 @@ def _position(state: TrainState, processes: int) -> EpochPosition | None:
     source = (StreamSource("redealt", cursor.stream, 0) if redealt else stream_source(cursor.loader)) if streamed else None
     return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
                          stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader),
-                         dealt=(WHOLE if redealt else dealing(cursor.loader, processes)) if streamed else None)
+                         dealt=(WHOLE if redealt else dealing(cursor.loader, processes)) if streamed else None,
+                         source=source_identity(cursor.loader, processes) if is_streamed(cursor.loader) else None)
 
 
 def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:

@@ -22,7 +22,8 @@ from trainfold._src.backend.loaders import (
     set_loader_epoch,
 )
 from trainfold._src.backend.streams import (
-    WHOLE, Redealt, check_saved, kind_of, redeal, replay_advice, resumed_dispatch, resumed_elsewhere, resumed_from_state, stream_source, whole_stream,
+    WHOLE, Redealt, check_saved, check_source, kind_of, redeal, replay_advice, resumed_dispatch, resumed_elsewhere, resumed_from_state,
+    source_identity, stream_source, whole_stream,
 )
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
@@ -220,6 +221,7 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         return EpochCursor(iter(loader), loader, rng.capture(generators))
     epoch_start = position.epoch_start
     _check_dealing(resume, loader)
+    check_source(position.source, source_identity(loader, ctx.accelerator.num_processes) if is_streamed(loader) else None)
     # An epoch dealt by samples may have begun on another layout (a checkpoint inside an epoch that was itself resumed on
     # another number of processes), whose loader had other generators: its order is drawn with the saved ones.
     restore_start = rng.restore_loosely if by_samples else restore

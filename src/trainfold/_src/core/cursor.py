@@ -67,6 +67,9 @@ class EpochPosition:
     #: how this process's part of the stream stood to the whole (``streams.WHOLE``, ``streams.PART``; None: unknown),
     #: what a resume on another number of processes deals out anew
     dealt: str | None = None
+    #: what identifies the stream's data (``streams.source_identity``: its files and sizes, a user's ``source_id()``),
+    #: checked at a resume; None where it cannot be known
+    source: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
