@@ -403,6 +403,31 @@ def test_trackers_started_before_the_load_warn(started_by, tmp_path):
     ctx.close()
 
 
+@pytest.mark.parametrize("started_by", ["accelerate", "init_trackers"])
+def test_trackers_started_after_the_load(started_by, tmp_path):
+    """After the load: Accelerate's own init_trackers starts a new run (a resumed run's updates after its checkpoint
+    would be logged twice), said at the first report; trainfold's init_trackers given the loaded state is not warned about."""
+    from trainfold import init_trackers, load_checkpoint, log_every, save_checkpoint
+
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
+    ctx.close()
+    testing.reset_accelerate_state()
+    ctx, fresh, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard",
+                                                                                      project_dir=str(tmp_path)))
+    resumed = load_checkpoint(ctx, tmp_path / "root", fresh)
+    step = log_every(ctx, 2)(make_step(ctx, loss_fn))
+    if started_by == "accelerate":
+        ctx.accelerator.init_trackers("run")
+        with pytest.warns(UserWarning, match=r"the run resumed from update 4, and its trackers \(tensorboard\) were started by "
+                                             r"accelerator.init_trackers.*init_trackers\(ctx, project_name, state\)"):
+            run_epoch(ctx, step, loader, resumed)
+    else:
+        init_trackers(ctx, "run", resumed)
+        run_epoch(ctx, step, loader, resumed)  # (a warning would fail the test)
+    ctx.close()
+
+
 def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_lacks(tmp_path, monkeypatch):
     """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
     goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key

@@ -100,6 +100,7 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
     # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
     ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
     _warn_trackers_started(ctx, loaded)
+    ctx.runtime.resumed_from = loaded.step or None
     return loaded
 
 
@@ -107,7 +108,7 @@ def _warn_trackers_started(ctx: Context, loaded: TrainState) -> None:
     """Trackers started before the load went on as a fresh run's: a resumed run's updates after its checkpoint would be
     logged twice (TensorBoard not cut back, MLflow's and the others' runs not found)."""
     trackers = [t.name for t in ctx.accelerator.trackers]
-    if loaded.step > 0 and trackers and ctx.is_main_process:
+    if loaded.step > 0 and trackers and ctx.runtime.warn_once("trackers of a resumed run") and ctx.is_main_process:
         warnings.warn(
             f"load_checkpoint: the Accelerator's trackers ({', '.join(trackers)}) were started before this load, for a run "
             f"from update 0, and the run goes on from update {loaded.step}: what the run before logged after its checkpoint "

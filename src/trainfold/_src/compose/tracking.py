@@ -30,6 +30,8 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
     checks: ~3 us, ~40 us in the cold cache of a training loop).
     """
     if ctx.accelerator.trackers:
+        if ctx.runtime.resumed_from and not ctx.runtime.trackers_by_trainfold:
+            _warn_trackers_not_resumed(ctx)
         if ctx.runtime.tracker_holds:
             _log_what_trackers_lack(ctx, values, step)
         else:
@@ -47,6 +49,17 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
             )
     if log and ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, report_text(values))
+
+
+def _warn_trackers_not_resumed(ctx: Context) -> None:
+    """A resumed run's trackers started by ``accelerator.init_trackers``: nothing cuts their series back to the checkpoint."""
+    if ctx.runtime.warn_once("trackers of a resumed run") and ctx.is_main_process:
+        warnings.warn(
+            f"the run resumed from update {ctx.runtime.resumed_from}, and its trackers ("
+            f"{', '.join(t.name for t in ctx.accelerator.trackers)}) were started by accelerator.init_trackers, which "
+            "starts them as a new run: what the run before logged after its checkpoint is logged again beside it. Start "
+            "them with init_trackers(ctx, project_name, state), given the loaded state. Said once.",
+            UserWarning, stacklevel=user_stacklevel())
 
 
 #: counts a report sends the trackers that a line for a person leaves out (it shows their rates)
@@ -506,6 +519,7 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
                 stacklevel=user_stacklevel(),
             )
     ctx.accelerator.init_trackers(project_name, config=dict(config) if config is not None else None, init_kwargs=kwargs)
+    ctx.runtime.trackers_by_trainfold = True
     if not ctx.is_main_process:
         return
     for tracker in ctx.accelerator.trackers:

@@ -75,6 +75,10 @@ class Runtime:
         #: the update of the last checkpoint this process saved: what is logged at it after the save, a tracker that
         #: writes behind writes at once (a resumed run does not log it again)
         self.checkpointed_step: int | None = None
+        #: the update of the checkpoint this Context last loaded (None: none, or one at update 0), and whether trainfold's
+        #: init_trackers started the trackers: a resumed run's trackers started otherwise hold updates twice
+        self.resumed_from: int | None = None
+        self.trackers_by_trainfold = False
         self._stepped: dict[str, Any] = {}
         self._ended_unstepped: set[str] = set()
         self._at_close: list[Callable[[], None]] = []
