@@ -339,13 +339,14 @@ def source_identity(loader: Any, processes: int) -> dict[str, Any] | None:
     """What identifies the data ``loader`` streams, where trainfold can know it (None where it cannot): a user's stream's
     ``source_id()`` (a JSON value: a dict of its own, or any value, kept under ``"source_id"``), or a ``datasets``
     stream's data files (by name, with their sizes where they are local) or in-memory tables (rows and fingerprints).
+    Always of the whole stream, never of one process's share of it, so that another number of processes compares alike.
 
     Raises:
         TypeError: ``source_id()`` returned a value JSON cannot hold.
     """
     whole = whole_stream(loader, processes)
-    if whole is None:
-        whole = _dataset_of(loader)[1]
+    if whole is None:  # only this process's share is at hand (a loader Accelerate split by process itself): unknown
+        return None
     if callable(getattr(whole, "source_id", None)):
         value = whole.source_id()
         try:
