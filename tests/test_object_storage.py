@@ -333,6 +333,25 @@ def test_a_superseded_owner_leaves_the_new_lock():
     assert "new" == json.loads(fs.cat_file(path))["token"]
 
 
+def test_an_object_removed_while_read_in_parts_is_a_checkpoint_error(s3, monkeypatch):
+    """A reader racing keep_last on a store: an object removed between two of its ranged reads is a CheckpointError that
+    says it was removed, never a bare FileNotFoundError."""
+    from trainfold._src.checkpoint.storage import checkpoint_at, remote
+
+    root, options, fs = s3
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    save_checkpoint(ctx, root, state, storage_options=options)
+    ctx.close()
+    [ckpt] = list_checkpoints(root, storage_options=options)
+    monkeypatch.setattr(remote, "READ_PART", 16)  # several parts for a small object
+    parts = checkpoint_at(ckpt, options).chunks("state.json")
+    next(parts)
+    fs.rm(ckpt.removeprefix("s3://") + "/state.json")
+
+    with pytest.raises(CheckpointError, match=r"file state\.json was removed while the checkpoint was read"):
+        list(parts)
+
+
 _HOLDING_COPY = """
 import json, sys
 from trainfold import load_checkpoint, save_checkpoint, testing

@@ -99,6 +99,13 @@ def wrong_size(stored: object, name: str, actual: int, expected: int) -> Damaged
     return DamagedCheckpoint(f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered.")
 
 
+def removed_while_read(where: object, name: str) -> CheckpointError:
+    """A file gone between listing and reading: a ``keep_last`` of the run writing there removed the checkpoint meanwhile
+    (every storage says it alike)."""
+    return CheckpointError(f"{where}: file {name} was removed while the checkpoint was read (a keep_last of the run "
+                           "that writes there removed it?); read the root again for its newest checkpoint.")
+
+
 def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
     """Read ``name`` once, checking its size and digest (the algorithm its entry names) against the manifest as it is read."""
     algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry

@@ -25,7 +25,7 @@ import attrs
 
 from trainfold._src.base.io import fsync_dir, read_into, write_durably
 from trainfold._src.checkpoint import digest as _digest
-from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, NAME, wrong_size
+from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, NAME, removed_while_read, wrong_size
 from trainfold._src.checkpoint.storage import lock as _lock
 from trainfold.errors import CheckpointError, DamagedCheckpoint
 
@@ -37,13 +37,7 @@ def _read_all(path: Path, limit: int) -> bytes:
         with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
             return f.read(limit + 1)
     except FileNotFoundError:
-        raise _removed(path.parent, path.name) from None
-
-
-def _removed(folder: Path, name: str) -> CheckpointError:
-    """A file gone between listing and reading: a ``keep_last`` of the run writing there removed the checkpoint meanwhile."""
-    return CheckpointError(f"{folder}: file {name} was removed while the checkpoint was read (a keep_last of the run "
-                           "that writes there removed it?); read the root again for its newest checkpoint.")
+        raise removed_while_read(path.parent, path.name) from None
 
 
 @attrs.frozen
@@ -103,13 +97,13 @@ class LocalCheckpoint:
         except ValueError:
             raise CheckpointError(f"{self.path}: file {name} changed size while it was read: altered.") from None
         except FileNotFoundError:
-            raise _removed(self.path, name) from None
+            raise removed_while_read(self.path, name) from None
 
     def chunks(self, name: str) -> Iterator[bytes]:
         try:
             fd = os.open(self.path / name, os.O_RDONLY | _NOFOLLOW)
         except FileNotFoundError:
-            raise _removed(self.path, name) from None
+            raise removed_while_read(self.path, name) from None
         with os.fdopen(fd, "rb") as f:
             yield from iter(lambda: f.read(1 << 22), b"")
 
@@ -117,7 +111,7 @@ class LocalCheckpoint:
         try:
             return [p.name for p in self.path.iterdir()]
         except FileNotFoundError:
-            raise _removed(self.path.parent, self.path.name) from None
+            raise removed_while_read(self.path.parent, self.path.name) from None
 
     def local_folder(self) -> str | None:
         return str(self.path)

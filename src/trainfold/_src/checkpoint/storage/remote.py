@@ -32,7 +32,7 @@ from typing import Any, Iterable, Iterator
 import attrs
 
 from trainfold._src.checkpoint import digest as _digest
-from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, NAME, wrong_size
+from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, NAME, removed_while_read, wrong_size
 from trainfold._src.checkpoint.storage import conditional
 from trainfold._src.checkpoint.storage import lease as _lease
 from trainfold._src.checkpoint.storage import upload
@@ -158,7 +158,10 @@ class RemoteCheckpoint:
         size = self.size(name)
         for start in range(0, size, READ_PART):
             end = min(start + READ_PART, size)
-            yield call(self.fs, f"reading {self.url}/{name}", "cat_file", self._object(name), start=start, end=end)
+            try:
+                yield call(self.fs, f"reading {self.url}/{name}", "cat_file", self._object(name), start=start, end=end)
+            except FileNotFoundError:
+                raise removed_while_read(self.url, name) from None
 
     def names(self) -> list[str]:
         self.fs.invalidate_cache(self.where)  # adlfs lists from its cache, whatever refresh says
