@@ -409,6 +409,17 @@ def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_ru
     testing.assert_params_equal(expected, resumed)
 
 
+def _linear_over(stream, batch_size):
+    """A fresh Context, Linear(1, 1) with SGD, and a prepared loader of ``stream``."""
+    testing.reset_accelerate_state()
+    torch.manual_seed(0)
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(1, 1)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream, batch_size=batch_size))
+    return ctx, state, dl
+
+
 class _Short(torch.utils.data.IterableDataset):
     """A stream without a state, of ``n`` samples."""
 
@@ -423,13 +434,7 @@ def test_a_shorter_stream_read_again_is_refused(tmp_path):
     """A stream read again on a resume that ends before the batches the checkpoint had trained (it changed, or the
     checkpoint's position is forged) is refused with both counts, before a step."""
     def setup(n):
-        testing.reset_accelerate_state()
-        torch.manual_seed(0)
-        ctx = Context(accelerator=Accelerator(cpu=True))
-        model = torch.nn.Linear(1, 1)
-        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_Short(n), batch_size=4))
-        return ctx, state, dl
+        return _linear_over(_Short(n), 4)
 
     ctx, state, dl = setup(32)
     step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, _loss([])))
@@ -462,15 +467,8 @@ def _json_shards(folder, sizes):
 def _json_setup(folder):
     from datasets import load_dataset
 
-    testing.reset_accelerate_state()
-    torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True))
-    model = torch.nn.Linear(1, 1)
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     files = sorted(str(p) for p in folder.glob("*.jsonl"))
-    stream = load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch")
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream, batch_size=4))
-    return ctx, state, dl
+    return _linear_over(load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch"), 4)
 
 
 @pytest.mark.parametrize("change, words", [
@@ -515,15 +513,9 @@ class _Versioned(Numbers):
 
 def test_a_users_stream_source_id_is_checked(tmp_path):
     def setup(version):
-        testing.reset_accelerate_state()
-        torch.manual_seed(0)
-        ctx = Context(accelerator=Accelerator(cpu=True))
-        model = torch.nn.Linear(1, 1)
-        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         stream = _Versioned()
         stream.version = version
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream, batch_size=BATCH))
-        return ctx, state, dl
+        return _linear_over(stream, BATCH)
 
     ctx, state, dl = setup("v1")
     with warnings.catch_warnings():

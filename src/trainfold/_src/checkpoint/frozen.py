@@ -60,7 +60,7 @@ def fingerprint(ctx: Context, model: torch.nn.Module, names: Iterable[str]) -> t
     sharded = [name for name in names if is_dtensor(tensors[name])]
     changed = any(known[name] is None for name in sharded)
     if sharded and ctx.accelerator.num_processes > 1:  # a gather is a collective: every process gathers, or none
-        changed = bool(max_over_processes(ctx.runtime.control, int(changed)))
+        changed = bool(max_over_processes(ctx.runtime.control, int(changed)))  # sync: none: host ints, once per save
     out = []
     for name in names:
         tensor, digest = tensors[name], known[name]

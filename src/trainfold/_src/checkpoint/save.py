@@ -23,7 +23,8 @@ from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters, unwrap
 from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
-from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, source_identity, stream_source
+from trainfold._src.backend.sources import source_identity
+from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, stream_source
 from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int

@@ -21,9 +21,9 @@ from trainfold._src.backend.loaders import (
     samples_per_batch,
     set_loader_epoch,
 )
+from trainfold._src.backend.sources import check_source, source_identity
 from trainfold._src.backend.streams import (
-    WHOLE, Redealt, check_saved, check_source, kind_of, redeal, replay_advice, resumed_dispatch, resumed_elsewhere, resumed_from_state,
-    source_identity, stream_source, whole_stream,
+    WHOLE, Redealt, check_saved, kind_of, redeal, replay_advice, resumed_dispatch, resumed_elsewhere, resumed_from_state, stream_source, whole_stream,
 )
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel

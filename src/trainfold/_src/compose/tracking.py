@@ -14,6 +14,7 @@ import attrs
 
 from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.base.checks import name_of, named, user_stacklevel
+from trainfold._src.compose.report import report_text
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step, StepTransformer
@@ -54,50 +55,11 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
 def _warn_trackers_not_resumed(ctx: Context) -> None:
     """A resumed run's trackers started by ``accelerator.init_trackers``: nothing cuts their series back to the checkpoint."""
     if ctx.runtime.warn_once("trackers of a resumed run") and ctx.is_main_process:
-        warnings.warn(
-            f"the run resumed from update {ctx.runtime.resumed_from}, and its trackers ("
-            f"{', '.join(t.name for t in ctx.accelerator.trackers)}) were started by accelerator.init_trackers, which "
-            "starts them as a new run: what the run before logged after its checkpoint is logged again beside it. Start "
-            "them with init_trackers(ctx, project_name, state), given the loaded state. Said once.",
-            UserWarning, stacklevel=user_stacklevel())
-
-
-#: counts a report sends the trackers that a line for a person leaves out (it shows their rates)
-_UNSHOWN = {"interval_s", "samples", "tokens", "flops"}
-#: rates and their units, in the order a line shows them
-_RATES = (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"), ("updates_per_s", "updates/s"))
-
-
-def report_text(values: Mapping[str, float]) -> str:
-    """A report as a person reads it: the values without the trackers' ``train/`` prefix, a few digits, rates with
-    their units, FLOPs per second with an SI prefix, MFU and the split of the time in percent, memory in GB.
-
-    Examples:
-        >>> report_text({"train/loss": 2.338153, "epoch": 0, "train/lr": 0.001, "train/samples_per_s": 2853.65,
-        ...              "train/flops_per_s": 1.14e13, "train/mfu": 0.4123, "train/time_step": 0.823, "train/time_data": 0.041,
-        ...              "train/time_update": 0.136, "train/time_stop": 0.0, "train/memory_rss_gb": 0.3392})
-        'epoch 1  loss 2.338  lr 0.001  |  2,854 samples/s  11.4 TFLOP/s  MFU 41.2%  |  time: step 82%  data 4%  update 14%  |  memory rss 0.34 GB'
-    """
-    named = {k.removeprefix("train/"): v for k, v in values.items()}
-    head = [f"epoch {int(named.pop('epoch')) + 1}"] if "epoch" in named else []  # the epoch in progress, counted from 1
-    rates = [f"{named.pop(key):,.0f} {unit}" for key, unit in _RATES if key in named]
-    if "flops_per_s" in named:
-        rates.append(_si(named.pop("flops_per_s"), "FLOP/s"))
-    if "mfu" in named:
-        rates.append(f"MFU {100 * named.pop('mfu'):.1f}%")
-    shares = [f"{k.removeprefix('time_')} {100 * named.pop(k):.0f}%" for k in [k for k in named if k.startswith("time_")]]
-    memory = [f"{k.removeprefix('memory_').removesuffix('_gb')} {named.pop(k):.2f} GB" for k in [k for k in named if k.startswith("memory_")]]
-    values_ = [f"{k} {v:.4g}" for k, v in named.items() if k not in _UNSHOWN]
-    parts = ["  ".join(head + values_), "  ".join(rates), "time: " + "  ".join(s for s in shares if not s.endswith(" 0%")) if shares else "",
-             "memory " + "  ".join(memory) if memory else ""]
-    return "  |  ".join(p for p in parts if p)
-
-
-def _si(value: float, unit: str) -> str:
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.1f} {prefix}{unit}"
-    return f"{value:.0f} {unit}"
+        names = ", ".join(t.name for t in ctx.accelerator.trackers)
+        warnings.warn(f"the run resumed from update {ctx.runtime.resumed_from}, and its trackers ({names}) were started by "
+                      "accelerator.init_trackers, which starts them as a new run: what the run before logged after its checkpoint "
+                      "is logged again beside it. Start them with init_trackers(ctx, project_name, state), given the loaded "
+                      "state. Said once.", UserWarning, stacklevel=user_stacklevel())
 
 
 def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int) -> None:

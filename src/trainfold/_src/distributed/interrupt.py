@@ -99,7 +99,7 @@ class Interrupt:
             return self._decided[1]
         agreed = self._round(micro_step) if self.distributed else self.requested
         self._decided = (micro_step, agreed)
-        self.agreed = self.agreed or bool(agreed)
+        self.agreed = self.agreed or bool(agreed)  # sync: none: a host int
         return agreed
 
     def agree_now(self) -> int:
@@ -109,7 +109,7 @@ class Interrupt:
         process must call it at the same point.
         """
         agreed = max_over_processes(self._control, self.requested) if self.distributed else self.requested
-        self.agreed = self.agreed or bool(agreed)
+        self.agreed = self.agreed or bool(agreed)  # sync: none: a host int
         return agreed
 
     def clear(self) -> None:
