@@ -245,6 +245,16 @@ def test_an_unhonoured_stop_ends_the_process(where, deadline, second):
     assert (where == "blocked") == ("the main thread did not take the signal" in err)
 
 
+def test_with_accumulation_keeps_the_stop_settings():
+    """A Context made by with_accumulation keeps the signals, the agreement round and the stop deadline it was given."""
+    ctx = Context(accelerator=Accelerator(cpu=True), signals=(signal.SIGTERM,), stop_check_s=0.5, stop_deadline_s=7.0)
+    other = ctx.with_accumulation(2)
+
+    assert ((signal.SIGTERM,), 0.5, 7.0) == (other.signals, other.stop_check_s, other.stop_deadline_s)
+    other.close()
+    ctx.close()
+
+
 def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_update(tmp_path):
     """Without the save catching it, Ctrl-C would raise KeyboardInterrupt in the middle of the save."""
     ctx, state, dl = _setup()

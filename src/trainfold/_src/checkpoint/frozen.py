@@ -56,20 +56,18 @@ def fingerprint(ctx: Context, model: torch.nn.Module, names: Iterable[str]) -> t
         _check_loaded(name, tensors[name])
     # this process's bytes of each tensor, hashed (of a sharded one, its shard): what tells that its values changed
     stamps = {name: _stamp(tensors[name]) for name in names}
-    known = {name: ctx.runtime.remembered_digest(name, tensors[name], stamps[name]) for name in names}
+    # a whole tensor's digest is its stamp's; a sharded one's is of the gathered whole, remembered until a shard changes
     sharded = [name for name in names if is_dtensor(tensors[name])]
-    changed = any(known[name] is None for name in sharded)
+    known = {name: ctx.runtime.remembered_digest(name, tensors[name], stamps[name]) for name in sharded}
+    changed = any(digest is None for digest in known.values())
     if sharded and ctx.accelerator.num_processes > 1:  # a gather is a collective: every process gathers, or none
         changed = bool(max_over_processes(ctx.runtime.control, int(changed)))  # sync: none: host ints, once per save
     out = []
     for name in names:
-        tensor, digest = tensors[name], known[name]
-        if name in sharded and changed:
-            digest = None
-        if digest is None:
-            # a whole tensor's digest is its stamp's; a sharded one's is of the gathered whole
-            whole = tensor.detach().full_tensor() if is_dtensor(tensor) else None
-            digest = stamps[name][0] if whole is None else _digest.of(_safetensors.raw(whole))
+        tensor = tensors[name]
+        digest = known.get(name) or stamps[name][0]
+        if name in known and changed:
+            digest = _digest.of(_safetensors.raw(tensor.detach().full_tensor()))
             ctx.runtime.remember_digest(name, tensor, stamps[name], digest)
         out.append(FrozenTensor(name, tuple(tensor.shape), dtype_name(tensor.dtype), digest))
     return tuple(out)
