@@ -496,6 +496,46 @@ def test_export_base_refuses_a_fifo(tmp_path, capsys):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+_PEAK = """
+import sys
+from trainfold import cli
+
+def status(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":")) * 1024
+
+cli.main(["export", sys.argv[1], sys.argv[2], "--base", sys.argv[4]])  # every module the export imports, imported
+open("/proc/self/clear_refs", "w").write("5")  # the peak so far forgotten
+before = status("VmRSS")
+code = cli.main(["export", sys.argv[1], sys.argv[2], "--base", sys.argv[3]])
+print(code, status("VmHWM") - before)
+"""
+
+
+@pytest.mark.multiprocess
+def test_export_refuses_a_base_of_a_hundred_thousand_tensors_in_bounded_memory(tmp_path):
+    """A base file whose header names 100,000 empty tensors (8 MB of header) is refused for lacking the frozen one,
+    holding a small entry per tensor, not a tensor: under 14 bytes of memory per byte of header (22 when every
+    tensor was made)."""
+    import struct
+    import subprocess
+    import sys
+
+    ctx, state, _ = helpers.adapter_setup()
+    save_checkpoint(ctx, tmp_path / "root", state)
+    ctx.close()
+    for count, name in ((100_000, "base.safetensors"), (1, "one.safetensors")):
+        header = json.dumps({f"layer.{i}.weight": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}).encode()
+        (tmp_path / name).write_bytes(struct.pack("<Q", len(header)) + header)
+    base = tmp_path / "base.safetensors"
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "root"), str(tmp_path / "out.safetensors"), str(base), str(tmp_path / "one.safetensors")],
+                         capture_output=True, text=True, timeout=helpers.scaled(120))
+
+    code, peak = (int(word) for word in run.stdout.split())
+    assert code == 2 and "has no tensor '0.base.weight', and none with the values of the frozen" in run.stderr
+    assert peak < 14 * base.stat().st_size, f"{peak / base.stat().st_size:.1f} bytes of memory per byte of header"
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_export_follows_the_umask(umask, tmp_path):
     """An export is as readable as any file its user writes (save_pretrained's 0644 under umask 022), not private."""

@@ -347,7 +347,13 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
 
 @pytest.mark.parametrize("header", [b"{", b"[1]", b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',
                                     b'{"x": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 4]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}'])
+                                    b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}',
+                                    b'{"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}',
+                                    b'{"x": {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]}}',
+                                    b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [false, true]}}',
+                                    b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}',
+                                    b'{"x": {"dtype": "F32", "shape": [1]}}', b'{"x": ["F32", [1], [0, 4]]}',
+                                    b'{"x": {"F32": 0, "12": 0, "08": 0}}'])
 def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     import struct
 
@@ -356,6 +362,24 @@ def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     buf = bytearray(struct.pack("<Q", len(header)) + header + bytes(16))
     with pytest.raises(_safetensors.FormatError):
         _safetensors.parse(buf)
+
+
+def test_the_safetensors_reader_reads_any_key_order_and_tensors_named_like_keys():
+    """What the safetensors library reads, this reader reads: an entry's keys in any order, and tensors named
+    ``dtype``, ``shape`` and ``data_offsets``."""
+    import struct
+
+    from safetensors.torch import load
+
+    from trainfold._src.checkpoint import safetensors as _safetensors
+
+    header = (b'{"dtype": {"data_offsets": [0, 4], "shape": [1], "dtype": "F32"}, "shape": {"shape": [1], "dtype": "I32", '
+              b'"data_offsets": [4, 8]}, "data_offsets": {"dtype": "U8", "shape": [0], "data_offsets": [8, 8]}}')
+    header += b" " * (-len(header) % 8)
+    data = struct.pack("<Q", len(header)) + header + struct.pack("<fi", 1.5, 7)
+
+    for tensors in (_safetensors.parse(bytearray(data)), load(data)):
+        assert {n: t.tolist() for n, t in tensors.items()} == {"dtype": [1.5], "shape": [7], "data_offsets": []}
 
 
 # --- digests ---------------------------------------------------------------------------------------

@@ -362,7 +362,7 @@ def export(path: str, out: Path, transformers_config: str | None, base: str | No
     except CheckpointError as exc:
         raise Refused(f"{exc} (trainfold verify {folder} checks every file)") from None
     files = sorted(written.glob("*.safetensors")) if written.is_dir() else [written]
-    tensors = sum(len(_safetensors.parse(read_into(f, f.stat().st_size))) for f in files)
+    tensors = sum(len(_safetensors.index(read_into(f, f.stat().st_size))) for f in files)
     size = sum(f.stat().st_size for f in (written.iterdir() if written.is_dir() else [written]))
     what = ("peft adapters" if (written / "adapter_config.json").exists() else "adapters") if adapters else "model"
     return {"checkpoint": str(folder), "out": str(written), "tensors": tensors, "bytes": size, "what": what}

@@ -88,8 +88,9 @@ def peft_files(folder: object, held: Mapping[str, torch.Tensor], peft: Any) -> t
     return tensors, json.dumps(config, indent=2, sort_keys=True).encode()
 
 
-def read_base(path: str | Path) -> dict[str, torch.Tensor]:
+def read_base(path: str | Path) -> _safetensors.Tensors:
     """A base model's tensors: a safetensors file, or a ``save_pretrained`` folder's (every ``*.safetensors`` in it).
+    Each is made when it is asked for: an export takes the frozen ones, whatever else the base holds.
 
     Raises:
         CheckpointError: no such file or folder, no safetensors file in the folder, a file that is not safetensors,
@@ -100,21 +101,21 @@ def read_base(path: str | Path) -> dict[str, torch.Tensor]:
     if not files:
         raise CheckpointError(f"--base {where}: {'no *.safetensors file in that folder' if where.is_dir() else 'no such file or folder'}; "
                               "name the base's safetensors file or its save_pretrained folder.")
-    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, _safetensors.Entry] = {}
     for file in files:
         real = file.resolve()  # the user's own base, links followed: a hub cache's snapshot files link into blobs/
         try:
-            part = _safetensors.parse(read_into(real, real.stat().st_size))
+            part = _safetensors.index(read_into(real, real.stat().st_size))
         except _safetensors.FormatError as exc:
             raise CheckpointError(f"--base {file} is not a safetensors file ({exc}).") from None
         except (OSError, ValueError) as exc:
             reason = "is not a regular file" if real.exists() and not real.is_file() else f"cannot be read ({exc})"
             raise CheckpointError(f"--base {file} {reason}: a base folder holds the model's *.safetensors files.") from None
-        twice = sorted(tensors.keys() & part.keys())
+        twice = sorted(entries.keys() & part.keys())
         if twice:
             raise CheckpointError(f"--base {where}: the tensor {twice[0]!r} is in two files.")
-        tensors.update(part)
-    return tensors
+        entries.update(part)
+    return _safetensors.Tensors(entries)
 
 
 def _base_name(name: str, adapter: str | None) -> str:
@@ -131,7 +132,7 @@ def _digest_of(t: torch.Tensor) -> str:
     return _digest.of(_safetensors.raw(t))
 
 
-def _frozen_from_base(folder: object, base_path: object, frozen: Sequence[FrozenTensor], base: Mapping[str, torch.Tensor],
+def _frozen_from_base(folder: object, base_path: object, frozen: Sequence[FrozenTensor], base: _safetensors.Tensors,
                       adapter: str | None) -> dict[str, torch.Tensor]:
     """The frozen tensors, by the checkpoint's names, from the base, each checked against its fingerprint. A name the
     base lacks is found by its values (shape, dtype, digest) among the base's tensors: a tied weight that
@@ -150,8 +151,8 @@ def _frozen_from_base(folder: object, base_path: object, frozen: Sequence[Frozen
 
     def alike(f: FrozenTensor) -> list[str]:
         if not by_kind:
-            for n, t in base.items():
-                by_kind.setdefault((tuple(t.shape), dtype_name(t.dtype)), []).append(n)
+            for n, e in base.entries.items():
+                by_kind.setdefault((e.shape, dtype_name(e.dtype)), []).append(n)
         return by_kind.get((f.shape, f.dtype), [])
 
     out: dict[str, torch.Tensor] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 import torch
 
@@ -84,10 +84,67 @@ def write(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor]) -> 
     return _digest.entry(write_durably(path, encode(tensors), digest.update), digest)
 
 
-def parse(buf: Any) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them), at the
-    file's offset: what a load copies into the live model needs no more; what the run keeps goes through
-    ``codec.aligned``.
+class Entry(NamedTuple):
+    """One tensor of a safetensors file, checked against the buffer but not yet made: :meth:`tensor` makes it."""
+
+    buf: Any
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # in the buffer
+    nbytes: int
+
+    def tensor(self) -> torch.Tensor:
+        """The tensor, a view into the buffer (a copy where the file misaligns it: not written by trainfold or the library)."""
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=self.dtype)
+        raw = torch.frombuffer(self.buf, dtype=torch.uint8, count=self.nbytes, offset=self.offset)
+        if self.offset % self.dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(self.dtype).reshape(self.shape)
+
+
+class Tensors(Mapping[str, torch.Tensor]):
+    """Tensors by name, each made from its :class:`Entry` when it is asked for: a reader that needs a few of a file's
+    tensors (an export's base) holds one small entry for each of the others, not a tensor."""
+
+    def __init__(self, entries: Mapping[str, Entry]) -> None:
+        self.entries = entries
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.entries[name].tensor()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class _Raw(NamedTuple):
+    """A tensor's entry as the header holds it, before it is checked."""
+
+    dtype: Any
+    shape: Any
+    data_offsets: Any
+
+
+def _compact(pairs: list[tuple[str, Any]]) -> Any:
+    """A JSON object as the decoder meets it: a tensor's entry as a tuple (a third of a dict's memory), others a dict."""
+    if [key for key, _ in pairs] == ["dtype", "shape", "data_offsets"]:  # the order the format's writers use
+        return _Raw(*(value for _, value in pairs))
+    entry = dict(pairs)
+    return _Raw(**entry) if entry.keys() == set(_Raw._fields) else entry
+
+
+def _ints(value: Any) -> tuple[int, ...] | None:
+    """A JSON list of integers as a tuple; None for anything else (a string, a float, a bool)."""
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        return None
+    return tuple(value)
+
+
+def index(buf: Any) -> dict[str, Entry]:
+    """The entries of a safetensors file in ``buf``, every one checked against the buffer; no tensor is made.
 
     Raises:
         FormatError: a header that is not a safetensors header, or names a dtype,
@@ -99,32 +156,42 @@ def parse(buf: Any) -> dict[str, torch.Tensor]:
     if n > min(MAX_HEADER, len(buf) - 8):
         raise FormatError(f"a header of {n} bytes in a file of {len(buf)}")
     try:
-        header = json.loads(bytes(buf[8 : 8 + n]))
+        header = json.loads(str(memoryview(buf)[8 : 8 + n], "utf-8"), object_pairs_hook=_compact)
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"the header is not JSON ({type(exc).__name__})") from None
+    if isinstance(header, _Raw):  # three tensors named like an entry's keys
+        header = header._asdict()
     if not isinstance(header, dict):
         raise FormatError("the header is not a JSON object")
     data_start, data_len = 8 + n, len(buf) - 8 - n
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Entry] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _BY_NAME[entry["dtype"]]
-            shape = [int(s) for s in entry["shape"]]
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"tensor {name!r} has no valid dtype, shape and offsets") from None
+        raw = entry if isinstance(entry, _Raw) else _Raw(None, None, None)
+        dtype = _BY_NAME.get(raw.dtype) if isinstance(raw.dtype, str) else None
+        shape, offsets = _ints(raw.shape), _ints(raw.data_offsets)
+        if dtype is None or shape is None or offsets is None or len(offsets) != 2:
+            raise FormatError(f"tensor {name!r} has no valid dtype, shape and offsets")
+        begin, end = offsets
         numel = 1
         for s in shape:
             if s < 0:
                 raise FormatError(f"tensor {name!r} has a negative dimension")
             numel *= s
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not 0 <= begin <= end <= data_len or end - begin != numel * itemsize:
+        if not 0 <= begin <= end <= data_len or end - begin != numel * dtype.itemsize:
             raise FormatError(f"tensor {name!r} has offsets {begin}..{end} that do not fit its shape or the file")
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=data_start + begin) if end > begin else torch.empty(0, dtype=torch.uint8)
-        if (data_start + begin) % itemsize:  # misaligned (not written by trainfold or the library): copy
-            raw = raw.clone()
-        out[name] = raw.view(dtype).reshape(shape)
+        out[name] = Entry(buf, dtype, shape, data_start + begin, end - begin)
     return out
+
+
+def parse(buf: Any) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file in ``buf``, each a view into it (the buffer stays alive with them), at the
+    file's offset: what a load copies into the live model needs no more; what the run keeps goes through
+    ``codec.aligned``.
+
+    Raises:
+        FormatError: a header that is not a safetensors header, or names a dtype,
+            shape or offsets the buffer does not hold.
+    """
+    return {name: entry.tensor() for name, entry in index(buf).items()}
