@@ -16,7 +16,7 @@ def drop_fp32_outputs(model: torch.nn.Module) -> None:
     every low-precision tensor the forward returns is copied to float32. For a model
     that computes its loss inside ``forward`` (a transformers model given ``labels``)
     the loss is float32 already, and the copy of the logits (batch × sequence × vocabulary
-    for a language model) is memory traffic for nothing: 2% of a GPT-2-small step on an H100.
+    for a language model) is memory traffic for nothing (about 2% of a GPT-2-small step).
 
     The replaced ``forward`` sits on the module ``prepare`` was given: inside DDP's
     wrapper, or on a compiled model's wrapper. Each module of the prepared tree whose

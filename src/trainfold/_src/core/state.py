@@ -173,7 +173,7 @@ class TrainState:
                 drops that copy: the outputs stay in autocast's dtype. For a model that
                 computes its loss in ``forward`` (a transformers model given ``labels``)
                 the loss is float32 either way and training is the same, bit for bit,
-                without copying the logits (2% of a GPT-2-small step on an H100); a loss
+                without copying the logits (about 2% of a GPT-2-small step); a loss
                 computed from the outputs sees them in bf16 or fp16. Nothing to drop
                 without mixed precision or under DeepSpeed.
 
