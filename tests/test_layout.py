@@ -10,6 +10,7 @@ everything else is private by its name, and the docs never send a reader there.
 """
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,18 @@ def test_the_layers_are_the_folders_of_the_implementation():
 def test_the_docs_never_send_a_reader_into_the_implementation():
     docs = [PACKAGE.parents[1] / "README.md", *sorted((PACKAGE.parents[1] / "docs").rglob("*.md"))]
     assert [str(p.name) for p in docs if "trainfold._src" in p.read_text() or "trainfold/_src" in p.read_text()] == []
+
+
+def test_public_names_are_listed_once():
+    """``_WHERE`` is the one hand-written list of public names: ``__all__`` is made from it, and the imports under
+    ``TYPE_CHECKING`` (what a type checker reads) name each of them once, from the module it names."""
+    import trainfold
+
+    tree = ast.parse(Path(trainfold.__file__).read_text())
+    guarded = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    imported = [(alias.asname, node.module) for node in guarded.body for alias in node.names]
+
+    assert sorted(imported) == sorted(trainfold._WHERE.items())
+    assert all(alias.name == alias.asname for node in guarded.body for alias in node.names)
+    assert trainfold.__all__ == ["__version__", *sorted(trainfold._WHERE)]
+    assert all(getattr(trainfold, name) is getattr(importlib.import_module(module), name) for name, module in trainfold._WHERE.items())
