@@ -56,7 +56,8 @@ def test_an_adapter_checkpoint_holds_what_trains_and_the_bases_fingerprint(tmp_p
     assert size <= 0.10 * full_size, (size, full_size)  # 2.4% of the parameters train: 7% of a full checkpoint's bytes
 
 
-def test_an_adapter_run_resumed_from_any_update_ends_bit_for_bit_as_the_uninterrupted_run(tmp_path):
+def test_adapter_resume_from_any_update(tmp_path):
+    """An adapter run resumed from any update ends bit for bit as the uninterrupted run."""
     expected = _train(*helpers.adapter_setup())
     ctx, state, dl = helpers.adapter_setup()
     saved = _train(ctx, state, dl, checkpoint_every(ctx, tmp_path, 5))
@@ -92,7 +93,8 @@ def _load_refused(ctx, ckpt, state, match):
     return str(refused.value)
 
 
-def test_another_base_is_refused_naming_the_first_frozen_tensor_that_differs(tmp_path):
+def test_another_base_is_refused_naming_a_tensor(tmp_path):
+    """Another base is refused naming the first frozen tensor that differs."""
     ckpt = _one_adapter_checkpoint(tmp_path)
     ctx, state, _ = helpers.adapter_setup(base_seed=3)
     message = _load_refused(ctx, ckpt, state, r"trained on another base: the frozen parameter '0.base.weight' \(float32, shape \(640, 8\)\)")
@@ -108,7 +110,7 @@ def test_a_base_changed_in_place_by_one_ulp_is_refused(tmp_path):
     _load_refused(ctx, ckpt, state, r"the frozen parameter '5.base.weight'")
 
 
-def test_the_same_base_changed_in_place_during_a_run_is_hashed_again_at_the_next_save(tmp_path):
+def test_a_base_changed_in_a_run_is_hashed_again(tmp_path):
     """The digest is remembered with the tensor's version counter: a change in place between two saves is seen."""
     ctx, state, dl = helpers.adapter_setup()
     step = make_step(ctx, helpers.ce_loss)
@@ -158,7 +160,8 @@ def test_a_base_converted_by_to_during_a_run_is_hashed_again(tmp_path):
     assert digest.of(safetensors.raw(state.model[0].base.weight)) == second["0.base.weight"]["xxh3_128"]
 
 
-def test_a_base_moved_to_the_meta_device_is_refused_at_the_load_before_anything_changes(tmp_path):
+def test_a_base_on_the_meta_device_is_refused_at_load(tmp_path):
+    """A base moved to the meta device is refused at the load before anything changes."""
     ckpt = _one_adapter_checkpoint(tmp_path)
     ctx, state, _ = helpers.adapter_setup()
     state.model[5].base.to("meta")
@@ -212,7 +215,8 @@ def test_a_run_that_unfreezes_a_layer_resumes_from_before_and_after_it(tmp_path)
 
 
 @pytest.mark.parametrize("forge", ["digest", "shape", "missing field", "not a list", "twice"])
-def test_a_damaged_or_forged_fingerprint_is_refused_before_anything_changes(forge, tmp_path):
+def test_a_forged_fingerprint_is_refused(forge, tmp_path):
+    """A damaged or forged fingerprint is refused before anything changes."""
     ckpt = _one_adapter_checkpoint(tmp_path)
 
     def change(doc):
@@ -296,7 +300,7 @@ def _on(nprocs, *args, **kwargs):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_a_two_process_adapter_run_stopped_and_resumed_ends_as_the_uninterrupted_one_and_resumes_on_one(engine, tmp_path):
+def test_two_process_adapter_resume(engine, tmp_path):
     """Two processes save sharded adapter checkpoints (each its own pieces of the adapters); a run stopped after 3 updates
     and resumed on two ends with the uninterrupted run's parameters, bit for bit, every adapter tensor counted; the
     same checkpoint resumes on one process with the adapters and the base exactly as they stopped (2 -> 1)."""
@@ -325,7 +329,8 @@ def test_a_two_process_adapter_run_stopped_and_resumed_ends_as_the_uninterrupted
             assert torch.equal(stopped[name], alone[name]), name
 
 
-def test_inspect_shows_trainable_and_frozen_counts_and_one_digest_of_the_base(tmp_path, capsys):
+def test_inspect_shows_counts_and_the_base_digest(tmp_path, capsys):
+    """`trainfold inspect` shows trainable and frozen counts and one digest of the base."""
     from trainfold import cli
 
     ckpt = _one_adapter_checkpoint(tmp_path / "a")
@@ -373,7 +378,8 @@ def test_inspect_tied_frozen_weight(tmp_path, capsys):
     assert "2 frozen tensor(s) (32 values, one fingerprint per name: a weight tied under several names counts under each)" in text
 
 
-def test_inspect_of_a_checkpoint_that_holds_every_parameter_says_no_adapters(tmp_path, capsys):
+def test_inspect_of_a_whole_checkpoint(tmp_path, capsys):
+    """`trainfold inspect` of a checkpoint that holds every parameter says no adapters."""
     from trainfold import cli
 
     ctx, state, dl = helpers.adapter_setup()
@@ -393,7 +399,8 @@ def _base_file(tmp_path, state, names_of=lambda n: n):
     return path
 
 
-def test_export_of_an_adapter_checkpoint_writes_the_adapters_alone_and_says_so(tmp_path, capsys):
+def test_export_writes_the_adapters_alone(tmp_path, capsys):
+    """Export of an adapter checkpoint writes the adapters alone and says so."""
     from trainfold import cli
     from trainfold._src.checkpoint.safetensors import parse
 
@@ -425,7 +432,8 @@ def test_export_with_the_base_writes_the_whole_model_bit_for_bit(names, tmp_path
     assert live.keys() == written.keys() and all(torch.equal(live[n], written[n]) for n in live)
 
 
-def test_export_with_another_base_or_a_base_for_a_whole_checkpoint_is_refused_and_writes_nothing(tmp_path, capsys):
+def test_export_refuses_a_wrong_base(tmp_path, capsys):
+    """Export with another base or a base for a whole checkpoint is refused and writes nothing."""
     from trainfold import cli
 
     ctx, state, dl = helpers.adapter_setup()
@@ -512,7 +520,7 @@ print(code, status("VmHWM") - before)
 
 
 @pytest.mark.multiprocess
-def test_export_refuses_a_base_of_a_hundred_thousand_tensors_in_bounded_memory(tmp_path):
+def test_export_base_header_in_bounded_memory(tmp_path):
     """A base file whose header names 100,000 empty tensors (8 MB of header) is refused for lacking the frozen one,
     holding a small entry per tensor, not a tensor: under 14 bytes of memory per byte of header (22 when every
     tensor was made)."""
@@ -554,7 +562,7 @@ def test_export_follows_the_umask(umask, tmp_path):
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "background"])
-def test_an_ema_of_an_adapter_model_shares_the_base_and_its_checkpoint_holds_no_copy(async_save, tmp_path):
+def test_ema_of_an_adapter_model_shares_the_base(async_save, tmp_path):
     """ema() holds the model's frozen parameters themselves (the base is not held twice, nor averaged); an adapter
     checkpoint writes the average's trainable part only, and a resume gets the base from the model, bit for bit."""
     from trainfold import ema, ema_model

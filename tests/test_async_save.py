@@ -40,7 +40,8 @@ def _nudge(state):
 
 
 @pytest.mark.parametrize("sharded", [False, True])
-def test_an_async_save_returns_before_the_write_and_holds_the_state_of_its_moment(sharded, tmp_path):
+def test_an_async_save_holds_its_moment(sharded, tmp_path):
+    """An async save returns before the write and holds the state of its moment."""
     ctx, state = _big_setup()
     before = testing.parameters(state)
 
@@ -82,7 +83,8 @@ _KILLED_MID_WRITE = textwrap.dedent("""
 
 
 @pytest.mark.multiprocess
-def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoint_the_newest(tmp_path):
+def test_a_kill_during_a_background_write(tmp_path):
+    """A process killed during a background write leaves the previous checkpoint the newest."""
     script = tmp_path / "killed.py"
     script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
     root = tmp_path / "ckpts"
@@ -127,7 +129,7 @@ def test_a_background_save_in_flight_when_the_script_ends_is_committed(tmp_path)
 
 
 @pytest.mark.multiprocess
-def test_a_background_save_that_fails_after_the_script_ended_exits_non_zero(small_disk):
+def test_a_failed_save_after_the_script_exits_nonzero(small_disk):
     """48 MB hold one checkpoint of 33 MB: the second fails after the script's last line, and the process says so."""
     script = small_disk.parent / "ends.py"
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
@@ -147,7 +149,7 @@ def small_disk(tmp_path):
     yield from helpers.small_disk(tmp_path / "disk", "48m")
 
 
-def test_a_background_save_that_fails_raises_when_waited_for_and_keeps_the_previous_checkpoint(small_disk):
+def test_a_failed_background_save_raises_when_waited(small_disk):
     """48 MB hold one checkpoint of 33 MB, not two: the second, written in the background, fails on a full disk."""
     ctx, state = _big_setup()
     root = small_disk / "ckpts"
@@ -197,7 +199,7 @@ def test_async_checkpoints_on_two_processes_resume_exactly(tmp_path):
     assert full[0][1] == resumed[0][1]
 
 
-def test_a_signal_during_the_wait_for_the_last_background_save_lets_it_land(tmp_path):
+def test_a_signal_in_the_last_wait_lets_the_save_land(tmp_path):
     """with ctx:'s wait for the last save: a SIGTERM there killed the process with the save half-written."""
     import os
     import threading
@@ -214,7 +216,7 @@ def test_a_signal_during_the_wait_for_the_last_background_save_lets_it_land(tmp_
 
 
 @pytest.mark.parametrize("end, every", [("max_epochs", 100), ("max_steps", 100), ("max_steps", 6)])
-def test_the_run_end_save_returns_only_once_its_background_checkpoint_is_committed(end, every, tmp_path, monkeypatch):
+def test_the_run_end_save_waits_for_its_commit(end, every, tmp_path, monkeypatch):
     """With async_save=True the loop's end is saved (checkpoint_every's at_end) in the background, and at_end waits for
     its commit: code after it sees it (and a kill after it loses nothing). The background write is held on an event, so
     a call that returned before the commit is seen returning while it is held. A budget's stop (max_steps) is saved by

@@ -46,7 +46,7 @@ def test_a_loss_fn_that_cannot_take_the_batch_shows_the_batch_structure():
     assert "batch of structure list(Tensor[4, 1] float32, Tensor[4, 1] float32)" in "\n".join(info.value.__notes__)
 
 
-def test_a_loss_fn_with_its_parameters_swapped_is_told_the_order_trainfold_calls_it_in():
+def test_a_loss_fn_with_swapped_arguments():
     """loss_fn(batch, model): the batch is taken as the model; the note says trainfold calls loss_fn(model, batch)."""
     step, state, batch = _step_with(lambda batch, model: testing.mse_loss(model, batch))
 
@@ -162,7 +162,8 @@ def test_create_refuses_an_optimizer_that_would_train_silently_wrong(build, erro
         TrainState.create(ctx, model=model, optimizer=build(model))
 
 
-def test_create_refuses_a_scheduler_of_another_optimizer_or_a_scheduler_class():
+def test_create_refuses_a_foreign_scheduler():
+    """Create refuses a scheduler of another optimizer or a scheduler class."""
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(1, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -349,7 +350,8 @@ def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path)
 
 
 @pytest.mark.multiprocess
-def test_ctrl_c_stops_at_a_step_boundary_with_a_final_checkpoint_and_resume_is_exact(tmp_path):
+def test_ctrl_c_stops_with_a_final_checkpoint(tmp_path):
+    """Ctrl-C stops at a step boundary with a final checkpoint and resume is exact."""
     from safetensors.torch import load_file
 
     from trainfold import list_checkpoints
@@ -465,7 +467,7 @@ def test_a_closed_context_is_refused_by_name():
 
 
 @pytest.mark.multiprocess
-def test_a_closed_context_on_two_processes_is_refused_by_name_not_deep_in_torch():
+def test_a_closed_context_on_two_processes():
     """It failed with 'Default process group has not been initialized' from inside torch."""
     messages = testing.run_distributed(_reuse_after_close, nprocs=2, timeout=600)
     assert all(m.startswith("this Context was closed") for m in messages), messages
@@ -533,7 +535,7 @@ def test_context_and_sequence_parallelism_are_refused_naming_them(sizes, named):
     check_parallelism(SimpleNamespace(parallelism_config=None))
 
 
-def test_a_step_of_ones_own_that_records_no_batch_is_named_instead_of_a_nan_epoch():
+def test_an_own_step_that_records_no_batch():
     """A Step that returns a state without recording the batch (no make_step inside) left the epoch with no position and
     a train_loss of nan, and a warning that the run had diverged. Refused at the epoch's end, naming the step and the fix."""
     ctx, state, loader, _ = testing.tiny_setup(seed=0)
@@ -547,7 +549,7 @@ def test_a_step_of_ones_own_that_records_no_batch_is_named_instead_of_a_nan_epoc
 
 @pytest.mark.parametrize("before", [0, 1, 63, 64, 65])  # a fold group's first batch, inside one, after a fold (64 a group)
 @pytest.mark.parametrize("first, then", [(False, True), (True, False)])
-def test_aux_values_that_appear_or_vanish_within_an_epoch_are_refused_naming_both(before, first, then):
+def test_aux_values_that_appear_or_vanish(before, first, then):
     """Batches without aux values, then one with them (or the reverse): refused, never the names silently dropped."""
     seen = []
 

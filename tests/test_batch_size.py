@@ -64,7 +64,8 @@ def _found_and_canonical():
     return [a[:2] for a in attempts], freed, prepared, expected, params, retired
 
 
-def test_the_largest_batch_that_fits_is_used_with_the_accumulation_that_keeps_the_global_batch():
+def test_the_largest_fitting_batch_keeps_the_global():
+    """The largest batch that fits is used with the accumulation that keeps the global batch."""
     attempts, freed, prepared, expected, params, retired = _found_and_canonical()
 
     assert attempts == [(16, 1), (8, 2), (4, 4)]  # 16 and 8 ran out of memory; 4 x 4 = 16 samples per update
@@ -115,7 +116,7 @@ def test_batch_sizes_divide_the_per_process_batch():
         find_batch_size(ctx, lambda c, b: None, global_batch=0)
 
 
-def test_the_halve_policy_is_accelerates_and_hands_back_the_context_it_used():
+def test_the_halve_policy_is_accelerates():
     """Accelerate's finder halves the batch and leaves the accumulation alone: the global batch shrinks."""
     ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
     tried = []

@@ -228,7 +228,7 @@ def test_a_root_with_only_an_unfinished_save(tmp_path):
         load_checkpoint(ctx, tmp_path, state)
 
 
-def test_a_subclass_of_trainstate_keeps_its_added_fields_through_a_checkpoint(tmp_path):
+def test_a_trainstate_subclass_through_a_checkpoint(tmp_path):
     """Snapshots and checkpoints share one description of a run's state: a subclass's fields are part of it."""
     import attrs
 
@@ -364,7 +364,7 @@ def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
         _safetensors.parse(buf)
 
 
-def test_the_safetensors_reader_reads_any_key_order_and_tensors_named_like_keys():
+def test_safetensors_any_key_order():
     """What the safetensors library reads, this reader reads: an entry's keys in any order, and tensors named
     ``dtype``, ``shape`` and ``data_offsets``."""
     import struct
@@ -385,7 +385,7 @@ def test_the_safetensors_reader_reads_any_key_order_and_tensors_named_like_keys(
 # --- digests ---------------------------------------------------------------------------------------
 
 
-def test_a_new_checkpoint_records_xxh3_128_and_one_written_with_sha256_still_loads(tmp_path):
+def test_xxh3_digests_and_sha256_still_loads(tmp_path):
     """XXH3-128 (a fast digest: the manifest guards against damage, not forgery) for new checkpoints; a checkpoint
     whose manifest records SHA-256 (every checkpoint before 0.3) verifies and loads as before."""
     import hashlib
@@ -480,7 +480,7 @@ def test_what_a_load_hands_to_the_run_is_aligned_as_torch_allocates(tmp_path, sh
     ctx.close()
 
 
-def test_a_written_file_keeps_its_tensors_where_torch_would_allocate_them_and_the_library_reads_it(tmp_path):
+def test_written_tensors_are_aligned(tmp_path):
     """trainfold's safetensors writer starts the data at a 64-byte boundary and puts first the tensors whose sizes are
     multiples of 64: read back from the mapped file, each is a view at such a boundary (a verified load copies nothing
     it need not); the others are aligned to their element size; the safetensors library reads the file as written."""
@@ -509,7 +509,7 @@ def test_a_written_file_keeps_its_tensors_where_torch_would_allocate_them_and_th
     assert all(parsed[k].data_ptr() % parsed[k].element_size() == 0 for k in parsed)
 
 
-def test_a_resumed_epoch_over_a_map_style_dataset_loads_one_consumed_batch_again_not_all(tmp_path):
+def test_a_resume_reads_one_consumed_batch_again(tmp_path):
     """Without workers, the consumed batches are passed over by the sampler's order: of them only one batch is loaded again
     (the template of the batches' container types), however far the epoch had gone; a stream reads them all again
     (tests/test_streams.py)."""

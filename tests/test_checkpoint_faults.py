@@ -42,7 +42,7 @@ def _setup(ga=1, n=24, batch_size=4, dataset=None, collate_fn=None):
 # --- names and order -------------------------------------------------------------------------
 
 
-def test_checkpoints_are_named_by_update_and_a_mid_group_save_keeps_its_own_name(tmp_path):
+def test_checkpoints_are_named_by_update(tmp_path):
     """Under accumulation 2, update 3 is ckpt-0000000003 (not the micro-batch count 6); mid-group saves stay apart."""
     ctx, state, dl = _setup(ga=2)
     step = make_step(ctx, helpers.ce_loss)
@@ -223,7 +223,8 @@ def _flip_a_bit(path):
     path.write_bytes(bytes(data))
 
 
-def test_a_root_whose_newest_checkpoint_is_damaged_loads_the_one_before_it_with_a_warning_naming_the_damage(tmp_path):
+def test_a_damaged_newest_falls_back_with_a_warning(tmp_path):
+    """A root whose newest checkpoint is damaged loads the one before it with a warning naming the damage."""
     names = _three_checkpoints(tmp_path)
     assert ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"] == names
     _flip_a_bit(tmp_path / names[-1] / "model.safetensors")
@@ -258,7 +259,7 @@ def test_a_root_whose_every_checkpoint_is_damaged_is_refused_saying_so(tmp_path)
     ctx.close()
 
 
-def test_a_checkpoint_that_does_not_fit_the_run_is_refused_without_falling_back(tmp_path):
+def test_a_misfit_checkpoint_has_no_fallback(tmp_path):
     """Only damage falls back: another model is the user's mistake, which an older checkpoint would hide."""
     _three_checkpoints(tmp_path)
     testing.reset_accelerate_state()
@@ -281,7 +282,7 @@ def small_disk(tmp_path):
     yield from helpers.small_disk(tmp_path / "disk", "4m")
 
 
-def test_a_disk_full_at_the_manifest_gives_a_clear_error_and_leaves_nothing_behind(small_disk):
+def test_a_full_disk_at_the_manifest(small_disk):
     """ENOSPC while writing MANIFEST.json: the same message and clean-up as for the data files."""
     ctx, state, dl = _setup()
     root = small_disk / "ckpts"
@@ -368,7 +369,7 @@ def _loss(kind):
 
 
 @pytest.mark.parametrize("kind", ["namedtuple", "dataclass", "mapping", "numpy"])
-def test_a_resumed_epoch_gives_the_read_ahead_batch_its_container_type_back(tmp_path, kind):
+def test_read_ahead_batch_keeps_its_container(tmp_path, kind):
     """Saved after every batch and resumed from each save: every resumed run sees its own batch types and ends exact."""
     ctx, state, dl = _setup(collate_fn=_collate(kind))
     step = checkpoint_every(ctx, tmp_path, 1)(make_step(ctx, _loss(kind)))
@@ -393,7 +394,8 @@ def test_a_batch_a_checkpoint_cannot_hold_is_refused_at_the_first_step(tmp_path)
     assert not tmp_path.exists() or [] == list(tmp_path.iterdir())
 
 
-def test_an_unprepared_loader_with_checkpoint_every_is_refused_at_the_first_step(tmp_path):
+def test_an_unprepared_loader_is_refused(tmp_path):
+    """An unprepared loader with `checkpoint_every` is refused at the first step."""
     ctx, state, _ = _setup()
     raw = torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4)
     step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
@@ -403,7 +405,7 @@ def test_an_unprepared_loader_with_checkpoint_every_is_refused_at_the_first_step
     assert not (tmp_path / ".tmp-ckpt-0000000000").exists()
 
 
-def test_a_map_style_dataset_dispatched_from_process_0_with_checkpoint_every_is_refused_naming_dispatch_batches(tmp_path):
+def test_dispatched_map_dataset_is_refused(tmp_path):
     """A checkpoint inside such an epoch could not continue it: said at the first step, with the setting to change."""
     from accelerate import DataLoaderConfiguration
 
@@ -448,7 +450,8 @@ def test_save_best_and_restore_best_on_two_processes(tmp_path):
     assert [True, True] == [same for same, _ in ranks]
 
 
-def test_an_empty_root_is_refused_instead_of_writing_into_the_working_directory(tmp_path, monkeypatch):
+def test_an_empty_root_is_refused(tmp_path, monkeypatch):
+    """An empty root is refused instead of writing into the working directory."""
     ctx, state, _ = _setup()
     monkeypatch.chdir(tmp_path)
 
@@ -471,7 +474,7 @@ def test_verify_checkpoint_streams_every_file_and_names_the_altered_one(tmp_path
         verify_checkpoint(ckpt)
 
 
-def test_every_file_of_a_checkpoint_and_its_folder_are_fsynced_before_the_rename_that_commits_it(tmp_path, monkeypatch):
+def test_every_file_is_fsynced_before_the_commit(tmp_path, monkeypatch):
     """A spy on os.fsync and os.replace during a save: each file the manifest lists, the manifest and the staging folder
     reach the disk before the folder is renamed into place (after a power cut, a committed name holds whole files)."""
     import json
@@ -506,7 +509,8 @@ def test_every_file_of_a_checkpoint_and_its_folder_are_fsynced_before_the_rename
 
 
 @pytest.mark.parametrize("keep_last", [0, -1, 1.5, True])
-def test_checkpoint_every_refuses_a_bad_keep_last_when_it_is_called_not_at_the_first_save(keep_last, tmp_path):
+def test_a_bad_keep_last_is_refused_at_the_call(keep_last, tmp_path):
+    """`checkpoint_every` refuses a bad `keep_last` when it is called not at the first save."""
     ctx, *_ = testing.tiny_setup(seed=0)
     with pytest.raises(ValueError, match="keep_last must be a positive int"):
         checkpoint_every(ctx, tmp_path, 2, keep_last=keep_last)

@@ -27,7 +27,8 @@ def _run(capsys, *argv):
     return code, out, err
 
 
-def test_ls_lists_each_checkpoint_with_its_position_format_and_the_newest_marked(root, capsys):
+def test_ls_lists_each_checkpoint(root, capsys):
+    """`trainfold ls` lists each checkpoint with its position format and the newest marked."""
     code, out, _ = _run(capsys, "ls", str(root), "--json")
     doc = json.loads(out)
 
@@ -58,7 +59,8 @@ def test_verify_says_ok_or_names_the_damaged_file_with_exit_status_1(root, capsy
     assert not doc["ok"] and "shard-0.safetensors does not match its digest" in doc["error"]
 
 
-def test_ls_verify_marks_a_damaged_checkpoint_and_says_which_one_a_load_resumes_from_with_exit_status_1(root, capsys):
+def test_ls_verify_marks_a_damaged_checkpoint(root, capsys):
+    """`trainfold ls --verify` marks a damaged checkpoint and says which one a load resumes from with exit status 1."""
     code, out, _ = _run(capsys, "ls", str(root), "--verify")
     assert 0 == code and 2 == out.count("  verified") and "* the newest, what load_checkpoint" in out
 
@@ -223,7 +225,7 @@ def test_diff_says_equal_or_which_tensors_differ_and_by_how_much(tmp_path, capsy
     assert 2 == code and "is not a safetensors file" in err
 
 
-def test_export_to_a_transformers_folder_without_transformers_names_the_install_in_one_line(root, tmp_path, capsys):
+def test_export_without_transformers_names_install(root, tmp_path, capsys):
     """The optional dependency missing: exit status 2, one line naming the fix, nothing written (where transformers is
     installed, tests/test_export_transformers.py runs the export itself)."""
     try:
@@ -382,14 +384,16 @@ def _with_history(ckpt, records):
 @pytest.mark.parametrize("records", [[[1, 4, "train_loss", {"a": 1}]], [[1, 4, "train_loss", "abc"]], ["x"], [[1, 4]], {"a": 1},
                                      [["1", 4, "train_loss", 2.0]]])
 @pytest.mark.parametrize("as_json", [False, True])
-def test_inspect_of_history_records_of_the_wrong_shape_is_one_line_and_exit_status_2(root, capsys, records, as_json):
+def test_inspect_of_misshapen_history_records(root, capsys, records, as_json):
+    """`trainfold inspect` of history records of the wrong shape is one line and exit status 2."""
     ckpt = _with_history(list((p for p in root.iterdir() if p.name == "ckpt-0000000004"))[0], records)
     code, out, err = _run(capsys, "inspect", str(ckpt), *(["--json"] if as_json else []))
     assert 2 == code and "" == out
     assert 1 == len(err.strip().splitlines()) and "state.json is damaged: " in err and "history" in err
 
 
-def test_inspect_json_of_a_diverged_run_is_json_with_its_non_finite_values_as_strings(root, capsys):
+def test_inspect_json_of_a_diverged_run(root, capsys):
+    """`trainfold inspect --json` of a diverged run is json with its non-finite values as strings."""
     ckpt = _with_history(root / "ckpt-0000000004", [[1, 4, "train_loss", float("nan")], [1, 4, "grad_norm", float("inf")]])
     code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
 
@@ -413,7 +417,8 @@ def test_inspect_lists_the_last_eight_records_newest_last(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("shape", [[2**63, 1], [2**62, 4], [-1, 4]])
-def test_a_safetensors_header_with_a_dimension_out_of_range_is_one_line_and_exit_status_2(tmp_path, capsys, shape):
+def test_a_dimension_out_of_range_is_one_line(tmp_path, capsys, shape):
+    """A safetensors header with a dimension out of range is one line and exit status 2."""
     import struct
 
     header = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4]}}).encode()
@@ -438,7 +443,7 @@ def test_diff_of_files_whose_tensors_are_not_the_same_set_is_never_equal(tmp_pat
     assert 1 == code and f"no tensor in common: {a} has w; {c} has other\n" == out
 
 
-def test_a_model_folder_of_links_is_read_as_its_files_and_its_auto_map_still_refused(root, tmp_path, capsys):
+def test_a_model_folder_of_links(root, tmp_path, capsys):
     """A Hugging Face cache snapshot's files are links to its blobs: the config is read through them (it is the user's
     folder, not a checkpoint's), so an auto_map there is refused as such, not as a folder without a config."""
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
@@ -470,7 +475,7 @@ def test_help_and_a_usage_error_answer_without_importing_torch():
 
 
 @pytest.mark.parametrize("argv", [["ls", "--verify"], ["verify"], ["inspect"], ["inspect", "--json"]])
-def test_ls_verify_and_inspect_of_a_local_root_answer_without_importing_torch(root, argv):
+def test_ls_verify_inspect_without_torch(root, argv):
     """They read manifests and JSON files, verified: torch's import (seconds of CPU, tens on a busy machine) is not
     theirs to pay. Each answers as it should, of the root with a gathered and a sharded checkpoint."""
     probe = ("import sys, trainfold.cli\n"
@@ -491,7 +496,7 @@ def test_the_public_names_load_on_first_use_and_are_the_modules_own():
         trainfold.make_stpe
 
 
-def test_inspect_reads_the_stop_of_a_checkpoint_written_with_the_older_fields(root, capsys):
+def test_inspect_reads_an_older_stop(root, capsys):
     """Before the stop was one value, state.json held should_stop, finished and stop_reason: inspect reads those too."""
     import hashlib
 

@@ -77,7 +77,7 @@ def test_a_compiled_update_trains_as_the_eager_step_within_rounding():
         assert compiled.step == eager.step
 
 
-def test_nothing_recompiles_after_the_warm_up_across_updates_epoch_ends_evaluation_a_schedule_and_a_checkpoint(tmp_path):
+def test_nothing_recompiles_after_the_warm_up(tmp_path):
     """The warm-up is the first epoch and the first evaluation (the short last batch compiles once more). After it, with
     dynamo's recompile check on: accumulation boundaries, epoch ends, evaluation between epochs, a learning rate set
     every step (lr_schedule) and by the scheduler, a checkpoint saved and loaded back into the live state."""
@@ -184,7 +184,8 @@ def test_a_compiled_loss_equals_accelerate_s_compiled_loop_bit_for_bit():
     assert compile_spec(Context(accelerator=Accelerator(cpu=True)), True) == Compile()
 
 
-def test_a_step_asked_to_compile_where_dynamo_compiles_nothing_says_so_at_its_first_call():
+def test_a_step_dynamo_cannot_compile_says_so():
+    """A step asked to compile where Dynamo compiles nothing says so at its first call."""
     ctx, state, dl = _setup()
     step = make_step(ctx, helpers.ce_loss, compile=AOT)
     batch = next(iter(dl))
@@ -193,7 +194,7 @@ def test_a_step_asked_to_compile_where_dynamo_compiles_nothing_says_so_at_its_fi
         step(state, batch)
 
 
-def test_each_step_compiles_its_own_update_so_optimizers_of_one_class_never_share_dynamo_s_limit():
+def test_each_step_compiles_its_own_update():
     """The update is compiled from a code object of the step's own (the body of SGD.step inlined, the gradients set to
     None), not from SGD.step, which every SGD in the process shares: three optimizers under a limit of two versions each
     compile their update (the step's check raises at the first update where one ran eagerly)."""
@@ -213,7 +214,7 @@ def test_each_step_compiles_its_own_update_so_optimizers_of_one_class_never_shar
             assert all(p.grad is None for p in new.model.parameters())
 
 
-def test_a_gated_update_compiles_optimizer_step_itself_and_names_dynamo_s_limit_of_versions_once_reached():
+def test_a_gated_update_compiles_optimizer_step():
     """A gated update (nan_guard) may skip the step and still zero the gradients: its step is optimizer.step compiled, a
     frame of torch's shared by every optimizer of the class. Each optimizer is another version of it; past dynamo's limit
     it would run eagerly, so the step raises."""
@@ -229,7 +230,7 @@ def test_a_gated_update_compiles_optimizer_step_itself_and_names_dynamo_s_limit_
 
 
 @pytest.mark.parametrize("hook", ["the optimizer's pre-hook", "the optimizer's post-hook", "a global post-hook"])
-def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and_the_run_trains_the_same(hook):
+def test_a_step_hook_runs_at_compiled_updates(hook):
     """The compiled update leaves torch's wrapper of optimizer.step out (its profiler range, its hooks) where it has
     nothing to do. A hook registered mid-run sends each update through optimizer.step (compiled) and zero_grad from
     then on; removed, the update goes back to the one compiled function. Parameters bit for bit as the run without a hook."""
@@ -260,7 +261,7 @@ def test_a_step_hook_runs_at_each_compiled_update_from_when_it_is_registered_and
     testing.assert_params_equal(expected, state)
 
 
-def test_a_fused_optimizer_s_compiled_update_is_its_step_then_zero_grad_and_trains_as_eager():
+def test_a_fused_optimizers_compiled_update():
     """A fused optimizer (one kernel already) is updated as torch.compile(optimizer.step) and zero_grad(), not as one
     compiled function: within rounding of the eager step after 3 epochs, every gradient None after each update."""
     eager, compiled = _train(False, optimizer="sgd-fused"), _train(AOT, optimizer="sgd-fused")
@@ -307,7 +308,7 @@ def test_many_steps_built_in_one_process_each_compile_their_loss():
         assert len(graphs) == before + 1, f"step {i} compiled no graph"
 
 
-def test_a_watched_compiled_step_counts_its_flops_eagerly_then_runs_compiled():
+def test_a_watched_compiled_step_counts_flops():
     """Watch counts the first step's FLOPs under FlopCounterMode, a dispatch mode under which dynamo compiles nothing (and
     would not try again): that step runs eagerly, the next ones compiled (the step's check at its second call would
     raise otherwise), and the counts are the eager step's."""
@@ -328,7 +329,7 @@ def test_a_watched_compiled_step_counts_its_flops_eagerly_then_runs_compiled():
     assert graphs  # the loss's and the update's, compiled at the second step
 
 
-def test_an_update_that_accelerate_s_optimizer_wrapper_must_run_is_refused_with_the_way_out():
+def test_an_update_needing_accelerates_wrapper():
     """fp16's loss scaler, XLA or another engine's wrapper steps the optimizer on every micro-batch: nothing plain to compile."""
     from trainfold._src.backend.optim import OptimizerOps
     from trainfold._src.core.update import compiled
@@ -433,7 +434,7 @@ def _ddp_runs():
 
 
 @pytest.mark.multiprocess
-def test_a_compiled_step_under_ddp_on_two_processes_trains_as_the_eager_one():
+def test_compiled_step_under_ddp():
     """The loss compiled with the DDP-wrapped model inside (dynamo's DDP support), accumulation 2: bit for bit; with the
     update compiled too, within rounding."""
     for eager, loss_only, whole in testing.run_distributed(_ddp_runs, nprocs=2, timeout=300):
@@ -462,7 +463,7 @@ def _fsdp2_runs():
 
 
 @pytest.mark.multiprocess
-def test_a_compiled_step_under_fsdp2_on_two_processes_trains_as_the_eager_one():
+def test_compiled_step_under_fsdp2():
     """FSDP2's hooks stay outside what is compiled: the loss compiled with the sharded model inside, and each repeated
     block compiled on its own (regions), train bit for bit as the eager FSDP2 step; the update compiled over the DTensor
     shards too, within rounding."""

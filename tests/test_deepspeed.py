@@ -201,7 +201,7 @@ def _refusals(root, workdir):
     return errors, before, trained, after, state.step
 
 
-def test_a_deepspeed_checkpoint_refuses_a_save_mid_group_and_a_planted_pickle(tmp_path):
+def test_deepspeed_refuses_mid_group_and_pickles(tmp_path):
     """A save inside an accumulation group is refused (DeepSpeed's checkpoint does not hold its partial gradients);
     an engine file whose pickle calls a function (its manifest rewritten to match) is refused by torch's restricted
     unpickler: the function never runs and the live model is not changed."""
@@ -251,7 +251,8 @@ def _load_on(root, deepspeed, stage=2, classes=3):
     return None
 
 
-def test_a_deepspeed_checkpoint_is_refused_without_deepspeed_and_on_another_number_of_processes(tmp_path):
+def test_deepspeed_checkpoint_refused_elsewhere(tmp_path):
+    """A DeepSpeed checkpoint is refused without DeepSpeed and on another number of processes."""
     testing.run_distributed(_save_under_zero2, str(tmp_path), 2, nprocs=2)
 
     [without] = testing.run_distributed(_load_on, str(tmp_path), False, nprocs=1)
@@ -324,7 +325,7 @@ def _config_composed(stage, ga, root):
     return params, state.step, lr
 
 
-def test_an_optimizer_and_scheduler_from_the_deepspeed_config_train_as_accelerates_loop(tmp_path):
+def test_optimizer_from_the_deepspeed_config(tmp_path):
     """DummyOptim and DummyScheduler (deepspeed_with_config_support.py's way): the engine builds AdamW and WarmupLR from the
     config; the composed loop's parameters equal the canonical loop's, and checkpoint_every saves it."""
     [expected] = testing.run_distributed(_config_canonical, 3, 2, nprocs=1)
@@ -335,7 +336,8 @@ def test_an_optimizer_and_scheduler_from_the_deepspeed_config_train_as_accelerat
     assert verify_checkpoint(latest_checkpoint(tmp_path))["step"] == step
 
 
-def test_a_deepspeed_checkpoint_of_another_zero_stage_or_model_is_refused_before_deepspeed_is_given_it(tmp_path):
+def test_another_zero_stage_or_model_is_refused(tmp_path):
+    """A DeepSpeed checkpoint of another ZeRO stage or model is refused before DeepSpeed is given it."""
     testing.run_distributed(_save_under_zero2, str(tmp_path), 1, nprocs=1)
 
     [stage] = testing.run_distributed(_load_on, str(tmp_path), True, 3, nprocs=1)
@@ -416,7 +418,8 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model
     assert cli.returncode == 0 and "bit for bit" in cli.stdout, cli.stdout + cli.stderr
 
 
-def test_the_command_line_lists_verifies_and_inspects_a_deepspeed_checkpoint(tmp_path):
+def test_the_cli_reads_a_deepspeed_checkpoint(tmp_path):
+    """The command line lists verifies and inspects a DeepSpeed checkpoint."""
     testing.run_distributed(_train_and_save, 3, str(tmp_path / "root"), 1, nprocs=2)
     run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", *argv, "--json"], capture_output=True, text=True, timeout=helpers.scaled(300))
 
@@ -429,7 +432,7 @@ def test_the_command_line_lists_verifies_and_inspects_a_deepspeed_checkpoint(tmp
     assert ("deepspeed", 2, 3) == (doc["format"], doc["processes"], doc["update"])
 
 
-def test_a_deepspeed_checkpoint_whose_partitions_do_not_add_up_is_not_exported(tmp_path):
+def test_partitions_that_do_not_add_up(tmp_path):
     """One rank's ZeRO-2 optimizer partition forged (manifest rewritten to match) shorter: refused, naming the group, nothing written."""
     testing.run_distributed(_train_and_save, 2, str(tmp_path / "root"), 1, nprocs=2)
     folder = latest_checkpoint(tmp_path / "root")
@@ -481,7 +484,7 @@ def test_a_deepspeed_checkpoint_on_s3_resumes_exactly_on_two_processes(tmp_path)
         testing.assert_params_equal(want, got)
 
 
-def test_plain_values_where_a_deepspeed_file_holds_records_are_one_line_and_exit_status_2(tmp_path, capsys):
+def test_plain_values_in_a_deepspeed_file(tmp_path, capsys):
     """Values of the wrong kind in ZeRO-2's optimizer file (re-signed, as a forger who can write the folder would):
     `trainfold export` says so in one line with exit status 2, never a traceback, and writes nothing."""
     import shutil

@@ -383,7 +383,7 @@ def _unprepared_on_this_rank(kind):
     return outcomes
 
 
-def test_an_unprepared_loader_on_two_processes_is_refused_with_the_two_ways_out():
+def test_an_unprepared_loader_on_two_processes():
     """Each rank would read the whole dataset (twice the updates per epoch, every sample twice): refused before any batch."""
     for outcomes in testing.run_distributed(_unprepared_on_this_rank, "plain", nprocs=2, timeout=60):
         for where, message in zip(("run_epoch", "evaluate", "predict"), outcomes):
@@ -406,7 +406,7 @@ def _environment_and_threads():
             fsspec.config.conf.get("s3", {}).get("endpoint_url"))
 
 
-def test_each_process_starts_with_the_callers_environment_as_it_is_at_the_call(monkeypatch):
+def test_processes_start_with_the_callers_environ(monkeypatch):
     """The processes come from a server started at the first call; what the caller's environment says at a later call
     (a variable set, one removed, the thread count, an fsspec setting, which fsspec reads when it is imported: the
     server imported it, under datasets) is what each process has, as a spawned interpreter would."""
@@ -485,7 +485,7 @@ def _imported_at_start():
     return sorted(name for name in ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets") if name in sys.modules)
 
 
-def test_each_process_starts_with_what_a_run_imports_on_first_use_already_imported():
+def test_processes_start_with_lazy_imports_done():
     """FSDP2, distributed checkpointing, dynamo (an optimizer's constructor) and datasets (Accelerate's prepare_data_loader)
     cost a fresh process ~4 s of CPU to import; forked from the server, a process has them before its function runs."""
     got = testing.run_distributed(_imported_at_start, nprocs=2)
@@ -533,7 +533,8 @@ def test_run_distributed_stretches_its_time_limit_by_the_machines_load(monkeypat
 
 
 @pytest.mark.parametrize("load, cores, factor", [((8.0, 1.0, 1.0), {0, 1}, 4.0), ((1.5, 9.0, 9.0), {0, 1}, 1.0), (OSError, {0}, 1.0)])
-def test_the_load_factor_is_the_one_minute_load_per_core_and_never_below_one(monkeypatch, load, cores, factor):
+def test_the_load_factor(monkeypatch, load, cores, factor):
+    """The load factor is the one minute load per core and never below one."""
     import os
 
     from trainfold._src.distributed import launch

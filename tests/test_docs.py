@@ -17,7 +17,8 @@ def test_every_public_name_has_its_api_entry_and_a_complete_docstring():
     assert set(hooks.api_entries()) >= set(trainfold.__all__) - {"__version__"}
 
 
-def test_a_function_missing_an_argument_returns_raises_or_an_example_is_named():
+def test_a_missing_docstring_section_is_named():
+    """A function missing an argument returns raises or an example is named."""
     def scale(x: float, factor: float = 2.0) -> float:
         """Multiply.
 
@@ -128,7 +129,8 @@ def test_a_planted_stale_reference_is_found_and_live_ones_are_not(tmp_path, monk
     ]
 
 
-def test_a_public_docstring_that_sends_the_reader_into_the_implementation_is_a_problem():
+def test_a_docstring_into_the_implementation():
+    """A public docstring that sends the reader into the implementation is a problem."""
     class Thing:
         """A thing (see :mod:`trainfold._src.core.stages`).
 
@@ -145,7 +147,7 @@ def test_a_public_docstring_that_sends_the_reader_into_the_implementation_is_a_p
     ]
 
 
-def test_the_built_pages_are_read_back_and_each_thing_a_reader_would_see_wrong_is_named(tmp_path):
+def test_the_built_pages_are_read_back(tmp_path):
     """A planted site of two pages: a reST '::', a Sphinx role whose first colon a Returns section ate, a Returns
     section cut into a row per line, overloads as signatures, a link to a field with no anchor and one to a page the
     site lacks are each named with the entry they are under; the good links (same page, another page, a folder's
@@ -175,7 +177,7 @@ def test_the_built_pages_are_read_back_and_each_thing_a_reader_would_see_wrong_i
     assert hooks.html_problems(tmp_path) == []
 
 
-def test_every_field_of_the_train_state_has_a_docstring_of_its_own_so_the_site_gives_it_an_anchor():
+def test_every_train_state_field_has_a_docstring():
     """mkdocstrings renders a member, with its anchor (``trainfold.TrainState.stop``), only when it has a docstring:
     each field's is read as the site reads it (griffe, from the source), and the class's own docstring names each."""
     import attrs

@@ -79,7 +79,8 @@ def test_early_stop_ends_a_real_loop():
     assert final.should_stop and final.epoch < 50
 
 
-def test_save_best_writes_on_improvement_and_restore_best_puts_the_weights_back(tmp_path):
+def test_save_best_and_restore_best(tmp_path):
+    """`save_best` writes on improvement and `restore_best` puts the weights back."""
     ctx, state, loader, loss_fn = testing.tiny_setup()
     path = tmp_path / "best.safetensors"
     step = make_step(ctx, loss_fn)
@@ -198,7 +199,7 @@ def test_a_name_that_says_no_direction_needs_an_explicit_mode(fn):
     lambda ctx, tmp: save_best(ctx, tmp / "best.safetensors", "eval_los"),
     lambda ctx, tmp: reduce_lr_on_plateau("eval_los"),
 ])
-def test_a_misspelt_metric_is_named_as_missing_with_the_recorded_names_not_as_a_missing_mode(make, tmp_path):
+def test_a_misspelt_metric_is_named(make, tmp_path):
     """'eval_los' says no direction, but the real cause is that no such record exists: that comes first."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     epoch = compose(make(ctx, tmp_path), evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader))

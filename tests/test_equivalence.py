@@ -79,7 +79,7 @@ def _fp16_overflowing_accelerator():
 
 @needs_cuda
 @pytest.mark.parametrize("guarded", [False, True], ids=["plain", "nan_guard"])
-def test_fp16_updates_the_scaler_skips_are_not_counted_and_match_the_canonical_loop(guarded):
+def test_fp16_skipped_updates_are_not_counted(guarded):
     """Both loops skip the same updates; ``state.step`` counts only the applied ones, and nan_guard counts the skipped."""
     acc = _fp16_overflowing_accelerator()
     model, opt, _, dl = build(0)

@@ -183,7 +183,8 @@ def test_evaluate_metrics_counts_every_sample_once_on_two_processes():
         assert 50 == samples  # not 56 (padding) nor 100 (synced again)
 
 
-def test_evaluate_metrics_refuses_an_object_that_is_not_a_metric_and_a_value_that_is_not_a_number():
+def test_evaluate_metrics_refuses_non_metrics():
+    """`evaluate_metrics` refuses an object that is not a metric and a value that is not a number."""
     from trainfold import evaluate_metrics
 
     testing.reset_accelerate_state()
@@ -291,7 +292,7 @@ class _HfAccuracyF1:
         return {"accuracy": sum(p == r for p, r in pairs) / len(pairs), "f1": 2 * precision * recall / (precision + recall), "n": len(pairs)}
 
 
-def test_evaluate_metrics_takes_hugging_face_evaluate_metrics_one_record_per_key():
+def test_evaluate_metrics_takes_hf_evaluate():
     """Accelerate's examples port as written: the metric's add_batch/compute, each key of its result a record."""
     from sklearn.metrics import accuracy_score, f1_score
 

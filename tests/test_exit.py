@@ -33,7 +33,7 @@ def _run(root, *extra):
         pytest.fail(f"the run did not exit within 90 s:\n{(exc.stdout or b'')[-2000:]!r}\n{(exc.stderr or b'')[-3000:]!r}")
 
 
-def test_a_two_process_run_that_calls_end_training_with_a_background_save_in_flight_exits_every_time(tmp_path):
+def test_end_training_with_a_save_in_flight(tmp_path):
     """(A run ended by the with block alone exits in the other torchrun tests: test_kill_resume, test_signals.)"""
     for i in range(RUNS):
         done = _run(tmp_path / f"run{i}", "--end-training")
@@ -56,7 +56,7 @@ def _rounds_on_this_rank():
 
 
 @pytest.mark.multiprocess
-def test_end_training_waits_for_the_stop_agreements_last_round_before_the_group_goes():
+def test_end_training_waits_for_the_last_round():
     """The teardown order: the signal agreement launches a round without waiting for it, so a run ends with one in
     flight on the control group; it is completed before Accelerate destroys the groups, never left running under them.
     Fifteen short runs, each bounded: ``end_training`` destroying the groups while one of gloo's worker threads still

@@ -44,7 +44,8 @@ def trained(tmp_path, isolated):
     return tmp_path, {n: t.detach().clone() for n, t in state.model.state_dict().items()}
 
 
-def test_a_checkpoint_exports_as_a_folder_from_pretrained_loads_with_its_ties(trained):
+def test_export_loads_with_from_pretrained(trained):
+    """A checkpoint exports as a folder from pretrained loads with its ties."""
     tmp, want = trained
 
     out = export_checkpoint(tmp / "root", tmp / "hf", transformers_config=tmp / "config")
@@ -59,7 +60,8 @@ def test_a_checkpoint_exports_as_a_folder_from_pretrained_loads_with_its_ties(tr
     assert not [p.name for p in tmp.iterdir() if p.name.startswith(".hf")]  # the staging folder was renamed into place
 
 
-def test_a_config_of_another_model_is_refused_naming_the_shapes_and_nothing_is_written(trained):
+def test_another_models_config_is_refused(trained):
+    """A config of another model is refused naming the shapes and nothing is written."""
     tmp, _ = trained
     _gpt2(n_embd=32).save_pretrained(tmp / "other")
 
@@ -83,7 +85,8 @@ def test_architectures_that_name_no_model(trained, architectures):
     assert not (tmp / "hf").exists()
 
 
-def test_the_command_writes_the_folder_and_refuses_a_folder_without_config_in_one_line(trained):
+def test_the_command_writes_the_folder(trained):
+    """The command writes the folder and refuses a folder without config in one line."""
     tmp, _ = trained
     run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=helpers.scaled(300))
 

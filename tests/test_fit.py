@@ -59,7 +59,7 @@ def test_fit_resumes_from_its_checkpoints(tmp_path):
     assert whole.history == resumed.history
 
 
-def test_fit_checkpoints_after_its_epoch_functions_so_a_resumed_run_is_exact(tmp_path):
+def test_fit_checkpoints_after_its_epoch_fns(tmp_path):
     """An epoch function that draws random numbers (a metric over a shuffled loader) runs before the save.
 
     Saved before it, the resumed run's generators would be behind and its history would miss the

@@ -60,7 +60,7 @@ def _check(expected, got):
 
 
 @pytest.mark.parametrize("ga,clip", [(1, 0.5), (3, 0.5), (1, math.inf), (3, math.inf)])
-def test_the_recorded_norm_is_the_mean_of_clip_grad_norms_over_each_epochs_updates(ga, clip):
+def test_the_recorded_norm_is_the_epoch_mean(ga, clip):
     """With clipping (the norm before clipping) and without (the norm alone: training unchanged, as clip_grad_norm_(inf) is)."""
     _check(*_both_ways(ga, clip))
 
@@ -83,7 +83,8 @@ def test_recording_the_norm_leaves_training_bit_for_bit_unchanged():
     assert len(recorded.history["train_grad_norm"]) == 3
 
 
-def test_log_every_reports_the_mean_norm_of_the_updates_since_its_last_report():
+def test_log_every_reports_the_mean_norm():
+    """`log_every` reports the mean norm of the updates since its last report."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32)  # 8 updates
     norms = []
 
@@ -119,7 +120,7 @@ def test_record_grad_norm_must_be_a_bool():
         make_step(ctx, lambda m, b: m(b[0]).sum(), record_grad_norm="yes")
 
 
-def test_record_grad_norm_makes_a_clip_by_norm_stage_record_the_norm_it_computes():
+def test_clip_by_norm_records_its_norm():
     """One way to record the norm: with a clip_by_norm among the stages it is that stage's norm, computed once, and the
     run is the one clip_grad_norm= gives, bit for bit."""
 

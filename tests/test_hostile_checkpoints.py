@@ -99,7 +99,8 @@ def _load_refused(folder, secret, match):
 
 
 @pytest.mark.parametrize("name", ["../../secret.bin", "/etc/hostname", "sub/state.json", "state.json/..", "MANIFEST.json", "evil.py"])
-def test_a_manifest_entry_that_is_not_a_plain_file_of_the_format_is_refused(ckpt, name):
+def test_a_manifest_entry_of_another_kind(ckpt, name):
+    """A manifest entry that is not a plain file of the format is refused."""
     folder, secret = ckpt
     doc = _manifest(folder)
     doc["files"][name] = {"size": 631, "sha256": "0" * 64}
@@ -109,7 +110,7 @@ def test_a_manifest_entry_that_is_not_a_plain_file_of_the_format_is_refused(ckpt
 
 
 @pytest.mark.parametrize("ranks", [0, 2, "1", True, 1.0])
-def test_a_manifest_whose_data_parallel_ranks_do_not_divide_its_processes_is_refused(ckpt, ranks):
+def test_ranks_that_do_not_divide_the_processes(ckpt, ranks):
     """``data_ranks`` (how many shares of the data the saving processes read; fewer than the processes under tensor
     parallelism) decides how a load deals the data position out: it must be a positive int dividing ``world_size``."""
     folder, secret = ckpt
@@ -122,7 +123,8 @@ def test_a_manifest_whose_data_parallel_ranks_do_not_divide_its_processes_is_ref
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "state.json", "rank-0.safetensors"])
-def test_a_file_that_is_a_symlink_to_an_outside_file_is_refused_not_followed(ckpt, name):
+def test_a_symlink_to_an_outside_file_is_refused(ckpt, name):
+    """A file that is a symlink to an outside file is refused not followed."""
     folder, secret = ckpt
     (folder / name).unlink()
     os.symlink(secret, folder / name)
@@ -133,7 +135,8 @@ def test_a_file_that_is_a_symlink_to_an_outside_file_is_refused_not_followed(ckp
     _load_refused(folder, secret, rf"file {name} is a symbolic link")
 
 
-def test_a_manifest_that_is_a_symlink_or_a_checkpoint_folder_that_is_one_is_refused(ckpt, tmp_path):
+def test_a_symlinked_manifest_or_folder(ckpt, tmp_path):
+    """A manifest that is a symlink or a checkpoint folder that is one is refused."""
     folder, secret = ckpt
     linked = tmp_path / "root" / "ckpt-9999999999"
     os.symlink(folder, linked)
@@ -214,7 +217,7 @@ def test_a_bad_value_anywhere_is_refused_before_anything_changes(ckpt, plant, ma
 
 @pytest.mark.parametrize("value,match", [(-1, "running.started_at"), ("2", "running.started_at"), (True, "running.started_at"),
                                          (5, "the running sums start after batch 5, past the epoch's batch 4")])
-def test_running_sums_that_start_anywhere_but_inside_the_epoch_so_far_are_refused(ckpt, value, match):
+def test_running_sums_outside_the_epoch(ckpt, value, match):
     """A process's running sums say after which batch of the epoch they start (an epoch resumed on another number of
     processes restarts them): a count no further than the epoch's position (4 batches here), or the load is refused."""
     folder, secret = ckpt
@@ -435,7 +438,7 @@ def test_a_tensor_of_another_shape_in_the_metadata_is_another_model(sharded):
     _load_refused(folder, secret, r"is from another model: parameter '0.weight' has shape \(17, 8\) in the checkpoint")
 
 
-def test_a_shard_that_does_not_hold_the_piece_the_metadata_names_is_refused(sharded):
+def test_a_shard_without_its_piece(sharded):
     """The metadata says a piece is in shard-0.safetensors under a key the file does not have."""
     folder, secret, _ = sharded
     _edit_json(folder, "tensors.json", lambda doc: doc["storage"][0].__setitem__(3, "nothing@0,0"))
@@ -454,7 +457,7 @@ def _pieces(doc, n):
     doc["storage"] += [[name, [i // 8, i % 8], "shard-0.safetensors", f"{name}@{i}"] for i in range(n)]
 
 
-def test_a_tensor_declared_in_thousands_of_pieces_is_refused_before_any_is_checked(sharded):
+def test_a_tensor_in_thousands_of_pieces(sharded):
     """4,000 one-element pieces took 65 s to refuse (a pairwise overlap test); a million fit in a 16 MiB tensors.json."""
     folder, secret, _ = sharded
     _edit_json(folder, "tensors.json", lambda doc: _pieces(doc, 4000))
@@ -510,7 +513,7 @@ def test_declared_sizes_no_tensor_can_hold_are_a_checkpoint_error(sharded, size)
     _load_refused(folder, secret, r"elements, more than any tensor can hold|below 2\*\*62|has shape \(")
 
 
-def test_an_optimizer_moment_of_another_shape_is_refused_before_anything_is_loaded(sharded):
+def test_an_optimizer_moment_of_another_shape(sharded):
     """momentum of a [16, 8] weight stored as [128] (metadata and piece agreeing): it was loaded, and the next step failed."""
     folder, secret, _ = sharded
 
@@ -547,7 +550,7 @@ def test_a_position_past_the_end_of_the_epoch_is_refused_with_both_numbers(tmp_p
 # --- what was verified is what is used ---------------------------------------------------------
 
 
-def test_a_file_rewritten_or_truncated_after_it_was_read_changes_nothing_the_load_uses(ckpt):
+def test_a_file_rewritten_after_it_was_read(ckpt):
     """The storage's read is a copy: the bytes hashed are the bytes decoded, whatever happens to the file after.
 
     A private map of the file (what trainfold read through before) shows a rewrite in place made after the hash was
@@ -567,7 +570,7 @@ def test_a_file_rewritten_or_truncated_after_it_was_read_changes_nothing_the_loa
     assert original == bytes(buf)
 
 
-def test_a_file_removed_or_shrunk_while_a_checkpoint_is_read_is_a_checkpoint_error(ckpt):
+def test_a_file_removed_while_read(ckpt):
     """A reader racing keep_last: the documented CheckpointError, never FileNotFoundError or a signal."""
     from trainfold._src.checkpoint.storage import checkpoint_at
 
@@ -598,7 +601,7 @@ def _forge_piece(folder, change):
     (lambda t: t[: t.shape[0] // 2], r"\(a torch.float32 piece of shape \(8, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
     (lambda t: t.half(), r"\(a torch.float16 piece of shape \(16, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
 ])
-def test_a_piece_of_fewer_rows_or_another_dtype_is_refused_by_load_and_by_export_alike(sharded, tmp_path, capsys, change, match):
+def test_a_piece_of_another_shape_or_dtype(sharded, tmp_path, capsys, change, match):
     """Export reads what a load reads, through the same check: it wrote a piece holding half the declared rows into the
     first half and left the rest uninitialised (values of 1e37), and converted a float16 piece silently, exiting 0."""
     from trainfold import checkpoint_weights, cli
@@ -614,7 +617,7 @@ def test_a_piece_of_fewer_rows_or_another_dtype_is_refused_by_load_and_by_export
     assert not (tmp_path / "out.safetensors").exists()
 
 
-def test_a_manifest_declaring_a_billion_processes_is_refused_at_once_without_building_anything_per_rank(ckpt):
+def test_a_billion_processes_are_refused_at_once(ckpt):
     """1 KB that declares world_size 10^9: refused by what the folder lists, in bounded time and memory."""
     import resource
     import time

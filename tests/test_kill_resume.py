@@ -46,7 +46,7 @@ def _run_and_kill(root, out, delay, *extra):
 
 
 @pytest.mark.parametrize("extra", [(), ("--lora",)], ids=["full", "lora"])
-def test_killed_at_random_moments_and_resumed_ends_with_the_same_parameters(tmp_path, extra, monkeypatch):
+def test_kill_and_resume(tmp_path, extra, monkeypatch):
     """One process, a checkpoint after every update; with --lora a frozen base under LoRA adapters (adapter checkpoints:
     the base by fingerprint, checked at each resume), whose base must come out untouched."""
     expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra, monkeypatch=monkeypatch)
@@ -92,7 +92,7 @@ def _fsdp2_killed(root, out, delay, *extra):
 
 
 @pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora"), ("--ddp", "--lora")], ids=["async", "async-lora", "ddp-lora"])
-def test_a_two_process_job_killed_at_random_moments_resumes_to_the_same_parameters(tmp_path, extra, monkeypatch):
+def test_two_process_kill_and_resume(tmp_path, extra, monkeypatch):
     """torchrun, 2 CPU processes under FSDP2, sharded checkpoints after every update, written in the background (the
     blocking path is the same write-and-commit, run inline; pass () here to run it too): killed (launcher and workers,
     SIGKILL) at random moments, restarted each time, it ends bit for bit as a clean run. The same with a LoRA model

@@ -135,7 +135,7 @@ def test_loop_takes_its_limit_by_keyword():
         loop(_fake_epoch, 3)
 
 
-def test_every_epochs_runs_at_a_budgets_final_stop_whatever_the_number_of_epochs_done():
+def test_every_epochs_runs_at_a_final_stop():
     """A budget ending mid-epoch after 1 epoch (not a multiple of 2): the final model still gets what the epochs get."""
     from trainfold import evaluate, max_steps
 
@@ -147,7 +147,8 @@ def test_every_epochs_runs_at_a_budgets_final_stop_whatever_the_number_of_epochs
     assert [(1, 6)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]
 
 
-def test_loop_refuses_at_the_call_what_it_could_not_call_with_the_state_naming_the_fix():
+def test_loop_refuses_what_it_cannot_call():
+    """`loop` refuses at the call what it could not call with the state naming the fix."""
     from trainfold import evaluate
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -169,7 +170,7 @@ def test_loop_refuses_at_the_call_what_it_could_not_call_with_the_state_naming_t
     ctx.close()
 
 
-def test_an_evaluation_composed_to_run_before_training_is_warned_about_at_the_first_epoch():
+def test_evaluation_before_training_warns():
     """compose(run_epoch, evaluate) read left to right evaluates before each epoch's training: said once, naming the fix;
     the right order and evaluations every few updates say nothing."""
     import warnings

@@ -68,7 +68,8 @@ def _train(ctx, state, dl, wrap=lambda s: s, epochs=3):
 # --- one process: resume bit for bit -------------------------------------------------------------
 
 
-def test_a_run_checkpointed_on_s3_resumes_bit_for_bit_from_every_checkpoint(s3):
+def test_s3_resumes_from_every_checkpoint(s3):
+    """A run checkpointed on S3 resumes bit for bit from every checkpoint."""
     root, options, _ = s3
     expected = _train(*_setup())
     ctx, state, dl = _setup()
@@ -84,7 +85,7 @@ def test_a_run_checkpointed_on_s3_resumes_bit_for_bit_from_every_checkpoint(s3):
         assert expected.history == resumed.history
 
 
-def test_an_s3_root_is_written_to_the_bucket_not_to_a_local_folder_named_s3(s3, tmp_path, monkeypatch):
+def test_an_s3_root_is_written_to_the_bucket(s3, tmp_path, monkeypatch):
     """The bug this storage fixes: an s3:// root was taken as a path, and every checkpoint landed in ./s3:/..."""
     root, options, fs = s3
     monkeypatch.chdir(tmp_path)
@@ -97,7 +98,7 @@ def test_an_s3_root_is_written_to_the_bucket_not_to_a_local_folder_named_s3(s3, 
     assert verify_checkpoint(latest_checkpoint(root, storage_options=options), storage_options=options)["step"] == 6
 
 
-def test_fsspecs_own_configuration_reaches_the_store_without_storage_options(server, tmp_path):
+def test_fsspecs_own_configuration(server, tmp_path):
     """FSSPEC_S3_ENDPOINT_URL and the AWS_* credentials, as a job launched with them reads them (a fresh process)."""
     root = server.bucket("env-config") + "/run"
     code = (
@@ -114,7 +115,7 @@ def test_fsspecs_own_configuration_reaches_the_store_without_storage_options(ser
     assert f"0 {root}/ckpt-0000000000" == result.stdout.strip()
 
 
-def test_the_command_line_lists_verifies_inspects_exports_and_diffs_a_root_on_s3(s3, tmp_path):
+def test_the_cli_on_s3(s3, tmp_path):
     """`trainfold ls | verify | inspect | export | diff` take a store's URL, configured as fsspec is (the environment)."""
     root, options, _ = s3
     ctx, state, dl = _setup(ga=1)
@@ -149,7 +150,7 @@ def s3_env(options):
 # --- the manifest is the commit ------------------------------------------------------------------
 
 
-def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_when_the_next_job_takes_the_root(s3):
+def test_an_unfinished_save_is_never_listed(s3):
     """Objects without a manifest: a save that died (its job killed) or one another job is writing. The job holding the
     lock removes none after its commits (they might be a job's that took its lock over while it stalled); the next job
     to take the lock removes them, since no other job can be writing then."""
@@ -172,7 +173,8 @@ def test_an_unfinished_save_is_never_listed_or_loaded_and_is_cleaned_when_the_ne
     ctx.close()
 
 
-def test_keep_last_deletes_after_the_commit_and_never_the_newest_finite_checkpoint():
+def test_keep_last_on_s3():
+    """`keep_last` deletes after the commit and never the newest finite checkpoint."""
     root = "memory://keep-last/run"
     ctx, state, dl = _setup(ga=1)
     step = make_step(ctx, helpers.ce_loss)
@@ -215,7 +217,8 @@ def _committed(s3):
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "altered", "oversized"])
-def test_every_kind_of_damage_to_every_object_is_refused_and_nothing_changes(s3, damage):
+def test_every_damage_to_every_object(s3, damage):
+    """Every kind of damage to every object is refused and nothing changes."""
     root, options, fs = s3
     ckpt, where = _committed(s3)
     for name in ("model.safetensors", "state.json", "state.safetensors", "rank-0.json", "rank-0.safetensors"):
@@ -260,7 +263,8 @@ def test_an_extra_object_is_never_read_and_a_forged_manifest_is_refused(s3):
 # --- one writer ----------------------------------------------------------------------------------
 
 
-def test_a_second_job_on_the_same_root_is_refused_naming_the_owner_until_the_first_ends(s3):
+def test_a_second_job_is_refused(s3):
+    """A second job on the same root is refused naming the owner until the first ends."""
     root, options, _ = s3
     ctx, state, *_ = testing.tiny_setup(seed=0)
     save_checkpoint(ctx, root, state, storage_options=options)
@@ -271,7 +275,8 @@ def test_a_second_job_on_the_same_root_is_refused_naming_the_owner_until_the_fir
     assert "saved" == helpers.second_job(root, options)
 
 
-def test_an_expired_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(s3, monkeypatch):
+def test_an_expired_lease_is_taken_over(s3, monkeypatch):
+    """An expired lease is taken over and its stale owner cannot renew it."""
     from trainfold._src.checkpoint.storage import lease
 
     root, options, fs = s3
@@ -364,7 +369,7 @@ ctx.close()
 """
 
 
-def test_a_live_owner_whose_renewals_stopped_loses_the_lock_and_commits_nothing_after(s3, monkeypatch):
+def test_an_owner_that_stopped_renewing(s3, monkeypatch):
     """Issue 52's second probe: the owner's renewal thread stops while its training thread works on (the stand-in for
     a lease clock that froze). A requeued copy takes the lock after one lease and saves; the owner learns it at its
     next save, which commits nothing and removes nothing, and every checkpoint there verifies."""
@@ -390,7 +395,7 @@ def test_a_live_owner_whose_renewals_stopped_loses_the_lock_and_commits_nothing_
     verify_checkpoint(checkpoints[0], storage_options=options)
 
 
-def test_a_lock_removed_under_a_live_job_alone_is_taken_again_not_called_a_takeover(s3, caplog):
+def test_a_lock_removed_under_a_live_job(s3, caplog):
     """No job took it (a clean-up script removed the lock object): the job goes on saving, as on a local root."""
     root, options, fs = s3
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
@@ -418,7 +423,8 @@ def test_an_unknown_protocol_is_refused_when_the_checkpointing_is_set_up():
 
 
 @pytest.mark.parametrize("value", ["soon", "0", "-5", "nan", "100000"])
-def test_a_lease_that_is_not_a_sensible_number_of_seconds_is_refused_naming_the_variable(monkeypatch, value):
+def test_a_senseless_lease_is_refused(monkeypatch, value):
+    """A lease that is not a sensible number of seconds is refused naming the variable."""
     monkeypatch.setenv("TRAINFOLD_LOCK_LEASE_S", value)
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(ValueError, match=rf"TRAINFOLD_LOCK_LEASE_S='{value}': .* above 0 and at most 600"):
@@ -426,7 +432,8 @@ def test_a_lease_that_is_not_a_sensible_number_of_seconds_is_refused_naming_the_
     ctx.close()
 
 
-def test_a_bucket_that_does_not_exist_is_named_at_the_first_save_and_nothing_is_lost(s3):
+def test_a_missing_bucket_is_named(s3):
+    """A bucket that does not exist is named at the first save and nothing is lost."""
     _, options, _ = s3
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(OSError, match="no-such-bucket"):
@@ -444,7 +451,8 @@ def test_a_typo_d_bucket_is_refused_when_the_checkpointing_is_composed(s3):
     ctx.close()  # (trainfold ls of such a root: the command-line test above)
 
 
-def test_a_local_root_under_a_file_is_refused_when_the_checkpointing_is_composed(tmp_path):
+def test_a_local_root_under_a_file(tmp_path):
+    """A local root under a file is refused when the checkpointing is composed."""
     (tmp_path / "a-file").write_text("")
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(CheckpointError, match=r"cannot hold checkpoints: .*a-file is a file, not a folder"):
@@ -509,7 +517,7 @@ def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
 
 
 @given(sizes=st.lists(st.integers(0, 40), max_size=8), part=st.integers(1, 16))
-def test_an_upload_is_cut_into_parts_of_the_part_size_but_the_last_which_hold_every_byte_in_order(sizes, part):
+def test_upload_parts_hold_every_byte(sizes, part):
     """S3's multipart rule: every part but the last exactly ``part`` bytes, none empty unless the file is (an empty
     last part after an exact multiple would be refused); joined, the parts are the file."""
     from trainfold._src.checkpoint.storage.upload import _parts
@@ -557,7 +565,7 @@ def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_p
     assert load == ["GET", "LIST", "GET"] + ["GET"] * files
 
 
-def test_a_file_larger_than_the_part_size_is_uploaded_in_numbered_parts_and_loads_bit_for_bit(s3, monkeypatch):
+def test_a_large_file_is_uploaded_in_parts(s3, monkeypatch):
     """The multipart path in-process (every file of the other tests is under the 16 MiB part): 5 MiB parts (S3's
     smallest but the last) of a 12 MB model.safetensors. Parts numbered from 0 broke every such file on S3."""
     from accelerate import Accelerator

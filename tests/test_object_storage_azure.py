@@ -56,7 +56,8 @@ def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):
     ctx.close()
 
 
-def test_a_second_job_on_the_same_azure_root_is_refused_naming_the_owner_until_the_first_ends(az):
+def test_a_second_azure_job_is_refused(az):
+    """A second job on the same Azure root is refused naming the owner until the first ends."""
     root, options, fs = az
     ctx, state, *_ = testing.tiny_setup(seed=0)
     save_checkpoint(ctx, root, state, storage_options=options)
@@ -68,7 +69,8 @@ def test_a_second_job_on_the_same_azure_root_is_refused_naming_the_owner_until_t
     assert "saved" == helpers.second_job(root, options)
 
 
-def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_it(az):
+def test_an_expired_azure_lease_is_taken_over(az):
+    """An expired Azure lease is taken over and its stale owner cannot renew it."""
     root, options, fs = az
     where = root.removeprefix("az://")
     fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1,
@@ -87,7 +89,7 @@ def test_an_expired_azure_lease_is_taken_over_and_its_stale_owner_cannot_renew_i
     ctx.close()
 
 
-def test_the_lock_blob_is_created_only_if_absent_and_renewed_only_on_its_etag(az):
+def test_the_lock_blob_is_conditional(az):
     """The two conditional writes themselves, against the service: what makes two jobs one writer."""
     from trainfold._src.checkpoint.storage import conditional
 

@@ -69,7 +69,7 @@ def _killed(server, root, out, delay, *extra):
     return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), _env(server), lambda: _newest(server, root), delay)
 
 
-def test_a_two_process_job_on_s3_saves_sharded_and_resumes_bit_for_bit_after_kills_during_uploads(server, tmp_path):
+def test_s3_kills_during_uploads(server, tmp_path):
     """torchrun, 2 CPU processes (DDP), a sharded checkpoint after every update uploaded in the background, the root an
     s3:// URL configured only by the environment: killed (launcher and workers, SIGKILL) at random moments, restarted
     each time, it ends bit for bit as a clean run, and every checkpoint it left verifies."""
@@ -103,7 +103,7 @@ def _loaded_on_one_process(server, root):
     return testing.parameters(loaded)
 
 
-def test_a_server_that_stops_answering_in_the_middle_of_a_save_fails_it_in_bounded_time_and_commits_nothing(tmp_path, monkeypatch):
+def test_a_silent_server_fails_the_save_in_time(tmp_path, monkeypatch):
     """The server freezes (SIGSTOP) while a background save uploads: the save fails with an OSError within the bounded
     time of its requests (the job does not hang), nothing is committed, and the previous checkpoint stays the newest."""
     from trainfold._src.checkpoint.storage import requests
@@ -158,7 +158,7 @@ def _memory_root_on_two_processes():
         ctx.close()
 
 
-def test_memory_is_refused_as_the_root_of_several_processes_on_every_process():
+def test_memory_root_of_several_processes():
     """memory:// is one process's memory: every process refuses it at once (none is left waiting in a collective)."""
     answers = testing.run_distributed(_memory_root_on_two_processes, nprocs=2, timeout=600)
     assert 2 == len(answers) and all("is one process's memory, and this run has 2 processes" in a for a in answers)
@@ -182,7 +182,7 @@ def test_a_missing_bucket_fails_the_first_save_on_every_process_together(server)
     assert answers[1].startswith("CheckpointError") and "failed on another process" in answers[1]
 
 
-def test_credentials_that_may_not_write_are_refused_at_the_first_save_and_nothing_is_written(tmp_path):
+def test_read_only_credentials_are_refused(tmp_path):
     """moto enforcing IAM (after the set-up's requests): a user whose policy allows reading only saves nothing, and says why."""
     import boto3
 
@@ -232,7 +232,7 @@ def _until_stopped(proc, marker, what):
 
 
 @pytest.mark.parametrize("store", ["s3", "az"])
-def test_an_owner_stopped_past_its_lease_commits_nothing_and_removes_nothing_of_the_job_that_took_over(store, server, tmp_path):
+def test_an_owner_past_its_lease_commits_nothing(store, server, tmp_path):
     """Issue 52's probe, with real SIGSTOPs: the owner stops inside its save of ckpt-8 for longer than its lease; a
     requeued copy takes the lock over (after one lease), continues from ckpt-4 and stops with ckpt-6 uploaded but not
     committed; the owner is continued. Before, it committed ckpt-8 under the other job's lock and its clean-up deleted
@@ -266,7 +266,7 @@ def test_an_owner_stopped_past_its_lease_commits_nothing_and_removes_nothing_of_
             verify_checkpoint(checkpoint, storage_options=options)
 
 
-def test_a_commit_fenced_before_its_owner_stopped_is_finished_by_the_job_that_takes_the_lock_over(server, tmp_path):
+def test_a_fenced_commit_is_finished_by_the_next(server, tmp_path):
     """The owner stops after its fence (the lock holds its commit of ckpt-8) and before writing the manifest. The job
     that takes the lock over finishes that commit: the files were all written before the fence. The owner, continued,
     finds its own manifest there and reports the commit; the copy's later saves go on (ckpt-8 saved again by it)."""

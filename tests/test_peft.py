@@ -51,7 +51,8 @@ def _train(ctx, state, dl, wrap=lambda step: step, epochs=2):
     return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=epochs)(state)
 
 
-def test_a_peft_lora_models_checkpoint_is_under_a_tenth_of_a_full_one_and_resumes_bit_for_bit(tmp_path, isolated):
+def test_a_peft_checkpoint_is_small_and_exact(tmp_path, isolated):
+    """A PEFT LoRA model's checkpoint is under a tenth of a full one and resumes bit for bit."""
     expected = _train(*_setup(_lora_mlp()))
     ctx, state, dl = _setup(_lora_mlp())
     state = _train(ctx, state, dl, checkpoint_every(ctx, tmp_path / "root", 10))
@@ -114,7 +115,8 @@ def trained_gpt2(tmp_path, isolated):
     return tmp_path, model, ids, logits
 
 
-def test_exported_adapters_are_what_peft_saves_and_load_with_peft_to_the_same_logits(trained_gpt2, capsys):
+def test_exported_adapters_are_peft_s(trained_gpt2, capsys):
+    """Exported adapters are what PEFT saves and load with PEFT to the same logits."""
     tmp, model, ids, logits = trained_gpt2
     assert 0 == cli.main(["export", str(tmp / "root"), str(tmp / "adapters")])
     assert "PeftModel.from_pretrained(base_model, OUT) loads them" in capsys.readouterr().out

@@ -228,7 +228,7 @@ def test_a_gpu_loader_moves_its_batches_to_the_gpu():
 
 
 @needs_cuda
-def test_a_composed_epoch_on_the_gpu_synchronises_only_at_its_log_intervals_saves_and_end(tmp_path):
+def test_gpu_epoch_syncs_only_where_it_reports(tmp_path):
     """A whole composed epoch on the GPU (log_every, a progress bar, background checkpoints, nan_guard, EMA, clipping,
     accumulation, bf16): every synchronising CUDA call (set_sync_debug_mode('warn')) falls in a step that logs, saves or
     ends the epoch, never in another."""

@@ -44,7 +44,8 @@ def _create(mixed_precision="bf16", *, compiled=False, **kwargs):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_outputs_keep_autocasts_dtype_when_asked_and_are_float32_by_default(compiled):
+def test_outputs_keep_autocasts_dtype_when_asked(compiled):
+    """Outputs keep autocast's dtype when asked and are float32 by default."""
     x = torch.randn(4, 8)
     _, default = _create(compiled=compiled)
     _, kept = _create(compiled=compiled, outputs_to_fp32=False)
@@ -75,7 +76,7 @@ def test_without_mixed_precision_there_is_nothing_to_drop():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
-def test_a_loss_computed_in_forward_trains_bit_for_bit_as_the_canonical_loop_with_the_conversion(device):
+def test_a_loss_in_forward_without_the_conversion(device):
     """The loss is float32 inside forward either way: dropping the logits' copy changes no update."""
     testing.reset_accelerate_state()
     model, opt, dl = _objects()

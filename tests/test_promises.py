@@ -137,7 +137,8 @@ def _mismatched_aux_on_this_rank():
 
 
 @pytest.mark.multiprocess
-def test_processes_that_report_different_metric_names_fail_instead_of_mixing_them():
+def test_different_metric_names_fail():
+    """Processes that report different metric names fail instead of mixing them."""
     for message in testing.run_distributed(_mismatched_aux_on_this_rank, nprocs=2, timeout=60):
         assert message and "not every process has the same names" in message
 

@@ -72,7 +72,7 @@ def test_schedules_rise_then_fall_within_their_bounds(args, kind):
 
 @settings(max_examples=30, deadline=None)
 @given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=150), mask=st.booleans())
-def test_running_sums_equal_the_sum_of_what_was_added_however_often_they_fold(values, mask):
+def test_running_sums_equal_what_was_added(values, mask):
     """RunningSums holds up to FOLD_EVERY batches before adding them; its sums are the plain sums all the same."""
     from trainfold._src.base.metrics import FOLD_EVERY, RunningSums
 
@@ -131,7 +131,7 @@ def test_the_steps_generated_copier_is_attrs_evolve(changes):
     assert all(getattr(fast, f.name) is getattr(slow, f.name) for f in attrs.fields(type(state)))
 
 
-def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_only_fields():
+def test_the_copier_with_awkward_fields():
     """The generated code's own names cannot clash with a field's; attrs' kw_only fields go by keyword."""
     import attrs
 
@@ -155,7 +155,7 @@ def test_the_copier_works_for_fields_named_like_its_own_variables_and_keyword_on
 @settings(max_examples=200, deadline=None)
 @given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
-def test_a_saves_finiteness_check_through_the_extremes_says_what_isfinite_says(values, dtype):
+def test_finiteness_at_the_extremes(values, dtype):
     """checkpoint/background.py checks a weight's finiteness by its min and max (one pass): the same answer as
     ``isfinite(t).all()`` for every dtype a weight has, NaN and infinities anywhere (and a float32 value that is inf
     once cast to float16 is inf there, as it should be)."""
@@ -168,7 +168,7 @@ def test_a_saves_finiteness_check_through_the_extremes_says_what_isfinite_says(v
 
 @settings(max_examples=100, deadline=None)
 @given(sizes=st.lists(st.integers(0, 64), min_size=0, max_size=12), world=st.integers(1, 4))
-def test_each_replicated_tensor_is_dealt_to_exactly_one_process_and_the_deal_is_balanced(sizes, world):
+def test_replicated_tensors_are_dealt_once(sizes, world):
     """A sharded save's deal of the tensors every process holds whole (checkpoint/formats/dcp.py's own_share): the
     processes' shares are disjoint and cover every tensor (each written once), and no process gets more bytes than
     another plus the largest tensor (greedy, in name order: the same on every process)."""

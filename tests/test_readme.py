@@ -79,7 +79,7 @@ def test_each_snippet_of_the_embedding_guide_runs_on_its_own(tmp_path):
         assert 0 == done.returncode, f"docs/guides/embedding.md snippet {i + 1}:\n{done.stderr[-3000:]}"
 
 
-def test_the_testing_guide_is_a_test_file_that_passes_with_the_plugin_trainfold_installs(tmp_path):
+def test_the_testing_guide_passes(tmp_path):
     """The testing guide's snippets are a user's test file: together, under pytest, every test in them passes, the
     `isolated` fixture coming from trainfold's pytest plugin (an entry point), no conftest."""
     blocks = _blocks(GUIDES / "testing.md")

@@ -45,13 +45,14 @@ def _accelerate(samples, unit, processes, drop_last):
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 4), st.integers(1, 4), st.booleans())
-def test_with_nothing_read_ahead_the_rule_deals_a_stream_as_accelerate_does(length, unit, processes, drop_last):
+def test_the_deal_is_accelerates(length, unit, processes, drop_last):
+    """With nothing read ahead the rule deals a stream as Accelerate does."""
     assert _accelerate(range(length), unit, processes, drop_last) == _dealt([], range(length), unit, processes, drop_last)
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 5), st.integers(0, 40), st.integers(1, 4), st.integers(1, 4), st.booleans())
-def test_the_batches_read_ahead_come_first_and_every_process_takes_as_many_batches(pieces, length, unit, processes, drop_last):
+def test_batches_read_ahead_come_first(pieces, length, unit, processes, drop_last):
     """Batch ``i`` of the rest (read-ahead batches first) goes to process ``i % M``, a whole round at a time, so the
     processes stay in step: every sample of the whole rounds once; a last short round dropped under ``drop_last``,
     else completed (several processes) or taken as it is (one)."""
@@ -74,7 +75,8 @@ def test_the_batches_read_ahead_come_first_and_every_process_takes_as_many_batch
         assert {i for b in left for i in b} <= {i for batches in got for i in batches[-1]}
 
 
-def test_a_last_round_is_completed_with_the_first_samples_read_and_one_process_takes_a_short_batch_as_it_is():
+def test_a_last_round_is_completed():
+    """A last round is completed with the first samples read and one process takes a short batch as it is."""
     assert [[[1000, 1001], [2, 3]], [[0, 1], [4, 0]]] == _dealt([[1000, 1001]], range(5), 2, 2, drop_last=False)
     assert [[[1000, 1001]], [[0, 1]]] == _dealt([[1000, 1001]], range(5), 2, 2, drop_last=True)
     assert [[[1000, 1001], [0, 1], [2]]] == _dealt([[1000, 1001]], range(3), 2, 1, drop_last=False)

@@ -64,7 +64,8 @@ def test_release_leaves_another_live_state_training():
     assert live.step == 7 and any(not torch.equal(before[k], v) for k, v in testing.parameters(live).items())
 
 
-def test_release_takes_the_loader_of_the_states_last_epoch_without_being_told():
+def test_release_takes_the_last_loader():
+    """`release` takes the loader of the state's last epoch without being told."""
     ctx = Context(accelerator=Accelerator(cpu=True))
     model, opt, _, dl = helpers.build(0)
     state = TrainState.create(ctx, model=model, optimizer=opt)

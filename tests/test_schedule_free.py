@@ -123,7 +123,8 @@ def test_evaluation_inside_an_epoch_puts_the_optimizer_back_in_train_mode():
     assert opt.param_groups[0]["train_mode"]
 
 
-def test_checkpoints_and_save_best_hold_the_averaged_weights_and_training_goes_on_in_train_mode(tmp_path):
+def test_checkpoints_hold_averaged_weights(tmp_path):
+    """Checkpoints and `save_best` hold the averaged weights and training goes on in train mode."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     model = state.model
     opt = schedulefree.AdamWScheduleFree(model.parameters(), lr=0.05)
@@ -171,7 +172,8 @@ def test_a_schedule_free_run_resumes_exactly_from_any_checkpoint(tmp_path):
         assert resumed.history == uninterrupted.history
 
 
-def test_evaluate_metrics_sees_the_averaged_weights_and_hands_back_train_mode():
+def test_evaluate_metrics_sees_averaged_weights():
+    """`evaluate_metrics` sees the averaged weights and hands back train mode."""
     from trainfold import evaluate_metrics
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)

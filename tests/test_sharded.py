@@ -244,7 +244,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
 
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_saved_inside_an_epoch_resumed_on_another_number_of_processes_resumes_on_the_same_number(tmp_path):
+def test_resumed_elsewhere_then_back(tmp_path):
     """2 processes stopped after update 3, resumed on 1 and stopped again after update 5 (inside the same epoch), resumed
     on 1: the last checkpoint's epoch began on 2 processes, whose loader had a generator that one process's has not. The
     resume was refused ("the loader has 0 random generators but the checkpoint recorded 1"), though the loader was built
@@ -344,7 +344,7 @@ def _fsdp2_loads_gathered(root):
 
 
 @pytest.mark.multiprocess
-def test_a_gathered_checkpoint_of_as_many_ddp_processes_is_dealt_into_fsdp2_shards_at_an_update_only(tmp_path):
+def test_ddp_checkpoint_into_fsdp2_shards(tmp_path):
     """The same number of processes, another layout: DDP's gathered checkpoint at an update goes into FSDP2's shards
     exactly; one in the middle of an accumulation group is refused (its whole partial gradients cannot be sharded)."""
     expected = testing.run_distributed(_ddp_saves_gathered, str(tmp_path), nprocs=2)[0]
@@ -415,7 +415,7 @@ def _load_on_this_rank(root, ga):
     ({"iterable": True, "stop_after": 3}, r"in the middle of an epoch over a stream, and this run has 2 processes: its position in samples is unknown: "
                                           r"the stream had no state .*a datasets shuffle buffer.*\. Resume it on 1 process, or from a checkpoint between epochs"),
 ])
-def test_a_checkpoint_that_cannot_be_dealt_out_to_another_number_of_processes_is_refused(case, match, tmp_path):
+def test_an_undealable_checkpoint_is_refused(case, match, tmp_path):
     """Mid-accumulation, or mid-epoch over an iterable dataset: refused on every process, with the way out; nothing changed."""
     import re
 
@@ -437,7 +437,7 @@ def _context_on_a_context_parallel_mesh():
 
 
 @pytest.mark.multiprocess
-def test_a_context_parallel_mesh_is_refused_before_training_naming_the_dimension():
+def test_a_context_parallel_mesh_is_refused():
     """cp 2 × dp_shard 2 on 4 processes: each process of a cp group must train on a slice of every batch's sequence,
     which Accelerate cuts only inside maybe_context_parallel, and make_step does not enter it. Refused when the Context
     is made, with the dimension and the way out."""
@@ -469,7 +469,8 @@ def _host_copies_of_fsdp2_shards():
 
 
 @pytest.mark.multiprocess
-def test_a_background_saves_copy_of_fsdp2_shards_keeps_their_layout_and_shares_no_memory():
+def test_a_background_copy_of_fsdp2_shards():
+    """A background save's copy of FSDP2 shards keeps their layout and shares no memory."""
     for checks, unchanged in testing.run_distributed(_host_copies_of_fsdp2_shards, nprocs=2):
         assert checks and all(all(c) for c in checks), checks
         assert unchanged
@@ -499,7 +500,7 @@ def _loads_a_root_damaged_on_one_rank(root, sharded, damaged):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sharded, damaged", [(True, "shard-1.safetensors"), (False, "rank-1.safetensors")])
-def test_a_newest_checkpoint_damaged_in_one_process_s_file_makes_every_process_fall_back_to_the_one_before(sharded, damaged, tmp_path):
+def test_every_process_falls_back_together(sharded, damaged, tmp_path):
     """Only process 1 reads the file and finds the flipped bit; the processes agree, and both load ckpt-4 (none loads
     ckpt-6 while the other falls back, which would train two models)."""
     (names, step0, warned0), (_, step1, warned1) = testing.run_distributed(_loads_a_root_damaged_on_one_rank, str(tmp_path), sharded, damaged, nprocs=2)
@@ -546,7 +547,7 @@ def _elastic_means(root, *, stop_after=None, resume=False):
 
 
 @pytest.mark.multiprocess
-def test_an_epoch_resumed_on_another_number_of_processes_records_the_means_of_the_batches_its_sums_hold(tmp_path):
+def test_resumed_elsewhere_records_its_means(tmp_path):
     """Stopped after update 3 on 2 processes, resumed on 1: the epoch's running sums were each process's own and restart
     empty. log_every's first report is then the mean of its interval's batches since the resume, and the epoch's
     train_loss the mean of the batches trained since: neither divides by batches the sums do not hold, nor subtracts
@@ -590,7 +591,7 @@ def _elastic_sent(root, *, stop_after=None, resume=False):
 
 
 @pytest.mark.multiprocess
-def test_a_report_made_after_the_checkpoint_is_not_made_again_from_sums_that_restarted_on_another_number_of_processes(tmp_path):
+def test_no_report_from_restarted_sums(tmp_path):
     """Stopped on 2 processes at update 4, whose report log_every (outside checkpoint_every) made after the checkpoint;
     resumed on 1, where the epoch's sums restart empty. A resumed run makes such a report again for the trackers that
     lack it, from the checkpoint's sums; these hold none of its batches, so it is not made (it was a NaN loss): the
@@ -604,7 +605,7 @@ def test_a_report_made_after_the_checkpoint_is_not_made_again_from_sums_that_res
 
 
 @pytest.mark.multiprocess
-def test_an_epoch_resumed_on_another_number_of_processes_at_its_last_update_records_no_train_values(tmp_path):
+def test_resumed_at_the_last_update_elsewhere(tmp_path):
     """Stopped on 2 processes at update 6, the epoch's last, and resumed on 1: the epoch's sums restart empty where no
     batch is left, so they hold none of it. Its record has no train_loss (it was 0.0 once, then NaN with a warning that
     the run had diverged)."""

@@ -80,7 +80,8 @@ def _setup(seed=0, *, ctx=None, n=48):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_stops_at_the_next_step_boundary_and_puts_the_handlers_back(signum):
+def test_a_signal_stops_at_a_step_boundary(signum):
+    """A signal stops at the next step boundary and puts the handlers back."""
     before = signal.getsignal(signum)
     ctx, state, dl = _setup()
 
@@ -166,7 +167,7 @@ def test_a_repeated_sigterm_or_an_echoed_ctrl_c_stays_a_request(signum, gap, tmp
     assert [f"ckpt-{4:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
 
 
-def test_a_signal_outside_any_trainfold_call_is_a_request_until_the_context_closes():
+def test_a_signal_outside_any_call():
     """Between two calls (your own code, a tracker's flush, the wait for a background save) a signal does not kill:
     the next epoch of a loop is not started; after close() the process's own handlers decide again."""
     before = signal.getsignal(signal.SIGTERM)
@@ -255,7 +256,7 @@ def test_with_accumulation_keeps_the_stop_settings():
     ctx.close()
 
 
-def test_a_signal_during_a_save_lets_it_finish_and_the_run_stops_at_the_next_update(tmp_path):
+def test_a_signal_during_a_save(tmp_path):
     """Without the save catching it, Ctrl-C would raise KeyboardInterrupt in the middle of the save."""
     ctx, state, dl = _setup()
     armed = []
@@ -319,7 +320,7 @@ def test_the_stop_request_is_cleared_once_honoured():
     assert (1, 0, False) == (second.epoch, second.batch_in_epoch, second.should_stop)
 
 
-def test_an_interrupted_epoch_stays_interrupted_and_its_checkpoint_continues_it(tmp_path):
+def test_an_interrupted_epoch_stays_interrupted(tmp_path):
     """Ctrl-C mid-epoch under epoch-level checkpoints: nothing after run_epoch counts the epoch, the
     checkpoint keeps its position, and the resumed run ends where one never stopped ends, bit for bit."""
 
@@ -351,7 +352,8 @@ def test_an_interrupted_epoch_stays_interrupted_and_its_checkpoint_continues_it(
     assert expected.history == final.history
 
 
-def test_an_interrupted_epoch_goes_on_in_the_same_process_once_the_stop_is_cleared():
+def test_an_interrupted_epoch_goes_on():
+    """An interrupted epoch goes on in the same process once the stop is cleared."""
     ctx, state, dl = _setup()
     expected = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(state)
 
@@ -404,7 +406,7 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
     assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
 
 
-def test_a_signal_honoured_between_epochs_is_cleared_and_the_next_run_on_the_context_trains():
+def test_a_signal_between_epochs_is_cleared():
     """The signal arrives in an epoch function that is not an evaluation (a tracker's flush) and loop honours it
     between epochs: honoured is cleared, so a host's next trial on the same Context is not stopped by it at once."""
     ctx, state, dl = _setup()
@@ -421,7 +423,7 @@ def test_a_signal_honoured_between_epochs_is_cleared_and_the_next_run_on_the_con
     assert (2, False, None) == (second.epoch, second.should_stop, second.stop)
 
 
-def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(tmp_path):
+def test_a_stop_during_evaluation_is_saved(tmp_path):
     """No step runs after the evaluation that saw the signal, so checkpoint_every's own save never came: at_end, composed
     after the loop, saves it (the probe lost 3 updates: the newest checkpoint was update 10 of 12)."""
     ctx, state, dl = _setup()
@@ -440,7 +442,7 @@ def test_a_stop_agreed_during_evaluation_is_saved_where_checkpoint_every_saves(t
     testing.assert_params_equal(final, resumed)
 
 
-def test_the_end_of_a_run_is_checkpointed_and_starting_the_finished_job_again_trains_nothing(tmp_path):
+def test_a_finished_job_trains_nothing_again(tmp_path):
     """36 updates, a checkpoint every 5: the last periodic one is update 35, the end (36) is saved too (at_end). The
     finished job started again loads the end, trains nothing, and saves nothing: the root holds what it loaded."""
 
@@ -465,7 +467,7 @@ def test_the_end_of_a_run_is_checkpointed_and_starting_the_finished_job_again_tr
 
 
 @pytest.mark.parametrize("budget", [5, 17])
-def test_a_budget_that_ends_inside_an_epoch_is_evaluated_by_the_composed_epoch_functions(budget, tmp_path, capsys):
+def test_a_budget_ending_mid_epoch_is_evaluated(budget, tmp_path, capsys):
     """run_clm_no_trainer's --max_train_steps: max_steps then evaluate. The budget is the run's own end, so the final model
     is evaluated (a port crashed with KeyError: 'eval_loss' when the budget ended in epoch 1, and reported epoch 1's
     eval_loss as final when it ended in epoch 2)."""
@@ -616,7 +618,7 @@ def _two_runs_after_a_signal_in_the_last_round():
 
 
 @pytest.mark.multiprocess
-def test_a_round_still_in_flight_with_an_honoured_signal_is_dropped_and_the_next_run_trains():
+def test_a_round_in_flight_is_dropped():
     """The stop was agreed (by loop, between epochs) while a round carrying the same signal was in flight: clear()
     drains and drops it, so the next run on the Context is not stopped by it after one update."""
     for first, second in testing.run_distributed(_two_runs_after_a_signal_in_the_last_round, nprocs=2, timeout=120):
@@ -625,14 +627,16 @@ def test_a_round_still_in_flight_with_an_honoured_signal_is_dropped_and_the_next
 
 
 @pytest.mark.multiprocess
-def test_processes_with_different_numbers_of_batches_fail_on_every_rank_at_the_epoch_start():
+def test_uneven_batches_fail_at_the_epoch_start():
+    """Processes with different numbers of batches fail on every rank at the epoch start."""
     messages = testing.run_distributed(_uneven_on_this_rank, "sized", nprocs=2, timeout=60)
     for message in messages:
         assert "different numbers of batches this epoch (rank 0: 6, rank 1: 5)" in message
 
 
 @pytest.mark.multiprocess
-def test_a_loader_of_unknown_length_that_ends_early_on_one_rank_fails_instead_of_hanging():
+def test_a_rank_ending_early_fails():
+    """A loader of unknown length that ends early on one rank fails instead of hanging."""
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"this process's loader ended after 5 batches, but the other processes had not ended"):
         testing.run_distributed(_uneven_on_this_rank, "stream", nprocs=2, timeout=60)
@@ -655,7 +659,8 @@ def _hung_rank(seconds):
 
 
 @pytest.mark.multiprocess
-def test_a_hung_rank_fails_the_run_after_the_contexts_timeout_and_the_error_says_so():
+def test_a_hung_rank_fails_after_the_timeout():
+    """A hung rank fails the run after the Context's timeout and the error says so."""
     with pytest.raises(RuntimeError) as info:
         testing.run_distributed(_hung_rank, 2, nprocs=2, timeout=60)
     assert "Timed out" in str(info.value)
@@ -717,7 +722,7 @@ def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_che
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["torchrun", "all", "rank1", "slurm"])
-def test_sigterm_to_a_torchrun_job_stops_it_in_time_with_a_final_checkpoint_and_resume_is_exact(tmp_path, uninterrupted, target):
+def test_sigterm_to_torchrun(tmp_path, uninterrupted, target):
     """SLURM/Kubernetes send SIGTERM, then SIGKILL 30 s later: the job stops at a step boundary within a few
     seconds (on every rank, when only one saw it), writes its final checkpoint, and a resumed job ends bit for bit
     where the uninterrupted one does."""

@@ -94,7 +94,7 @@ def test_a_snapshot_mid_accumulation_resumes_the_group(k):
     testing.assert_params_equal(expected, final)
 
 
-def test_a_snapshot_keeps_the_nan_guards_unread_flags_apart_from_the_live_run():
+def test_a_snapshot_keeps_nan_guard_flags_apart():
     """The guard's flags still on the device are copied: the live run writing more changes nothing in the snapshot."""
     from trainfold import nan_guard
 
@@ -117,7 +117,8 @@ def test_a_snapshot_keeps_the_nan_guards_unread_flags_apart_from_the_live_run():
     assert snap.values.extras["nan_guard"].flags.values.data_ptr() != live.extras["nan_guard"].flags.values.data_ptr()
 
 
-def test_restore_is_curried_with_the_state_last_and_refuses_another_model_before_changing_anything():
+def test_restore_is_curried_and_checks_the_model():
+    """`restore` is curried with the state last and refuses another model before changing anything."""
     from toolz import pipe
 
     from trainfold import restore, snapshot

@@ -97,7 +97,7 @@ def test_clip_grad_value_limits_each_element():
     assert 0.125 == _weight(new)
 
 
-def test_without_accumulation_a_step_updates_even_if_something_left_sync_gradients_false():
+def test_a_step_updates_despite_sync_gradients():
     """With one accumulation step the step does not call Accelerate's _do_sync each time, unless it must."""
     ctx, state = _setup()
     ctx.accelerator.gradient_state._set_sync_gradients(False)  # as a foreign accumulate() or no_sync might
@@ -175,7 +175,8 @@ def test_pending_micro_batches_hold_no_autograd_graph():
     assert (1.25, 1.25) == (two.loss_sum.item(), two.aux_sums["again"].item())
 
 
-def test_folded_adds_the_waiting_micro_batches_and_leaves_the_sums_unchanged():
+def test_folded_adds_the_waiting_micro_batches():
+    """`folded` adds the waiting micro-batches and leaves the sums unchanged."""
     ctx, state = _setup()
     step = make_step(ctx, testing.mse_loss)
     two = step(step(state, BATCH), BATCH)
@@ -187,7 +188,7 @@ def test_folded_adds_the_waiting_micro_batches_and_leaves_the_sums_unchanged():
     assert folded.folded() is folded
 
 
-def test_a_subclass_of_trainstate_keeps_its_type_and_fields_through_steps_and_epochs():
+def test_a_trainstate_subclass_through_steps():
     """As flax's TrainState allows: a subclass adds fields, and every new state is of the subclass."""
     import attrs
 

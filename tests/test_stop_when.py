@@ -113,7 +113,7 @@ def test_one_process_stops_where_set_trigger_and_check_trigger_stop(end):
         assert [r.epoch for r in state.history if r.name == "train_loss"] == list(range(1, EPOCHS + 1))
 
 
-def test_with_accumulation_a_value_raised_inside_a_group_stops_at_the_end_of_that_group():
+def test_a_stop_inside_a_group_waits_for_its_end():
     """Unlike a break in Accelerate's loop, which leaves half a group's gradients for the next epoch: the decision
     waits for the update, so a run stops (or an epoch ends) with no partial gradients held."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
@@ -127,7 +127,8 @@ def test_with_accumulation_a_value_raised_inside_a_group_stops_at_the_end_of_tha
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("end", ["run", "epoch"])
-def test_two_processes_a_decision_on_rank_one_stops_both_at_the_same_update(end):
+def test_a_decision_on_rank_one_stops_both(end):
+    """On two processes, a decision on rank one stops both at the same update."""
     ranks = testing.run_distributed(_on_this_rank, end, nprocs=2)
 
     (p0, ends0, u0, got0, gends0, step0, epoch0, recorded0), (p1, ends1, u1, got1, gends1, step1, epoch1, recorded1) = ranks
@@ -146,7 +147,8 @@ def _tiny(check_every, end, predicate):
 
 
 @pytest.mark.parametrize("as_tensor", [False, True])
-def test_a_value_that_held_once_between_checks_stops_the_run_at_the_next_check(as_tensor):
+def test_a_value_held_between_checks_stops(as_tensor):
+    """A value that held once between checks stops the run at the next check."""
     predicate = (lambda s: torch.tensor(s.step == 5)) if as_tensor else (lambda s: s.step == 5)
 
     _, state = _tiny(3, "run", predicate)
@@ -154,7 +156,7 @@ def test_a_value_that_held_once_between_checks_stops_the_run_at_the_next_check(a
     assert state.step == 6 and state.should_stop and state.stop.reason == "stop_when"
 
 
-def test_an_epoch_end_raised_after_the_last_check_of_an_epoch_is_dropped_with_that_epoch():
+def test_a_late_epoch_end_is_dropped():
     """Raised at update 4 (the last of epoch 1, checks at 3, 6, 9): the run-scoped flag stops at 6, the
     epoch-scoped one belonged to an epoch that ended anyway, so epoch 2 runs whole."""
     _, run = _tiny(3, "run", lambda s: s.step == 4)
@@ -266,7 +268,7 @@ def test_a_transformer_reads_every_batch_loss_past_the_running_sums_fold():
     assert aux_names == {"accuracy"}
 
 
-def test_a_run_stop_when_ends_mid_epoch_is_the_runs_end_its_final_model_evaluated_and_saved_as_best(tmp_path):
+def test_a_run_stop_mid_epoch_is_the_end(tmp_path):
     """stop_when's stop is final, not a preemption: the epoch functions run on the final state (its model evaluated,
     logged, saved as best), as they do at a budget's end (TrainState.ended_mid_epoch)."""
     from toolz import compose

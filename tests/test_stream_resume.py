@@ -93,7 +93,7 @@ def uninterrupted(tmp_path_factory):
     monkeypatch.undo()
 
 
-def test_the_ways_accelerate_deals_a_stream_to_two_processes_train_each_on_the_same_samples(uninterrupted, tmp_path, monkeypatch):
+def test_each_way_to_deal_a_stream(uninterrupted, tmp_path, monkeypatch):
     """What lets the kill tests share one uninterrupted run: shards, one split batch, and dispatching from process 0."""
     shard_out, shard = uninterrupted(2, ("--source", "stateful", "--deal", "shard"))
     for deal in ("split", "dispatch"):
@@ -103,8 +103,9 @@ def test_the_ways_accelerate_deals_a_stream_to_two_processes_train_each_on_the_s
 
 
 @pytest.mark.parametrize("processes, extra, kills", CASES, ids=IDS)
-def test_a_stream_killed_at_random_moments_and_resumed_trains_every_sample_once_to_the_same_parameters(processes, extra, kills, uninterrupted, tmp_path,
+def test_stream_kill_and_resume(processes, extra, kills, uninterrupted, tmp_path,
                                                                                                     monkeypatch):
+    """A stream killed at random moments and resumed trains every sample once to the same parameters."""
     clean, expected = uninterrupted(processes, extra)
 
     rng = random.Random(7)
@@ -137,7 +138,7 @@ def _ids(out):
     ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
     ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
 ], ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"])
-def test_a_stream_resumes_on_one_process_then_on_three_and_trains_every_sample_once(source, deal, stops, counts, tmp_path, monkeypatch):
+def test_a_stream_resumes_on_one_then_three(source, deal, stops, counts, tmp_path, monkeypatch):
     """Saved by 2 processes inside epoch 1 (update 5: 160 samples of 384), continued on 1 process and saved again, then
     on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
 
@@ -206,7 +207,7 @@ def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
     ("shard", "datasets-loader", r"each process's loader \(.*StatefulDataLoader, 0 worker\(s\)\) saved a state of its own.*num_workers=0"),
     ("prepared-elsewhere", "datasets", r"each process read a part of the stream, and the checkpoint does not say how the stream was split.*ctx.prepare_loaders"),
 ])
-def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number_of_processes_before_anything_changes(deal, source, reason, tmp_path):
+def test_an_undealable_stream_is_refused(deal, source, reason, tmp_path):
     """Process 0 read a stream with no state; a StatefulDataLoader saved a state of its own; a loader prepared by
     Accelerate directly split a datasets stream by process (how, the checkpoint cannot say): on one process the epoch
     cannot go on exactly, and load_checkpoint says why and what resumes elastically; the model is untouched."""
@@ -229,7 +230,7 @@ def test_a_streamed_epoch_that_cannot_be_dealt_anew_is_refused_on_another_number
     testing.assert_params_equal(before, state)
 
 
-def test_an_epoch_dealt_anew_continues_in_order_across_its_own_checkpoint_and_reads_nothing_consumed(tmp_path):
+def test_a_redealt_epoch_continues_in_order(tmp_path):
     """2 processes, each its share of a user's stream (IterableDatasetShard), saved after 5 batches each: the first 80
     samples of the epoch's order. On 1 process the rest is dealt anew: the 16 samples the two processes had read ahead,
     then the stream from its state, so this process trains samples 80.. of the order. Stopped after 3 batches and saved
@@ -318,7 +319,7 @@ def _continues_in_shares(root):
     return _refusal(ctx, dl, state), dataset.yielded.value
 
 
-def test_a_dispatched_epoch_is_not_continued_in_shares_on_the_processes_that_saved_it(tmp_path):
+def test_a_dispatched_epoch_is_not_shared(tmp_path):
     """Each process's position says where its own way stood (process 0's is the whole stream's; the others read
     nothing): continued in shares, process 0's dispatched batch would be one process's batch and the others would
     start the stream again. Refused on every process before a batch is read, naming the setting."""
@@ -352,7 +353,7 @@ def _resumes_prepared_by_accelerate(root):
     return _refusal(ctx, dl, state)
 
 
-def test_a_stream_split_by_a_loader_prepared_elsewhere_is_refused_when_the_epoch_must_be_dealt_anew(tmp_path):
+def test_a_stream_split_elsewhere_is_refused(tmp_path):
     """Saved by 1 process inside an epoch over a 4-shard datasets stream; resumed on 2 whose loader Accelerate prepared
     directly: the whole stream the rest is read from is not at hand (each process holds its own shards). Refused on
     both, naming ctx.prepare_loaders."""

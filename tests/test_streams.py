@@ -122,7 +122,7 @@ def _loss(trained, crash_after=None):
 
 
 @pytest.mark.parametrize("kind, workers", [("datasets", 0), ("datasets", 2), ("own", 0), ("own", 2)])
-def test_a_streamed_epoch_resumed_mid_epoch_trains_every_sample_once_and_equals_the_uninterrupted_run(kind, workers, tmp_path):
+def test_a_stream_resumed_mid_epoch(kind, workers, tmp_path):
     """The issue's run: checkpoints every 10 updates, killed after update 23, resumed from update 20 (batch 20 of 32)."""
     ctx, state, dl = _setup(kind, workers)
     expected_ids: list[int] = []
@@ -153,7 +153,7 @@ def test_a_streamed_epoch_resumed_mid_epoch_trains_every_sample_once_and_equals_
 
 
 @pytest.mark.parametrize("dispatch", [None, True], ids=["each-process-reads", "dispatched"])
-def test_a_stream_saved_at_its_epochs_last_batch_resumes_without_reading_it_again_or_warning(dispatch, tmp_path):
+def test_a_stream_saved_at_its_last_batch(dispatch, tmp_path):
     """The save at update 32 comes before run_epoch closes the epoch, and the loader has read nothing ahead (Accelerate's
     dispatching loop, too, flags the last batch before it yields it): the resume only closes the epoch, reading nothing."""
     ctx, state, dl = _setup("own", 0, dispatch=dispatch)
@@ -212,7 +212,7 @@ def _resumed(kind, workers, stateful_loader, root, crash_after=None):
 
 
 @pytest.mark.parametrize("kind, workers, stateful_loader", O1_CASES)
-def test_a_stream_with_a_state_resumes_reading_only_the_rest_of_its_epoch_and_equals_the_uninterrupted_run(kind, workers, stateful_loader, tmp_path):
+def test_a_stateful_stream_reads_only_the_rest(kind, workers, stateful_loader, tmp_path):
     """Killed after update 23, resumed from update 20: the stream yields the rest of epoch 0 (after the batch the
     checkpoint holds, read ahead) and epoch 1, nothing consumed again; ids, parameters and history as uninterrupted."""
     ctx, state, dl = _setup(kind, workers, stateful_loader)
@@ -234,7 +234,7 @@ def test_a_stream_with_a_state_resumes_reading_only_the_rest_of_its_epoch_and_eq
 
 
 @pytest.mark.parametrize("kind, workers, stateful_loader", [("stateful", 0, False), ("datasets-plain", 2, True)])
-def test_a_second_resume_inside_the_same_epoch_continues_from_the_second_checkpoint(kind, workers, stateful_loader, tmp_path):
+def test_a_second_resume_in_the_same_epoch(kind, workers, stateful_loader, tmp_path):
     """The datasets#8308 case: resumed at update 10, killed again after 23, resumed from 20 (a state saved by a resumed stream)."""
     ctx, state, dl = _setup(kind, workers, stateful_loader)
     expected_ids: list[int] = []
@@ -250,7 +250,7 @@ def test_a_second_resume_inside_the_same_epoch_continues_from_the_second_checkpo
     testing.assert_params_equal(expected, resumed)
 
 
-def test_a_stream_state_is_refused_by_a_loader_that_cannot_take_it_before_the_first_batch(tmp_path):
+def test_a_loader_that_cannot_take_the_state(tmp_path):
     """Saved by a stateful stream, resumed over a stream without a state: a CheckpointError naming both, nothing trained."""
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
     ctx, state, dl = _setup("plain", 0)
@@ -262,7 +262,8 @@ def test_a_stream_state_is_refused_by_a_loader_that_cannot_take_it_before_the_fi
     assert [] == trained and 0 == _yielded(dl)
 
 
-def test_a_loader_state_saved_with_two_workers_is_refused_with_another_number(tmp_path):
+def test_another_number_of_workers_is_refused(tmp_path):
+    """A loader state saved with two workers is refused with another number."""
     _interrupted("stateful", 2, True, tmp_path, crash_after=13)
     ctx, state, dl = _setup("stateful", 1, True)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
@@ -316,7 +317,7 @@ def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, 
     (lambda saved: {"__dict__": [["pieces", []], ["parts", [[[2, 5], saved]]]]}, r"names a part \[\[2, 5\], .*not \[processes, index\] or null"),
     (lambda saved: {"__dict__": [["pieces", []], ["parts", [["whole", saved]]]]}, r"not \[processes, index\] or null"),
 ])
-def test_a_damaged_state_of_an_epoch_dealt_anew_is_refused_before_a_batch_is_read(state, match, tmp_path):
+def test_a_damaged_redealt_state_is_refused(state, match, tmp_path):
     """The state an epoch dealt anew on another number of processes records (the batches still to come, each part of
     the stream still to read as [processes, index] and its state), forged: refused when the epoch starts, nothing read."""
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
@@ -336,7 +337,7 @@ def test_a_damaged_state_of_an_epoch_dealt_anew_is_refused_before_a_batch_is_rea
     ctx.close()
 
 
-def test_a_stream_saved_when_it_had_read_its_last_batch_ahead_resumes_with_that_batch_alone(tmp_path):
+def test_a_stream_saved_with_its_last_read_ahead(tmp_path):
     """Saved at update 31 of 32: the checkpoint holds batch 32; the resumed epoch trains it and reads nothing of epoch 0."""
     ctx, state, dl = _setup("stateful", 0)
     expected_ids: list[int] = []
@@ -398,7 +399,7 @@ def test_a_stream_process_0_dispatches_resumes_to_the_uninterrupted_run(kind, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them")
 @pytest.mark.parametrize("kind", ["stateful", "plain"])
-def test_on_a_gpu_a_stream_accelerate_dispatches_resumes_to_the_uninterrupted_run(kind, tmp_path):
+def test_a_dispatched_stream_on_a_gpu(kind, tmp_path):
     """On a GPU, Accelerate's default for an iterable dataset is to dispatch it (DataLoaderDispatcher), on one process too:
     killed after update 23, resumed from update 20, from the stream's state or by reading it again."""
     from accelerate.data_loader import DataLoaderDispatcher

@@ -184,7 +184,7 @@ def test_a_tensor_parallel_checkpoint_resumes_mid_epoch_exactly(layout, ga, asyn
     assert all(second_epoch[r] == second_epoch[r - r % by_group] for r in range(len(second)))
 
 
-def test_a_tensor_parallel_checkpoint_reshards_to_other_meshes_every_sample_once(tmp_path):
+def test_tp_checkpoint_reshards(tmp_path):
     """TP 2 (2 processes, one data-parallel rank) stopped after 2 updates; resumed under DDP on as many processes (2
     ranks: the same number of processes, another layout of the data, so the epoch goes on by its position in samples)
     for one update; then under TP 2 × FSDP2 over 2 (4 processes, 2 ranks) for one more; then on one process to the
@@ -262,7 +262,7 @@ class _Count:
         pass
 
 
-def test_evaluation_and_prediction_count_each_sample_once_under_tensor_parallelism():
+def test_tp_evaluation_counts_each_sample_once():
     """TP 2 × FSDP2 over 2 (4 processes, 2 data-parallel ranks), 50 samples in batches of 4: the last round is padded.
     ``evaluate`` counts each real sample once (the mean id is the dataset's), and ``predict`` returns each sample once,
     in order; its per-sample losses average to ``eval_loss``. (Accelerate's own ``gather_for_metrics`` keeps a group's
@@ -298,7 +298,7 @@ def _token_normalized(layout):
     return params
 
 
-def test_token_normalization_under_tensor_parallelism_trains_as_one_process():
+def test_tp_token_normalization():
     """``normalize="tokens"`` under TP 2 (one data-parallel rank over 2 processes) trains as one process does: the
     token count summed over the processes counts the group's batch twice, and the scale counts both processes, so
     the ratio is one rank's. To float tolerance: the split matmuls add in another order."""

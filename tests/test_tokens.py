@@ -93,7 +93,7 @@ def _per_token_loss(model, batches):
     return (total / tokens).item()
 
 
-def test_train_loss_in_token_mode_is_weighted_by_tokens_not_a_mean_of_batch_means():
+def test_train_loss_is_weighted_by_tokens():
     """The recorded train_loss (and log_every's) is all token losses over all tokens of the epoch."""
     from trainfold import log_every, run_epoch
 
@@ -113,7 +113,8 @@ def test_train_loss_in_token_mode_is_weighted_by_tokens_not_a_mean_of_batch_mean
     assert "loss@weight" not in state.metrics and "train_loss@weight" not in state.metrics
 
 
-def test_evaluate_in_token_mode_weights_by_tokens_and_counts_every_token_once():
+def test_evaluate_weights_by_tokens():
+    """Evaluate in token mode weights by tokens and counts every token once."""
     from trainfold import evaluate
 
     testing.reset_accelerate_state()

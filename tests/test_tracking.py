@@ -69,7 +69,8 @@ def _trackio_series(logs):
     return {key: [tuple(point) for point in points] for key, points in json.loads(result.stdout.splitlines()[-1]).items()}
 
 
-def test_after_kill_9_and_a_resume_tensorboard_mlflow_dvclive_clearml_trackio_and_aim_hold_every_update_once_with_the_uninterrupted_values(tmp_path, monkeypatch):
+def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
+    """After kill -9 and a resume, TensorBoard, MLflow, DVCLive, ClearML, Trackio and Aim hold every update once with the uninterrupted values."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     _run(tmp_path / "clean-root", tmp_path / "clean-logs")
     clean, clean_mlflow = _series(tmp_path / "clean-logs"), _mlflow_series(tmp_path / "clean-logs")
@@ -158,7 +159,7 @@ ctx.close()
 '''
 
 
-def test_a_resumed_run_goes_on_with_its_offline_clearml_session_mends_a_line_cut_short_and_sends_only_what_it_lacks(tmp_path):
+def test_a_resume_goes_on_with_clearml(tmp_path):
     """A run logs updates 1-5 to an offline ClearML session, which a kill then leaves with a last line cut short (appended
     by hand). Resumed at update 4, the run finds the session by its tag (the run's id), cuts the unfinished line off
     (ClearML would glue its next line to it), goes on with the session, its iterations as given (ClearML would shift them
@@ -227,7 +228,7 @@ print(json.dumps({"first": first, "resumed": resumed, "other": other, "given": g
 '''
 
 
-def test_a_resumed_run_goes_on_with_the_aim_run_tagged_with_its_id_and_replaces_what_it_logs_again(tmp_path):
+def test_a_resume_goes_on_with_aim(tmp_path):
     """A run logs updates 1-5 to Aim (a repository in the Accelerator's logging_dir). Resumed at update 4, it finds the Aim
     run by its tag (the run's id) and goes on with it: update 5 logged again replaces the value Aim held (one value per
     step), and update 6 follows. A resumed state of another run finds no run tagged with its id: it says so and starts

@@ -167,7 +167,8 @@ def test_nan_guard_skips_the_update_and_counts_it(fused):
     assert not any(torch.isnan(p).any() for p in three.model.parameters())
 
 
-def test_nan_guard_skips_on_the_device_without_a_host_sync_for_fused_optimizers():
+def test_nan_guard_skips_on_the_device():
+    """`nan_guard` skips on the device without a host sync for fused optimizers."""
     ctx, state, dl = _nan_setup(True)
     step = make_step(ctx, _poisoned({2}), stages=[nan_guard(3, check_every=1000)])
     batches = list(dl)
@@ -244,7 +245,8 @@ def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), None])
-def test_check_finite_sets_the_flag_for_a_non_finite_gradient_and_changes_no_gradient(bad):
+def test_check_finite_sets_the_flag(bad):
+    """`check_finite` sets the flag for a non-finite gradient and changes no gradient."""
     from trainfold._src.core.guard import check_finite
 
     grads = [torch.randn(3, 2), torch.randn(5)]
@@ -261,7 +263,8 @@ def test_check_finite_sets_the_flag_for_a_non_finite_gradient_and_changes_no_gra
 
 
 @pytest.mark.parametrize("backend", ["DEEPSPEED", "FSDP", "MEGATRON_LM"])
-def test_nan_guard_refuses_backends_where_gradients_are_sharded_or_held_by_the_engine(backend, monkeypatch):
+def test_nan_guard_refuses_sharded_gradients(backend, monkeypatch):
+    """`nan_guard` refuses backends where gradients are sharded or held by the engine."""
     from accelerate.utils import DistributedType
 
     ctx, state, loader, loss_fn = testing.tiny_setup()
@@ -398,7 +401,7 @@ def test_log_every_reports_interval_means_to_logging(caplog):
 
 
 @pytest.mark.parametrize("periods", [(2, 3), (4, 4), (4, 2)])
-def test_log_every_composed_twice_in_one_step_is_refused_at_the_inner_ones_first_report(periods):
+def test_log_every_composed_twice_is_refused(periods):
     """Both would keep their report in ``state.extras["log_every"]``, each taking the other's as where its interval
     began: log_every(3) inside log_every(2) reported at update 3 the mean of update 3 alone, and log_every(2) at
     update 4 that of update 4 alone, silently (watched, both counted every batch's samples). The outer one refuses it,
@@ -519,7 +522,8 @@ def test_run_epoch_and_evaluate_can_limit_batches():
     assert state.metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes():
+def test_sync_batchnorm():
+    """Sync batchnorm is a no-op on one process and refused on CPU processes."""
     from trainfold._src.backend.engine import convert_sync_batchnorm
 
     ctx = Context(accelerator=Accelerator(cpu=True))
@@ -533,7 +537,7 @@ def test_sync_batchnorm_is_a_no_op_on_one_process_and_refused_on_cpu_processes()
     assert converted[1].weight is model[1].weight  # the optimizer's parameters stay the same objects
 
 
-def test_nan_guard_as_a_stage_in_isolation_flags_each_update_and_stops_at_its_check():
+def test_nan_guard_as_a_stage_in_isolation():
     """The guard's hooks, driven by hand: one flag per update (set where a gradient is not finite).
 
     Every check_every recorded updates the guard reads the flags: a run of max_consecutive

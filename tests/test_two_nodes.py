@@ -104,7 +104,7 @@ def test_two_nodes_train_as_one_node_does_and_write_only_the_shared_root(tmp_pat
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
-def test_sigterm_to_one_nodes_launcher_stops_both_nodes_at_one_update_and_the_job_resumes(tmp_path, one_node, nproc):
+def test_sigterm_to_one_node_stops_both(tmp_path, one_node, nproc):
     """SIGTERM to one node's torchrun only (it forwards it to its workers): the other node's workers stop at the same
     update by the stop agreement, one final checkpoint is committed, and both nodes started again end as the job on one
     launcher does: bit for bit on 2 processes; on 4 within 1e-7 (1.5e-8 off), as plain PyTorch DDP on 4 gloo processes
@@ -149,7 +149,7 @@ def test_sigterm_to_one_nodes_launcher_stops_both_nodes_at_one_update_and_the_jo
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
-def test_uneven_data_is_refused_on_every_process_of_both_nodes_before_a_step(tmp_path, nproc):
+def test_uneven_data_is_refused_on_both_nodes(tmp_path, nproc):
     """Rank 0 has one batch more than the others (121 batches over 2 or 4 processes, even_batches=False): every process
     on both nodes refuses the epoch at its start with the same message, and both launchers end; nothing is trained or saved."""
     output = _wait(_start_two_nodes(tmp_path, nproc, tmp_path / "ckpt", tmp_path / "never.st", "--uneven"), tmp_path)

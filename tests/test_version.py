@@ -18,7 +18,7 @@ def test_the_version_is_pep_440_and_the_installed_metadata_carries_it():
     assert metadata.version("trainfold") == trainfold.__version__
 
 
-def test_the_changelog_agrees_a_development_version_is_unreleased_and_a_release_has_its_section():
+def test_the_changelog_agrees_with_the_version():
     """A `.devN` version: the changelog's [Unreleased] section names the release it becomes, and no section claims it is out.
     A release: its `## [X.Y.Z] - date` section is the newest."""
     text = (ROOT / "CHANGELOG.md").read_text()

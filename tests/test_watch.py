@@ -75,7 +75,7 @@ def _token_run(accumulation, watch=True, epochs=2):
 
 
 @pytest.mark.parametrize("accumulation", [1, 4])
-def test_each_report_counts_the_real_tokens_and_samples_of_its_interval_exactly(accumulation):
+def test_reports_count_tokens_and_samples(accumulation):
     """24 sequences of 6 positions, batches of 4 (6 an epoch), 1 to 6 real tokens each: every update's report holds the
     real tokens and the samples of the micro-batches since the last report, two epochs running; under accumulation 4
     an update's group spans the epoch's end (batches 5 and 6, then 1 and 2 of the next), and its tokens are all
@@ -138,7 +138,7 @@ def _peak_rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
 
 
-def test_each_epoch_records_the_processs_peak_memory_where_memory_is_watched():
+def test_each_epoch_records_peak_memory():
     """The epoch's record holds the peak memory (on a CPU the process's peak resident memory so far, read at the epoch's
     end: between what it was before the run and after it, and never lower in a later epoch); with Watch(memory=False),
     none."""
@@ -155,7 +155,7 @@ def test_each_epoch_records_the_processs_peak_memory_where_memory_is_watched():
 
 
 @helpers.needs_cuda
-def test_on_cuda_an_epochs_peak_memory_holds_the_peak_of_every_report_interval_in_it():
+def test_cuda_peak_memory_of_every_interval():
     """A report reads CUDA's peak memory and resets it, at every update here; the epoch's record still holds the peak
     of the one batch that allocated 256 MB (each reading is folded into the epoch's peak too), and the reports after
     that batch's do not."""
@@ -189,7 +189,7 @@ def _two_process_memory():
 
 
 @pytest.mark.multiprocess
-def test_on_two_processes_an_epochs_peak_memory_is_the_mean_of_both_processes_peaks():
+def test_peak_memory_on_two_processes():
     """Each process's peak rides in the epoch's one all-reduce: both record the same mean, which lies between the two
     processes' own peaks."""
     (before_0, after_0, peaks_0), (before_1, after_1, peaks_1) = testing.run_distributed(_two_process_memory, nprocs=2)
@@ -216,7 +216,7 @@ def test_on_two_processes_an_epoch_records_the_samples_and_tokens_of_both():
         assert [(48.0, real_0 + real_1)] * 2 == [(pytest.approx(s), pytest.approx(t)) for s, t in epochs]
 
 
-def test_the_flops_of_the_first_step_are_counted_per_sample_and_mfu_divides_by_the_given_peak():
+def test_flops_per_sample_and_mfu():
     """Linear(8, 16), tanh, Linear(16, 1): per sample 2*8*16 + 2*16 forward, 2*16 + 2*16 backward through the second
     layer, 2*8*16 for the first layer's weight (its input needs no gradient): 608 FLOPs."""
     ctx, state, loader, _ = testing.tiny_setup(seed=0, n=40)
@@ -235,7 +235,8 @@ def test_the_flops_of_the_first_step_are_counted_per_sample_and_mfu_divides_by_t
     ctx.close()
 
 
-def test_a_figure_per_token_gives_the_flops_and_no_peak_on_a_cpu_gives_no_mfu():
+def test_flops_per_token_and_no_mfu_on_a_cpu():
+    """A figure per token gives the flops and no peak on a CPU gives no MFU."""
     ctx, state, reports, dataset = _token_run(1, watch=Watch(flops_per_token=100.0), epochs=1)
     ctx.close()
 
@@ -321,7 +322,7 @@ def test_watch_takes_a_bool_or_a_watch():
     ctx.close()
 
 
-def test_a_run_resumed_from_a_checkpoint_saved_before_its_report_reports_what_the_uninterrupted_run_does(tmp_path):
+def test_a_resume_before_a_report_reports_it(tmp_path):
     """log_every outside checkpoint_every: the save at update 4 comes before the report at update 4, so the checkpoint's
     last report is update 2's. The resumed run's reports start from update 4's, as the uninterrupted run's do."""
     from trainfold import latest_checkpoint, load_checkpoint, max_steps
@@ -358,7 +359,7 @@ def test_the_progress_bar_shows_the_rates_of_the_last_report():
     assert "samples_per_s=" in shown and "loss=" in shown and "8/8" in shown
 
 
-def test_init_trackers_purges_tensorboard_after_the_checkpoint_and_warns_for_a_tracker_that_cannot(tmp_path):
+def test_init_trackers_purges_tensorboard(tmp_path):
     """A resumed state at update 4: TensorBoard starts with purge_step 5 (what the run before logged after update 4 is
     dropped); a tracker that cannot cut its series is started as given, and a warning names it. A fresh state: no
     purge, no warning."""
@@ -428,7 +429,7 @@ def test_trackers_started_after_the_load(started_by, tmp_path):
     ctx.close()
 
 
-def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_lacks(tmp_path, monkeypatch):
+def test_a_resume_goes_on_with_mlflow(tmp_path, monkeypatch):
     """A first run logs updates 1-6 to MLflow, the epoch's record at update 6 too, and is cut off; resumed at update 3, it
     goes on with the MLflow run tagged with its run id, and MLflow is sent only what it lacks: updates 7 and 8, each key
     once. A tracker that keeps nothing of its own (``mine``) is sent everything, as before."""
@@ -466,7 +467,7 @@ def test_a_resumed_run_goes_on_with_its_mlflow_run_and_sends_only_what_mlflow_la
     assert [(6, 16.0)] == series["train/loss_epoch"]
 
 
-def test_an_epoch_record_logged_after_the_checkpoint_at_the_epochs_last_update_is_not_logged_again(tmp_path, monkeypatch):
+def test_an_epoch_record_is_not_logged_twice(tmp_path, monkeypatch):
     """A checkpoint saved in an epoch's last update (4) comes before the epoch's record at that update. The run before
     logged updates 1-5, the record at 4 too, and was cut off; resumed at 4, the run logs the record at 4 again, then 5
     and 6 (its values made different here, to tell them apart). TensorBoard (``purge_step`` 5 drops only what came after
@@ -539,7 +540,7 @@ class _CutAt(helpers.OwnTracker):
 
 @pytest.mark.parametrize("saved_every, cut", [(2, 4), (3, 6)], ids=["inside-an-epoch", "at-an-epochs-end"])
 @pytest.mark.parametrize("watch", [False, True], ids=["plain", "watched"])
-def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_a_tracker_reaches_it_after_the_resume(tmp_path, monkeypatch, caplog,
+def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog,
                                                                                                                       watch, saved_every, cut):
     """log_every(2) outside checkpoint_every: the report of the update ``cut`` is made after its checkpoint, so the
     resumed run goes on from the next update and the report at ``cut`` is never made again. The run before stopped while
@@ -597,7 +598,7 @@ def test_a_report_made_after_the_checkpoint_at_its_update_that_a_kill_kept_from_
     assert sorted(rates) == ([u for u in range(2, 13, 2) if u != cut] if watch else [])
 
 
-def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_sends_only_what_they_lack(tmp_path, monkeypatch):
+def test_a_resume_goes_on_with_dvclive(tmp_path, monkeypatch):
     """DVCLive started as Accelerate starts it (``Live(**init_kwargs)``) empties its folder: a resumed run erased the series
     of the run before. The run before logged updates 1-5, the epoch's record at 4 too, and was cut off; resumed at 4,
     the run goes on with DVCLive's files (``resume=True``) and is sent only what they lack: update 6, and not the
@@ -613,7 +614,7 @@ def test_a_resumed_run_goes_on_with_dvclives_files_instead_of_erasing_them_and_s
 
 @pytest.mark.parametrize("damaged, content", [("metrics.json", '{\n    "step": 5,\n    "tra'), ("metrics.json", ""), ("params.yaml", ""),
                                               ("params.yaml", "lr: [0.1\n")])
-def test_a_dvclive_file_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goes_on(tmp_path, monkeypatch, damaged, content):
+def test_a_cut_dvclive_file_is_set_aside(tmp_path, monkeypatch, damaged, content):
     """DVCLive rewrites its summary (``metrics.json``, at every step) and parameters (``params.yaml``, at every start)
     in place, so a kill can leave them cut short, and DVCLive going on with its folder fails on them (the kill test
     found the summary). init_trackers sets the file aside, says so, and the run goes on with the series (the ``.tsv``
@@ -641,7 +642,7 @@ def test_a_dvclive_file_cut_short_by_a_kill_is_set_aside_and_the_resumed_run_goe
     assert '"step": 6' in (folder / "metrics.json").read_text() and "lr: 0.1" in (folder / "params.yaml").read_text()
 
 
-def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_are_still_held(tmp_path, monkeypatch):
+def test_an_unreadable_dvclive_file_is_named(tmp_path, monkeypatch):
     """A resumed run whose DVCLive folder holds a file it cannot read (a row not DVCLive's): init_trackers names the file
     and what may appear twice there, holds back what the other files hold, and the run goes on."""
     from trainfold import init_trackers
@@ -659,7 +660,7 @@ def test_a_dvclive_file_that_cannot_be_read_at_a_resume_is_named_and_the_others_
     ctx.close()
 
 
-def test_a_resumed_run_goes_on_with_its_trackio_run_and_sends_only_what_trackio_lacks():
+def test_a_resume_goes_on_with_trackio():
     """Trackio (its local store) keeps every row it is sent. The run before logged updates 1-5, the epoch's record at 4
     too, and was cut off; resumed at 4, the run goes on with the Trackio run whose config holds its run id, and is
     sent only what that run lacks: update 6, and not the record at 4 again. Each point once in one run; those the
@@ -696,7 +697,7 @@ def test_a_resumed_run_given_its_trackio_runs_name_goes_on_with_that_run():
     assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
 
 
-def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_one():
+def test_a_lost_trackio_run_starts_anew():
     """A resumed state whose run id no Trackio run of the project holds (another store, or a run killed before Trackio
     wrote anything): a warning names the project and the key, and the run starts a new Trackio run, marked with its id."""
     import uuid
@@ -714,7 +715,7 @@ def test_a_resumed_run_whose_trackio_run_is_not_found_says_so_and_starts_a_new_o
     ctx.close()
 
 
-def test_a_trackio_store_that_cannot_be_read_at_a_resume_is_named_and_the_run_goes_on(monkeypatch):
+def test_an_unreadable_trackio_store_is_named(monkeypatch):
     """A resumed run whose Trackio run its store's reader cannot read: init_trackers says what may then appear twice,
     and the run goes on logging everything."""
     from trackio.sqlite_storage import SQLiteStorage
@@ -733,7 +734,7 @@ def test_a_trackio_store_that_cannot_be_read_at_a_resume_is_named_and_the_run_go
     ctx.close()
 
 
-def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_unreadable_tensorboard_events_are_named(tmp_path, monkeypatch):
     """A resumed run whose TensorBoard events its reader cannot read (a folder it does not support, a damaged file):
     init_trackers says what may then appear twice, and the run goes on logging everything."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -751,7 +752,7 @@ def test_tensorboard_events_that_cannot_be_read_at_a_resume_are_named_and_the_ru
     ctx.close()
 
 
-def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_one(tmp_path, monkeypatch):
+def test_a_lost_mlflow_run_starts_anew(tmp_path, monkeypatch):
     """A resumed state whose run id no MLflow run carries (another tracking store, say): a warning names the experiment
     and the tag, and the run logs into a new MLflow run, tagged with its id, holding nothing back."""
     from trainfold import init_trackers
@@ -771,7 +772,7 @@ def test_a_resumed_run_whose_mlflow_run_is_not_found_says_so_and_starts_a_new_on
     ctx.close()
 
 
-def test_a_tracker_that_cannot_be_made_to_write_before_a_checkpoint_is_named_and_the_checkpoint_is_written(tmp_path):
+def test_a_tracker_that_cannot_flush_is_named(tmp_path):
     """A checkpoint first has each tracker that writes behind (ClearML, Trackio) write what it was given. One whose own
     flush fails (here a stand-in named as Accelerate names ClearML's, its task's flush raising) is named in a warning,
     and the checkpoint is saved: a tracker's trouble does not cost the run its checkpoint."""
