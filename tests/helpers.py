@@ -642,3 +642,33 @@ def own_tracker(kind=OwnTracker, *args):
     from accelerate.tracking import GeneralTracker
 
     return type(kind.__name__, (kind, GeneralTracker), {})(*args)
+
+
+def with_metric(state, value, name: str = "eval_loss"):
+    """``state`` with one more history record at its epoch and step: ``{name: value}`` (what an evaluation records)."""
+    return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values={name: value}))
+
+
+def nan_setup(fused: bool, **accelerator_kwargs):
+    """A Context, a state (an MLP, Adam, ``fused`` or not) and a prepared loader of 6 batches: what a guarded step trains."""
+    from trainfold import Context, TrainState
+
+    ctx = Context(accelerator=Accelerator(cpu=True, **accelerator_kwargs))
+    torch.manual_seed(0)
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    state = TrainState.create(ctx, model=model, optimizer=opt)
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(classification_data(48), batch_size=8))
+    return ctx, state, dl
+
+
+def poisoned(bad_micro_steps):
+    """``ce_loss``, NaN at the micro-steps (counted from 1) in ``bad_micro_steps``."""
+    calls = {"n": 0}
+
+    def loss_fn(model, batch):
+        calls["n"] += 1
+        loss = ce_loss(model, batch)
+        return loss * float("nan") if calls["n"] in bad_micro_steps else loss
+
+    return loss_fn

@@ -683,3 +683,28 @@ def test_a_forgotten_at_end_is_said_at_close(tmp_path, caplog):
     caplog.clear()
     run(with_end=True)
     assert "not in a checkpoint" not in caplog.text
+
+
+@pytest.mark.parametrize("saved_with,loaded_with,match", [
+    (True, False, r"has a scheduler but the state has none"),
+    (False, True, r"has no scheduler but the state has one"),
+])
+@pytest.mark.parametrize("built_on_both", [True, False])
+def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(saved_with, loaded_with, match, built_on_both, tmp_path):
+    """A scheduler adds initial_lr to the optimizer's parameter groups: built on one side only (a scheduler added between
+    runs), the groups differ too, and the scheduler, the cause, is what the error names."""
+
+    def build(with_scheduler):
+        testing.reset_accelerate_state()
+        ctx = Context(accelerator=Accelerator(cpu=True))
+        model = torch.nn.Linear(1, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, 1) if built_on_both or with_scheduler else None
+        return ctx, TrainState.create(ctx, model=model, optimizer=opt, scheduler=scheduler if with_scheduler else None)
+
+    ctx, saved = build(saved_with)
+    save_checkpoint(ctx, tmp_path, saved)
+    ctx, state = build(loaded_with)
+
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ctx, tmp_path, state)

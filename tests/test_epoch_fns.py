@@ -11,10 +11,7 @@ from trainfold import (
     early_stop, evaluate, log_epoch, loop, make_step, plot_history, reduce_lr_on_plateau, restore_best, run_epoch,
     save_best, testing, TrainState,
 )
-
-
-def _with_metric(state, value, name="eval_loss"):
-    return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values={name: value}))
+import helpers
 
 
 def _fake_state():
@@ -25,7 +22,7 @@ def _run_early_stop(values, **kw):
     state = _fake_state()
     stopped_at = None
     for i, v in enumerate(values):
-        state = early_stop("eval_loss", _with_metric(state, v), **kw)
+        state = early_stop("eval_loss", helpers.with_metric(state, v), **kw)
         if state.should_stop and stopped_at is None:
             stopped_at = i
     return stopped_at, state
@@ -110,7 +107,7 @@ def test_reduce_lr_on_plateau_scales_the_learning_rate():
     ctx, state, *_ = testing.tiny_setup(lr=0.1)
     rates = []
     for v in (1.0, 1.0, 1.0, 1.0, 1.0):
-        state = reduce_lr_on_plateau("eval_loss", _with_metric(state, v), factor=0.5, patience=2)
+        state = reduce_lr_on_plateau("eval_loss", helpers.with_metric(state, v), factor=0.5, patience=2)
         rates.append(state.optimizer.param_groups[0]["lr"])
 
     assert [0.1, 0.1, 0.05, 0.05, 0.025] == rates
@@ -206,3 +203,30 @@ def test_a_misspelt_metric_is_named(make, tmp_path):
     with pytest.raises(KeyError, match=r"no 'eval_los' has been recorded \(recorded: \['train_loss', 'eval_loss'\]\)\. Did you mean 'eval_loss'\?"):
         loop(epoch, max_epochs=2)(state)
     ctx.close()
+
+
+def test_early_stop_keeps_a_stop_set_before_it():
+    """An improving metric does not clear a stop another function set (a budget, a signal)."""
+    ctx, state, *_ = testing.tiny_setup()
+    state = helpers.with_metric(state, 1.0).with_stop("max_steps")
+
+    after = early_stop("eval_loss", state, patience=2)
+
+    assert after.should_stop and "max_steps" == after.stop.reason
+
+
+def test_reduce_lr_on_plateau_never_goes_below_min_lr():
+    ctx, state, *_ = testing.tiny_setup(lr=0.1)
+    for flat in (1.0, 1.0):  # the best, then a flat epoch: 0.1 x 0.1 would be 0.01
+        state = reduce_lr_on_plateau("eval_loss", helpers.with_metric(state, flat), factor=0.1, patience=1, min_lr=0.05)
+
+    assert 0.05 == state.optimizer.param_groups[0]["lr"]
+
+
+def test_save_best_in_max_mode_keeps_the_highest_value(tmp_path):
+    ctx, state, *_ = testing.tiny_setup()
+    path = tmp_path / "best.safetensors"
+    for accuracy in (0.5, 0.7, 0.6):
+        state = save_best(ctx, path, "accuracy", helpers.with_metric(state, accuracy, "accuracy"), mode="max")
+
+    assert 0.7 == state.extras["save_best:accuracy"].value

@@ -8,6 +8,7 @@ from toolz import pipe
 from trainfold import Context, TrainState, evaluate, make_step, predict, run_epoch, testing
 
 from helpers import ce_loss_with_accuracy, classification_data, mlp
+import helpers
 
 
 def _setup(n=50, batch_size=8):
@@ -311,3 +312,31 @@ def test_evaluate_metrics_takes_hf_evaluate():
     assert pytest.approx(accuracy_score(expected_r, expected_p)) == state.metrics["eval_accuracy"]
     assert pytest.approx(f1_score(expected_r, expected_p)) == state.metrics["eval_f1"]
     assert (50.0, 1) == (state.metrics["eval_n"], metric.computes)  # every sample once, the padding dropped
+
+
+def _mismatched_aux_on_this_rank():
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    model = torch.nn.Linear(8, 3)
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4))
+    name = f"metric_of_rank_{ctx.accelerator.process_index}"
+
+    def loss_fn(model, batch):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        return loss, {name: loss.detach()}
+
+    try:
+        evaluate(ctx, loss_fn, dl, state)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
+@pytest.mark.multiprocess
+def test_different_metric_names_fail():
+    """Processes that report different metric names fail instead of mixing them."""
+    for message in testing.run_distributed(_mismatched_aux_on_this_rank, nprocs=2, timeout=60):
+        assert message and "not every process has the same names" in message

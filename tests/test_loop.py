@@ -200,3 +200,25 @@ def test_evaluation_before_training_warns():
         inside = loop(run_epoch(ctx, every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
     assert [2, 4, 6, 8] == [r.step for r in inside.history if r.name == "eval_loss"]
     ctx.close()
+
+
+def test_an_epoch_cut_short_by_max_batches_unregisters_its_loader():
+    """Accelerate's GradientState tracks the loader being iterated; an epoch left early must not stay registered."""
+    ctx, state, loader, loss_fn = testing.tiny_setup()
+
+    run_epoch(ctx, make_step(ctx, loss_fn), loader, state, max_batches=2)
+
+    assert not ctx.accelerator.gradient_state.in_dataloader
+
+
+def test_repeat_does_not_start_an_epoch_once_the_state_is_stopped():
+    ctx, state, *_ = testing.tiny_setup()
+    calls = []
+
+    def epoch(s):
+        calls.append(s.epoch)
+        return attrs.evolve(s, epoch=s.epoch + 1)
+
+    repeat(3, epoch)(state.with_stop("max_steps"))
+
+    assert [] == calls

@@ -169,3 +169,17 @@ def test_nan_guard_masks_a_skipped_batchs_tokens():
     finite = [batches[0], batches[2]]
     assert state.history["train_loss"][-1] == pytest.approx(_per_token_loss(model, finite), rel=1e-6)
     assert _per_token_loss(model, finite) != pytest.approx(_per_token_loss(model, batches), rel=1e-3)
+
+
+def test_tokens_mode_logs_the_loss_per_token():
+    """normalize="tokens": loss_fn returns a summed loss and its token count; the logged loss is the per-token mean."""
+    ctx, state, loader, _ = testing.tiny_setup()
+
+    def summed(model, batch):
+        x, _ = batch
+        tokens = torch.tensor(float(len(x) * 3))
+        return model(x).sum() * 0 + 2.5 * tokens, {"tokens": tokens}  # 2.5 per token, whatever the batch
+
+    state = run_epoch(ctx, make_step(ctx, summed, normalize="tokens"), loader, state)
+
+    assert 2.5 == pytest.approx(state.history.latest("train_loss"))
