@@ -628,7 +628,7 @@ def test_an_infinite_buffer_is_not_divergence(tmp_path, caplog):
 def test_nan_guard_checkpoint_after_a_fold(tmp_path):
     """A checkpoint taken right after the running sums folded (batch 64 of an epoch) under nan_guard, whose folded sums
     hold its "nonfinite" count beside the loss's aux names, resumes to the uninterrupted run's end."""
-    from trainfold._src.base.metrics import FOLD_EVERY
+    from trainfold._src.base.running_sums import FOLD_EVERY
 
     def setup():
         testing.reset_accelerate_state()

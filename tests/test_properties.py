@@ -74,7 +74,7 @@ def test_schedules_rise_then_fall_within_their_bounds(args, kind):
 @given(values=st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=150), mask=st.booleans())
 def test_running_sums_equal_what_was_added(values, mask):
     """RunningSums holds up to FOLD_EVERY batches before adding them; its sums are the plain sums all the same."""
-    from trainfold._src.base.metrics import FOLD_EVERY, RunningSums
+    from trainfold._src.base.running_sums import FOLD_EVERY, RunningSums
 
     sums = RunningSums.zero("cpu", mask_nonfinite=mask)
     for v in values:
@@ -90,7 +90,7 @@ def test_running_sums_equal_what_was_added(values, mask):
 def test_running_sums_are_values_whatever_earlier_sums_are_added_to_again(parents):
     """Sums added to in a tree (a step called again on an older state, a branch of a sweep): each sums holds exactly
     the batches on its own path from the first, pending and folded, whatever was added to the others since."""
-    from trainfold._src.base.metrics import FOLD_EVERY, RunningSums
+    from trainfold._src.base.running_sums import FOLD_EVERY, RunningSums
 
     sums, paths = [RunningSums.zero("cpu")], [[]]
     for i, parent in enumerate(parents):

@@ -7,7 +7,7 @@ from accelerate import Accelerator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainfold import Context, TrainState, make_step, testing
-from trainfold._src.base.metrics import FOLD_EVERY
+from trainfold._src.base.running_sums import FOLD_EVERY
 from trainfold._src.core.step import record
 
 

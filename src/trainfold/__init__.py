@@ -15,7 +15,7 @@ from trainfold._version import __version__ as __version__
 if TYPE_CHECKING:
     from trainfold._src.base.history import History as History
     from trainfold._src.base.history import Record as Record
-    from trainfold._src.base.metrics import RunningSums as RunningSums
+    from trainfold._src.base.running_sums import RunningSums as RunningSums
     from trainfold._src.base.records import register_record as register_record
     from trainfold._src.base.types import Batch as Batch
     from trainfold._src.base.types import LossFn as LossFn
@@ -98,7 +98,7 @@ _WHERE: dict[str, str] = {
     "LossFn": "trainfold._src.base.types",
     "MicroBatch": "trainfold._src.core.stages",
     "Record": "trainfold._src.base.history",
-    "RunningSums": "trainfold._src.base.metrics",
+    "RunningSums": "trainfold._src.base.running_sums",
     "Runtime": "trainfold._src.core.runtime",
     "Snapshot": "trainfold._src.core.snapshot",
     "Stage": "trainfold._src.core.stages",

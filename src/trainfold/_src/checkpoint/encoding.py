@@ -34,7 +34,7 @@ from trainfold._src.backend.streams import PART, WHOLE, StreamState
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import counter
 from trainfold._src.base.history import history_from_rows, history_rows
-from trainfold._src.base.metrics import RunningSums
+from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.checkpoint import codec as _codec
 from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint.content import Content, parse_tensors

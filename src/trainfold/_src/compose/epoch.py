@@ -27,7 +27,7 @@ from trainfold._src.backend.streams import (
 )
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
-from trainfold._src.base.metrics import RunningSums
+from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
 from trainfold._src.compose.watch import epoch_figures, epoch_totals

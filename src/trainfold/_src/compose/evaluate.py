@@ -16,7 +16,7 @@ from toolz import curry
 from trainfold._src.backend.loaders import real_samples_in_batch
 from trainfold._src.backend.mesh import data_layout
 from trainfold._src.base.batch import batch_size, slice_batch
-from trainfold._src.base.metrics import RunningSums, weighted
+from trainfold._src.base.running_sums import RunningSums, weighted
 from trainfold._src.base.types import Batch, LossFn
 from trainfold._src.compose.loader_checks import check_every_sample, checked, empty_loader
 from trainfold._src.core.context import Context

@@ -19,7 +19,7 @@ import torch
 
 from trainfold._src.backend.mesh import data_layout
 from trainfold._src.base.checks import user_stacklevel
-from trainfold._src.base.metrics import WEIGHT
+from trainfold._src.base.running_sums import WEIGHT
 from trainfold._src.base.types import Batch
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState

@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import owns_clipping
-from trainfold._src.base.metrics import WEIGHT
+from trainfold._src.base.running_sums import WEIGHT
 from trainfold._src.core.stop import Stop
 
 if TYPE_CHECKING:

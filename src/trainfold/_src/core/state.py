@@ -15,7 +15,7 @@ from trainfold._src.backend.engine import convert_sync_batchnorm, engine_builds_
 from trainfold._src.backend.loaders import deepspeed_micro_batch_unset
 from trainfold._src.backend.precision import drop_fp32_outputs
 from trainfold._src.base.history import History
-from trainfold._src.base.metrics import RunningSums
+from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor, Resume
 from trainfold._src.core.stop import Stop

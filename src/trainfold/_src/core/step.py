@@ -9,7 +9,7 @@ import torch
 
 from trainfold._src.backend.optim import backward_fn, gradient_sync, micro_batch_start
 from trainfold._src.base.copier import copier
-from trainfold._src.base.metrics import RunningSums
+from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.base.types import Batch, LossFn
 from trainfold._src.core.clock import Clock
 from trainfold._src.core.compiling import Compile, compile_regions, compile_spec, loss_of
