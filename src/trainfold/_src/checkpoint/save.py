@@ -25,7 +25,6 @@ from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_para
 from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
 from trainfold._src.backend.sources import source_identity
 from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, stream_source
-from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import length_or_none, positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
@@ -194,8 +193,7 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
     hold_lock(ctx, storage, state)
-    flush_trackers(acc)  # what a tracker was given before this checkpoint is written before it can exist (a kill loses none)
-    ctx.runtime.checkpointed_step = state.step  # and what it is given at this update after it (emit)
+    ctx.runtime.checkpointing(acc, state.step)  # the trackers write what they were given before this checkpoint exists
     name = checkpoint_name(ctx, state)
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
     fmt = for_save(ctx, sharded)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
+from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.core.clock import Clock
 from trainfold._src.distributed.control import Control
 from trainfold._src.distributed.interrupt import Handlers, Interrupt
@@ -43,7 +44,8 @@ class Runtime:
         trackers); the models of states given back (:meth:`release`, by ``Context.release``); the digest
         of each frozen parameter, with the bytes of this process's shard it was taken of (:meth:`remember_digest`,
         by adapter checkpoints: a sharded base is gathered again only after a shard changed); what a
-        ``checkpoint_every`` step last returned per root (:meth:`note_stepped`); and
+        ``checkpoint_every`` step last returned per root (:meth:`note_stepped`); the update of the last checkpoint taken,
+        around which the trackers write (:meth:`checkpointing`, :meth:`wrote_at`); and
         whether the Context was closed (:meth:`close`, by ``Context.close``).
 
     Args:
@@ -148,6 +150,18 @@ class Runtime:
         if noted is None or noted[0]() is not tensor or noted[1] != stamp:
             return None
         return noted[2]
+
+    def checkpointing(self, accelerator: Any, step: int) -> None:
+        """A checkpoint of update ``step`` is about to be taken: the trackers that write behind write what they were given
+        (a kill after the checkpoint loses none of it), and what they are given at ``step`` after it is written at once
+        (:meth:`wrote_at`): a resumed run does not log it again."""
+        flush_trackers(accelerator)
+        self.checkpointed_step = step
+
+    def wrote_at(self, accelerator: Any, step: int) -> None:
+        """Values were logged at update ``step``: if that is the last checkpoint's, the trackers write them at once."""
+        if step == self.checkpointed_step:
+            flush_trackers(accelerator)
 
     def note_stepped(self, root: str, state: Any) -> None:
         """Record ``state`` as the newest a ``checkpoint_every`` step of ``root`` returned (read at close)."""

@@ -1,4 +1,9 @@
-"""Accelerate's trackers that write behind: a checkpoint waits until they have written what they were given.
+"""Accelerate's trackers, vendor by vendor: how a resumed run goes on with each one's run, and how a checkpoint waits
+for those that write behind.
+
+One module per vendor, each giving a :class:`~trainfold._src.backend.trackers.protocol.Vendor`
+that takes plain values; :func:`vendor` finds one by the name Accelerate gives it. A vendor not
+here (Weights & Biases, Comet, SwanLab) is started as given.
 
 A tracker that writes from a thread of its own loses, at a kill, what it had not
 written yet. What it was given after the last checkpoint, a resumed run logs
@@ -10,30 +15,26 @@ as they are given, and need nothing; ClearML and Trackio write from a thread.
 
 from __future__ import annotations
 
+import importlib
 import warnings
-from typing import Any, Callable
+from typing import Any
 
+from trainfold._src.backend.trackers.protocol import GoingOn, Vendor
 from trainfold._src.base.checks import user_stacklevel
 
+#: The vendors by Accelerate's names for them, each in the module of that name here (imported when it is asked for:
+#: a vendor's own package is imported only by a run that uses it).
+NAMES = ("tensorboard", "mlflow", "dvclive", "trackio", "clearml", "aim")
 
-def _clearml(tracker: Any) -> None:
-    task = getattr(tracker, "task", None)
-    if task is not None:
-        task.flush(wait_for_uploads=True)  # its reporter's thread writes every event it was given, and is waited for
-
-
-def _trackio(tracker: Any) -> None:
-    run = getattr(tracker, "run", None)
-    lock, flush = getattr(run, "_client_lock", None), getattr(run, "_flush_queues_inline", None)
-    if lock is None or flush is None or not getattr(run, "_is_local", False):
-        return  # another Trackio (a server's, another version): not waited for, as before
-    with lock:  # what its sender thread does every half second, done now, under the sender's own lock
-        flush()
+__all__ = ["NAMES", "GoingOn", "Vendor", "flush_trackers", "vendor"]
 
 
-#: Per tracker (Accelerate's name), how to wait until what it was given is written. Trackio has no public way to: its
-#: local sender's own step is called (Trackio 0.43's ``Run._flush_queues_inline``, under ``Run._client_lock``).
-FLUSHES: dict[str, Callable[[Any], None]] = {"clearml": _clearml, "trackio": _trackio}
+def vendor(name: str) -> Vendor | None:
+    """The :class:`Vendor` of the tracker Accelerate calls ``name``, or None for one trainfold does not know."""
+    if name not in NAMES:
+        return None
+    found: Vendor = importlib.import_module(f"{__name__}.{name}").VENDOR
+    return found
 
 
 def flush_trackers(accelerator: Any) -> None:
@@ -46,11 +47,11 @@ def flush_trackers(accelerator: Any) -> None:
         return
     for tracker in getattr(accelerator, "trackers", ()):
         name = getattr(tracker, "name", "")
-        flush = FLUSHES.get(name)
-        if flush is None:
+        found = vendor(name)
+        if found is None or found.flush is None:
             continue
         try:
-            flush(tracker)
+            found.flush(tracker)
         except Exception as exc:  # (ClearML's or Trackio's own error, whatever it is)
             warnings.warn(f"{name} could not be made to write what it was given before this checkpoint ({type(exc).__name__}: {exc}); "
                           "the checkpoint goes on, and a kill now may lose the values it had not written.", UserWarning,
