@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import unwrap
+from trainfold._src.backend.position import EpochPosition
 from trainfold._src.backend.streams import PART, WHOLE, StreamState
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import counter
@@ -39,7 +40,7 @@ from trainfold._src.checkpoint import codec as _codec
 from trainfold._src.checkpoint import digest as _digest
 from trainfold._src.checkpoint.content import Content, parse_tensors
 from trainfold._src.checkpoint.manifest import json_bytes, parse_json, rank_files
-from trainfold._src.core.cursor import EpochPosition, Resume
+from trainfold._src.core.cursor import Resume
 from trainfold._src.core.runstate import NO_HANDLES, FrozenTensor, RunState
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.stop import Stop

@@ -22,11 +22,10 @@ import torch
 from toolz import curry
 
 from trainfold._src.backend.engine import engine_name, is_deepspeed, shards_parameters, unwrap
-from trainfold._src.backend.loaders import is_dispatcher, is_streamed, loader_generators, not_resumable, read_ahead_batch, samples_per_batch
-from trainfold._src.backend.sources import source_identity
-from trainfold._src.backend.streams import WHOLE, StreamSource, dealing, stream_source
+from trainfold._src.backend.loaders import loader_generators, not_resumable, samples_per_batch
+from trainfold._src.backend.position import EpochPosition, position_at_save
 from trainfold._src.base import rng as _rng
-from trainfold._src.base.checks import length_or_none, positive_int
+from trainfold._src.base.checks import positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
 from trainfold._src.checkpoint.commit import agreed, check_same_run, checkpoint_name, hold_lock
 from trainfold._src.checkpoint.content import Content
@@ -37,7 +36,7 @@ from trainfold._src.checkpoint.frozen import model_fingerprint
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
-from trainfold._src.core.cursor import EpochCursor, EpochPosition
+from trainfold._src.core.cursor import EpochCursor
 from trainfold._src.core.modes import eval_mode
 from trainfold._src.core.runstate import FrozenTensor, values_of
 from trainfold._src.core.state import TrainState
@@ -268,19 +267,8 @@ def _position(state: TrainState, processes: int) -> EpochPosition | None:
         return None
     if (refused := not_resumable("save_checkpoint", cursor.loader)) is not None:
         raise refused
-    read_ahead = read_ahead_batch(cursor.iterator, cursor.loader)
-    per_batch = samples_per_batch(cursor.loader)
-    samples_before, batches_before = cursor.resumed_at or (0, 0)
-    done = None if per_batch is None else samples_before + (state.batch_in_epoch - batches_before) * per_batch
-    # a stream that can say where it is: its state after the batch read ahead (which the checkpoint holds too)
-    # (an epoch dealt anew on another number of processes: the reader of its rest, which every process reads whole)
-    streamed = is_streamed(cursor.loader) and read_ahead[0]
-    redealt = cursor.stream is not None
-    source = (StreamSource("redealt", cursor.stream, 0) if redealt else stream_source(cursor.loader)) if streamed else None
-    return EpochPosition(cursor.epoch_start, read_ahead, length_or_none(cursor.loader), done, by_samples=cursor.resumed_at is not None,
-                         stream=None if source is None else source.capture(), dispatched=is_dispatcher(cursor.loader),
-                         dealt=(WHOLE if redealt else dealing(cursor.loader, processes)) if streamed else None,
-                         source=source_identity(cursor.loader, processes) if is_streamed(cursor.loader) else None)
+    return position_at_save(cursor.loader, cursor.iterator, cursor.epoch_start, state.batch_in_epoch, processes,
+                            resumed_at=cursor.resumed_at, reader=cursor.stream)
 
 
 def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:

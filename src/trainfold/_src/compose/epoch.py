@@ -10,21 +10,9 @@ from typing import Any, Iterable, overload
 import attrs
 from toolz import curry
 
-from trainfold._src.backend.loaders import (
-    abandon_epoch,
-    is_dispatcher,
-    is_streamed,
-    loader_generators,
-    not_resumable,
-    resumed_by_samples,
-    resumed_epoch,
-    samples_per_batch,
-    set_loader_epoch,
-)
-from trainfold._src.backend.sources import check_source, source_identity
-from trainfold._src.backend.streams import (
-    WHOLE, Redealt, check_saved, kind_of, redeal, replay_advice, resumed_dispatch, resumed_elsewhere, resumed_from_state, stream_source, whole_stream,
-)
+from trainfold._src.backend.loaders import abandon_epoch, is_dispatcher, loader_generators, not_resumable, samples_per_batch, set_loader_epoch
+from trainfold._src.backend.position import resume_in_epoch
+from trainfold._src.backend.streams import replay_advice
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.running_sums import RunningSums
@@ -39,7 +27,6 @@ from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import EpochFn, Step
 from trainfold._src.distributed.control import check_same_count, check_same_length, explaining_timeouts
 from trainfold._src.distributed.interrupt import signal_name
-from trainfold.errors import CheckpointError
 
 
 @overload
@@ -179,9 +166,8 @@ def _check_accumulation(ctx: Context, loader: Any) -> None:
 def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> EpochCursor:
     """The epoch's cursor: its iterator, and the random state it starts from (what a checkpoint needs to replay it).
 
-    A state from ``load_checkpoint`` continues its interrupted epoch: see
-    :func:`trainfold._src.backend.loaders.resumed_epoch`, and on another number of
-    processes :func:`trainfold._src.backend.loaders.resumed_by_samples`.
+    A state from ``load_checkpoint`` continues its interrupted epoch, one of the ways
+    :func:`trainfold._src.backend.position.resume_in_epoch` chooses from.
     """
     cursor = state.cursor
     if isinstance(cursor, EpochCursor) and cursor.iterator is not None and state.batch_in_epoch > 0:
@@ -219,106 +205,13 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
     if state.batch_in_epoch == 0 or position is None:
         restore(resume.now, generators)
         return EpochCursor(iter(loader), loader, rng.capture(generators))
-    epoch_start = position.epoch_start
-    _check_dealing(resume, loader)
-    check_source(position.source, source_identity(loader, ctx.accelerator.num_processes) if is_streamed(loader) else None)
-    # An epoch dealt by samples may have begun on another layout (a checkpoint inside an epoch that was itself resumed on
-    # another number of processes), whose loader had other generators: its order is drawn with the saved ones.
-    restore_start = rng.restore_loosely if by_samples else restore
-
-    def restore_epoch_start() -> None:
-        restore_start(epoch_start, generators)
-
-    def restore_now() -> None:
-        restore(resume.now, generators)
-
-    if position.stream is not None and (position.stream.holder == "redealt" or resume.elastic and not (position.dispatched and is_dispatcher(loader))):
-        reader = _redealt(ctx, state, loader, resume)  # the rest of the epoch, read by every process and dealt anew
-        iterator = resumed_elsewhere(loader, reader, ctx.accelerator.num_processes, ctx.accelerator.process_index,
-                                     restore_epoch_start=restore_epoch_start, restore_now=restore_now)
-        return EpochCursor(iterator, loader, epoch_start, stream=reader)
-    if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1) (elastic if dispatched)
-        source = check_saved(position.stream, stream_source(loader), loader)
-        if is_dispatcher(loader):
-            iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, source, position.stream,
-                                        restore_epoch_start=restore_epoch_start, restore_now=restore_now)
-        else:
-            iterator = resumed_from_state(loader, source, position.stream, position.read_ahead,
-                                          restore_epoch_start=restore_epoch_start, restore_now=restore_now)
-        return EpochCursor(iterator, loader, epoch_start)
-    if by_samples:
-        assert position.samples_done is not None  # load_checkpoint refuses a checkpoint without it
-        iterator = resumed_by_samples(
-            loader,
-            position.samples_done,
-            epoch_start.generators,
-            restore_epoch_start=restore_epoch_start,
-            restore_now=restore_now,
-        )
-        return EpochCursor(iterator, loader, epoch_start, resumed_at=(position.samples_done, state.batch_in_epoch))
-    if is_streamed(loader) and position.read_ahead[0]:
+    acc = ctx.accelerator
+    resumed = resume_in_epoch(loader, position, state.batch_in_epoch, resume.now, epoch=state.epoch, processes=acc.num_processes,
+                              index=acc.process_index, elastic=resume.elastic,
+                              saved_processes=resume.saved_layout[0] if resume.saved_layout is not None else 1, peers=resume.peers)
+    if resumed.replayed:
         _warn_replay(ctx, state, loader)
-    if is_dispatcher(loader):
-        iterator = resumed_dispatch(loader, state.batch_in_epoch, position.read_ahead, None, None,
-                                    restore_epoch_start=restore_epoch_start, restore_now=restore_now)
-    else:
-        iterator = resumed_epoch(loader, state.batch_in_epoch, position.read_ahead, restore_epoch_start=restore_epoch_start, restore_now=restore_now)
-    return EpochCursor(iterator, loader, epoch_start)
-
-
-def _check_dealing(resume: Resume, loader: Any) -> None:
-    """Refuse to continue, on the number of processes that saved it, a streamed epoch that was dispatched by process 0
-    with a loader that deals shares, or the reverse: each process's position says where its own way stood.
-
-    Raises:
-        CheckpointError: naming the setting to resume with.
-    """
-    position = resume.position
-    saved = resume.saved_layout[0] if resume.saved_layout is not None else 1
-    if resume.elastic or saved == 1 or position is None or not is_streamed(loader) or position.dispatched == is_dispatcher(loader):
-        return
-    was, now = ("dispatched", "deals each process its share") if position.dispatched else ("dealt in shares", "dispatches")
-    raise CheckpointError(
-        f"run_epoch: the checkpoint's epoch over a stream was {was} on its {saved} processes, and this loader {now}: each "
-        f"process's position says where its own part stood that way. Resume with DataLoaderConfiguration(dispatch_batches="
-        f"{position.dispatched}), as it was saved, or from a checkpoint between epochs (on another number of processes, "
-        "a streamed epoch with a state continues either way)."
-    )
-
-
-def _redealt(ctx: Context, state: TrainState, loader: Any, resume: Resume) -> Redealt:
-    """The reader of an interrupted streamed epoch's rest, dealt anew to this run's processes, checked against the loader.
-
-    Raises:
-        CheckpointError: the loader dispatches (the saving run dealt shares), or its whole stream cannot be found or is of
-            another kind than the one saved.
-    """
-    position = resume.position
-    assert position is not None and position.stream is not None and resume.peers
-    dealt = position.dealt or WHOLE  # (recorded as dispatched alone by an older trainfold: process 0's state is the whole stream's)
-    processes = ctx.accelerator.num_processes
-    if is_dispatcher(loader):
-        raise CheckpointError(
-            "run_epoch: the checkpoint's epoch was dealt to its processes in shares, and this loader has process 0 read and "
-            "dispatch the stream (dispatch_batches=True): resume with DataLoaderConfiguration(dispatch_batches=False), as "
-            "it was saved, or from a checkpoint between epochs."
-        )
-    whole = whole_stream(loader, processes)
-    if whole is None:
-        raise CheckpointError(
-            f"run_epoch: the checkpoint's epoch over a stream goes on dealt anew to {processes} processes, which needs the "
-            "whole stream this loader reads a share of: prepare the loader with ctx.prepare_loaders (it keeps the dataset "
-            "you gave), or resume on the number of processes that saved it."
-        )
-    if kind_of(whole) != position.stream.kind:
-        raise CheckpointError(
-            f"run_epoch: the checkpoint holds the state of a {position.stream.kind}, and this loader's stream is a "
-            f"{kind_of(whole)}: a state of one kind of source does not fit another. Resume with the dataset that saved it."
-        )
-    aheads = [p.read_ahead[1] for p in resume.peers if p is not None and p.read_ahead[0] and p.read_ahead[1] is not None]
-    saved = [p.stream if p is not None else None for p in resume.peers]
-    base = getattr(loader, "base_dataloader", loader)
-    return redeal(whole, aheads, saved, dealt, state.epoch, int(base.batch_size))
+    return EpochCursor(resumed.iterator, loader, position.epoch_start, resumed_at=resumed.resumed_at, stream=resumed.reader)
 
 
 def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:

@@ -1,10 +1,9 @@
 """Where the run is inside an epoch: the live iteration (:class:`EpochCursor`), what a checkpoint records of it
-(:class:`EpochPosition`), and what a load found to resume it (:class:`Resume`).
+(``backend.position.EpochPosition``), and what a load found to resume it (:class:`Resume`).
 
 A state's ``cursor`` is one of the first and the last, or None before the first epoch. ``run_epoch``
 chooses, once per epoch, how an epoch starts from it (``_start_epoch``: go on in this process, start
-afresh, close an epoch a step ended, continue by the sampler's order, by reading the consumed part
-again, or by the position in samples on another number of processes).
+afresh, close an epoch a step ended, or continue an interrupted one: ``backend.position.resume_in_epoch``).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from trainfold._src.backend.streams import StreamState
+from trainfold._src.backend.position import EpochPosition
 from trainfold._src.base.rng import RngStates
 
 
@@ -39,37 +38,6 @@ class EpochCursor:
     interrupted: bool = False
     resumed_at: tuple[int, int] | None = None
     stream: Any = attrs.field(default=None, repr=False)
-
-
-@attrs.frozen
-class EpochPosition:
-    """What a checkpoint records of an epoch in progress, per process: enough to continue it exactly.
-
-    Made by ``save_checkpoint`` from the live :class:`EpochCursor`, written in the process's own
-    files, read back into a :class:`Resume`.
-    """
-
-    #: the random states the epoch started from (the sampler's permutation is drawn again under them)
-    epoch_start: RngStates = attrs.field(repr=False)
-    #: whether the loader had read a batch ahead of the last one stepped on, and that batch
-    read_ahead: tuple[bool, Any] = attrs.field(repr=False)
-    #: batches per epoch of the interrupted epoch's loader (None if unknown)
-    epoch_length: int | None = None
-    #: samples of the epoch's order done, over every process (None: not recorded, or unknown)
-    samples_done: int | None = None
-    #: the epoch can only be continued by its position in samples (it was itself continued on another number of processes)
-    by_samples: bool = False
-    #: where the stream stood, said by a source with ``state_dict()`` (None: not a stream, or one read again)
-    stream: StreamState | None = attrs.field(default=None, repr=False)
-    #: process 0 read the stream and dispatched each batch (Accelerate's ``dispatch_batches``): its state is the whole
-    #: stream's position, so the epoch can go on on another number of processes
-    dispatched: bool = False
-    #: how this process's part of the stream stood to the whole (``streams.WHOLE``, ``streams.PART``; None: unknown),
-    #: what a resume on another number of processes deals out anew
-    dealt: str | None = None
-    #: what identifies the stream's data (``streams.source_identity``: its files and sizes, a user's ``source_id()``),
-    #: checked at a resume; None where it cannot be known
-    source: Any = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
