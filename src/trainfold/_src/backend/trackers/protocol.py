@@ -32,6 +32,13 @@ class GoingOn:
     logging_dir: str | None = None
 
 
+#: ``prepare(run, its_init_kwargs)``: edits the vendor's keyword arguments in place; whether a resumed run goes on without
+#: what the tracker holds
+Prepare = Callable[[GoingOn, dict[str, Any]], bool]
+#: ``holds(tracker, step)``: each key the tracker holds at or after ``step``, with the last step it holds
+Holds = Callable[[Any, int], dict[str, int]]
+
+
 @attrs.frozen
 class Vendor:
     """One tracker vendor: ``prepare(run, its_init_kwargs)`` edits its keyword arguments in place and says whether a
@@ -40,8 +47,8 @@ class Vendor:
     until it has written what it was given; ``replaces``: it keeps one value per step, so a step logged again
     replaces what it held."""
 
-    prepare: Callable[[GoingOn, dict[str, Any]], bool]
-    holds: Callable[[Any, int], dict[str, int]] | None = None
+    prepare: Prepare
+    holds: Holds | None = None
     started: Callable[[Any, GoingOn], None] | None = None
     flush: Callable[[Any], None] | None = None
     replaces: bool = False
