@@ -131,7 +131,7 @@ def main() -> None:
         state = load_checkpoint(ctx, root, state)
         ctx.accelerator.print(f"resumed from {latest_checkpoint(root).name} at update {state.step}")
 
-    saving = checkpoint_every(ctx, root, 2 if args.smoke else 50, keep_last=2)  # and at a stop; saving.at_end saves the end
+    saving = checkpoint_every(ctx, 2 if args.smoke else 50, root, keep_last=2)  # and at a stop; saving.at_end saves the end
     step = compose(
         max_steps(updates),
         log_every(ctx, 2 if args.smoke else 25),

@@ -60,7 +60,7 @@ def test_adapter_resume_from_any_update(tmp_path):
     """An adapter run resumed from any update ends bit for bit as the uninterrupted run."""
     expected = _train(*helpers.adapter_setup())
     ctx, state, dl = helpers.adapter_setup()
-    saved = _train(ctx, state, dl, checkpoint_every(ctx, tmp_path, 5))
+    saved = _train(ctx, state, dl, checkpoint_every(ctx, 5, tmp_path))
     testing.assert_params_equal(expected, saved)
     checkpoints = list_checkpoints(tmp_path)
     assert [f"ckpt-{n:010d}" for n in (5, 10, 15, 20)] == [c.name for c in checkpoints]
@@ -257,8 +257,8 @@ def test_a_full_checkpoint_of_an_adapter_model_loads_onto_any_base(tmp_path):
 def test_checkpoint_every_takes_save_frozen_and_refuses_a_non_bool(tmp_path):
     ctx, state, dl = helpers.adapter_setup()
     with pytest.raises(TypeError, match="save_frozen must be True or False"):
-        checkpoint_every(ctx, tmp_path, 4, save_frozen="yes")
-    run_epoch(ctx, checkpoint_every(ctx, tmp_path, 4, save_frozen=True)(make_step(ctx, helpers.ce_loss)), dl, state)
+        checkpoint_every(ctx, 4, tmp_path, save_frozen="yes")
+    run_epoch(ctx, checkpoint_every(ctx, 4, tmp_path, save_frozen=True)(make_step(ctx, helpers.ce_loss)), dl, state)
     assert "frozen" not in _state_json(latest_checkpoint(tmp_path))
 
 
@@ -283,7 +283,7 @@ def _adapter_run(engine, root, *, stop_after=None, resume=False, epochs=2, load_
         step = max_steps(stop_after)(step)
     with warnings.catch_warnings():  # on another number of processes: the global batch changed
         warnings.filterwarnings("ignore", message=".*global batch")
-        state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 2)(step), dl), max_epochs=epochs)(state)
+        state = loop(run_epoch(ctx, checkpoint_every(ctx, 2, root)(step), dl), max_epochs=epochs)(state)
     at_end = _whole(state)
     ctx.close()
     return at_start, at_end, state.step

@@ -179,7 +179,7 @@ def _async_run(root, stop_after=None, resume=False):
     step = make_step(ctx, helpers.ce_loss)
     if stop_after:
         step = max_steps(stop_after)(step)
-    state = loop(run_epoch(ctx, checkpoint_every(ctx, root, 1, async_save=True)(step), dl), max_epochs=2)(state)
+    state = loop(run_epoch(ctx, checkpoint_every(ctx, 1, root, async_save=True)(step), dl), max_epochs=2)(state)
     with ctx:  # waits for the last background save, then every process, then closes
         return testing.parameters(state), state.step
 
@@ -236,7 +236,7 @@ def test_the_run_end_save_waits_for_its_commit(end, every, tmp_path, monkeypatch
         return commit(ctx, job, group)
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
-    saving = checkpoint_every(ctx, tmp_path, every, async_save=True)
+    saving = checkpoint_every(ctx, every, tmp_path, async_save=True)
     step = saving(make_step(ctx, loss_fn))
     if end == "max_steps":
         step = max_steps(6)(step)

@@ -57,7 +57,7 @@ def test_resume_from_every_batch_position_is_bit_exact(tmp_path):
 
 def test_resume_keeps_transformer_states(tmp_path):
     ctx, state, dl = _setup(ga=1)
-    step = checkpoint_every(ctx, tmp_path, 4)(log_every(ctx, 2)(make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)])))
+    step = checkpoint_every(ctx, 4, tmp_path)(log_every(ctx, 2)(make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)])))
     state = run_epoch(ctx, step, dl, state)
 
     ctx, fresh, dl = _setup(ga=1)
@@ -104,7 +104,7 @@ def test_resume_keeps_the_nan_guards_unread_flags(tmp_path):
 
 def test_checkpoint_every_and_keep_last(tmp_path):
     ctx, state, dl = _setup(ga=1)
-    step = checkpoint_every(ctx, tmp_path, 2, keep_last=2)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 2, tmp_path, keep_last=2)(make_step(ctx, helpers.ce_loss))
 
     loop(run_epoch(ctx, step, dl), max_epochs=2)(state)
 
@@ -535,7 +535,7 @@ def test_a_resume_reads_one_consumed_batch_again(tmp_path):
         return ctx, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)), dl, data
 
     ctx, state, dl, _ = setup()
-    run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(max_steps(10)(make_step(ctx, helpers.ce_loss))), dl, state)
+    run_epoch(ctx, checkpoint_every(ctx, 10, tmp_path)(max_steps(10)(make_step(ctx, helpers.ce_loss))), dl, state)
     ctx.close()
     ctx, state, dl, data = setup()
     resumed = run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, load_checkpoint(ctx, tmp_path, state))
@@ -615,7 +615,7 @@ def test_an_infinite_buffer_is_not_divergence(tmp_path, caplog):
     mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
     assert torch.isinf(mask).any()
     state.model.register_buffer("mask", mask)
-    step = checkpoint_every(ctx, tmp_path, 1, keep_last=2)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 1, tmp_path, keep_last=2)(make_step(ctx, helpers.ce_loss))
 
     with caplog.at_level("ERROR", logger="trainfold"):
         run_epoch(ctx, step, dl, state)
@@ -640,7 +640,7 @@ def test_nan_guard_checkpoint_after_a_fold(tmp_path):
     ctx, state, loader, loss_fn = setup()
     expected = run_epoch(ctx, step(ctx, loss_fn), loader, state)
     ctx, state, loader, loss_fn = setup()
-    run_epoch(ctx, checkpoint_every(ctx, tmp_path, FOLD_EVERY)(step(ctx, loss_fn)), loader, state, max_batches=FOLD_EVERY)
+    run_epoch(ctx, checkpoint_every(ctx, FOLD_EVERY, tmp_path)(step(ctx, loss_fn)), loader, state, max_batches=FOLD_EVERY)
     assert [f"ckpt-{FOLD_EVERY:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
 
     ctx, fresh, loader, loss_fn = setup()
@@ -656,7 +656,7 @@ def test_at_end_composed_first_is_warned(tmp_path):
     from toolz import compose
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    saving = checkpoint_every(ctx, tmp_path, 3)
+    saving = checkpoint_every(ctx, 3, tmp_path)
     wrong = compose(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2), saving.at_end)
 
     with pytest.warns(UserWarning, match=r"at_end ran before its step trained anything.*compose\(saving\.at_end, loop\(\.\.\.\)\)"):
@@ -669,7 +669,7 @@ def test_a_forgotten_at_end_is_said_at_close(tmp_path, caplog):
     updates a restart would train again; with at_end, nothing is said."""
     def run(with_end):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        saving = checkpoint_every(ctx, tmp_path / str(with_end), 3)
+        saving = checkpoint_every(ctx, 3, tmp_path / str(with_end))
         train = loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)  # 8 updates: saved at 3, 6
         (compose(saving.at_end, train) if with_end else train)(state)
         with caplog.at_level("WARNING", logger="trainfold"):

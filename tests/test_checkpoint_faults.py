@@ -19,7 +19,7 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError, Context, DamagedCheckpoint, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step,
+    CheckpointError, Context, DamagedCheckpoint, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step,
     run_epoch, save_checkpoint, testing, verify_checkpoint,
 )
 
@@ -57,7 +57,7 @@ def test_checkpoints_are_named_by_update(tmp_path):
 def test_order_comes_from_the_position_inside_not_the_name(tmp_path):
     """A copy kept as ckpt-best, or an old checkpoint copied under a high number, is not the newest."""
     ctx, state, dl = _setup()
-    step = checkpoint_every(ctx, tmp_path, 2)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 2, tmp_path)(make_step(ctx, helpers.ce_loss))
     early = None
     for batch in dl:
         state = step(state, batch)
@@ -212,7 +212,7 @@ def test_a_lock_path_that_is_not_a_file_is_refused_by_name(kind, tmp_path):
 def _three_checkpoints(root):
     """A run saving at updates 2, 4 and 6; their names."""
     ctx, state, dl = _setup()
-    run_epoch(ctx, checkpoint_every(ctx, root, 2)(make_step(ctx, helpers.ce_loss)), dl, state)
+    run_epoch(ctx, checkpoint_every(ctx, 2, root)(make_step(ctx, helpers.ce_loss)), dl, state)
     ctx.close()
     return [p.name for p in list_checkpoints(root)]
 
@@ -372,7 +372,7 @@ def _loss(kind):
 def test_read_ahead_batch_keeps_its_container(tmp_path, kind):
     """Saved after every batch and resumed from each save: every resumed run sees its own batch types and ends exact."""
     ctx, state, dl = _setup(collate_fn=_collate(kind))
-    step = checkpoint_every(ctx, tmp_path, 1)(make_step(ctx, _loss(kind)))
+    step = checkpoint_every(ctx, 1, tmp_path)(make_step(ctx, _loss(kind)))
     whole = run_epoch(ctx, step, dl, state)
     resumes = [p for p in list_checkpoints(tmp_path) if 0 < load_checkpoint(ctx, p, state).batch_in_epoch][:2]
 
@@ -387,7 +387,7 @@ def test_a_batch_a_checkpoint_cannot_hold_is_refused_at_the_first_step(tmp_path)
         pass
 
     ctx, state, dl = _setup(collate_fn=lambda samples: (torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]), Opaque()))
-    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, lambda m, b: helpers.ce_loss(m, b[:2])))
+    step = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, lambda m, b: helpers.ce_loss(m, b[:2])))
 
     with pytest.raises(TypeError, match=r"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: .*it is a Opaque"):
         run_epoch(ctx, step, dl, state)
@@ -398,7 +398,7 @@ def test_an_unprepared_loader_is_refused(tmp_path):
     """An unprepared loader with `checkpoint_every` is refused at the first step."""
     ctx, state, _ = _setup()
     raw = torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4)
-    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, helpers.ce_loss))
 
     with pytest.raises(TypeError, match="checkpoint_every: the epoch runs over a loader that was not prepared"):
         run_epoch(ctx, step, raw, state)
@@ -414,7 +414,7 @@ def test_dispatched_map_dataset_is_refused(tmp_path):
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4))
-    step = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, helpers.ce_loss))
 
     with pytest.raises(TypeError, match=r"checkpoint_every: Accelerate dispatches this loader's batches from process 0 "
                                         r"\(dispatch_batches=True\) over a map-style dataset.*Leave dispatch_batches unset"):
@@ -513,4 +513,19 @@ def test_a_bad_keep_last_is_refused_at_the_call(keep_last, tmp_path):
     """`checkpoint_every` refuses a bad `keep_last` when it is called not at the first save."""
     ctx, *_ = testing.tiny_setup(seed=0)
     with pytest.raises(ValueError, match="keep_last must be a positive int"):
-        checkpoint_every(ctx, tmp_path, 2, keep_last=keep_last)
+        checkpoint_every(ctx, 2, tmp_path, keep_last=keep_last)
+
+
+def test_checkpoint_every_in_the_order_before(tmp_path):
+    """``checkpoint_every(ctx, root, n)``, the order before the period came first, saves as ``checkpoint_every(ctx, n,
+    root)`` does, and the warning says how to write it."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+
+    with pytest.warns(DeprecationWarning, match=r"is now checkpoint_every\(ctx, n, root\).*write checkpoint_every\(ctx, 3, '"):
+        saving = checkpoint_every(ctx, tmp_path / "before", 3)
+    loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
+    now = checkpoint_every(ctx, 3, tmp_path / "now")
+    loop(run_epoch(ctx, now(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
+
+    assert [p.name for p in list_checkpoints(tmp_path / "before")] == [p.name for p in list_checkpoints(tmp_path / "now")] == [
+        "ckpt-0000000003", "ckpt-0000000006"]

@@ -107,7 +107,7 @@ def _train(stage, root, *, ga=1, stop_after=None, resume=False, epochs=2, async_
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    saving = checkpoint_every(ctx, root, 2, async_save=async_save)
+    saving = checkpoint_every(ctx, 2, root, async_save=async_save)
     step = saving(step)
     state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state))
     params = _full_params(acc, state.model)
@@ -317,7 +317,7 @@ def _config_composed(stage, ga, root):
     ctx = Context(accelerator=acc)
     (dl,) = ctx.prepare_loaders(dl)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    saving = checkpoint_every(ctx, root, 2)
+    saving = checkpoint_every(ctx, 2, root)
     state = saving.at_end(loop(run_epoch(ctx, saving(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state))
     params = _full_params(acc, state.model)
     lr = state.optimizer.param_groups[0]["lr"]
@@ -461,7 +461,7 @@ def _train_on_store(stage, root, options, *, stop_after=None, resume=False):
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    saving = checkpoint_every(ctx, root, 2, storage_options=options)
+    saving = checkpoint_every(ctx, 2, root, storage_options=options)
     step = saving(step)
     state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=2)(state))
     params = _full_params(acc, state.model)

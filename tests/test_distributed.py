@@ -193,7 +193,7 @@ def _checkpoint_on_this_rank(root):
     uninterrupted = train(*setup(0))
     expected = (testing.parameters(uninterrupted), uninterrupted.history)
     ctx, state, dl = setup(0)
-    train(ctx, state, dl, checkpoint_every(ctx, root, 1))
+    train(ctx, state, dl, checkpoint_every(ctx, 1, root))
     ckpts = list_checkpoints(root)
     results = []
     for ckpt in (ckpts[1], ckpts[len(ckpts) // 2], ckpts[-1]):

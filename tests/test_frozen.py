@@ -73,7 +73,7 @@ def test_a_context_and_a_trained_state_hold_no_mutable_container(tmp_path):
     from trainfold import testing
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    saving = trainfold.checkpoint_every(ctx, tmp_path, 2)
+    saving = trainfold.checkpoint_every(ctx, 2, tmp_path)
     step = trainfold.log_every(ctx, 2)(saving(trainfold.make_step(ctx, loss_fn)))
     state = saving.at_end(trainfold.loop(trainfold.run_epoch(ctx, step, loader), max_epochs=2)(state))
     assert _containers(ctx) == {}

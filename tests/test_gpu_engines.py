@@ -84,7 +84,7 @@ def _train(root, *, stop_after=None, resume=False, ga=1):
     step = make_step(ctx, helpers.ce_loss)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    saving = checkpoint_every(ctx, root, 2)
+    saving = checkpoint_every(ctx, 2, root)
     state = saving.at_end(loop(run_epoch(ctx, saving(step), dl), max_epochs=2)(state))
     params = _full(ctx.accelerator, state.model)
     ctx.close()

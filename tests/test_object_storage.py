@@ -73,7 +73,7 @@ def test_s3_resumes_from_every_checkpoint(s3):
     root, options, _ = s3
     expected = _train(*_setup())
     ctx, state, dl = _setup()
-    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, root, 1, storage_options=options))
+    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, 1, root, storage_options=options))
     testing.assert_params_equal(expected, with_saves)
     checkpoints = list_checkpoints(root, storage_options=options)
     assert 6 <= len(checkpoints) and all(isinstance(c, str) and c.startswith(f"{root}/ckpt-") for c in checkpoints)
@@ -119,7 +119,7 @@ def test_the_cli_on_s3(s3, tmp_path):
     """`trainfold ls | verify | inspect | export | diff` take a store's URL, configured as fsspec is (the environment)."""
     root, options, _ = s3
     ctx, state, dl = _setup(ga=1)
-    state = run_epoch(ctx, checkpoint_every(ctx, root, 2, storage_options=options)(make_step(ctx, helpers.ce_loss)), dl, state)
+    state = run_epoch(ctx, checkpoint_every(ctx, 2, root, storage_options=options)(make_step(ctx, helpers.ce_loss)), dl, state)
     ctx.close()
     env = {**os.environ, **s3_env(options)}
 
@@ -416,9 +416,9 @@ def test_a_lock_removed_under_a_live_job(s3, caplog):
 def test_an_unknown_protocol_is_refused_when_the_checkpointing_is_set_up():
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(ValueError, match="'s4' is not a protocol fsspec knows"):
-        checkpoint_every(ctx, "s4://bucket/run", 2)
+        checkpoint_every(ctx, 2, "s4://bucket/run")
     with pytest.raises(ValueError, match="storage_options are for a root on object storage"):
-        checkpoint_every(ctx, "local-folder", 2, storage_options={"key": "x"})
+        checkpoint_every(ctx, 2, "local-folder", storage_options={"key": "x"})
     ctx.close()
 
 
@@ -447,7 +447,7 @@ def test_a_typo_d_bucket_is_refused_when_the_checkpointing_is_composed(s3):
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(CheckpointError, match=r"checkpoint_every: s3://lmrnus/run cannot hold checkpoints: the bucket \(or container\) "
                                               r"'lmrnus' does not exist on this store: check its name"):
-        checkpoint_every(ctx, "s3://lmrnus/run", 2, storage_options=options)
+        checkpoint_every(ctx, 2, "s3://lmrnus/run", storage_options=options)
     ctx.close()  # (trainfold ls of such a root: the command-line test above)
 
 
@@ -456,7 +456,7 @@ def test_a_local_root_under_a_file(tmp_path):
     (tmp_path / "a-file").write_text("")
     ctx, state, dl = _setup(ga=1)
     with pytest.raises(CheckpointError, match=r"cannot hold checkpoints: .*a-file is a file, not a folder"):
-        checkpoint_every(ctx, tmp_path / "a-file" / "run", 2)
+        checkpoint_every(ctx, 2, tmp_path / "a-file" / "run")
     ctx.close()
 
 
@@ -475,7 +475,7 @@ def test_without_fsspec_a_url_root_names_the_extra_to_install():
     code = ("import sys; sys.modules['fsspec'] = None\n"
             "from trainfold import testing, checkpoint_every\n"
             "ctx, *_ = testing.tiny_setup(seed=0)\n"
-            "try:\n    checkpoint_every(ctx, 's3://bucket/run', 1)\nexcept ImportError as exc:\n    print(exc)\n")
+            "try:\n    checkpoint_every(ctx, 1, 's3://bucket/run')\nexcept ImportError as exc:\n    print(exc)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600))
     assert "pip install 'trainfold[s3]'" in result.stdout, result.stderr[-2000:]
 
@@ -509,7 +509,7 @@ def test_a_background_save_uploads_while_training_goes_on_and_commits(s3):
     root, options, _ = s3
     expected = _train(*_setup(ga=1))
     ctx, state, dl = _setup(ga=1)
-    trained = _train(ctx, state, dl, checkpoint_every(ctx, root, 2, async_save=True, storage_options=options))
+    trained = _train(ctx, state, dl, checkpoint_every(ctx, 2, root, async_save=True, storage_options=options))
     ctx.wait_for_checkpoints()
     testing.assert_params_equal(expected, trained)
     ctx2, fresh, _ = _setup(ga=1, seed=8)

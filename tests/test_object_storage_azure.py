@@ -43,7 +43,7 @@ def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):
     root, options, _ = az
     expected = _train(*helpers.noisy_setup())
     ctx, state, dl = helpers.noisy_setup()
-    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, root, 2, storage_options=options))
+    with_saves = _train(ctx, state, dl, checkpoint_every(ctx, 2, root, storage_options=options))
     testing.assert_params_equal(expected, with_saves)
     ctx.close()
     checkpoints = list_checkpoints(root, storage_options=options)

@@ -55,7 +55,7 @@ def test_a_peft_checkpoint_is_small_and_exact(tmp_path, isolated):
     """A PEFT LoRA model's checkpoint is under a tenth of a full one and resumes bit for bit."""
     expected = _train(*_setup(_lora_mlp()))
     ctx, state, dl = _setup(_lora_mlp())
-    state = _train(ctx, state, dl, checkpoint_every(ctx, tmp_path / "root", 10))
+    state = _train(ctx, state, dl, checkpoint_every(ctx, 10, tmp_path / "root"))
     testing.assert_params_equal(expected, state)
     save_checkpoint(ctx, tmp_path / "full", state, save_frozen=True)
     ctx.close()

@@ -256,7 +256,7 @@ def test_gpu_epoch_syncs_only_where_it_reports(tmp_path):
         return marking
 
     log_n, save_n = 5, 7  # updates
-    step = compose(where, progress_bar(ctx, total=len(dl)), log_every(ctx, log_n), checkpoint_every(ctx, tmp_path, save_n, async_save=True),
+    step = compose(where, progress_bar(ctx, total=len(dl)), log_every(ctx, log_n), checkpoint_every(ctx, save_n, tmp_path, async_save=True),
                    ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=log_n)]))
     state = step(state, next(iter(dl)))  # the first step builds what it needs
     torch.cuda.synchronize()

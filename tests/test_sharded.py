@@ -115,7 +115,7 @@ def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, e
         step = max_steps(stop_after)(step)
     end = lambda s: s  # noqa: E731
     if sharded is None:
-        saving = checkpoint_every(ctx, root, 2, async_save=async_save)
+        saving = checkpoint_every(ctx, 2, root, async_save=async_save)
         step, end = saving(step), saving.at_end
     state = end(loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state))
     if sharded is not None:
@@ -206,7 +206,7 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
     step = make_step(ctx, loss_fn)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
-    step = checkpoint_every(ctx, root, 1, keep_last=1, sharded=sharded)(step)
+    step = checkpoint_every(ctx, 1, root, keep_last=1, sharded=sharded)(step)
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always")
         state = run_epoch(ctx, step, dl, state)
@@ -482,7 +482,7 @@ def _loads_a_root_damaged_on_one_rank(root, sharded, damaged):
     import warnings
 
     ctx, state, dl = _setup("ddp", n=48)  # 6 batches a process
-    state = run_epoch(ctx, checkpoint_every(ctx, root, 2, sharded=sharded)(make_step(ctx, helpers.ce_loss)), dl, state)
+    state = run_epoch(ctx, checkpoint_every(ctx, 2, root, sharded=sharded)(make_step(ctx, helpers.ce_loss)), dl, state)
     names = [p.name for p in list_checkpoints(root)]
     ctx.accelerator.wait_for_everyone()
     if ctx.accelerator.process_index == 1:  # what only process 1 reads
@@ -526,7 +526,7 @@ def _elastic_means(root, *, stop_after=None, resume=False):
         losses.append(loss.item())
         return loss
 
-    step = checkpoint_every(ctx, root, 1, keep_last=1)(make_step(ctx, loss_fn))
+    step = checkpoint_every(ctx, 1, root, keep_last=1)(make_step(ctx, loss_fn))
     if stop_after is not None:
         step = max_steps(stop_after)(step)
     logged = log_every(ctx, 2)(step)
@@ -578,7 +578,7 @@ def _elastic_sent(root, *, stop_after=None, resume=False):
     model = helpers.mlp(dropout=0.1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
-    step = checkpoint_every(ctx, root, 1, keep_last=1)(make_step(ctx, helpers.ce_loss))
+    step = checkpoint_every(ctx, 1, root, keep_last=1)(make_step(ctx, helpers.ce_loss))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the sums restart, the global batch changed, the tracker cannot cut back: said
         if resume:

@@ -152,7 +152,7 @@ def test_a_repeated_sigterm_or_an_echoed_ctrl_c_stays_a_request(signum, gap, tmp
     """SLURM signals every process of the step and torchrun forwards its own copy: the second SIGTERM (or the launcher's
     copy of a Ctrl-C) must not turn the graceful stop into a kill; the final checkpoint is written."""
     ctx, state, dl = _setup()
-    inner = checkpoint_every(ctx, tmp_path, 100)(make_step(ctx, helpers.ce_loss))
+    inner = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, helpers.ce_loss))
 
     def twice(s, b):
         if s.batch_in_epoch == 3:
@@ -429,7 +429,7 @@ def test_a_stop_during_evaluation_is_saved(tmp_path):
     ctx, state, dl = _setup()
     loss_fn = _sigterm_in_first_loss()
 
-    saving = checkpoint_every(ctx, tmp_path, 5)
+    saving = checkpoint_every(ctx, 5, tmp_path)
     step = saving(make_step(ctx, helpers.ce_loss))
     final = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
 
@@ -450,7 +450,7 @@ def test_a_finished_job_trains_nothing_again(tmp_path):
         ctx, state, dl = _setup(seed)
         if latest_checkpoint(tmp_path) is not None:
             state = load_checkpoint(ctx, tmp_path, state)
-        saving = checkpoint_every(ctx, tmp_path, 5, keep_last=2)
+        saving = checkpoint_every(ctx, 5, tmp_path, keep_last=2)
         step = saving(make_step(ctx, helpers.ce_loss))
         return compose(saving.at_end, loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
 
@@ -472,7 +472,7 @@ def test_a_budget_ending_mid_epoch_is_evaluated(budget, tmp_path, capsys):
     is evaluated (a port crashed with KeyError: 'eval_loss' when the budget ended in epoch 1, and reported epoch 1's
     eval_loss as final when it ended in epoch 2)."""
     ctx, state, dl = _setup()
-    saving = checkpoint_every(ctx, tmp_path, 100)
+    saving = checkpoint_every(ctx, 100, tmp_path)
     step = saving(max_steps(budget)(make_step(ctx, helpers.ce_loss)))
     epoch = compose(save_best(ctx, tmp_path / "best.safetensors", "eval_loss"), log_epoch(ctx), early_stop("eval_loss", patience=1),
                     evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl))
@@ -519,7 +519,7 @@ def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
     def train(ctx, state, dl, budget, root=None):
         step = max_steps(budget)(make_step(ctx, helpers.ce_loss))
         if root is not None:
-            step = checkpoint_every(ctx, root, 100)(step)
+            step = checkpoint_every(ctx, 100, root)(step)
         return loop(run_epoch(ctx, step, dl), max_epochs=10)(state)
 
     ctx, state, dl = _setup()
@@ -557,7 +557,7 @@ def test_keep_last_never_prunes_the_newest_finite_checkpoint(tmp_path, caplog):
         return loss * float("nan") if poisoned else loss
 
     poisoned = False
-    step = checkpoint_every(ctx, tmp_path, 1, keep_last=2)(make_step(ctx, loss_fn))
+    step = checkpoint_every(ctx, 1, tmp_path, keep_last=2)(make_step(ctx, loss_fn))
     state = run_epoch(ctx, step, dl, state, max_batches=4)
     poisoned = True
     with caplog.at_level("ERROR", logger="trainfold"), pytest.warns(RuntimeWarning, match="train_loss is nan .*has diverged"):

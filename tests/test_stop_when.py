@@ -198,7 +198,7 @@ def test_an_epoch_ended_by_a_step_resumes_from_any_checkpoint_as_it_ran(tmp_path
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
         if resume_from is not None:
             state = load_checkpoint(ctx, resume_from, state)
-        saving = checkpoint_every(ctx, root, 1)
+        saving = checkpoint_every(ctx, 1, root)
         step = saving(stop_when(ctx, lambda s: s.last_loss < 2.0, end="epoch", check_every=1)(make_step(ctx, loss_fn)))
         return saving.at_end(loop(run_epoch(ctx, step, loader), max_epochs=3)(state))
 

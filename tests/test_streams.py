@@ -132,7 +132,7 @@ def test_a_stream_resumed_mid_epoch(kind, workers, tmp_path):
     ctx, state, dl = _setup(kind, workers)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+        run_epoch(ctx, checkpoint_every(ctx, 10, tmp_path)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
     ctx.close()
     assert tmp_path / "ckpt-0000000020" == latest_checkpoint(tmp_path)
 
@@ -157,7 +157,7 @@ def test_a_stream_saved_at_its_last_batch(dispatch, tmp_path):
     """The save at update 32 comes before run_epoch closes the epoch, and the loader has read nothing ahead (Accelerate's
     dispatching loop, too, flags the last batch before it yields it): the resume only closes the epoch, reading nothing."""
     ctx, state, dl = _setup("own", 0, dispatch=dispatch)
-    state = run_epoch(ctx, checkpoint_every(ctx, tmp_path, 32)(make_step(ctx, _loss([]))), dl, state)
+    state = run_epoch(ctx, checkpoint_every(ctx, 32, tmp_path)(make_step(ctx, _loss([]))), dl, state)
     ctx.close()
 
     ctx, state, dl = _setup("own", 0, dispatch=dispatch)
@@ -187,7 +187,7 @@ def _interrupted(kind, workers, stateful_loader, root, crash_after):
     ctx, state, dl = _setup(kind, workers, stateful_loader)
     trained: list[int] = []
     with pytest.raises(Crash):
-        loop(run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(trained, crash_after=crash_after * BATCH))), dl), max_epochs=2)(state)
+        loop(run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(trained, crash_after=crash_after * BATCH))), dl), max_epochs=2)(state)
     ctx.close()
     return trained
 
@@ -200,7 +200,7 @@ def _resumed(kind, workers, stateful_loader, root, crash_after=None):
         warnings.simplefilter("error")  # no replay warning: nothing is read again
         warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
         resumed = load_checkpoint(ctx, latest_checkpoint(root), state)
-        run = loop(run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(trained, crash_after=crash_after and crash_after * BATCH))), dl), max_epochs=2)
+        run = loop(run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(trained, crash_after=crash_after and crash_after * BATCH))), dl), max_epochs=2)
         if crash_after is not None:
             with pytest.raises(Crash):
                 run(resumed)
@@ -347,7 +347,7 @@ def test_a_stream_saved_with_its_last_read_ahead(tmp_path):
     ctx, state, dl = _setup("stateful", 0)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 31)(make_step(ctx, _loss(before, crash_after=31 * BATCH))), dl, state)
+        run_epoch(ctx, checkpoint_every(ctx, 31, tmp_path)(make_step(ctx, _loss(before, crash_after=31 * BATCH))), dl, state)
     ctx.close()
     resumed, after, yielded = _resumed("stateful", 0, False, tmp_path)
 
@@ -368,7 +368,7 @@ def _killed_at_23_and_resumed(kind, root, **setup):
     ctx, state, dl = _setup(kind, 0, **setup)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, root, 10)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+        run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
     ctx.close()
 
     ctx, state, dl = _setup(kind, 0, **setup)
@@ -438,7 +438,7 @@ def test_a_shorter_stream_read_again_is_refused(tmp_path):
         return _linear_over(_Short(n), 4)
 
     ctx, state, dl = setup(32)
-    step = checkpoint_every(ctx, tmp_path, 5)(make_step(ctx, _loss([])))
+    step = checkpoint_every(ctx, 5, tmp_path)(make_step(ctx, _loss([])))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the stream is read again on a resume: said at the save
         run_epoch(ctx, step, dl, state, max_batches=6)
@@ -484,7 +484,7 @@ def test_a_changed_stream_source_is_refused(change, words, tmp_path):
     data = tmp_path / "data"
     _json_shards(data, [16, 16, 16, 16])
     ctx, state, dl = _json_setup(data)
-    save = checkpoint_every(ctx, tmp_path / "root", 5)(make_step(ctx, _loss([])))
+    save = checkpoint_every(ctx, 5, tmp_path / "root")(make_step(ctx, _loss([])))
     run_epoch(ctx, save, dl, state, max_batches=5)
     ctx.close()
     if change is not None:
@@ -521,7 +521,7 @@ def test_a_users_stream_source_id_is_checked(tmp_path):
     ctx, state, dl = setup("v1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # read again on a resume: said
-        run_epoch(ctx, checkpoint_every(ctx, tmp_path, 3)(make_step(ctx, _loss([]))), dl, state, max_batches=3)
+        run_epoch(ctx, checkpoint_every(ctx, 3, tmp_path)(make_step(ctx, _loss([]))), dl, state, max_batches=3)
     ctx.close()
     ctx, fresh, dl = setup("v2")
     resumed = load_checkpoint(ctx, tmp_path, fresh)

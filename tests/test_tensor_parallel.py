@@ -144,7 +144,7 @@ def _run(layout, root, *, stop_after=None, resume=False, ga=1, epochs=1, every=1
         step = make_step(ctx, _loss(seen))
         if stop_after is not None:
             step = max_steps(stop_after)(step)
-        saving = checkpoint_every(ctx, root, every, keep_last=1, async_save=async_save)
+        saving = checkpoint_every(ctx, every, root, keep_last=1, async_save=async_save)
         step = saving(step)
         state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state))
     warned = [str(w.message) for w in log if "global batch" in str(w.message)]

@@ -302,7 +302,7 @@ def test_the_time_shares_add_up_and_name_the_loader_and_the_checkpoints(tmp_path
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Slow(), batch_size=4))
-    step, reports = _reports(log_every(ctx, 3, watch=True)(checkpoint_every(ctx, tmp_path, 1)(make_step(ctx, helpers.ce_loss))))
+    step, reports = _reports(log_every(ctx, 3, watch=True)(checkpoint_every(ctx, 1, tmp_path)(make_step(ctx, helpers.ce_loss))))
     run_epoch(ctx, step, dl, state)
     ctx.close()
 
@@ -331,7 +331,7 @@ def test_a_resume_before_a_report_reports_it(tmp_path):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=24)
         if resume:
             state = load_checkpoint(ctx, latest_checkpoint(root), state)
-        inner = checkpoint_every(ctx, root, 2)(make_step(ctx, loss_fn))
+        inner = checkpoint_every(ctx, 2, root)(make_step(ctx, loss_fn))
         step, reports = _reports(log_every(ctx, 2)(max_steps(stop)(inner) if stop else inner))
         loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
         ctx.close()
@@ -569,7 +569,7 @@ def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # mine cannot cut a series back: said
             init_trackers(ctx, "proj", state)
-        step = log_every(ctx, 2, watch=watch)(checkpoint_every(ctx, tmp_path / name / "checkpoints", saved_every)(make_step(ctx, loss_fn)))
+        step = log_every(ctx, 2, watch=watch)(checkpoint_every(ctx, saved_every, tmp_path / name / "checkpoints")(make_step(ctx, loss_fn)))
         with pytest.raises(_Killed) if cut else contextlib.nullcontext():
             loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
         ctx.accelerator.end_training()

@@ -45,7 +45,7 @@ def main():
         time.sleep(0.02)
         return inner(s, b)
 
-    saving = checkpoint_every(ctx, root, 1000)  # no periodic save: only the final one on a stop, and the end
+    saving = checkpoint_every(ctx, 1000, root)  # no periodic save: only the final one on a stop, and the end
     step = saving(slow)
     print("ready", flush=True)
     state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=4)(state))

@@ -62,7 +62,7 @@ def main(argv=None):
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
     if latest_checkpoint(root) is not None:
         state = load_checkpoint(ctx, root, state)
-    saving = checkpoint_every(ctx, root, 1, keep_last=3, async_save="--async-saves" in argv)
+    saving = checkpoint_every(ctx, 1, root, keep_last=3, async_save="--async-saves" in argv)
     step = saving(make_step(ctx, loss_fn, clip_grad_norm=1.0))
     if "--slow-saves" in argv:  # widen the window in which a kill lands during a save
         inner, pause = step, 0.05 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else 0.01

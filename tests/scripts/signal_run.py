@@ -60,7 +60,7 @@ def main(argv=None):
                 say(f"update {new.step}")
             return new
 
-        saving = checkpoint_every(ctx, args.root, 10_000)  # no periodic save: only the final one on a stop, and the end
+        saving = checkpoint_every(ctx, 10_000, args.root)  # no periodic save: only the final one on a stop, and the end
         step = saving(slow)
         say(f"ready {rank} {os.getpid()}")
         try:

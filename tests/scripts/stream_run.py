@@ -123,7 +123,7 @@ def _train(argv: list[str]) -> None:
         return ((model(batch["x"]) - batch["x"].sin()) ** 2).mean()
 
     state_box = [state.step]
-    saving = checkpoint_every(ctx, args.root, 3, keep_last=2)
+    saving = checkpoint_every(ctx, 3, args.root, keep_last=2)
     inner = saving(make_step(ctx, loss_fn))
     if args.stop_after is not None:
         inner = max_steps(args.stop_after)(inner)

@@ -64,7 +64,7 @@ def main():
         x, y = batch
         return torch.nn.functional.mse_loss(model(x), y)
 
-    saving = checkpoint_every(ctx, args.root, 3)
+    saving = checkpoint_every(ctx, 3, args.root)
     epoch = compose(log_epoch(ctx), evaluate(ctx, loss_fn, held_out), run_epoch(ctx, log_every(ctx, 1)(saving(make_step(ctx, loss_fn))), train))
     os.write(1, f"ready {os.getpid()}\n".encode())
     with ctx:

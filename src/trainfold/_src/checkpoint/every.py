@@ -54,7 +54,7 @@ class CheckpointEvery:
         >>> import tempfile
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-        >>> saving = checkpoint_every(ctx, tempfile.mkdtemp(), 2)
+        >>> saving = checkpoint_every(ctx, 2, tempfile.mkdtemp())
         >>> saving.n, callable(saving), saving.at_end(state).step
         (2, True, 0)
     """
@@ -146,7 +146,7 @@ class CheckpointEvery:
                                storage_options=self.storage_options, save_frozen=self.save_frozen)
 
 
-def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep_last: int | None = None, sharded: bool | None = None,
+def checkpoint_every(ctx: Context, n: int, root: str | os.PathLike[str], *, keep_last: int | None = None, sharded: bool | None = None,
                      async_save: bool = False, storage_options: Mapping[str, Any] | None = None, save_frozen: bool = False) -> CheckpointEvery:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
@@ -160,7 +160,7 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     the epoch functions after a budget's stop recorded. Starting a finished job
     again trains and saves nothing:
 
-        saving = checkpoint_every(ctx, root, 100)
+        saving = checkpoint_every(ctx, 100, root)
         train = loop(compose(log_epoch(ctx), run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
         state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state) if latest_checkpoint(root) else state)
 
@@ -171,10 +171,14 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     stop is committed before the step returns. A root that cannot be used (an unknown
     protocol, the store's package not installed) is refused here, not at the first save.
 
+    The period comes right after the Context, as in every periodic name (``log_every(ctx, n)``,
+    ``every_steps(n, fn)``); the order before, ``checkpoint_every(ctx, root, n)``, still works
+    and warns.
+
     Args:
         ctx: the run's Context.
-        root: the folder (or ``s3://...`` URL) that holds the run's checkpoints.
         n: save after every ``n``-th optimizer update (a positive int).
+        root: the folder (or ``s3://...`` URL) that holds the run's checkpoints.
         keep_last: after each commit, delete all but the newest ``keep_last`` checkpoints (never the
             newest finite one); None (the default) keeps every checkpoint.
         sharded: as :func:`save_checkpoint`'s: each process writes its own shard.
@@ -195,11 +199,12 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
         >>> from trainfold import testing
         >>> ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         >>> root = tempfile.mkdtemp()
-        >>> saving = checkpoint_every(ctx, root, 3)
+        >>> saving = checkpoint_every(ctx, 3, root)
         >>> state = saving.at_end(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)(state))
         >>> [p.name for p in list_checkpoints(root)]
         ['ckpt-0000000003', 'ckpt-0000000006', 'ckpt-0000000008']
     """
+    n, root = _period_first(n, root)
     positive_int("checkpoint_every", n)
     if keep_last is not None:
         positive_int("keep_last", keep_last)
@@ -211,3 +216,13 @@ def checkpoint_every(ctx: Context, root: str | os.PathLike[str], n: int, *, keep
     if reason is not None:
         raise CheckpointError(f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet.")
     return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen)
+
+
+def _period_first(n: Any, root: Any) -> tuple[Any, Any]:
+    """``(n, root)``, also when given in the order before (``checkpoint_every(ctx, root, n)``), which warns."""
+    if isinstance(root, int) and not isinstance(root, bool) and isinstance(n, (str, os.PathLike)):
+        warnings.warn(f"checkpoint_every(ctx, root, n) is now checkpoint_every(ctx, n, root), the period first as in every periodic "
+                      f"name: write checkpoint_every(ctx, {root}, {os.fspath(n)!r}). The order before still works for now.",
+                      DeprecationWarning, stacklevel=user_stacklevel())
+        return root, n
+    return n, root
