@@ -103,6 +103,8 @@ test-quick: test-types test-inprocess
 
 test-types: $(STAMP)
 	$(PY) -m mypy src/trainfold
+	$(PY) -m ruff check --no-cache .
+	$(PY) -m ruff format --no-cache --check .
 
 test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"

@@ -54,9 +54,13 @@ def _copy(version: str, name: str, into: Path) -> None:
             return
     extracted = into / f"{name}-git"
     extracted.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", version, "src/trainfold"], capture_output=True, check=False)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", version, "src/trainfold"], capture_output=True, check=False
+    )
     if archive.returncode:
-        sys.exit(f"ab.py: {version!r} is neither a directory holding trainfold/ nor a git revision: {archive.stderr.decode().strip()}")
+        sys.exit(
+            f"ab.py: {version!r} is neither a directory holding trainfold/ nor a git revision: {archive.stderr.decode().strip()}"
+        )
     subprocess.run(["tar", "-x", "-C", str(extracted)], input=archive.stdout, check=True)
     shutil.move(str(extracted / "src" / "trainfold"), str(into / name))
 
@@ -80,7 +84,11 @@ def child(packages: Path, configs: list[str], rounds: int, seed: int, optimizer:
     for key in built:
         spec = specs[key]
         data = bench.make_data(SIZES, BATCH, BATCHES)
-        epochs[key] = bench.raw(SIZES, data, BATCH) if spec is None else bench.trainfold_loop(SIZES, data, BATCH, spec[1], spec[0])
+        epochs[key] = (
+            bench.raw(SIZES, data, BATCH)
+            if spec is None
+            else bench.trainfold_loop(SIZES, data, BATCH, spec[1], spec[0])
+        )
         epochs[key]()  # warm-up
     times: dict[str, list[float]] = {key: [] for key in specs}
     for _ in range(rounds):
@@ -115,9 +123,15 @@ def report(runs: list[dict[str, list[float]]], configs: list[str]) -> None:
         print(f"{key:22s} {pooled:7.3f}  {per}")
     print(f"\n{'b - a, per round':22s} {'median':>7s} {'b faster':>9s}")
     for config in configs:
-        diffs = [(b - a) / r for run in runs for a, b, r in zip(run[f"trainfold_a:{config}"], run[f"trainfold_b:{config}"], run["raw"])]
+        diffs = [
+            (b - a) / r
+            for run in runs
+            for a, b, r in zip(run[f"trainfold_a:{config}"], run[f"trainfold_b:{config}"], run["raw"])
+        ]
         faster = sum(d < 0 for d in diffs) / len(diffs)
-        print(f"{config:22s} {statistics.median(diffs):+7.4f} {faster:9.0%}   ({len(diffs)} rounds, in units of the raw step)")
+        print(
+            f"{config:22s} {statistics.median(diffs):+7.4f} {faster:9.0%}   ({len(diffs)} rounds, in units of the raw step)"
+        )
 
 
 def _optimizers() -> list[str]:
@@ -129,14 +143,22 @@ def _optimizers() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a", help="the base version: a directory holding trainfold/ or src/trainfold/, or a git revision")
+    parser.add_argument(
+        "a", help="the base version: a directory holding trainfold/ or src/trainfold/, or a git revision"
+    )
     parser.add_argument("b", help="the version compared with it")
-    parser.add_argument("--configs", default="plain,full", help=f"comma-separated, from {', '.join(CONFIGS)} (default: plain,full)")
+    parser.add_argument(
+        "--configs", default="plain,full", help=f"comma-separated, from {', '.join(CONFIGS)} (default: plain,full)"
+    )
     parser.add_argument("--processes", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--optimizer", default="sgd-fused", choices=_optimizers(),
-                        help="every contender's, as bench.py's --optimizer (default: sgd-fused)")
+    parser.add_argument(
+        "--optimizer",
+        default="sgd-fused",
+        choices=_optimizers(),
+        help="every contender's, as bench.py's --optimizer (default: sgd-fused)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -151,8 +173,22 @@ def main() -> None:
         materialize(args.b, "trainfold_b", Path(tmp))
         runs = []
         for k in range(args.processes):
-            cmd = [sys.executable, __file__, args.a, args.b, "--configs", args.configs, "--rounds", str(args.rounds),
-                   "--seed", str(args.seed + k), "--optimizer", args.optimizer, "--child", tmp]
+            cmd = [
+                sys.executable,
+                __file__,
+                args.a,
+                args.b,
+                "--configs",
+                args.configs,
+                "--rounds",
+                str(args.rounds),
+                "--seed",
+                str(args.seed + k),
+                "--optimizer",
+                args.optimizer,
+                "--child",
+                tmp,
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             done = json.loads(out.strip().splitlines()[-1])
             runs.append(done["times"])

@@ -85,7 +85,9 @@ def make_model(sizes: tuple[int, ...]) -> torch.nn.Module:
 def make_data(sizes: tuple[int, ...], batch: int, batches: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(1)
     n = batch * batches
-    return torch.utils.data.TensorDataset(torch.randn(n, sizes[0], generator=g), torch.randint(0, sizes[-1], (n,), generator=g))
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, sizes[0], generator=g), torch.randint(0, sizes[-1], (n,), generator=g)
+    )
 
 
 #: the optimizers ``--optimizer`` chooses from, as a user builds them (torch's defaults otherwise)
@@ -201,10 +203,14 @@ def pytorch_accelerated(sizes, ds, batch):
     from pytorch_accelerated import Trainer
 
     model = make_model(sizes)
-    trainer = Trainer(model, loss_func=torch.nn.CrossEntropyLoss(), optimizer=OPTIMIZER(model.parameters(), lr=0.01), callbacks=[])
+    trainer = Trainer(
+        model, loss_func=torch.nn.CrossEntropyLoss(), optimizer=OPTIMIZER(model.parameters(), lr=0.01), callbacks=[]
+    )
 
     def epoch():
-        trainer.train(train_dataset=ds, num_epochs=1, per_device_batch_size=batch, train_dataloader_kwargs={"shuffle": False})
+        trainer.train(
+            train_dataset=ds, num_epochs=1, per_device_batch_size=batch, train_dataloader_kwargs={"shuffle": False}
+        )
 
     return epoch
 
@@ -255,8 +261,15 @@ def lightning_trainer(sizes, ds, batch):
     dl = loader(ds, batch)
 
     def epoch():
-        trainer = L.Trainer(max_epochs=1, accelerator=DEVICE, devices=1, logger=False, enable_progress_bar=False,
-                            enable_checkpointing=False, enable_model_summary=False)
+        trainer = L.Trainer(
+            max_epochs=1,
+            accelerator=DEVICE,
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+        )
         trainer.fit(module, dl)
 
     return epoch
@@ -315,7 +328,11 @@ CONTENDERS: dict[str, Callable] = {
     "Lightning Fabric": lightning_fabric,
     "Lightning Trainer": lightning_trainer,
 }
-OPTIONAL = {"pytorch-accelerated Trainer": "pytorch_accelerated", "Lightning Fabric": "lightning", "Lightning Trainer": "lightning"}
+OPTIONAL = {
+    "pytorch-accelerated Trainer": "pytorch_accelerated",
+    "Lightning Fabric": "lightning",
+    "Lightning Trainer": "lightning",
+}
 
 
 def available(name: str) -> bool:
@@ -341,7 +358,10 @@ def bench_model(name: str, rounds: int, seed: int = 0) -> dict[str, list[float]]
     names = [c for c in CONTENDERS if available(c)]
     skipped = [c for c in CONTENDERS if c not in names]
     if skipped:  # said, not silent: the table would otherwise just lack them
-        print(f"skipped (not installed; `make bench` installs them with pip install -e '.[bench]'): {', '.join(skipped)}", file=sys.stderr)
+        print(
+            f"skipped (not installed; `make bench` installs them with pip install -e '.[bench]'): {', '.join(skipped)}",
+            file=sys.stderr,
+        )
     build = names[:]
     order.shuffle(build)
     epochs = {}
@@ -378,7 +398,9 @@ def summarise(runs: list[dict[str, list[float]]]) -> dict:
         v = [t for run in runs for t in run[c]]
         per_process = [statistics.median(paired(run, c, "raw PyTorch")) for run in runs]
         out[c] = {
-            "median_us": statistics.median(v), "min_us": min(v), "max_us": max(v),
+            "median_us": statistics.median(v),
+            "min_us": min(v),
+            "max_us": max(v),
             "vs_raw": statistics.median([r for run in runs for r in paired(run, c, "raw PyTorch")]),
             "vs_accelerate": statistics.median([r for run in runs for r in paired(run, c, "Accelerate loop")]),
             "vs_raw_range": [min(per_process), max(per_process)],
@@ -386,7 +408,9 @@ def summarise(runs: list[dict[str, list[float]]]) -> dict:
     return out
 
 
-def in_processes(args: argparse.Namespace, models: list[str], rounds: int) -> tuple[dict[str, list[dict[str, list[float]]]], dict[str, float]]:
+def in_processes(
+    args: argparse.Namespace, models: list[str], rounds: int
+) -> tuple[dict[str, list[dict[str, list[float]]]], dict[str, float]]:
     """Run ``bench.py --seed i`` in ``args.processes`` fresh interpreters, one after another.
 
     Returns their per-round times by model, and the largest of their peaks (:func:`peaks`).
@@ -396,8 +420,20 @@ def in_processes(args: argparse.Namespace, models: list[str], rounds: int) -> tu
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.processes):
             out = os.path.join(tmp, f"{i}.json")
-            cmd = [sys.executable, __file__, "--seed", str(i), "--rounds", str(rounds), "--models", *models,
-                   "--device", args.device, "--times-json", out]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--seed",
+                str(i),
+                "--rounds",
+                str(rounds),
+                "--models",
+                *models,
+                "--device",
+                args.device,
+                "--times-json",
+                out,
+            ]
             cmd += ["--pin"] * args.pin + ["--optimizer", args.optimizer] + ["--breakdown"] * args.breakdown
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             with open(out) as f:
@@ -451,17 +487,28 @@ def rss_mb() -> float:
 
 def import_time() -> dict:
     """Seconds to import torch+accelerate, and then trainfold alone (fresh interpreters, best of 5)."""
-    code = ("import time; t0=time.perf_counter(); import torch, accelerate, attrs, toolz; t1=time.perf_counter(); "
-            "import trainfold; t2=time.perf_counter(); print(t1-t0, t2-t1)")
-    runs = [tuple(map(float, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()))
-            for _ in range(5)]
+    code = (
+        "import time; t0=time.perf_counter(); import torch, accelerate, attrs, toolz; t1=time.perf_counter(); "
+        "import trainfold; t2=time.perf_counter(); print(t1-t0, t2-t1)"
+    )
+    runs = [
+        tuple(
+            map(
+                float,
+                subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(),
+            )
+        )
+        for _ in range(5)
+    ]
     return {"torch+accelerate": min(r[0] for r in runs), "trainfold (on top)": min(r[1] for r in runs)}
 
 
 def machine() -> str:
     gpu = f", {torch.cuda.get_device_name()}{', pinned non-blocking batches' if PIN else ''}" if DEVICE != "cpu" else ""
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {OPTIMIZER_NAME}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {OPTIMIZER_NAME}"
+    )
 
 
 def main() -> None:
@@ -470,17 +517,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--quick", action="store_true", help="3 rounds, tiny model only, no import timing")
     parser.add_argument("--scaling", action="store_true")
-    parser.add_argument("--models", nargs="*", choices=list(MODELS), help="default: tiny and the device's compute-bound model")
+    parser.add_argument(
+        "--models", nargs="*", choices=list(MODELS), help="default: tiny and the device's compute-bound model"
+    )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--pin", action="store_true", help="pinned batches, copied to the GPU without blocking (every contender)")
+    parser.add_argument(
+        "--pin", action="store_true", help="pinned batches, copied to the GPU without blocking (every contender)"
+    )
     parser.add_argument("--json")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default=OPTIMIZER_NAME,
-                        help="every contender's optimizer (default: fused SGD; unfused, nan_guard reads a flag per update)")
-    parser.add_argument("--processes", type=int, default=1, help="repeat in this many fresh processes and pool the rounds")
+    parser.add_argument(
+        "--optimizer",
+        choices=list(OPTIMIZERS),
+        default=OPTIMIZER_NAME,
+        help="every contender's optimizer (default: fused SGD; unfused, nan_guard reads a flag per update)",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=1, help="repeat in this many fresh processes and pool the rounds"
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the order contenders are built and run in")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="also the raw body on Accelerate's loader, and trainfold's step in a plain for loop (no run_epoch)")
-    parser.add_argument("--times-json", help=argparse.SUPPRESS)  # a child of --processes: write per-round times, nothing else
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also the raw body on Accelerate's loader, and trainfold's step in a plain for loop (no run_epoch)",
+    )
+    parser.add_argument(
+        "--times-json", help=argparse.SUPPRESS
+    )  # a child of --processes: write per-round times, nothing else
     args = parser.parse_args()
     if args.breakdown:
         CONTENDERS.update(BREAKDOWN)
@@ -507,11 +569,15 @@ def main() -> None:
         res = summarise(runs[name])
         results["models"][name] = res
         print(f"## {name}: MLP {'-'.join(map(str, sizes))}, batch {batch}, {batches} steps a round\n")
-        print("| loop | median us/step | min | max | vs raw (paired median) | per-process range | vs Accelerate loop |\n"
-              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            "| loop | median us/step | min | max | vs raw (paired median) | per-process range | vs Accelerate loop |\n"
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )
         for c, r in res.items():
             lo, hi = r["vs_raw_range"]
-            print(f"| {c} | {r['median_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} | {r['vs_raw']:.3f} | {lo:.3f}-{hi:.3f} | {r['vs_accelerate']:.3f} |")
+            print(
+                f"| {c} | {r['median_us']:.1f} | {r['min_us']:.1f} | {r['max_us']:.1f} | {r['vs_raw']:.3f} | {lo:.3f}-{hi:.3f} | {r['vs_accelerate']:.3f} |"
+            )
         print()
     results.update(peak if args.processes > 1 else peaks())
     print(f"peak resident memory of the harness: {results['peak_rss_mb']:.0f} MB\n")

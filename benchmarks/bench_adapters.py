@@ -63,7 +63,10 @@ def main() -> None:
 
     ctx, state = setup(args.width, args.layers, args.rank)
     params = list(state.model.parameters())
-    trainable, frozen = sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params if not p.requires_grad)
+    trainable, frozen = (
+        sum(p.numel() for p in params if p.requires_grad),
+        sum(p.numel() for p in params if not p.requires_grad),
+    )
     times: dict[str, list[float]] = {"adapters": [], "full": []}
     sizes: dict[str, int] = {}
     first_adapter_save = None
@@ -82,7 +85,13 @@ def main() -> None:
                 sizes[kind] = bytes_of(root)
     ctx.close()
     result = {
-        "base": {"width": args.width, "layers": args.layers, "rank": args.rank, "trainable": trainable, "frozen": frozen},
+        "base": {
+            "width": args.width,
+            "layers": args.layers,
+            "rank": args.rank,
+            "trainable": trainable,
+            "frozen": frozen,
+        },
         "bytes": sizes,
         "bytes_ratio": sizes["adapters"] / sizes["full"],
         "save_s": {k: statistics.median(v) for k, v in times.items()},
@@ -92,10 +101,14 @@ def main() -> None:
     }
     result["save_ratio"] = result["save_s"]["adapters"] / result["save_s"]["full"]
     print(f"base: {frozen:,} frozen, {trainable:,} trainable ({100 * trainable / (trainable + frozen):.2f}%)")
-    print(f"checkpoint bytes: adapters {sizes['adapters']:,}, full {sizes['full']:,} ({100 * result['bytes_ratio']:.2f}%)")
-    print(f"save (median of {len(times['full'])}): adapters {result['save_s']['adapters'] * 1000:.1f} ms, full "
-          f"{result['save_s']['full'] * 1000:.1f} ms ({100 * result['save_ratio']:.1f}%); the first adapter save, "
-          f"hashing the base: {first_adapter_save * 1000:.1f} ms")
+    print(
+        f"checkpoint bytes: adapters {sizes['adapters']:,}, full {sizes['full']:,} ({100 * result['bytes_ratio']:.2f}%)"
+    )
+    print(
+        f"save (median of {len(times['full'])}): adapters {result['save_s']['adapters'] * 1000:.1f} ms, full "
+        f"{result['save_s']['full'] * 1000:.1f} ms ({100 * result['save_ratio']:.1f}%); the first adapter save, "
+        f"hashing the base: {first_adapter_save * 1000:.1f} ms"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -66,17 +66,27 @@ def main() -> None:
     x = torch.randn(2, args.width)
     state = make_step(ctx, lambda m, b: m(b).pow(2).mean())(state, x)  # fill the momentum buffers
     acc = ctx.accelerator
-    results: dict[str, list[float]] = {k: [] for k in ("trainfold save", "trainfold load (verified)", "accelerate save_state", "accelerate load_state")}
+    results: dict[str, list[float]] = {
+        k: [] for k in ("trainfold save", "trainfold load (verified)", "accelerate save_state", "accelerate load_state")
+    }
     sizes = {}
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         for r in range(args.repeats):
             root = Path(tmp, f"tf{r}")
-            t = time.perf_counter(); save_checkpoint(ctx, root, state); results["trainfold save"].append(time.perf_counter() - t)
-            t = time.perf_counter(); load_checkpoint(ctx, root, state); results["trainfold load (verified)"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            save_checkpoint(ctx, root, state)
+            results["trainfold save"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            load_checkpoint(ctx, root, state)
+            results["trainfold load (verified)"].append(time.perf_counter() - t)
             sizes["trainfold"] = folder_mb(latest_checkpoint(root))
             out = Path(tmp, f"acc{r}")
-            t = time.perf_counter(); acc.save_state(str(out)); results["accelerate save_state"].append(time.perf_counter() - t)
-            t = time.perf_counter(); acc.load_state(str(out)); results["accelerate load_state"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            acc.save_state(str(out))
+            results["accelerate save_state"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            acc.load_state(str(out))
+            results["accelerate load_state"].append(time.perf_counter() - t)
             sizes["accelerate"] = folder_mb(out)
             _breakdown(latest_checkpoint(root), results)
             shutil.rmtree(root)
@@ -87,12 +97,19 @@ def main() -> None:
     print("| operation | median s |\n| --- | ---: |")
     for k, v in med.items():
         print(f"| {k} | {v:.2f} |")
-    tf, ac = med["trainfold save"] + med["trainfold load (verified)"], med["accelerate save_state"] + med["accelerate load_state"]
-    print(f"\nsave: {med['trainfold save'] / med['accelerate save_state']:.2f}x save_state; "
-          f"verified load: {med['trainfold load (verified)'] / med['accelerate load_state']:.2f}x load_state")
+    tf, ac = (
+        med["trainfold save"] + med["trainfold load (verified)"],
+        med["accelerate save_state"] + med["accelerate load_state"],
+    )
+    print(
+        f"\nsave: {med['trainfold save'] / med['accelerate save_state']:.2f}x save_state; "
+        f"verified load: {med['trainfold load (verified)'] / med['accelerate load_state']:.2f}x load_state"
+    )
     rest = med["trainfold load (verified)"] - med["load: read the files"] - med["load: XXH3-128 of the files"]
-    print(f"verified load: read {med['load: read the files']:.2f} s + XXH3-128 {med['load: XXH3-128 of the files']:.2f} s "
-          f"(SHA-256 would take {med['load: SHA-256 of the files (for comparison)']:.2f} s) + decode, check and copy {rest:.2f} s")
+    print(
+        f"verified load: read {med['load: read the files']:.2f} s + XXH3-128 {med['load: XXH3-128 of the files']:.2f} s "
+        f"(SHA-256 would take {med['load: SHA-256 of the files (for comparison)']:.2f} s) + decode, check and copy {rest:.2f} s"
+    )
     print(f"save + load: trainfold {tf:.2f} s, Accelerate {ac:.2f} s: ratio {tf / ac:.2f}")
     print(f"size: trainfold {sizes['trainfold']:.0f} MB, Accelerate {sizes['accelerate']:.0f} MB")
 

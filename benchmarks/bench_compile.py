@@ -66,8 +66,17 @@ def _gpt2(seed: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0, use_cache=False)
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=64,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -80,7 +89,9 @@ def _gpt2_small(seed: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))  # 124M, built locally
+    return GPT2LMHeadModel(
+        GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    )  # 124M, built locally
 
 
 def _gpt2_small_batches(steps: int) -> list[torch.Tensor]:
@@ -95,7 +106,11 @@ def _gpt2_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 MODELS: dict[str, tuple[Callable[[int], torch.nn.Module], Callable[[int], list[Any]], Callable[..., torch.Tensor]]] = {
     "tiny": (_mlp, _mlp_batches, _mlp_loss),
     "gpt2": (_gpt2, _gpt2_batches, _gpt2_loss),
-    "gpt2-small": (_gpt2_small, _gpt2_small_batches, _gpt2_loss),  # GPT-2 small (124M), sequences of 1024, batch 8: for a GPU
+    "gpt2-small": (
+        _gpt2_small,
+        _gpt2_small_batches,
+        _gpt2_loss,
+    ),  # GPT-2 small (124M), sequences of 1024, batch 8: for a GPU
 }
 
 
@@ -103,7 +118,9 @@ def _optimizer(model: torch.nn.Module, *, tensor_lr: bool = False) -> torch.opti
     return torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, dtype=torch.float64) if tensor_lr else 1e-3)
 
 
-def raw(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str | None) -> Runner:
+def raw(
+    model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str | None
+) -> Runner:
     opt = _optimizer(model, tensor_lr=backend is not None)
     loss_call = loss_fn if backend is None else torch.compile(loss_fn, backend=backend)
     step = opt.step if backend is None else torch.compile(opt.step, backend=backend)
@@ -138,7 +155,9 @@ def raw_lean(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batch
     return run
 
 
-def composed(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str | None) -> Runner:
+def composed(
+    model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor], batches: list[Any], backend: str | None
+) -> Runner:
     from accelerate import Accelerator
 
     from trainfold import Compile, Context, TrainState, make_step, run_epoch
@@ -187,7 +206,10 @@ def bench(model_name: str, *, rounds: int, steps: int, backend: str, seed: int) 
         return statistics.median(a / b for a, b in zip(times[name], times[to]))
 
     return {
-        "model": model_name, "steps": steps, "rounds": rounds, "backend": backend,
+        "model": model_name,
+        "steps": steps,
+        "rounds": rounds,
+        "backend": backend,
         "warmup_s": {name: round(t, 2) for name, t in warmup.items()},
         "us_per_step": {name: round(statistics.median(t), 1) for name, t in times.items()},
         "ratio_to_raw": {name: round(ratio(name, "raw"), 3) for name in loops},
@@ -206,8 +228,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     results: dict[str, Any] = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        },
         "models": [],
     }
     for name in args.models:

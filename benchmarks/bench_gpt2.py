@@ -160,8 +160,13 @@ def _non_blocking() -> Any:
     return DataLoaderConfiguration(non_blocking=True)
 
 
-LOOPS = {"raw PyTorch": raw, "raw, outputs to float32": raw_fp32_outputs, "Accelerate loop": accelerate_loop, "trainfold run_epoch": trainfold_loop,
-         "trainfold, outputs_to_fp32=False": trainfold_bf16_outputs}
+LOOPS = {
+    "raw PyTorch": raw,
+    "raw, outputs to float32": raw_fp32_outputs,
+    "Accelerate loop": accelerate_loop,
+    "trainfold run_epoch": trainfold_loop,
+    "trainfold, outputs_to_fp32=False": trainfold_bf16_outputs,
+}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -193,7 +198,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Python {platform.python_version()}",
         "model": "GPT2LMHeadModel(GPT2Config()), 124M parameters, bf16 autocast, fused AdamW",
-        "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "rounds": args.rounds,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
         "loops": {},
     }

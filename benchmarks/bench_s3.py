@@ -47,7 +47,11 @@ def _free_port() -> int:
 
 def _server() -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -83,7 +87,12 @@ def main() -> None:
     import s3fs
 
     proc, endpoint = _server()
-    options = {"endpoint_url": endpoint, "key": "bench", "secret": "bench", "client_kwargs": {"region_name": "us-east-1"}}
+    options = {
+        "endpoint_url": endpoint,
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"region_name": "us-east-1"},
+    }
     fs = s3fs.S3FileSystem(**options, use_listings_cache=False)
     fs.call_s3("create_bucket", Bucket="bench")
     ctx, state = _state(args.width, args.layers)
@@ -136,7 +145,8 @@ def main() -> None:
     ratios = {
         "save throughput / s3fs put": med["s3fs put (same files)"] / med["trainfold save"],
         "verified load throughput / s3fs get": med["s3fs get (same objects)"] / med["trainfold load (verified)"],
-        "background save's blocked time / blocking save": med["step blocked by a background save"] / med["trainfold save"],
+        "background save's blocked time / blocking save": med["step blocked by a background save"]
+        / med["trainfold save"],
     }
     print()
     for k, v in ratios.items():

@@ -42,7 +42,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _libc = ctypes.CDLL("libc.so.6")
@@ -101,8 +115,12 @@ def _memory_on_this_rank(width: int, layers: int, root: str) -> dict[str, float]
     gathered = _peak_rise(lambda: ctx.accelerator.get_state_dict(state.model))
     ctx.close()
     mb = 2**20
-    return {"model MB": full / mb, "own shard MB (weights + Adam)": shard / mb, "sharded save: peak rise MB": sharded / mb,
-            "gathering the state dict: peak rise MB": gathered / mb}
+    return {
+        "model MB": full / mb,
+        "own shard MB (weights + Adam)": shard / mb,
+        "sharded save: peak rise MB": sharded / mb,
+        "gathering the state dict: peak rise MB": gathered / mb,
+    }
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -124,8 +142,16 @@ def asynchronous(args: argparse.Namespace) -> None:
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
     state = make_step(ctx, lambda m, b: m(b).pow(2).mean())(state, torch.randn(2, args.width))
     acc = ctx.accelerator
-    times: dict[str, list[float]] = {k: [] for k in ("blocking save", "blocking save (sharded)", "async save: step blocked",
-                                                     "async save: written and committed", "accelerate save_state")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "blocking save",
+            "blocking save (sharded)",
+            "async save: step blocked",
+            "async save: written and committed",
+            "accelerate save_state",
+        )
+    }
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
         for r in range(args.repeats):
             for sharded in (False, True):
@@ -141,7 +167,9 @@ def asynchronous(args: argparse.Namespace) -> None:
             acc.save_state(str(Path(tmp, f"acc{r}")))
             times["accelerate save_state"].append(time.perf_counter() - t)
     blocking = statistics.median(times["blocking save"])
-    print(f"{sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MB of weights + as much optimizer state, medians of {args.repeats}")
+    print(
+        f"{sum(p.numel() for p in model.parameters()) * 4 / 2**20:.0f} MB of weights + as much optimizer state, medians of {args.repeats}"
+    )
     for k, v in times.items():
         print(f"{k:36s} {statistics.median(v):7.3f} s  ({statistics.median(v) / blocking:.2f} x blocking save)")
     ctx.close()
@@ -197,15 +225,25 @@ def _versus_dcp_on_this_rank(width: int, layers: int, root: str, engine: str, re
     order = random.Random(0)
     for r in range(repeats):
         base = Path(root, f"round{r}")
-        saves = [("trainfold save_checkpoint (sharded, blocking)", lambda: save_checkpoint(ctx, base / "tf", state, sharded=True)),
-                 ("DCP save (FileSystemWriter)", lambda: dcp.save(dcp_state(), storage_writer=dcp.FileSystemWriter(str(base / "dcp")))),
-                 ("trainfold background save: until committed", lambda: tf_async(str(base / "tf-async"))),
-                 ("DCP async_save: until written", lambda: dcp_async(str(base / "dcp-async")))]
+        saves = [
+            (
+                "trainfold save_checkpoint (sharded, blocking)",
+                lambda: save_checkpoint(ctx, base / "tf", state, sharded=True),
+            ),
+            (
+                "DCP save (FileSystemWriter)",
+                lambda: dcp.save(dcp_state(), storage_writer=dcp.FileSystemWriter(str(base / "dcp"))),
+            ),
+            ("trainfold background save: until committed", lambda: tf_async(str(base / "tf-async"))),
+            ("DCP async_save: until written", lambda: dcp_async(str(base / "dcp-async"))),
+        ]
         order.shuffle(saves)
         for name, work in saves:
             timed(name, work)
-        loads = [("trainfold load_checkpoint (verified)", lambda: load_checkpoint(ctx, base / "tf", state)),
-                 ("DCP load + set_state_dict (FileSystemReader)", lambda: dcp_load(str(base / "dcp")))]
+        loads = [
+            ("trainfold load_checkpoint (verified)", lambda: load_checkpoint(ctx, base / "tf", state)),
+            ("DCP load + set_state_dict (FileSystemReader)", lambda: dcp_load(str(base / "dcp"))),
+        ]
         order.shuffle(loads)
         for name, work in loads:
             timed(name, work)
@@ -220,18 +258,25 @@ def versus_dcp(args: argparse.Namespace) -> None:
     from trainfold import testing
 
     with tempfile.TemporaryDirectory(dir=Path.home()) as tmp:
-        ranks = testing.run_distributed(_versus_dcp_on_this_rank, args.width, args.layers, tmp, args.engine, args.repeats,
-                                        nprocs=2, timeout=3600)
+        ranks = testing.run_distributed(
+            _versus_dcp_on_this_rank, args.width, args.layers, tmp, args.engine, args.repeats, nprocs=2, timeout=3600
+        )
     times = ranks[0]  # with the barriers, every process measured the same spans
     state_mb = 3 * args.layers * (args.width * args.width + args.width) * 4 / 2**20
-    print(f"{args.engine}, 2 processes, {state_mb:.0f} MB of weights and Adam moments in all; medians of {args.repeats} rounds")
+    print(
+        f"{args.engine}, 2 processes, {state_mb:.0f} MB of weights and Adam moments in all; medians of {args.repeats} rounds"
+    )
     median = {k: statistics.median(v) for k, v in times.items()}
-    pairs = [("trainfold save_checkpoint (sharded, blocking)", "DCP save (FileSystemWriter)"),
-             ("trainfold background save: caller blocked", "DCP async_save: caller blocked"),
-             ("trainfold background save: until committed", "DCP async_save: until written"),
-             ("trainfold load_checkpoint (verified)", "DCP load + set_state_dict (FileSystemReader)")]
+    pairs = [
+        ("trainfold save_checkpoint (sharded, blocking)", "DCP save (FileSystemWriter)"),
+        ("trainfold background save: caller blocked", "DCP async_save: caller blocked"),
+        ("trainfold background save: until committed", "DCP async_save: until written"),
+        ("trainfold load_checkpoint (verified)", "DCP load + set_state_dict (FileSystemReader)"),
+    ]
     for ours, theirs in pairs:
-        print(f"{ours:48s} {median[ours]:7.3f} s   {theirs:46s} {median[theirs]:7.3f} s   ratio {median[ours] / median[theirs]:.2f}")
+        print(
+            f"{ours:48s} {median[ours]:7.3f} s   {theirs:46s} {median[theirs]:7.3f} s   ratio {median[ours] / median[theirs]:.2f}"
+        )
 
 
 def main() -> None:

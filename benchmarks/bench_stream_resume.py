@@ -98,7 +98,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--state-only", action="store_true", help="time the stream with a state alone (the reading again takes minutes)")
+    parser.add_argument(
+        "--state-only", action="store_true", help="time the stream with a state alone (the reading again takes minutes)"
+    )
     args = parser.parse_args()
     batches = args.samples // BATCH
     results = {}
@@ -107,15 +109,21 @@ def main() -> None:
             name = "state" if stateful else "read again"
             shares = (0.01, 0.5, 0.9)
             ats = {share: max(1, int(share * batches)) for share in shares}
-            folders = {share: checkpoint_at(Path(tmp) / f"{name}-{share}", args.samples, stateful, ats[share]) for share in shares}
+            folders = {
+                share: checkpoint_at(Path(tmp) / f"{name}-{share}", args.samples, stateful, ats[share])
+                for share in shares
+            }
             times: dict[float, list[float]] = {share: [] for share in shares}
             for _ in range(args.repeats):  # in rounds: a slow moment of a shared machine falls on every position alike
                 for share in shares:
                     times[share].append(time_resume(folders[share], args.samples, stateful))
             for share in shares:
                 results[f"{name} {share:.0%}"] = statistics.median(times[share])
-                print(f"{name:>10} at {share:>4.0%} of the epoch (batch {ats[share]:>4} of {batches}): "
-                      f"{statistics.median(times[share]) * 1e3:8.1f} ms to the first resumed batch", flush=True)
+                print(
+                    f"{name:>10} at {share:>4.0%} of the epoch (batch {ats[share]:>4} of {batches}): "
+                    f"{statistics.median(times[share]) * 1e3:8.1f} ms to the first resumed batch",
+                    flush=True,
+                )
     flat = [v for k, v in results.items() if k.startswith("state")]
     print(f"with a state: slowest / fastest = {max(flat) / min(flat):.2f}")
     if args.json:

@@ -77,7 +77,10 @@ def overhead(calls: int = 200_000) -> dict[str, float]:
         pass
     plain = (time.perf_counter() - start) / calls * 1e6
     ctx.close()
-    return {"meter_us": per_call(lambda: meter.step(noop, state, batch)) - per_call(lambda: noop(state, batch)), "timed_loader_us": timed - plain}
+    return {
+        "meter_us": per_call(lambda: meter.step(noop, state, batch)) - per_call(lambda: noop(state, batch)),
+        "timed_loader_us": timed - plain,
+    }
 
 
 def main() -> None:
@@ -93,11 +96,18 @@ def main() -> None:
         return
     runs = []
     for seed in range(args.processes):
-        out = subprocess.run([sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--seed", str(seed)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--seed", str(seed)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     paired = [w / l for run in runs for w, l in zip(run["watched"], run["logged"])]
-    over_raw = {key: statistics.median(t / r for run in runs for t, r in zip(run[key], run["raw"])) for key in ("logged", "watched")}
+    over_raw = {
+        key: statistics.median(t / r for run in runs for t, r in zip(run[key], run["raw"]))
+        for key in ("logged", "watched")
+    }
     # Noise on a shared machine only ever adds time: each configuration's fastest epoch in a process is its cost with
     # the least noise, and the ratio of the two fastest (per process; their median) resolves what the paired rounds' spread hides.
     fastest = [min(run["watched"]) / min(run["logged"]) for run in runs]

@@ -23,15 +23,35 @@ from pathlib import Path
 
 SIZES, BATCH = (32, 64, 10), 32  # bench.py's tiny MLP
 N1, N2 = 64, 320
-LOOPS = ("raw", "raw+loader", "raw+loader+optimizer", "accelerate", "trainfold_step", "trainfold", "trainfold+nan_guard", "trainfold+log_every",
-         "trainfold+progress_bar", "trainfold_full")
+LOOPS = (
+    "raw",
+    "raw+loader",
+    "raw+loader+optimizer",
+    "accelerate",
+    "trainfold_step",
+    "trainfold",
+    "trainfold+nan_guard",
+    "trainfold+log_every",
+    "trainfold+progress_bar",
+    "trainfold_full",
+)
 #: The per-component breakdown: each line's cost is its loop's instructions minus the loop before it.
-BREAKDOWN = (("Accelerate's loader as ctx.prepare_loaders prepares it (DataLoaderShard: its look-ahead; no placement on a CPU device)", "raw+loader", "raw"),
-             ("Accelerate's optimizer wrapper (AcceleratedOptimizer.step, zero_grad)", "raw+loader+optimizer", "raw+loader"),
-             ("trainfold's step over the raw body on the prepared loader (stages, update, state, running sums)", "trainfold_step", "raw+loader"),
-             ("run_epoch over calling the step (the cursor, checks, the epoch's end)", "trainfold", "trainfold_step"))
+BREAKDOWN = (
+    (
+        "Accelerate's loader as ctx.prepare_loaders prepares it (DataLoaderShard: its look-ahead; no placement on a CPU device)",
+        "raw+loader",
+        "raw",
+    ),
+    ("Accelerate's optimizer wrapper (AcceleratedOptimizer.step, zero_grad)", "raw+loader+optimizer", "raw+loader"),
+    (
+        "trainfold's step over the raw body on the prepared loader (stages, update, state, running sums)",
+        "trainfold_step",
+        "raw+loader",
+    ),
+    ("run_epoch over calling the step (the cursor, checks, the epoch's end)", "trainfold", "trainfold_step"),
+)
 
-CHILD = r'''
+CHILD = r"""
 import gc, io, sys, torch
 import torch.nn.functional as F
 torch.set_num_threads(1)
@@ -94,14 +114,19 @@ else:
     wrap = {"trainfold": [], "trainfold+nan_guard": [], "trainfold+log_every": [log_every(ctx, 50)],
             "trainfold+progress_bar": [bar], "trainfold_full": [bar, log_every(ctx, 50)]}[which]
     run_epoch(ctx, compose(*wrap)(step), dl, state)
-'''
+"""
 
 
 # No .pyc writing: a module compiled by one run and read by the other would put the compilation
 # (tens of millions of instructions) into the difference. With it off, both runs do the same.
 # PYTHONPATH is passed on, so a copy of the sources (a git worktree) can be counted while these are edited.
-ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin",
-       **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}}
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PATH": "/usr/bin:/bin",
+    **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"},
+}
 
 
 def instructions(which: str, n: int, tmp: Path) -> int:
@@ -109,9 +134,16 @@ def instructions(which: str, n: int, tmp: Path) -> int:
     script.write_text(CHILD)
     out = tmp / f"cg.{which}.{n}"
     args = [which, str(n), ",".join(map(str, SIZES)), str(BATCH)]
-    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, str(script), *args],
-                   check=True, capture_output=True, text=True, env=ENV)
-    summary = re.search(r"^summary:\s+(\d+)", out.read_text(errors="replace"), re.MULTILINE) or re.search(r"^totals:\s+(\d+)", out.read_text(errors="replace"), re.MULTILINE)
+    subprocess.run(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, str(script), *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    summary = re.search(r"^summary:\s+(\d+)", out.read_text(errors="replace"), re.MULTILINE) or re.search(
+        r"^totals:\s+(\d+)", out.read_text(errors="replace"), re.MULTILINE
+    )
     return int(summary.group(1))
 
 

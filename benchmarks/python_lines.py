@@ -62,12 +62,14 @@ def _short(filename: str) -> str:
 
 def _loop(which: str, model: torch.nn.Module, opt: torch.optim.Optimizer, dl: Any) -> Any:
     if which == "raw":
+
         def raw() -> None:
             for x, y in dl:
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+
         return raw
     from accelerate import Accelerator
     from toolz import compose

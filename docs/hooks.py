@@ -33,7 +33,9 @@ _ENTRY = re.compile(r"^::: trainfold\.(\w+)\s*$", re.M)
 
 def api_entries(docs: Path = DOCS) -> dict[str, str]:
     """Each name with an API entry, and the page that has it."""
-    return {name: page.name for page in sorted((docs / "api").glob("*.md")) for name in _ENTRY.findall(page.read_text())}
+    return {
+        name: page.name for page in sorted((docs / "api").glob("*.md")) for name in _ENTRY.findall(page.read_text())
+    }
 
 
 def _section(doc: str, title: str) -> str | None:
@@ -107,7 +109,11 @@ def stale_references(src: Path = SRC) -> list[str]:
         if _SOURCE_ROLE.search(text) is None or name.endswith("__main__"):
             continue
         module = importlib.import_module(name)
-        spans = [(n.lineno, n.end_lineno or n.lineno, n.name) for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+        spans = [
+            (n.lineno, n.end_lineno or n.lineno, n.name)
+            for n in ast.walk(ast.parse(text))
+            if isinstance(n, ast.ClassDef)
+        ]
         for number, line in enumerate(text.splitlines(), 1):
             for match in _SOURCE_ROLE.finditer(line):
                 around = sorted((s for s in spans if s[0] <= number <= s[1]), key=lambda s: s[0])
@@ -129,10 +135,17 @@ def docstring_problems(name: str, obj: Any) -> list[str]:
     doc = inspect.getdoc(obj) or ""
     if not doc.strip():
         return [f"{name}: no docstring"]
-    problems = [f"{name}: its docstring sends the reader into the implementation (trainfold._src)"] if "trainfold._src" in doc else []
+    problems = (
+        [f"{name}: its docstring sends the reader into the implementation (trainfold._src)"]
+        if "trainfold._src" in doc
+        else []
+    )
     if inspect.isclass(obj):
-        problems += [f"{name}.{k}: its docstring sends the reader into the implementation (trainfold._src)"
-                     for k, v in vars(obj).items() if not k.startswith("_") and "trainfold._src" in (inspect.getdoc(v) or "")]
+        problems += [
+            f"{name}.{k}: its docstring sends the reader into the implementation (trainfold._src)"
+            for k, v in vars(obj).items()
+            if not k.startswith("_") and "trainfold._src" in (inspect.getdoc(v) or "")
+        ]
     func = _function(obj)
     if func is not None:
         signature = inspect.signature(func)
@@ -162,8 +175,11 @@ def reference_problems(docs: Path = DOCS) -> list[str]:
     public = [n for n in trainfold.__all__ if n != "__version__"]
     entries = api_entries(docs)
     problems = [f"{n}: public, but no API page has '::: trainfold.{n}'" for n in public if n not in entries]
-    problems += [f"{n}: docs/api/{page} documents it, but it is not in trainfold.__all__" for n, page in entries.items()
-                 if n not in public and importlib.util.find_spec(f"trainfold.{n}") is None]  # trainfold.testing: a public module
+    problems += [
+        f"{n}: docs/api/{page} documents it, but it is not in trainfold.__all__"
+        for n, page in entries.items()
+        if n not in public and importlib.util.find_spec(f"trainfold.{n}") is None
+    ]  # trainfold.testing: a public module
     for name in public:
         problems += docstring_problems(name, getattr(trainfold, name))
     return problems
@@ -185,8 +201,11 @@ def on_pre_build(config: Any) -> None:
 _INCLUDE = re.compile(r'^--8<-- "([\w./-]+)"\s*$')
 #: Links of the repository's files made the site's: into docs/ and to the changelog, pages; to the repository's
 #: other files (examples/, benchmarks/), their text alone (the site does not hold them).
-_LINKS = ((re.compile(r"\]\(docs/"), "]("), (re.compile(r"\]\(CHANGELOG\.md\)"), "](changelog.md)"),
-          (re.compile(r"\[([^\]]*)\]\((?:(?:examples|benchmarks|tests|src)/[^)]*|CONTRIBUTING\.md)\)"), r"\1"))
+_LINKS = (
+    (re.compile(r"\]\(docs/"), "]("),
+    (re.compile(r"\]\(CHANGELOG\.md\)"), "](changelog.md)"),
+    (re.compile(r"\[([^\]]*)\]\((?:(?:examples|benchmarks|tests|src)/[^)]*|CONTRIBUTING\.md)\)"), r"\1"),
+)
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
@@ -207,7 +226,9 @@ def on_page_content(html: str, page: Any, files: Any, **_: Any) -> str:
     """The docstrings' Sphinx roles (``:func:`~trainfold.evaluate```, kept for ``help()``) as links to the API entries
     of the public names they name, and as plain code otherwise."""
     entries = _ENTRIES
-    here = posixpath.dirname(page.url) or "."  # api/steps.html is in api/ (api/steps/ in api/steps, with directory URLs)
+    here = (
+        posixpath.dirname(page.url) or "."
+    )  # api/steps.html is in api/ (api/steps/ in api/steps, with directory URLs)
 
     def link(match: re.Match[str]) -> str:
         short, target = match.group(1), match.group(2)
@@ -232,8 +253,12 @@ _RETURNS = re.compile(r'doc-section-title">Returns:</span>(.*?)</table>', re.S)
 #: what a docstring's markup leaves when the site does not understand it
 _RAW = (
     (re.compile(r"::</p>"), "a reST '::' shown as text (end the sentence with ':' and indent the block)"),
-    (re.compile(r"(?<![\w-])(?:func|class|meth|attr|data|exc|mod|obj):<code>|:(?:func|class|meth|attr|data|exc|mod|obj):`"),
-     "a Sphinx role shown as text"),
+    (
+        re.compile(
+            r"(?<![\w-])(?:func|class|meth|attr|data|exc|mod|obj):<code>|:(?:func|class|meth|attr|data|exc|mod|obj):`"
+        ),
+        "a Sphinx role shown as text",
+    ),
     (re.compile(r'class="doc-overloads'), "a function's overloads shown as signatures of their own"),
 )
 
@@ -263,9 +288,13 @@ def html_problems(site: Path) -> list[str]:
             target = posixpath.normpath(posixpath.join(posixpath.dirname(name), m.group(1))) if m.group(1) else name
             target = target if target in ids else f"{target}/index.html" if f"{target}/index.html" in ids else target
             if target not in ids:
-                problems.append(f"{name}: a link to {target}#{m.group(2)}, a page the site does not have, under {_where(html, m.start())}")
+                problems.append(
+                    f"{name}: a link to {target}#{m.group(2)}, a page the site does not have, under {_where(html, m.start())}"
+                )
             elif m.group(2) not in ids[target]:
-                problems.append(f"{name}: a link to {target}#{m.group(2)}, which is no anchor there, under {_where(html, m.start())}")
+                problems.append(
+                    f"{name}: a link to {target}#{m.group(2)}, which is no anchor there, under {_where(html, m.start())}"
+                )
     return problems
 
 

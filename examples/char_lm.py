@@ -24,8 +24,18 @@ from torch.utils.data import DataLoader
 from toolz import compose
 
 from trainfold import (
-    Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, log_every, loop, lr_schedule, make_step,
-    max_steps, run_epoch, warmup_cosine,
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    log_every,
+    loop,
+    lr_schedule,
+    make_step,
+    max_steps,
+    run_epoch,
+    warmup_cosine,
 )
 
 SEQ = 64
@@ -125,13 +135,17 @@ def main() -> None:
     vocab = {c: i for i, c in enumerate(sorted(set(text)))}
     data = Lines(text, vocab)
     model = CharTransformer(len(vocab))
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01))
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    )
     (train_dl,) = ctx.prepare_loaders(DataLoader(data, batch_size=16, shuffle=True, collate_fn=collate))
     if latest_checkpoint(root) is not None:
         state = load_checkpoint(ctx, root, state)
         ctx.accelerator.print(f"resumed from {latest_checkpoint(root).name} at update {state.step}")
 
-    saving = checkpoint_every(ctx, 2 if args.smoke else 50, root, keep_last=2)  # and at a stop; saving.at_end saves the end
+    saving = checkpoint_every(
+        ctx, 2 if args.smoke else 50, root, keep_last=2
+    )  # and at a stop; saving.at_end saves the end
     step = compose(
         max_steps(updates),
         log_every(ctx, 2 if args.smoke else 25),
@@ -144,7 +158,9 @@ def main() -> None:
             ctx.accelerator.print(f"stopped at update {s.step} in epoch {s.epoch + 1} ({s.stop.reason})")
             return s
         loss = s.metrics["train_loss"]
-        ctx.accelerator.print(f"epoch {s.epoch}  update {s.step}  train_loss {loss:.3f} nats/char ({loss / math.log(2):.2f} bits)")
+        ctx.accelerator.print(
+            f"epoch {s.epoch}  update {s.step}  train_loss {loss:.3f} nats/char ({loss / math.log(2):.2f} bits)"
+        )
         return s
 
     state = compose(saving.at_end, loop(compose(report, run_epoch(ctx, step, train_dl))))(state)

@@ -1,6 +1,6 @@
 """k-fold cross-validation on scikit-learn's digits: one Context, a fresh TrainState per fold.
 
-    python examples/cross_validation.py [--folds 5] [--smoke]
+python examples/cross_validation.py [--folds 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def fold_accuracy(ctx: Context, train_ds, val_ds, epochs: int, seed: int) -> flo
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3))
-    train_dl, val_dl = ctx.prepare_loaders(DataLoader(train_ds, batch_size=64, shuffle=True), DataLoader(val_ds, batch_size=256))
+    train_dl, val_dl = ctx.prepare_loaders(
+        DataLoader(train_ds, batch_size=64, shuffle=True), DataLoader(val_ds, batch_size=256)
+    )
     epoch = compose(evaluate(ctx, loss_fn, val_dl), run_epoch(ctx, make_step(ctx, loss_fn), train_dl))
     state = loop(epoch, max_epochs=epochs)(state)
     ctx.release(state, train_dl, val_dl)  # the Accelerator would keep every fold's model and optimizer alive
@@ -42,9 +44,13 @@ def main() -> None:
     folds = StratifiedKFold(n_splits=2 if args.smoke else args.folds, shuffle=True, random_state=0)
     scores = []
     for k, (train_idx, val_idx) in enumerate(folds.split(np.zeros(len(labels)), labels)):
-        scores.append(fold_accuracy(ctx, Subset(data, train_idx), Subset(data, val_idx), epochs=1 if args.smoke else 15, seed=k))
+        scores.append(
+            fold_accuracy(ctx, Subset(data, train_idx), Subset(data, val_idx), epochs=1 if args.smoke else 15, seed=k)
+        )
         ctx.accelerator.print(f"fold {k}: eval_accuracy {scores[-1]:.4f}")
-    ctx.accelerator.print(f"cross-validated accuracy {statistics.mean(scores):.4f} ± {statistics.pstdev(scores):.4f} over {len(scores)} folds")
+    ctx.accelerator.print(
+        f"cross-validated accuracy {statistics.mean(scores):.4f} ± {statistics.pstdev(scores):.4f} over {len(scores)} folds"
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ def main() -> None:
     # group is destroyed (a distributed run that skips this can abort at exit).
     with Context(accelerator=Accelerator(cpu=args.cpu)) as ctx:
         train_ds, test_ds = datasets(args.seed)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(128, 10)
+        )
         train_dl, test_dl = ctx.prepare_loaders(
             torch.utils.data.DataLoader(train_ds, batch_size=64, shuffle=True),
             torch.utils.data.DataLoader(test_ds, batch_size=128),
@@ -78,12 +80,16 @@ def main() -> None:
         state = TrainState.create(ctx, model=model, optimizer=optimizer, scheduler=scheduler)
 
         step = make_step(ctx, loss_fn, clip_grad_norm=1.0)
-        epoch = compose(report(ctx, time.perf_counter()), evaluate(ctx, loss_fn, test_dl), run_epoch(ctx, step, train_dl))
+        epoch = compose(
+            report(ctx, time.perf_counter()), evaluate(ctx, loss_fn, test_dl), run_epoch(ctx, step, train_dl)
+        )
         state = loop(epoch, max_epochs=epochs)(state)
 
         logits = predict(ctx, lambda m, b: m(b[0]), test_dl, state)
         accuracy = (logits.argmax(-1).cpu() == test_ds.tensors[1]).float().mean().item()
-        ctx.accelerator.print(f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates on {ctx.accelerator.num_processes} process(es)")
+        ctx.accelerator.print(
+            f"test accuracy {accuracy:.4f} on {len(logits)} samples after {state.step} updates on {ctx.accelerator.num_processes} process(es)"
+        )
     if not args.smoke and accuracy < 0.95:
         raise SystemExit(f"test accuracy {accuracy:.4f} is below the 0.95 target")
 

@@ -35,7 +35,9 @@ def set_lr(state: TrainState, lr: float) -> TrainState:
     return state
 
 
-def search(ctx: Context, state: TrainState, train_dl, val_dl, lrs: list[float], epochs: int) -> tuple[Trial, list[Trial]]:
+def search(
+    ctx: Context, state: TrainState, train_dl, val_dl, lrs: list[float], epochs: int
+) -> tuple[Trial, list[Trial]]:
     """Warm up one epoch, then train one branch per learning rate from the same snapshot."""
     step = make_step(ctx, loss_fn)
     state = run_epoch(ctx, step, train_dl, state)  # shared warm-up
@@ -45,7 +47,9 @@ def search(ctx: Context, state: TrainState, train_dl, val_dl, lrs: list[float], 
     for lr in lrs:
         branch = loop(epoch, max_epochs=start.epoch + epochs)(set_lr(restore(ctx, start, state), lr))
         trials.append(Trial(lr, branch.metrics["eval_accuracy"], branch.metrics["eval_loss"], snapshot(branch)))
-        ctx.accelerator.print(f"lr {lr:<6}  eval_accuracy {trials[-1].eval_accuracy:.4f}  eval_loss {trials[-1].eval_loss:.4f}")
+        ctx.accelerator.print(
+            f"lr {lr:<6}  eval_accuracy {trials[-1].eval_accuracy:.4f}  eval_loss {trials[-1].eval_loss:.4f}"
+        )
     return min(trials, key=lambda t: t.eval_loss), trials
 
 
@@ -59,11 +63,22 @@ def main() -> None:
     train_ds, val_ds = datasets(seed=0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    train_dl, val_dl = ctx.prepare_loaders(DataLoader(train_ds, batch_size=64, shuffle=True), DataLoader(val_ds, batch_size=128))
+    train_dl, val_dl = ctx.prepare_loaders(
+        DataLoader(train_ds, batch_size=64, shuffle=True), DataLoader(val_ds, batch_size=128)
+    )
 
-    best, trials = search(ctx, state, train_dl, val_dl, [0.003, 0.03] if args.smoke else [0.001, 0.003, 0.01, 0.03, 0.1], epochs=1 if args.smoke else 5)
+    best, trials = search(
+        ctx,
+        state,
+        train_dl,
+        val_dl,
+        [0.003, 0.03] if args.smoke else [0.001, 0.003, 0.01, 0.03, 0.1],
+        epochs=1 if args.smoke else 5,
+    )
     state = restore(ctx, best.snap, state)  # continue from the winner
-    ctx.accelerator.print(f"best lr {best.lr} of {len(trials)}: eval_accuracy {best.eval_accuracy:.4f}; the state is at step {state.step}")
+    ctx.accelerator.print(
+        f"best lr {best.lr} of {len(trials)}: eval_accuracy {best.eval_accuracy:.4f}; the state is at step {state.step}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,17 +32,32 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     train_dl, val_dl, test_dl = ctx.prepare_loaders(
-        DataLoader(train_ds, batch_size=32, shuffle=True), DataLoader(val_ds, batch_size=64), DataLoader(test_ds, batch_size=64)
+        DataLoader(train_ds, batch_size=32, shuffle=True),
+        DataLoader(val_ds, batch_size=64),
+        DataLoader(test_ds, batch_size=64),
     )
 
-    state = fit(ctx, loss_fn, train_dl, state, max_epochs=2 if args.smoke else 30, eval_loader=val_dl, patience=3,
-                log_every_n=20, transforms=[ema(0.99)],
-                epoch_fns=[evaluate(ctx, loss_fn, val_dl, prefix="ema", model=ema_model),
-                           save_best(ctx, out / "best.safetensors", "eval_loss")])
+    state = fit(
+        ctx,
+        loss_fn,
+        train_dl,
+        state,
+        max_epochs=2 if args.smoke else 30,
+        eval_loader=val_dl,
+        patience=3,
+        log_every_n=20,
+        transforms=[ema(0.99)],
+        epoch_fns=[
+            evaluate(ctx, loss_fn, val_dl, prefix="ema", model=ema_model),
+            save_best(ctx, out / "best.safetensors", "eval_loss"),
+        ],
+    )
 
     state = evaluate(ctx, loss_fn, test_dl, restore_best(ctx, out / "best.safetensors", state), prefix="test")
-    ctx.accelerator.print(f"stopped after {state.epoch} epochs; best epoch {state.extras['save_best:eval_loss'].epoch}; "
-                          f"test accuracy {state.metrics['test_accuracy']:.4f} (EMA on validation: {state.metrics['ema_accuracy']:.4f})")
+    ctx.accelerator.print(
+        f"stopped after {state.epoch} epochs; best epoch {state.extras['save_best:eval_loss'].epoch}; "
+        f"test accuracy {state.metrics['test_accuracy']:.4f} (EMA on validation: {state.metrics['ema_accuracy']:.4f})"
+    )
     ctx.close()
 
 

@@ -59,7 +59,16 @@ def ce_loss_with_accuracy(model, batch):
     return torch.nn.functional.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean()}
 
 
-def build(seed: int, *, dropout: float = 0.0, shuffle: bool = False, scheduler: bool = False, n: int = 50, batch_size: int = 8, lr: float = 0.1):
+def build(
+    seed: int,
+    *,
+    dropout: float = 0.0,
+    shuffle: bool = False,
+    scheduler: bool = False,
+    n: int = 50,
+    batch_size: int = 8,
+    lr: float = 0.1,
+):
     """Model, optimizer, optional scheduler and loader, all seeded identically for both loops."""
     torch.manual_seed(seed)
     model = mlp(dropout=dropout)
@@ -113,7 +122,9 @@ def fsdp2_accelerator(**kwargs) -> Accelerator:
     PartialState().distributed_type = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True)
-    if acc.mixed_precision != "no":  # what AcceleratorState does for a plugin it selects itself: FSDP2's MixedPrecisionPolicy
+    if (
+        acc.mixed_precision != "no"
+    ):  # what AcceleratorState does for a plugin it selects itself: FSDP2's MixedPrecisionPolicy
         plugin.set_mixed_precision(acc.mixed_precision)
     acc.state.fsdp_plugin = plugin
     return acc
@@ -140,8 +151,10 @@ def mesh_accelerator(dp_replicate: int = 2, dp_shard: int = 2, tp: int = 1, cp: 
 #: transformers 4.57 and huggingface_hub < 1.0, kept apart from .venv (the Makefile's ``.tp-site``): Accelerate checks
 #: transformers' version when a ParallelismConfig has ``tp_size``, and imports its ``ReplicateParallel`` under TP + FSDP2
 TP_SITE = Path(__file__).resolve().parents[1] / ".tp-site"
-needs_tp_site = pytest.mark.skipif(not (TP_SITE / ".trainfold-installed").exists(),
-                                   reason="needs .tp-site (make .tp-site/.trainfold-installed; make test builds it)")
+needs_tp_site = pytest.mark.skipif(
+    not (TP_SITE / ".trainfold-installed").exists(),
+    reason="needs .tp-site (make .tp-site/.trainfold-installed; make test builds it)",
+)
 
 
 def tp_accelerator(tp: int = 2, dp_shard: int = 1, **kwargs) -> Accelerator:
@@ -157,7 +170,9 @@ def tp_accelerator(tp: int = 2, dp_shard: int = 1, **kwargs) -> Accelerator:
         sys.path.insert(0, str(TP_SITE))
     PartialState(cpu=True).distributed_type = DistributedType.MULTI_GPU
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=True) if dp_shard > 1 else None
-    return Accelerator(cpu=True, fsdp_plugin=plugin, parallelism_config=ParallelismConfig(tp_size=tp, dp_shard_size=dp_shard), **kwargs)
+    return Accelerator(
+        cpu=True, fsdp_plugin=plugin, parallelism_config=ParallelismConfig(tp_size=tp, dp_shard_size=dp_shard), **kwargs
+    )
 
 
 def tensor_parallel(model: torch.nn.Module, accelerator: Accelerator) -> torch.nn.Module:
@@ -200,7 +215,9 @@ def small_disk(folder, size: str):
     import subprocess
 
     folder.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    ).returncode:
         pytest.skip("mounting a tmpfs needs root (CI and the project's machines run as root)")
     try:
         yield folder
@@ -212,8 +229,9 @@ def small_disk(folder, size: str):
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed")
 
 
-def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, clip: float | None = None, config: dict | None = None,
-                          **kwargs) -> Accelerator:
+def deepspeed_accelerator(
+    stage: int, *, gradient_accumulation_steps: int = 1, clip: float | None = None, config: dict | None = None, **kwargs
+) -> Accelerator:
     """An Accelerator that prepares with DeepSpeed ZeRO stage ``stage``, on CPU processes as on GPUs.
 
     DeepSpeed runs on CPU (its CPU accelerator, over a gloo group that
@@ -234,9 +252,16 @@ def deepspeed_accelerator(stage: int, *, gradient_accumulation_steps: int = 1, c
     from accelerate.utils import DeepSpeedPlugin
 
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    plugin = (DeepSpeedPlugin(hf_ds_config=config) if config is not None else  # a whole config (its stage wins)
-              DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=gradient_accumulation_steps,
-                              gradient_clipping=0.0 if clip is None else clip))
+    plugin = (
+        DeepSpeedPlugin(hf_ds_config=config)
+        if config is not None
+        # a whole config (its stage wins)
+        else DeepSpeedPlugin(
+            zero_stage=stage,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            gradient_clipping=0.0 if clip is None else clip,
+        )
+    )
     acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
     if dist.is_initialized() and acc.num_processes != dist.get_world_size():
         shared = PartialState()
@@ -291,7 +316,9 @@ ctx.close()
 def second_job(root: str, options: dict[str, Any]) -> str:
     """Another job, in its own process, continuing the run at ``root`` on a store: "saved", or "refused <why>"."""
     code = _SECOND_JOB.replace("{options}", repr(options))
-    return subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=scaled(600)).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code, root], capture_output=True, text=True, timeout=scaled(600)
+    ).stdout.strip()
 
 
 @contextlib.contextmanager
@@ -306,8 +333,12 @@ def moto_server(env: dict[str, str] | None = None, log: Path | None = None):
 
     port = free_port()
     out = subprocess.DEVNULL if log is None else open(log, "w")  # noqa: SIM115 (closed below, after the server)
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=out, stderr=out, env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=out,
+        stderr=out,
+        env={**os.environ, **(env or {})},
+    )
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
         _wait_until_listening(proc, port, "moto's S3 server")
@@ -332,13 +363,15 @@ class RequestLog:
         self.mark = len(self._requests())
 
     def _requests(self) -> list[tuple[str, str]]:
-        return [(m.group(1), m.group(2)) for line in self.path.read_text().splitlines() if (m := self._LINE.search(line))]
+        return [
+            (m.group(1), m.group(2)) for line in self.path.read_text().splitlines() if (m := self._LINE.search(line))
+        ]
 
     def since(self) -> list[str]:
         """The requests since the last call (or since this log was opened), each as "LIST", "GET", "PUT", "HEAD",
         "DELETE" (one batch delete) or "PUT part"... in the order the server answered them; then a new mark."""
         found = self._requests()
-        new, self.mark = found[self.mark:], len(found)
+        new, self.mark = found[self.mark :], len(found)
         return [self._kind(method, target) for method, target in new]
 
     @staticmethod
@@ -358,12 +391,21 @@ class S3Server:
 
     def options(self) -> dict[str, Any]:
         """``storage_options`` for this server (moto takes any credentials)."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing", "client_kwargs": {"region_name": "us-east-1"}}
+        return {
+            "endpoint_url": self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        }
 
     def env(self) -> dict[str, str]:
         """The same as fsspec's and botocore's own configuration: what a job launched with it reads."""
-        return {"FSSPEC_S3_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1"}
+        return {
+            "FSSPEC_S3_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
 
     def bucket(self, name: str) -> str:
         """Create the bucket ``name`` (once) and return ``s3://name``."""
@@ -389,12 +431,28 @@ def azurite_server(folder):
     if not AZURITE.exists():
         raise RuntimeError(f"{AZURITE} is missing: `make test` installs Azurite with npm (make .azurite/.installed)")
     port = free_port()
-    proc = subprocess.Popen([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(folder), "--silent",
-                             "--skipApiVersionCheck", "--loose"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(AZURITE),
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--location",
+            str(folder),
+            "--silent",
+            "--skipApiVersionCheck",
+            "--loose",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_until_listening(proc, port, "Azurite")
-        yield AzureServer(f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-                          f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;")
+        yield AzureServer(
+            f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;"
+        )
     finally:
         proc.kill()
         proc.wait(timeout=scaled(30))
@@ -427,7 +485,9 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
     import signal
 
     before = newest()
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as proc:
         lines = [proc.stdout.readline() for _ in range(processes)]
         if not all(line.startswith("ready") for line in lines):
             proc.kill()
@@ -438,7 +498,10 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
         while newest() == before and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)  # training: the first new checkpoint is the event the kill counts from
         time.sleep(delay)
-        for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in pids)):
+        for kill in (
+            lambda: os.killpg(proc.pid, signal.SIGKILL),
+            *(lambda pid=pid: os.kill(pid, signal.SIGKILL) for pid in pids),
+        ):
             try:
                 kill()
             except ProcessLookupError:  # it had ended already
@@ -457,7 +520,9 @@ def dvclive_series(folder) -> dict[str, list[tuple[int, float]]]:
     for path in sorted(metrics.rglob("*.tsv")):
         with open(path, newline="") as f:
             rows = csv.DictReader(f, delimiter="\t")
-            series[path.relative_to(metrics).with_suffix("").as_posix()] = [(int(r["step"]), float(r[path.stem])) for r in rows]
+            series[path.relative_to(metrics).with_suffix("").as_posix()] = [
+                (int(r["step"]), float(r[path.stem])) for r in rows
+            ]
     return series
 
 
@@ -467,7 +532,9 @@ def clearml_series(cache_dir) -> dict[str, list[tuple[int, float]]]:
     the title), in the order written: ``{key: [(iteration, value), ...]}``."""
     import json
 
-    (session,) = [p for p in (Path(cache_dir) / "offline").iterdir() if p.is_dir()]  # one session: the resumed run went on with it
+    (session,) = [
+        p for p in (Path(cache_dir) / "offline").iterdir() if p.is_dir()
+    ]  # one session: the resumed run went on with it
     series: dict[str, list[tuple[int, float]]] = {}
     for line in (session / "metrics.jsonl").read_text().splitlines():
         for event in json.loads(line):
@@ -507,8 +574,16 @@ def aim_runs(path) -> dict[str, dict[str, Any]]:
 
     aim = Path(sys.executable).with_name("aim")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    subprocess.run([str(aim), "storage", "--repo", str(path), "reindex", "--yes"], check=True, capture_output=True, timeout=scaled(120), env=env)
-    result = subprocess.run([sys.executable, "-c", AIM_READ, str(path)], capture_output=True, text=True, timeout=scaled(120), env=env)
+    subprocess.run(
+        [str(aim), "storage", "--repo", str(path), "reindex", "--yes"],
+        check=True,
+        capture_output=True,
+        timeout=scaled(120),
+        env=env,
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", AIM_READ, str(path)], capture_output=True, text=True, timeout=scaled(120), env=env
+    )
     assert 0 == result.returncode, result.stderr[-3000:]
     runs = json.loads(result.stdout.splitlines()[-1])
     for run in runs.values():
@@ -578,15 +653,33 @@ def lora_mlp(base_seed: int = 0, adapter_seed: int = 1, width: int = 640, dtype=
     """A 0.42M-parameter base (three Linears and a frozen BatchNorm, whose running statistics still change) drawn from
     ``base_seed``, frozen, with rank-4 adapters drawn from ``adapter_seed`` on its three Linears (10,284 parameters: 2.4% trains)."""
     torch.manual_seed(base_seed)
-    base = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width),
-                               torch.nn.ReLU(), torch.nn.Linear(width, 3)).to(dtype).requires_grad_(False)
+    base = (
+        torch.nn.Sequential(
+            torch.nn.Linear(8, width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, width),
+            torch.nn.BatchNorm1d(width),
+            torch.nn.ReLU(),
+            torch.nn.Linear(width, 3),
+        )
+        .to(dtype)
+        .requires_grad_(False)
+    )
     torch.manual_seed(adapter_seed)
     for i in (0, 2, 5):
         base[i] = LoRALinear(base[i]).to(dtype)
     return base
 
 
-def adapter_setup(*, base_seed: int = 0, adapter_seed: int = 1, n: int = 64, batch_size: int = 8, accelerator=None, dtype=torch.float32):
+def adapter_setup(
+    *,
+    base_seed: int = 0,
+    adapter_seed: int = 1,
+    n: int = 64,
+    batch_size: int = 8,
+    accelerator=None,
+    dtype=torch.float32,
+):
     """A fresh Context over an adapter model (:func:`lora_mlp`) with AdamW over its trainable parameters and a prepared loader."""
     from trainfold import Context, TrainState
 
@@ -598,8 +691,13 @@ def adapter_setup(*, base_seed: int = 0, adapter_seed: int = 1, n: int = 64, bat
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     state = TrainState.create(ctx, model=model, optimizer=opt)
     data = classification_data(n)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data.tensors[0].to(dtype), data.tensors[1]),
-                                                            batch_size=batch_size, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(data.tensors[0].to(dtype), data.tensors[1]),
+            batch_size=batch_size,
+            shuffle=True,
+        )
+    )
     return ctx, state, dl
 
 

@@ -4,7 +4,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MAKE=${MAKE:-make}
-parts=(test-types "types (mypy --strict)" test-docs "docs site (mkdocs --strict)" test-inprocess "in-process tests (xdist)" test-multiprocess "multi-process tests (2 at once)"
+parts=(test-types "types and lint (mypy, ruff)" test-docs "docs site (mkdocs --strict)" test-inprocess "in-process tests (xdist)" test-multiprocess "multi-process tests (2 at once)"
        test-deepspeed "DeepSpeed, transformers, peft" test-floor "floor (oldest Accelerate)" test-wheel "the wheel, installed apart")
 names=() results=() seconds=()
 failed=0

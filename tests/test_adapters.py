@@ -8,8 +8,17 @@ import pytest
 import torch
 
 from trainfold import (
-    CheckpointError, checkpoint_every, export_checkpoint, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step, run_epoch,
-    save_checkpoint, testing,
+    CheckpointError,
+    checkpoint_every,
+    export_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
 )
 
 EPOCHS = 3  # 8 batches an epoch
@@ -39,8 +48,14 @@ def test_an_adapter_checkpoint_holds_what_trains_and_the_bases_fingerprint(tmp_p
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     buffers = [n for n, _ in model.named_buffers()]
-    header = json.loads((ckpt / "model.safetensors").read_bytes()[8:8 + int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")])
-    assert sorted(trainable + buffers) == sorted(k for k in header if k != "__metadata__")  # the batch-norm statistics too
+    header = json.loads(
+        (ckpt / "model.safetensors").read_bytes()[
+            8 : 8 + int.from_bytes((ckpt / "model.safetensors").read_bytes()[:8], "little")
+        ]
+    )
+    assert sorted(trainable + buffers) == sorted(
+        k for k in header if k != "__metadata__"
+    )  # the batch-norm statistics too
 
     recorded = _state_json(ckpt)["frozen"]
     assert frozen == [entry["name"] for entry in recorded]
@@ -70,7 +85,9 @@ def test_adapter_resume_from_any_update(tmp_path):
         base = _frozen(state)
         resumed = _train(ctx, load_checkpoint(ctx, ckpt, state), dl)
         testing.assert_params_equal(expected, resumed)
-        assert all(torch.equal(base[n], p) for n, p in resumed.model.named_parameters() if n in base)  # the base untouched
+        assert all(
+            torch.equal(base[n], p) for n, p in resumed.model.named_parameters() if n in base
+        )  # the base untouched
         assert torch.equal(expected.model[3].running_mean, resumed.model[3].running_mean)
         assert expected.history == resumed.history
 
@@ -88,7 +105,9 @@ def _load_refused(ctx, ckpt, state, match):
     moments = {k: v.clone() for k, v in state.optimizer.state_dict()["state"].items()}
     with pytest.raises(CheckpointError, match=match) as refused:
         load_checkpoint(ctx, ckpt, state)
-    assert all(torch.equal(before[n], t) for n, t in state.model.state_dict().items()), "a refused load changed the model"
+    assert all(torch.equal(before[n], t) for n, t in state.model.state_dict().items()), (
+        "a refused load changed the model"
+    )
     assert moments == state.optimizer.state_dict()["state"]
     return str(refused.value)
 
@@ -97,7 +116,9 @@ def test_another_base_is_refused_naming_a_tensor(tmp_path):
     """Another base is refused naming the first frozen tensor that differs."""
     ckpt = _one_adapter_checkpoint(tmp_path)
     ctx, state, _ = helpers.adapter_setup(base_seed=3)
-    message = _load_refused(ctx, ckpt, state, r"trained on another base: the frozen parameter '0.base.weight' \(float32, shape \(640, 8\)\)")
+    message = _load_refused(
+        ctx, ckpt, state, r"trained on another base: the frozen parameter '0.base.weight' \(float32, shape \(640, 8\)\)"
+    )
     assert "Load the base the run started from" in message
 
 
@@ -154,7 +175,10 @@ def test_a_base_converted_by_to_during_a_run_is_hashed_again(tmp_path):
     save_checkpoint(ctx, tmp_path / "b", state)
     ctx.close()
     first, second = ({e["name"]: e for e in _state_json(latest_checkpoint(tmp_path / r))["frozen"]} for r in ("a", "b"))
-    assert "float64" == second["0.base.weight"]["dtype"] and first["0.base.weight"]["xxh3_128"] != second["0.base.weight"]["xxh3_128"]
+    assert (
+        "float64" == second["0.base.weight"]["dtype"]
+        and first["0.base.weight"]["xxh3_128"] != second["0.base.weight"]["xxh3_128"]
+    )
     from trainfold._src.checkpoint import digest, safetensors
 
     assert digest.of(safetensors.raw(state.model[0].base.weight)) == second["0.base.weight"]["xxh3_128"]
@@ -210,8 +234,12 @@ def test_a_run_that_unfreezes_a_layer_resumes_from_before_and_after_it(tmp_path)
     ctx, fresh, dl = build(False)
     assert 8 == load_checkpoint(ctx, tmp_path / "before", fresh).step
     ctx.close()
-    ctx, frozen_again, _ = build(False)  # the checkpoint after the unfreezing, onto the model before it: refused by name
-    _load_refused(ctx, tmp_path / "after", frozen_again, r"'5.base.bias' is frozen in this model and not in the checkpoint's")
+    ctx, frozen_again, _ = build(
+        False
+    )  # the checkpoint after the unfreezing, onto the model before it: refused by name
+    _load_refused(
+        ctx, tmp_path / "after", frozen_again, r"'5.base.bias' is frozen in this model and not in the checkpoint's"
+    )
 
 
 @pytest.mark.parametrize("forge", ["digest", "shape", "missing field", "not a list", "twice"])
@@ -234,13 +262,17 @@ def test_a_forged_fingerprint_is_refused(forge, tmp_path):
 
     helpers.edit_signed_json(ckpt, "state.json", change)
     ctx, state, _ = helpers.adapter_setup()
-    _load_refused(ctx, ckpt, state, "trained on another base" if forge == "digest" else "a value this trainfold cannot read")
+    _load_refused(
+        ctx, ckpt, state, "trained on another base" if forge == "digest" else "a value this trainfold cannot read"
+    )
 
 
 def test_a_base_on_the_meta_device_cannot_be_fingerprinted_and_says_how(tmp_path):
     ctx, state, dl = helpers.adapter_setup()
     state.model[2].base.to("meta")
-    with pytest.raises(ValueError, match=r"the frozen parameter '2.base.weight' is on the meta device: its weights were never loaded"):
+    with pytest.raises(
+        ValueError, match=r"the frozen parameter '2.base.weight' is on the meta device: its weights were never loaded"
+    ):
         save_checkpoint(ctx, tmp_path, state)
     assert latest_checkpoint(tmp_path) is None
 
@@ -291,7 +323,9 @@ def _adapter_run(engine, root, *, stop_after=None, resume=False, epochs=2, load_
 
 def _whole(state):
     model = state.accelerator.unwrap_model(state.model)
-    return {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in model.state_dict().items()}
+    return {
+        n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone() for n, t in model.state_dict().items()
+    }
 
 
 def _on(nprocs, *args, **kwargs):
@@ -314,7 +348,8 @@ def test_two_process_adapter_resume(engine, tmp_path):
     model_tensors = {k.removeprefix("model.") for k in saved["tensors"] if k.startswith("model.")}
     assert trainable | {"3.running_mean", "3.running_var", "3.num_batches_tracked"} == model_tensors  # no frozen piece
     assert {f"{i}.base.{wb}" for i in (0, 2, 5) for wb in ("weight", "bias")} | {"3.weight", "3.bias"} == {
-        e["name"] for e in _state_json(ckpt)["frozen"]}
+        e["name"] for e in _state_json(ckpt)["frozen"]
+    }
 
     (started, resumed, _), _ = _on(2, engine, str(tmp_path / "run"), resume=True)
     assert ckpt != latest_checkpoint(tmp_path / "run")
@@ -323,7 +358,9 @@ def test_two_process_adapter_resume(engine, tmp_path):
     for name in expected:
         assert torch.equal(expected[name], resumed[name]), name
 
-    (alone, _, _), = _on(1, "ddp", str(tmp_path / "alone"), resume=True, epochs=1, load_from=str(ckpt))  # the epoch's rest, alone
+    ((alone, _, _),) = _on(
+        1, "ddp", str(tmp_path / "alone"), resume=True, epochs=1, load_from=str(ckpt)
+    )  # the epoch's rest, alone
     for name in stopped:
         if not name.startswith("3.running") and name != "3.num_batches_tracked":
             assert torch.equal(stopped[name], alone[name]), name
@@ -351,7 +388,10 @@ def test_inspect_shows_counts_and_the_base_digest(tmp_path, capsys):
     assert 0 == cli.main(["inspect", str(ckpt)])
     text = capsys.readouterr().out
     assert "parameters: 10,284 trainable, 419,203 frozen" in text
-    assert f"adapter checkpoint: 8 frozen tensor(s) (419,203 values) not held, recorded by fingerprint; base {docs[0]['frozen']['base']}" in text
+    assert (
+        f"adapter checkpoint: 8 frozen tensor(s) (419,203 values) not held, recorded by fingerprint; base {docs[0]['frozen']['base']}"
+        in text
+    )
 
 
 def test_inspect_tied_frozen_weight(tmp_path, capsys):
@@ -363,7 +403,9 @@ def test_inspect_tied_frozen_weight(tmp_path, capsys):
 
     testing.reset_accelerate_state()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2), torch.nn.Linear(4, 4, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 2), torch.nn.Linear(4, 4, bias=False)
+    )
     model[2].weight = model[0].weight  # tied
     model[0].weight.requires_grad_(False)
     ctx = Context(accelerator=Accelerator(cpu=True))
@@ -375,7 +417,10 @@ def test_inspect_tied_frozen_weight(tmp_path, capsys):
     text = capsys.readouterr().out
 
     assert "parameters: 10 trainable, 16 frozen" in text
-    assert "2 frozen tensor(s) (32 values, one fingerprint per name: a weight tied under several names counts under each)" in text
+    assert (
+        "2 frozen tensor(s) (32 values, one fingerprint per name: a weight tied under several names counts under each)"
+        in text
+    )
 
 
 def test_inspect_of_a_whole_checkpoint(tmp_path, capsys):
@@ -395,7 +440,10 @@ def _base_file(tmp_path, state, names_of=lambda n: n):
     from safetensors.torch import save_file
 
     path = tmp_path / "base.safetensors"
-    save_file({names_of(n): p.detach().contiguous() for n, p in state.model.named_parameters() if not p.requires_grad}, str(path))
+    save_file(
+        {names_of(n): p.detach().contiguous() for n, p in state.model.named_parameters() if not p.requires_grad},
+        str(path),
+    )
     return path
 
 
@@ -411,7 +459,11 @@ def test_export_writes_the_adapters_alone(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the adapters alone" in out and "--base BASE writes the whole model" in out
     written = parse(bytearray((tmp_path / "adapters.safetensors").read_bytes()))
-    expected = {n: t for n, t in state.model.state_dict().items() if n not in {m for m, p in state.model.named_parameters() if not p.requires_grad}}
+    expected = {
+        n: t
+        for n, t in state.model.state_dict().items()
+        if n not in {m for m, p in state.model.named_parameters() if not p.requires_grad}
+    }
     assert expected.keys() == written.keys() and all(torch.equal(expected[n], written[n]) for n in expected)
 
 
@@ -422,7 +474,9 @@ def test_export_with_the_base_writes_the_whole_model_bit_for_bit(names, tmp_path
     from trainfold._src.checkpoint.safetensors import parse
 
     ctx, state, dl = helpers.adapter_setup()
-    base = _base_file(tmp_path, state, (lambda n: n) if names == "the model's" else (lambda n: n.replace(".base.", ".")))
+    base = _base_file(
+        tmp_path, state, (lambda n: n) if names == "the model's" else (lambda n: n.replace(".base.", "."))
+    )
     state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
     ctx.close()
     assert 0 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "model.safetensors"), "--base", str(base)])
@@ -444,13 +498,21 @@ def test_export_refuses_a_wrong_base(tmp_path, capsys):
     ctx.close()
     other_base = _base_file(tmp_path, other)
 
-    assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(other_base)])
-    assert "has other values than the frozen '0.base.weight' the run trained on: another base" in capsys.readouterr().err
-    assert 2 == cli.main(["export", str(tmp_path / "whole"), str(tmp_path / "out.safetensors"), "--base", str(other_base)])
+    assert 2 == cli.main(
+        ["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(other_base)]
+    )
+    assert (
+        "has other values than the frozen '0.base.weight' the run trained on: another base" in capsys.readouterr().err
+    )
+    assert 2 == cli.main(
+        ["export", str(tmp_path / "whole"), str(tmp_path / "out.safetensors"), "--base", str(other_base)]
+    )
     assert "holds every parameter of its model: a base is for an adapter checkpoint" in capsys.readouterr().err
     assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out"), "--transformers", str(tmp_path)])
     assert "is an adapter checkpoint: it holds what trained, not its base" in capsys.readouterr().err
-    assert 2 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(tmp_path / "nothing")])
+    assert 2 == cli.main(
+        ["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(tmp_path / "nothing")]
+    )
     assert "no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "out").exists()
 
@@ -469,7 +531,9 @@ def test_export_base_through_links(tmp_path):
     state = save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
     ctx.close()
 
-    assert 0 == cli.main(["export", str(tmp_path / "root"), str(tmp_path / "model.safetensors"), "--base", str(snapshot)])
+    assert 0 == cli.main(
+        ["export", str(tmp_path / "root"), str(tmp_path / "model.safetensors"), "--base", str(snapshot)]
+    )
     written = parse(bytearray((tmp_path / "model.safetensors").read_bytes()))
     live = state.model.state_dict()
     assert live.keys() == written.keys() and all(torch.equal(live[n], written[n]) for n in live)
@@ -490,8 +554,12 @@ def test_export_base_refuses_a_fifo(tmp_path, capsys):
     save_checkpoint(ctx, tmp_path / "root", state)
     ctx.close()
     codes = []
-    command = threading.Thread(target=lambda: codes.append(
-        cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(base)])), daemon=True)
+    command = threading.Thread(
+        target=lambda: codes.append(
+            cli.main(["export", str(tmp_path / "root"), str(tmp_path / "out.safetensors"), "--base", str(base)])
+        ),
+        daemon=True,
+    )
     command.start()
     command.join(timeout=helpers.scaled(60))
     if command.is_alive():  # blocked in the open: let it go before failing
@@ -532,11 +600,25 @@ def test_export_base_header_in_bounded_memory(tmp_path):
     save_checkpoint(ctx, tmp_path / "root", state)
     ctx.close()
     for count, name in ((100_000, "base.safetensors"), (1, "one.safetensors")):
-        header = json.dumps({f"layer.{i}.weight": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}).encode()
+        header = json.dumps(
+            {f"layer.{i}.weight": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+        ).encode()
         (tmp_path / name).write_bytes(struct.pack("<Q", len(header)) + header)
     base = tmp_path / "base.safetensors"
-    run = subprocess.run([sys.executable, "-c", _PEAK, str(tmp_path / "root"), str(tmp_path / "out.safetensors"), str(base), str(tmp_path / "one.safetensors")],
-                         capture_output=True, text=True, timeout=helpers.scaled(120))
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PEAK,
+            str(tmp_path / "root"),
+            str(tmp_path / "out.safetensors"),
+            str(base),
+            str(tmp_path / "one.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(120),
+    )
 
     code, peak = (int(word) for word in run.stdout.split())
     assert code == 2 and "has no tensor '0.base.weight', and none with the values of the frozen" in run.stderr
@@ -620,8 +702,12 @@ def _ema_resume(root):
         loaded = load_checkpoint(ctx, f"{root}/{kind}", fresh)
         saved, got = dict(ema_model(state).named_parameters()), dict(ema_model(loaded).named_parameters())
         model = ctx.accelerator.unwrap_model(loaded.model)
-        out.append((all(torch.equal(saved[n], got[n]) for n in saved),
-                    all(got[n] is p for n, p in model.named_parameters() if not p.requires_grad)))
+        out.append(
+            (
+                all(torch.equal(saved[n], got[n]) for n in saved),
+                all(got[n] is p for n, p in model.named_parameters() if not p.requires_grad),
+            )
+        )
         contexts.append(ctx)
     for ctx in contexts:
         ctx.close()

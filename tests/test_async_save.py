@@ -13,8 +13,17 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    Context, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, make_step, run_epoch,
-    save_checkpoint, testing, verify_checkpoint,
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
 )
 
 import helpers
@@ -54,7 +63,9 @@ def test_an_async_save_holds_its_moment(sharded, tmp_path):
     verify_checkpoint(latest_checkpoint(tmp_path))
     ctx.close()
     ctx, fresh = _big_setup(seed=1)
-    testing.assert_params_equal(before, load_checkpoint(ctx, tmp_path, fresh))  # the weights of the save, not the nudged ones
+    testing.assert_params_equal(
+        before, load_checkpoint(ctx, tmp_path, fresh)
+    )  # the weights of the save, not the nudged ones
 
 
 def test_a_second_save_waits_for_the_first_and_closing_waits_for_the_last(tmp_path):
@@ -89,7 +100,9 @@ def test_a_kill_during_a_background_write(tmp_path):
     script.write_text(_KILLED_MID_WRITE.format(tests=str(ROOT / "tests")))
     root = tmp_path / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600)
+    )
 
     assert -signal.SIGKILL == proc.returncode, proc.stderr[-2000:]
     assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -121,7 +134,9 @@ def test_a_background_save_in_flight_when_the_script_ends_is_committed(tmp_path)
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     for attempt in range(4):  # a race: one run could pass by luck
         root = tmp_path / f"ckpts{attempt}"
-        proc = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
+        proc = subprocess.run(
+            [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=helpers.scaled(600)
+        )
 
         assert 0 == proc.returncode, proc.stderr[-2000:]
         assert ["ckpt-0000000000"] == [p.name for p in list_checkpoints(root)]
@@ -135,7 +150,9 @@ def test_a_failed_save_after_the_script_exits_nonzero(small_disk):
     script.write_text(_ENDS_WITHOUT_CLOSING.format(tests=str(ROOT / "tests")))
     root = small_disk / "ckpts"
 
-    proc = subprocess.run([sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=helpers.scaled(600))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root), "fill"], capture_output=True, text=True, timeout=helpers.scaled(600)
+    )
 
     assert "returned" in proc.stdout
     assert 1 == proc.returncode
@@ -157,7 +174,9 @@ def test_a_failed_background_save_raises_when_waited(small_disk):
     first = latest_checkpoint(root)
 
     save_checkpoint(ctx, root, attrs.evolve(state, step=1), async_save=True)
-    with pytest.raises(OSError, match=r"writing .*ckpt-0000000001 failed \(.*No space left on device.*\); nothing was committed"):
+    with pytest.raises(
+        OSError, match=r"writing .*ckpt-0000000001 failed \(.*No space left on device.*\); nothing was committed"
+    ):
         ctx.wait_for_checkpoints()
 
     assert [first] == list_checkpoints(root)
@@ -173,7 +192,9 @@ def _async_run(root, stop_after=None, resume=False):
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
+    )
     if resume:
         state = load_checkpoint(ctx, root, state)
     step = make_step(ctx, helpers.ce_loss)
@@ -242,7 +263,9 @@ def test_the_run_end_save_waits_for_its_commit(end, every, tmp_path, monkeypatch
         step = max_steps(6)(step)
     monkeypatch.setattr(save, "write_and_commit", held)
     returned = []
-    runner = threading.Thread(target=lambda: returned.append(saving.at_end(loop(run_epoch(ctx, step, loader), max_epochs=2)(state))))
+    runner = threading.Thread(
+        target=lambda: returned.append(saving.at_end(loop(run_epoch(ctx, step, loader), max_epochs=2)(state)))
+    )
     runner.start()
     assert writing.wait(timeout=helpers.scaled(300))  # the event: the run-end save is being written
     runner.join(timeout=1.0)

@@ -8,7 +8,20 @@ from accelerate import Accelerator
 
 import helpers
 
-from trainfold import Context, TrainState, constant, evaluate, load_checkpoint, make_step, predict, run_epoch, save_checkpoint, testing, warmup_cosine, warmup_linear
+from trainfold import (
+    Context,
+    TrainState,
+    constant,
+    evaluate,
+    load_checkpoint,
+    make_step,
+    predict,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    warmup_cosine,
+    warmup_linear,
+)
 
 
 def _step_with(loss_fn):
@@ -53,7 +66,9 @@ def test_a_loss_fn_with_swapped_arguments():
     with pytest.raises(Exception) as info:
         step(state, batch)
 
-    assert "trainfold calls as loss_fn(model, batch): the model first" in "\n".join(getattr(info.value, "__notes__", []))
+    assert "trainfold calls as loss_fn(model, batch): the model first" in "\n".join(
+        getattr(info.value, "__notes__", [])
+    )
 
 
 def test_aux_names_must_not_change_within_an_epoch():
@@ -72,7 +87,9 @@ def test_aux_names_must_not_change_within_an_epoch():
 @pytest.mark.parametrize("primitive", ["run_epoch", "evaluate", "predict"])
 def test_an_empty_loader_is_an_error(primitive):
     ctx, state, _, loss_fn = testing.tiny_setup()
-    empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 1), torch.zeros(0, 1)), batch_size=4)
+    empty = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.zeros(0, 1), torch.zeros(0, 1)), batch_size=4
+    )
     (empty,) = ctx.prepare_loaders(empty)
     call = {
         "run_epoch": lambda: run_epoch(ctx, make_step(ctx, loss_fn), empty, state),
@@ -99,7 +116,9 @@ def test_two_contexts_with_conflicting_accumulation_are_detected():
     first = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=4))
     Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
 
-    with pytest.raises(RuntimeError, match=r"made with gradient_accumulation_steps=4.*now gradient_accumulation_steps=2"):
+    with pytest.raises(
+        RuntimeError, match=r"made with gradient_accumulation_steps=4.*now gradient_accumulation_steps=2"
+    ):
         make_step(first, testing.mse_loss)
 
 
@@ -110,14 +129,17 @@ def test_a_state_where_the_step_expects_one():
         run_epoch(ctx, make_step(ctx, loss_fn), loader, {"step": 0})
 
 
-@pytest.mark.parametrize("kw,error,words", [
-    ({"clip_grad_norm": 0}, ValueError, "positive finite"),
-    ({"clip_grad_value": float("nan")}, ValueError, "positive finite"),
-    ({"clip_grad_norm": True}, ValueError, r"clip_grad_norm must be a positive finite number \(got True\)"),
-    ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, ValueError, "not both"),
-    ({"stages": [object()]}, TypeError, r"make_step\(stages=...\) takes Stage objects"),
-    ({"stages": [lambda mb: None]}, TypeError, "takes Stage objects"),
-])
+@pytest.mark.parametrize(
+    "kw,error,words",
+    [
+        ({"clip_grad_norm": 0}, ValueError, "positive finite"),
+        ({"clip_grad_value": float("nan")}, ValueError, "positive finite"),
+        ({"clip_grad_norm": True}, ValueError, r"clip_grad_norm must be a positive finite number \(got True\)"),
+        ({"clip_grad_norm": 1.0, "clip_grad_value": 1.0}, ValueError, "not both"),
+        ({"stages": [object()]}, TypeError, r"make_step\(stages=...\) takes Stage objects"),
+        ({"stages": [lambda mb: None]}, TypeError, "takes Stage objects"),
+    ],
+)
 def test_bad_step_options(kw, error, words):
     ctx, *_ = testing.tiny_setup()
 
@@ -203,7 +225,11 @@ def test_create_knows_megatrons_scheduler_stand_in_too():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: constant(float("nan")), lambda: warmup_cosine(float("inf"), warmup_steps=1, total_steps=10), lambda: warmup_linear(0.1, warmup_steps=1, total_steps=10, end_lr=float("nan"))],
+    [
+        lambda: constant(float("nan")),
+        lambda: warmup_cosine(float("inf"), warmup_steps=1, total_steps=10),
+        lambda: warmup_linear(0.1, warmup_steps=1, total_steps=10, end_lr=float("nan")),
+    ],
     ids=["constant_nan", "cosine_inf", "linear_end_nan"],
 )
 def test_schedules_refuse_non_finite_learning_rates(make):
@@ -228,7 +254,9 @@ def test_context_needs_an_accelerator():
 
 
 def test_a_loader_shorter_than_the_accumulation_steps_is_refused():
-    ctx, state, loader, loss_fn = testing.tiny_setup(n=8, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=4))
+    ctx, state, loader, loss_fn = testing.tiny_setup(
+        n=8, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=4)
+    )
 
     with pytest.raises(ValueError, match=r"2 batches per epoch but gradient_accumulation_steps=4.*silently smaller"):
         run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
@@ -307,7 +335,10 @@ def test_a_checkpoint_from_another_trainfold_format_names_both(tmp_path):
     doc.update(format=7, trainfold_version="9.0.0")
     manifest.write_text(json.dumps(doc))
 
-    with pytest.raises(CheckpointError, match=r"written by trainfold 9.0.0 in checkpoint format 7; this trainfold .* reads formats 1, 2"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"written by trainfold 9.0.0 in checkpoint format 7; this trainfold .* reads formats 1, 2",
+    ):
         load_checkpoint(ctx, tmp_path, state)
 
 
@@ -340,8 +371,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 def test_a_full_disk_during_save_leaves_the_previous_checkpoint_intact(tmp_path):
     from trainfold import latest_checkpoint, list_checkpoints, verify_checkpoint
 
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), str(tmp_path / "out"), "--disk-full-after-first-save"],
-                            capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), str(tmp_path / "out"), "--disk-full-after-first-save"],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+        env=ENV,
+    )
 
     assert 3 == result.returncode, result.stderr[-2000:]
     assert "save failed: OSError" in result.stdout
@@ -356,11 +392,23 @@ def test_ctrl_c_stops_with_a_final_checkpoint(tmp_path):
 
     from trainfold import list_checkpoints
 
-    clean = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(tmp_path / "clean.st")], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
+    clean = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "clean"), str(tmp_path / "clean.st")],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+        env=ENV,
+    )
     assert 0 == clean.returncode, clean.stderr[-2000:]
 
     root = tmp_path / "interrupted"
-    with subprocess.Popen([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) as proc:
+    with subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    ) as proc:
         assert "ready" == proc.stdout.readline().strip()
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
@@ -370,7 +418,13 @@ def test_ctrl_c_stops_with_a_final_checkpoint(tmp_path):
     assert 1 == len(list_checkpoints(root))
     assert [".trainfold.lock"] == [p.name for p in root.iterdir() if p.name.startswith(".")]  # nothing half-written
 
-    resumed = subprocess.run([sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")], capture_output=True, text=True, timeout=helpers.scaled(600), env=ENV)
+    resumed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(root), str(tmp_path / "resumed.st")],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+        env=ENV,
+    )
     assert 0 == resumed.returncode, resumed.stderr[-2000:]
     testing.assert_params_equal(load_file(str(tmp_path / "clean.st")), load_file(str(tmp_path / "resumed.st")))
 
@@ -383,23 +437,42 @@ def _misplaced_calls():
     step = make_step(ctx, loss_fn)
     batch = next(iter(dl))
     return {
-        "run_epoch(ctx, loader, step, state)": (lambda: run_epoch(ctx, dl, step, state),
-                                                r"run_epoch: step, the second argument of run_epoch\(ctx, step, loader, state\), must be a function; got a loader"),
-        "run_epoch(state, ctx, step, loader)": (lambda: run_epoch(state, ctx, step, dl),
-                                                r"run_epoch: the first argument of run_epoch\(ctx, step, loader, state\) must be the Context; got a TrainState"),
-        "make_step(loss_fn, ctx)": (lambda: make_step(loss_fn, ctx),
-                                    r"make_step: the first argument of make_step\(ctx, loss_fn, ...\) must be the Context; got the function 'mse_loss'"),
-        "step(batch, state)": (lambda: step(batch, state), r"step\(state, batch\): the arguments are swapped: the TrainState comes first"),
-        "evaluate(ctx, loader, loss_fn, state)": (lambda: evaluate(ctx, dl, loss_fn, state),
-                                                  r"evaluate: loss_fn, the second argument of evaluate\(ctx, loss_fn, loader, state\), must be a function"),
-        "evaluate(ctx, loss_fn, state, loader)": (lambda: evaluate(ctx, loss_fn, state, dl),
-                                                  r"evaluate: loader, the third argument of evaluate\(ctx, loss_fn, loader, state\), must be an iterable of batches \(a DataLoader\); got a TrainState"),
-        "predict(ctx, loader, fn, state)": (lambda: predict(ctx, dl, lambda m, b: m(b[0]), state),
-                                            r"predict: fn, the second argument of predict\(ctx, fn, loader, state\), must be a function"),
-        "save_checkpoint(state, root, ctx)": (lambda: save_checkpoint(state, "unused", ctx),
-                                              r"save_checkpoint: the first argument of save_checkpoint\(ctx, root, state\) must be the Context; got a TrainState"),
-        "load_checkpoint(state, path, ctx)": (lambda: load_checkpoint(state, "unused", ctx),
-                                              r"load_checkpoint: the first argument of load_checkpoint\(ctx, path, state\) must be the Context; got a TrainState"),
+        "run_epoch(ctx, loader, step, state)": (
+            lambda: run_epoch(ctx, dl, step, state),
+            r"run_epoch: step, the second argument of run_epoch\(ctx, step, loader, state\), must be a function; got a loader",
+        ),
+        "run_epoch(state, ctx, step, loader)": (
+            lambda: run_epoch(state, ctx, step, dl),
+            r"run_epoch: the first argument of run_epoch\(ctx, step, loader, state\) must be the Context; got a TrainState",
+        ),
+        "make_step(loss_fn, ctx)": (
+            lambda: make_step(loss_fn, ctx),
+            r"make_step: the first argument of make_step\(ctx, loss_fn, ...\) must be the Context; got the function 'mse_loss'",
+        ),
+        "step(batch, state)": (
+            lambda: step(batch, state),
+            r"step\(state, batch\): the arguments are swapped: the TrainState comes first",
+        ),
+        "evaluate(ctx, loader, loss_fn, state)": (
+            lambda: evaluate(ctx, dl, loss_fn, state),
+            r"evaluate: loss_fn, the second argument of evaluate\(ctx, loss_fn, loader, state\), must be a function",
+        ),
+        "evaluate(ctx, loss_fn, state, loader)": (
+            lambda: evaluate(ctx, loss_fn, state, dl),
+            r"evaluate: loader, the third argument of evaluate\(ctx, loss_fn, loader, state\), must be an iterable of batches \(a DataLoader\); got a TrainState",
+        ),
+        "predict(ctx, loader, fn, state)": (
+            lambda: predict(ctx, dl, lambda m, b: m(b[0]), state),
+            r"predict: fn, the second argument of predict\(ctx, fn, loader, state\), must be a function",
+        ),
+        "save_checkpoint(state, root, ctx)": (
+            lambda: save_checkpoint(state, "unused", ctx),
+            r"save_checkpoint: the first argument of save_checkpoint\(ctx, root, state\) must be the Context; got a TrainState",
+        ),
+        "load_checkpoint(state, path, ctx)": (
+            lambda: load_checkpoint(state, "unused", ctx),
+            r"load_checkpoint: the first argument of load_checkpoint\(ctx, path, state\) must be the Context; got a TrainState",
+        ),
     }
 
 
@@ -431,8 +504,22 @@ def test_torchrun_without_cpu_true_on_a_machine_without_gpus_is_refused(tmp_path
         pytest.skip("with GPUs the Accelerator forms the group itself")
     script = tmp_path / "two_copies.py"
     script.write_text(_TWO_COPIES)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
-                          capture_output=True, text=True, timeout=helpers.scaled(600), env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"},
+    )
 
     assert 0 != proc.returncode
     assert "the launcher started 2 processes (WORLD_SIZE=2), but this Accelerator runs 1 process" in proc.stderr
@@ -447,7 +534,9 @@ def test_log_with_without_init_trackers_says_that_nothing_is_sent():
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=accelerator)
     state = run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
 
-    with pytest.warns(UserWarning, match=r"log_with=\['tensorboard'\] but its trackers were never started.*init_trackers"):
+    with pytest.warns(
+        UserWarning, match=r"log_with=\['tensorboard'\] but its trackers were never started.*init_trackers"
+    ):
         log_epoch(ctx, state, echo=False)
 
 
@@ -478,17 +567,26 @@ def test_fit_with_patience_and_nothing_to_watch_is_refused_before_training():
     from trainfold import fit
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    with pytest.raises(ValueError, match=r"fit: patience=3 watches 'eval_loss'.*pass eval_loader=.*monitor='train_loss'"):
+    with pytest.raises(
+        ValueError, match=r"fit: patience=3 watches 'eval_loss'.*pass eval_loader=.*monitor='train_loss'"
+    ):
         fit(ctx, loss_fn, loader, state, max_epochs=2, patience=3, progress=False)
     assert 0 == state.step
-    assert 2 == fit(ctx, loss_fn, loader, state, max_epochs=2, patience=3, monitor="train_loss", progress=False, echo=False).epoch
+    assert (
+        2
+        == fit(
+            ctx, loss_fn, loader, state, max_epochs=2, patience=3, monitor="train_loss", progress=False, echo=False
+        ).epoch
+    )
 
 
 def test_a_released_state_is_refused():
     """ctx.release(state) gave its objects back; 16 more updates were accepted."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     ctx.release(state, loader)
-    (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, 1)), batch_size=2))
+    (loader,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 1), torch.zeros(4, 1)), batch_size=2)
+    )
 
     with pytest.raises(ValueError, match=r"run_epoch: this state's objects were given back with ctx.release\(state\)"):
         run_epoch(ctx, make_step(ctx, loss_fn), loader, state)
@@ -501,7 +599,10 @@ def test_a_checkpoint_path_of_none_says_where_the_none_came_from():
     from trainfold import verify_checkpoint
 
     ctx, state, _, _ = testing.tiny_setup(seed=0)
-    with pytest.raises(TypeError, match=r"verify_checkpoint needs the path of a checkpoint folder or root \(got None: latest_checkpoint"):
+    with pytest.raises(
+        TypeError,
+        match=r"verify_checkpoint needs the path of a checkpoint folder or root \(got None: latest_checkpoint",
+    ):
         verify_checkpoint(None)
     with pytest.raises(TypeError, match=r"load_checkpoint needs the path .* \(got None"):
         load_checkpoint(ctx, None, state)
@@ -515,8 +616,13 @@ def test_checkpoint_error_is_defined_where_users_import_it_from():
     assert "trainfold.errors" == CheckpointError.__module__
 
 
-@pytest.mark.parametrize("sizes,named", [({"sp_size": 2}, "sp_size=2 (sequence parallelism)"),
-                                         ({"dp_shard_size": 2, "cp_size": 2}, "cp_size=2 (context parallelism)")])
+@pytest.mark.parametrize(
+    "sizes,named",
+    [
+        ({"sp_size": 2}, "sp_size=2 (sequence parallelism)"),
+        ({"dp_shard_size": 2, "cp_size": 2}, "cp_size=2 (context parallelism)"),
+    ],
+)
 def test_context_and_sequence_parallelism_are_refused_naming_them(sizes, named):
     """The check a Context makes of its Accelerator's ParallelismConfig (tests/test_sharded.py makes a real one on 4
     processes): make_step does not enter Accelerate's maybe_context_parallel, which splits each batch's sequence;
@@ -547,7 +653,9 @@ def test_an_own_step_that_records_no_batch():
         run_epoch(ctx, count_batches, loader, state)
 
 
-@pytest.mark.parametrize("before", [0, 1, 63, 64, 65])  # a fold group's first batch, inside one, after a fold (64 a group)
+@pytest.mark.parametrize(
+    "before", [0, 1, 63, 64, 65]
+)  # a fold group's first batch, inside one, after a fold (64 a group)
 @pytest.mark.parametrize("first, then", [(False, True), (True, False)])
 def test_aux_values_that_appear_or_vanish(before, first, then):
     """Batches without aux values, then one with them (or the reverse): refused, never the names silently dropped."""
@@ -562,7 +670,9 @@ def test_aux_values_that_appear_or_vanish(before, first, then):
     step, state, batch = _step_with(loss_fn)
     for _ in range(max(before, 1)):
         state = step(state, batch)
-    with pytest.raises(ValueError, match=r"aux names \[(|'acc')\] but earlier batches of this epoch returned \[('acc'|)\]"):
+    with pytest.raises(
+        ValueError, match=r"aux names \[(|'acc')\] but earlier batches of this epoch returned \[('acc'|)\]"
+    ):
         step(state, batch)
 
 

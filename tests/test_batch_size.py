@@ -20,7 +20,9 @@ N, GLOBAL, FITS, EPOCHS = 48, 16, 5, 2
 def _oom_above(limit):
     def loss_fn(model, batch):
         if len(batch[0]) > limit:
-            raise RuntimeError(f"CUDA out of memory. Tried to allocate {len(batch[0])} GiB")  # what torch raises on a GPU
+            raise RuntimeError(
+                f"CUDA out of memory. Tried to allocate {len(batch[0])} GiB"
+            )  # what torch raises on a GPU
         return helpers.ce_loss(model, batch)
 
     return loss_fn
@@ -58,7 +60,9 @@ def _found_and_canonical():
     GradientState._reset_state()
     model, opt, _, dl = helpers.build(0, shuffle=True, n=N, batch_size=batch_size)
     torch.manual_seed(7)
-    expected, _ = helpers.canonical_loop(Accelerator(cpu=True, gradient_accumulation_steps=steps), model, opt, None, dl, helpers.ce_loss, epochs=EPOCHS)
+    expected, _ = helpers.canonical_loop(
+        Accelerator(cpu=True, gradient_accumulation_steps=steps), model, opt, None, dl, helpers.ce_loss, epochs=EPOCHS
+    )
     AcceleratorState._reset_state()
     GradientState._reset_state()
     return [a[:2] for a in attempts], freed, prepared, expected, params, retired

@@ -10,8 +10,23 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError, Context, TrainState, checkpoint_every, ema, latest_checkpoint, list_checkpoints, load_checkpoint,
-    log_every, loop, make_step, max_steps, nan_guard, run_epoch, save_checkpoint, testing, verify_checkpoint,
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    ema,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    log_every,
+    loop,
+    make_step,
+    max_steps,
+    nan_guard,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
 )
 
 
@@ -50,7 +65,9 @@ def test_resume_from_every_batch_position_is_bit_exact(tmp_path):
         resumed = _train(ctx, load_checkpoint(ctx, ckpt, state), dl)
 
         testing.assert_params_equal(expected, resumed)
-        testing.assert_params_equal(testing.parameters(expected.extras["ema"].model), testing.parameters(resumed.extras["ema"].model))
+        testing.assert_params_equal(
+            testing.parameters(expected.extras["ema"].model), testing.parameters(resumed.extras["ema"].model)
+        )
         assert expected.history == resumed.history, ckpt.name
         assert (expected.step, expected.micro_step, expected.epoch) == (resumed.step, resumed.micro_step, resumed.epoch)
 
@@ -111,7 +128,9 @@ def test_checkpoint_every_and_keep_last(tmp_path):
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert ["ckpt-0000000010", "ckpt-0000000012"] == names
     assert latest_checkpoint(tmp_path).name == "ckpt-0000000012"
-    assert [".trainfold.lock"] == [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no debris, only the lock
+    assert [".trainfold.lock"] == [
+        p.name for p in tmp_path.iterdir() if p.name.startswith(".")
+    ]  # no debris, only the lock
 
 
 def _one_checkpoint(tmp_path):
@@ -194,7 +213,9 @@ def test_a_checkpoint_of_another_model_names_the_parameter(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
 
-    with pytest.raises(CheckpointError, match=r"parameter '0.weight' has shape \(16, 8\) in the checkpoint and \(32, 8\)"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter '0.weight' has shape \(16, 8\) in the checkpoint and \(32, 8\)"
+    ):
         load_checkpoint(ctx, ckpt, state)
 
 
@@ -238,7 +259,11 @@ def test_a_trainstate_subclass_through_a_checkpoint(tmp_path):
         seen: int = 0
 
     ctx, base, dl = _setup(ga=1)
-    state = attrs.evolve(LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums), label="run-a", seen=3)
+    state = attrs.evolve(
+        LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums),
+        label="run-a",
+        seen=3,
+    )
     save_checkpoint(ctx, tmp_path, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
 
     resumed = load_checkpoint(ctx, tmp_path, attrs.evolve(state, label="other", seen=0))
@@ -265,6 +290,7 @@ def test_a_users_registered_record_in_extras_is_checkpointed(tmp_path):
             new = step(s, batch)
             seen = new.extras.get("seen", Seen(0, torch.zeros(())))
             return new.with_extra("seen", Seen(seen.batches + 1, batch[1][:1].float()))
+
         return counted
 
     trained = run_epoch(ctx, counting(make_step(ctx, helpers.ce_loss)), dl, state)
@@ -307,7 +333,9 @@ def test_register_record_refuses_what_it_cannot_keep_apart():
     with pytest.raises(TypeError, match="takes an attrs class"):
         register_record(Plain)
     register_record(name="test_checkpoint.Same")(A)
-    with pytest.raises(ValueError, match="record name 'test_checkpoint.Same' is taken by .*A; register .*B under another name"):
+    with pytest.raises(
+        ValueError, match="record name 'test_checkpoint.Same' is taken by .*A; register .*B under another name"
+    ):
         register_record(name="test_checkpoint.Same")(B)
 
 
@@ -321,7 +349,10 @@ def test_a_dtype_name_is_looked_up_in_a_fixed_list_not_on_the_torch_module(tmp_p
             decode({"__dtype__": name}, {})
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.uint8, torch.bool],
+)
 def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype):
     """The streaming writer and the one-buffer reader speak the safetensors library's format."""
     from safetensors.torch import load_file, save_file
@@ -330,12 +361,19 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
     from trainfold._src.checkpoint import safetensors as _safetensors
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"a": (torch.randn(3, 5, generator=g) * 10).to(dtype), "b": torch.ones((), dtype=dtype), "empty": torch.zeros(0, 2, dtype=dtype),
-               "mixed": torch.arange(7, dtype=torch.int32), "wide": torch.randn(2, generator=g, dtype=torch.float64)}
+    tensors = {
+        "a": (torch.randn(3, 5, generator=g) * 10).to(dtype),
+        "b": torch.ones((), dtype=dtype),
+        "empty": torch.zeros(0, 2, dtype=dtype),
+        "mixed": torch.arange(7, dtype=torch.int32),
+        "wide": torch.randn(2, generator=g, dtype=torch.float64),
+    }
 
     entry = _safetensors.write(tmp_path / "ours.safetensors", tensors)
     save_file(tensors, str(tmp_path / "theirs.safetensors"))
-    theirs = _safetensors.parse(read_into(tmp_path / "theirs.safetensors", (tmp_path / "theirs.safetensors").stat().st_size))
+    theirs = _safetensors.parse(
+        read_into(tmp_path / "theirs.safetensors", (tmp_path / "theirs.safetensors").stat().st_size)
+    )
     ours = load_file(str(tmp_path / "ours.safetensors"))
 
     assert entry["size"] == (tmp_path / "ours.safetensors").stat().st_size
@@ -345,15 +383,23 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
             assert (t.dtype, t.shape) == (loaded[k].dtype, loaded[k].shape) and torch.equal(t, loaded[k])
 
 
-@pytest.mark.parametrize("header", [b"{", b"[1]", b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',
-                                    b'{"x": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 4]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}',
-                                    b'{"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [false, true]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}',
-                                    b'{"x": {"dtype": "F32", "shape": [1]}}', b'{"x": ["F32", [1], [0, 4]]}',
-                                    b'{"x": {"F32": 0, "12": 0, "08": 0}}'])
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"{",
+        b"[1]",
+        b'{"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 99]}}',
+        b'{"x": {"dtype": "PICKLE", "shape": [1], "data_offsets": [0, 4]}}',
+        b'{"x": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}',
+        b'{"x": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}}',
+        b'{"x": {"dtype": "F32", "shape": [4.0], "data_offsets": [0, 16]}}',
+        b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [false, true]}}',
+        b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}',
+        b'{"x": {"dtype": "F32", "shape": [1]}}',
+        b'{"x": ["F32", [1], [0, 4]]}',
+        b'{"x": {"F32": 0, "12": 0, "08": 0}}',
+    ],
+)
 def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
     import struct
 
@@ -373,8 +419,10 @@ def test_safetensors_any_key_order():
 
     from trainfold._src.checkpoint import safetensors as _safetensors
 
-    header = (b'{"dtype": {"data_offsets": [0, 4], "shape": [1], "dtype": "F32"}, "shape": {"shape": [1], "dtype": "I32", '
-              b'"data_offsets": [4, 8]}, "data_offsets": {"dtype": "U8", "shape": [0], "data_offsets": [8, 8]}}')
+    header = (
+        b'{"dtype": {"data_offsets": [0, 4], "shape": [1], "dtype": "F32"}, "shape": {"shape": [1], "dtype": "I32", '
+        b'"data_offsets": [4, 8]}, "data_offsets": {"dtype": "U8", "shape": [0], "data_offsets": [8, 8]}}'
+    )
     header += b" " * (-len(header) % 8)
     data = struct.pack("<Q", len(header)) + header + struct.pack("<fi", 1.5, 7)
 
@@ -411,8 +459,15 @@ def test_xxh3_digests_and_sha256_still_loads(tmp_path):
     testing.assert_params_equal(trained, load_checkpoint(ctx, folder, fresh))
 
 
-@pytest.mark.parametrize("entry", [{"size": 1}, {"size": 1, "md5": "0" * 32}, {"size": 1, "xxh3_128": "0" * 64},
-                                   {"size": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64}])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"size": 1},
+        {"size": 1, "md5": "0" * 32},
+        {"size": 1, "xxh3_128": "0" * 64},
+        {"size": 1, "xxh3_128": "0" * 32, "sha256": "0" * 64},
+    ],
+)
 def test_a_manifest_entry_without_exactly_one_known_digest_is_refused(entry, tmp_path):
     import json
 
@@ -425,7 +480,9 @@ def test_a_manifest_entry_without_exactly_one_known_digest_is_refused(entry, tmp
     manifest["files"]["state.json"] = entry
     (folder / "MANIFEST.json").write_text(json.dumps(manifest))
 
-    with pytest.raises(CheckpointError, match=r"the entry of state.json needs a size and one digest \(xxh3_128 or sha256\)"):
+    with pytest.raises(
+        CheckpointError, match=r"the entry of state.json needs a size and one digest \(xxh3_128 or sha256\)"
+    ):
         verify_checkpoint(folder)
 
 
@@ -446,11 +503,19 @@ def _rewritten_as_before(ckpt):
         order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
         header, offset = {}, 0
         for n in order:
-            header[n] = {"dtype": DTYPES[tensors[n].dtype], "shape": list(tensors[n].shape), "data_offsets": [offset, offset + tensors[n].nbytes]}
+            header[n] = {
+                "dtype": DTYPES[tensors[n].dtype],
+                "shape": list(tensors[n].shape),
+                "data_offsets": [offset, offset + tensors[n].nbytes],
+            }
             offset += tensors[n].nbytes
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)
-        data = struct.pack("<Q", len(head)) + head + b"".join(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for n in order)
+        data = (
+            struct.pack("<Q", len(head))
+            + head
+            + b"".join(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for n in order)
+        )
         (ckpt / name).write_bytes(data)
         manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
@@ -465,7 +530,9 @@ def test_what_a_load_hands_to_the_run_is_aligned_as_torch_allocates(tmp_path, sh
     tests/test_signals.py). Files trainfold writes now put most tensors there already; those it wrote before did not,
     and what the run keeps of them is copied there."""
     ctx, state, dl = _setup(ga=1)
-    state = run_epoch(ctx, max_steps(3)(make_step(ctx, helpers.ce_loss)), dl, state)  # stopped mid-epoch: a batch read ahead
+    state = run_epoch(
+        ctx, max_steps(3)(make_step(ctx, helpers.ce_loss)), dl, state
+    )  # stopped mid-epoch: a batch read ahead
     save_checkpoint(ctx, tmp_path, state, sharded=sharded)
     if written_by == "before":
         _rewritten_as_before(latest_checkpoint(tmp_path))
@@ -474,7 +541,12 @@ def test_what_a_load_hands_to_the_run_is_aligned_as_torch_allocates(tmp_path, sh
     loaded = load_checkpoint(ctx, tmp_path, fresh)
 
     has, batch = loaded.cursor.position.read_ahead
-    moments = [v for per in loaded.optimizer.optimizer.state.values() for v in per.values() if isinstance(v, torch.Tensor) and v.ndim]
+    moments = [
+        v
+        for per in loaded.optimizer.optimizer.state.values()
+        for v in per.values()
+        if isinstance(v, torch.Tensor) and v.ndim
+    ]
     assert has and moments
     assert [t.data_ptr() % 64 for t in [*batch, *moments]] == [0] * (len(batch) + len(moments))
     ctx.close()
@@ -491,8 +563,14 @@ def test_written_tensors_are_aligned(tmp_path):
     from trainfold._src.base.io import read_into
     from trainfold._src.checkpoint import safetensors as ours
 
-    tensors = {"odd": torch.randn(3), "big": torch.randn(64, 64), "ids": torch.arange(5), "half": torch.randn(16).half(),
-               "wide": torch.randn(10, 32), "byte": torch.ones(7, dtype=torch.uint8)}
+    tensors = {
+        "odd": torch.randn(3),
+        "big": torch.randn(64, 64),
+        "ids": torch.arange(5),
+        "half": torch.randn(16).half(),
+        "wide": torch.randn(10, 32),
+        "byte": torch.ones(7, dtype=torch.uint8),
+    }
     path = tmp_path / "t.safetensors"
     ours.write(path, tensors)
     buf = read_into(path, os.path.getsize(path))
@@ -578,14 +656,16 @@ def test_load_before_building_the_step(tmp_path):
 
     ctx, state, dl = _setup(ga=1)
     step = compose(ema(0.9), log_every(ctx, 2), stop_when(ctx, lambda s: s.last_loss > 1e9, check_every=4))(
-        make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)]))
+        make_step(ctx, helpers.ce_loss, stages=[nan_guard(3)])
+    )
     trained = compose(early_stop("train_loss"), run_epoch(ctx, step, dl))(state)
     save_checkpoint(ctx, tmp_path, trained)
     saved = sorted((name, type(value).__name__) for name, value in trained.extras.items())
     assert {"EmaState", "LogState", "StopWhenState", "NanGuardState", "PatienceState"} <= {kind for _, kind in saved}
 
-    run = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(tmp_path)], capture_output=True, text=True,
-                         timeout=helpers.scaled(120))
+    run = subprocess.run(
+        [sys.executable, "-c", _FRESH_LOAD, str(tmp_path)], capture_output=True, text=True, timeout=helpers.scaled(120)
+    )
 
     assert 0 == run.returncode, run.stderr[-2000:]
     assert repr(saved) == run.stdout.strip()
@@ -640,7 +720,9 @@ def test_nan_guard_checkpoint_after_a_fold(tmp_path):
     ctx, state, loader, loss_fn = setup()
     expected = run_epoch(ctx, step(ctx, loss_fn), loader, state)
     ctx, state, loader, loss_fn = setup()
-    run_epoch(ctx, checkpoint_every(ctx, FOLD_EVERY, tmp_path)(step(ctx, loss_fn)), loader, state, max_batches=FOLD_EVERY)
+    run_epoch(
+        ctx, checkpoint_every(ctx, FOLD_EVERY, tmp_path)(step(ctx, loss_fn)), loader, state, max_batches=FOLD_EVERY
+    )
     assert [f"ckpt-{FOLD_EVERY:010d}"] == [p.name for p in list_checkpoints(tmp_path)]
 
     ctx, fresh, loader, loss_fn = setup()
@@ -659,7 +741,9 @@ def test_at_end_composed_first_is_warned(tmp_path):
     saving = checkpoint_every(ctx, 3, tmp_path)
     wrong = compose(loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2), saving.at_end)
 
-    with pytest.warns(UserWarning, match=r"at_end ran before its step trained anything.*compose\(saving\.at_end, loop\(\.\.\.\)\)"):
+    with pytest.warns(
+        UserWarning, match=r"at_end ran before its step trained anything.*compose\(saving\.at_end, loop\(\.\.\.\)\)"
+    ):
         wrong(state)
     ctx.close()
 
@@ -667,6 +751,7 @@ def test_at_end_composed_first_is_warned(tmp_path):
 def test_a_forgotten_at_end_is_said_at_close(tmp_path, caplog):
     """A run whose last updates checkpoint_every did not reach (no at_end after the loop) says at close how many
     updates a restart would train again; with at_end, nothing is said."""
+
     def run(with_end):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
         saving = checkpoint_every(ctx, 3, tmp_path / str(with_end))
@@ -685,12 +770,17 @@ def test_a_forgotten_at_end_is_said_at_close(tmp_path, caplog):
     assert "not in a checkpoint" not in caplog.text
 
 
-@pytest.mark.parametrize("saved_with,loaded_with,match", [
-    (True, False, r"has a scheduler but the state has none"),
-    (False, True, r"has no scheduler but the state has one"),
-])
+@pytest.mark.parametrize(
+    "saved_with,loaded_with,match",
+    [
+        (True, False, r"has a scheduler but the state has none"),
+        (False, True, r"has no scheduler but the state has one"),
+    ],
+)
 @pytest.mark.parametrize("built_on_both", [True, False])
-def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(saved_with, loaded_with, match, built_on_both, tmp_path):
+def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(
+    saved_with, loaded_with, match, built_on_both, tmp_path
+):
     """A scheduler adds initial_lr to the optimizer's parameter groups: built on one side only (a scheduler added between
     runs), the groups differ too, and the scheduler, the cause, is what the error names."""
 

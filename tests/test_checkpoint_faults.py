@@ -19,8 +19,20 @@ import torch
 from accelerate import Accelerator
 
 from trainfold import (
-    CheckpointError, Context, DamagedCheckpoint, TrainState, checkpoint_every, latest_checkpoint, list_checkpoints, load_checkpoint, loop, make_step,
-    run_epoch, save_checkpoint, testing, verify_checkpoint,
+    CheckpointError,
+    Context,
+    DamagedCheckpoint,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
 )
 
 import helpers
@@ -35,7 +47,9 @@ def _setup(ga=1, n=24, batch_size=4, dataset=None, collate_fn=None):
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     data = dataset if dataset is not None else helpers.classification_data(n)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
+    )
     return ctx, state, dl
 
 
@@ -92,8 +106,12 @@ _HOLDER = textwrap.dedent("""
 @pytest.mark.multiprocess
 def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_path):
     root = tmp_path / "ckpts"
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         assert "saved" == holder.stdout.readline().strip()
         testing.reset_accelerate_state()
@@ -101,7 +119,9 @@ def test_a_second_writer_is_refused_and_a_dead_writers_lock_is_taken_over(tmp_pa
         model = torch.nn.Linear(2, 1)
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
-        with pytest.raises(CheckpointError, match=rf"being written by another process \(host .*, pid {holder.pid}, run"):
+        with pytest.raises(
+            CheckpointError, match=rf"being written by another process \(host .*, pid {holder.pid}, run"
+        ):
             save_checkpoint(ctx, root, state)
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -127,7 +147,9 @@ _PROBE = textwrap.dedent("""
 
 def _second_copy(root):
     """What a requeued copy of the job finds: 'taken' or 'refused <why>'."""
-    return subprocess.run([sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=helpers.scaled(600)).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", _PROBE, str(root)], capture_output=True, text=True, timeout=helpers.scaled(600)
+    ).stdout.strip()
 
 
 def _state_for(ctx):
@@ -200,7 +222,10 @@ def test_a_lock_path_that_is_not_a_file_is_refused_by_name(kind, tmp_path):
         (root / ".trainfold.lock").symlink_to(tmp_path / "elsewhere")
     ctx, state, _ = _setup()
 
-    with pytest.raises(CheckpointError, match=rf"\.trainfold\.lock is not a regular file \(a {'directory' if kind == 'directory' else 'symbolic link'}\).*Remove it") as raised:
+    with pytest.raises(
+        CheckpointError,
+        match=rf"\.trainfold\.lock is not a regular file \(a {'directory' if kind == 'directory' else 'symbolic link'}\).*Remove it",
+    ) as raised:
         save_checkpoint(ctx, root, state)
     assert "Free space" not in str(raised.value)
     assert not (tmp_path / "elsewhere").exists()
@@ -233,8 +258,11 @@ def test_a_damaged_newest_falls_back_with_a_warning(tmp_path):
     ctx.close()
 
     ctx, state, _ = _setup()
-    with pytest.warns(UserWarning, match=r"ckpt-0000000006: file model.safetensors does not match its digest.*Loading "
-                                         r".*ckpt-0000000004, the newest checkpoint before it, instead"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ckpt-0000000006: file model.safetensors does not match its digest.*Loading "
+        r".*ckpt-0000000004, the newest checkpoint before it, instead",
+    ):
         resumed = load_checkpoint(ctx, tmp_path, state)
     ctx.close()
     assert 4 == resumed.step
@@ -254,7 +282,10 @@ def test_a_root_whose_every_checkpoint_is_damaged_is_refused_saying_so(tmp_path)
     for name in _three_checkpoints(tmp_path):
         _flip_a_bit(tmp_path / name / "model.safetensors")
     ctx, state, _ = _setup()
-    with pytest.warns(UserWarning), pytest.raises(DamagedCheckpoint, match="ckpt-0000000002.*No checkpoint under the root loads"):
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(DamagedCheckpoint, match="ckpt-0000000002.*No checkpoint under the root loads"),
+    ):
         load_checkpoint(ctx, tmp_path, state)
     ctx.close()
 
@@ -290,9 +321,13 @@ def test_a_full_disk_at_the_manifest(small_disk):
     first = latest_checkpoint(root)
     pages = sum(-(-p.stat().st_size // 4096) for p in first.iterdir() if p.name != "MANIFEST.json")
     vfs = os.statvfs(small_disk)
-    (small_disk / "filler").write_bytes(b"\0" * (vfs.f_bavail * vfs.f_frsize - pages * 4096))  # room for the data files only
+    (small_disk / "filler").write_bytes(
+        b"\0" * (vfs.f_bavail * vfs.f_frsize - pages * 4096)
+    )  # room for the data files only
 
-    with pytest.raises(OSError, match=r"committing ckpt-0000000000 failed \(.*No space left on device.*\); nothing was committed"):
+    with pytest.raises(
+        OSError, match=r"committing ckpt-0000000000 failed \(.*No space left on device.*\); nothing was committed"
+    ):
         save_checkpoint(ctx, root, state)
 
     assert [] == [p.name for p in root.iterdir() if p.name.startswith(".tmp")]
@@ -386,10 +421,18 @@ def test_a_batch_a_checkpoint_cannot_hold_is_refused_at_the_first_step(tmp_path)
     class Opaque:
         pass
 
-    ctx, state, dl = _setup(collate_fn=lambda samples: (torch.stack([s[0] for s in samples]), torch.stack([s[1] for s in samples]), Opaque()))
+    ctx, state, dl = _setup(
+        collate_fn=lambda samples: (
+            torch.stack([s[0] for s in samples]),
+            torch.stack([s[1] for s in samples]),
+            Opaque(),
+        )
+    )
     step = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, lambda m, b: helpers.ce_loss(m, b[:2])))
 
-    with pytest.raises(TypeError, match=r"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: .*it is a Opaque"):
+    with pytest.raises(
+        TypeError, match=r"checkpoint_every: the loader's batches cannot be checkpointed mid-epoch: .*it is a Opaque"
+    ):
         run_epoch(ctx, step, dl, state)
     assert not tmp_path.exists() or [] == list(tmp_path.iterdir())
 
@@ -416,8 +459,11 @@ def test_dispatched_map_dataset_is_refused(tmp_path):
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(8), batch_size=4))
     step = checkpoint_every(ctx, 100, tmp_path)(make_step(ctx, helpers.ce_loss))
 
-    with pytest.raises(TypeError, match=r"checkpoint_every: Accelerate dispatches this loader's batches from process 0 "
-                                        r"\(dispatch_batches=True\) over a map-style dataset.*Leave dispatch_batches unset"):
+    with pytest.raises(
+        TypeError,
+        match=r"checkpoint_every: Accelerate dispatches this loader's batches from process 0 "
+        r"\(dispatch_batches=True\) over a map-style dataset.*Leave dispatch_batches unset",
+    ):
         run_epoch(ctx, step, dl, state)
     ctx.close()
 
@@ -521,11 +567,16 @@ def test_checkpoint_every_in_the_order_before(tmp_path):
     root)`` does, and the warning says how to write it."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
 
-    with pytest.warns(DeprecationWarning, match=r"is now checkpoint_every\(ctx, n, root\).*write checkpoint_every\(ctx, 3, '"):
+    with pytest.warns(
+        DeprecationWarning, match=r"is now checkpoint_every\(ctx, n, root\).*write checkpoint_every\(ctx, 3, '"
+    ):
         saving = checkpoint_every(ctx, tmp_path / "before", 3)
     loop(run_epoch(ctx, saving(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
     now = checkpoint_every(ctx, 3, tmp_path / "now")
     loop(run_epoch(ctx, now(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
 
-    assert [p.name for p in list_checkpoints(tmp_path / "before")] == [p.name for p in list_checkpoints(tmp_path / "now")] == [
-        "ckpt-0000000003", "ckpt-0000000006"]
+    assert (
+        [p.name for p in list_checkpoints(tmp_path / "before")]
+        == [p.name for p in list_checkpoints(tmp_path / "now")]
+        == ["ckpt-0000000003", "ckpt-0000000006"]
+    )

@@ -35,9 +35,24 @@ def test_ls_lists_each_checkpoint(root, capsys):
     assert 0 == code
     first, second, debris = doc["checkpoints"]
     assert ("ckpt-0000000004", 4, 1, 0, "gathered", 1, True, False) == (
-        first["name"], first["update"], first["epoch"], first["batch_in_epoch"], first["format"], first["processes"], first["finite"], first["latest"])
+        first["name"],
+        first["update"],
+        first["epoch"],
+        first["batch_in_epoch"],
+        first["format"],
+        first["processes"],
+        first["finite"],
+        first["latest"],
+    )
     assert ("ckpt-0000000006", 6, 1, 2, 4, "sharded", True) == (
-        second["name"], second["update"], second["epoch"], second["batch_in_epoch"], second["epoch_length"], second["format"], second["latest"])
+        second["name"],
+        second["update"],
+        second["epoch"],
+        second["batch_in_epoch"],
+        second["epoch_length"],
+        second["format"],
+        second["latest"],
+    )
     assert second["bytes"] > 0
     assert (".tmp-ckpt-0000000009", False) == (debris["name"], debris["complete"])
     code, text, _ = _run(capsys, "ls", str(root))
@@ -73,7 +88,10 @@ def test_ls_verify_marks_a_damaged_checkpoint(root, capsys):
     assert 1 == code
     newest = next(line for line in out.splitlines() if "ckpt-0000000006" in line)
     assert "DAMAGED: " in newest and "shard-0.safetensors does not match its digest" in newest
-    assert "* the newest, damaged: load_checkpoint(ctx, root, state) resumes from ckpt-0000000004, the newest that verifies" in out
+    assert (
+        "* the newest, damaged: load_checkpoint(ctx, root, state) resumes from ckpt-0000000004, the newest that verifies"
+        in out
+    )
     code, out, _ = _run(capsys, "ls", str(root), "--verify", "--json")
     assert 1 == code and [True, False] == [e["ok"] for e in json.loads(out)["checkpoints"] if e["complete"]]
 
@@ -90,8 +108,10 @@ def test_ls_unverified_claims_no_resume(root, capsys):
 
     assert 0 == code
     assert "what load_checkpoint(ctx, root, state) resumes from\n" not in out + "\n"
-    assert ("* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest that "
-            "does (trainfold ls --verify checks each)") in out
+    assert (
+        "* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest that "
+        "does (trainfold ls --verify checks each)"
+    ) in out
 
 
 @pytest.mark.parametrize("field, value", [("epoch", "3"), ("world_size", True), ("world_size", [2]), ("epoch", -1)])
@@ -142,7 +162,12 @@ def test_inspect_of_a_damaged_state_refuses_with_status_2(root, capsys):
 
 @pytest.mark.multiprocess
 def test_python_dash_m_trainfold_runs_the_same_command_line(root):
-    done = subprocess.run([sys.executable, "-m", "trainfold", "ls", str(root)], capture_output=True, text=True, timeout=helpers.scaled(600))
+    done = subprocess.run(
+        [sys.executable, "-m", "trainfold", "ls", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+    )
     assert 0 == done.returncode, done.stderr
     assert "* ckpt-0000000006" in done.stdout
 
@@ -199,8 +224,14 @@ def test_export_puts_together_the_pieces_of_an_fsdp2_checkpoint_offline(tmp_path
     manifest = json.loads((ckpt / "MANIFEST.json").read_text())
     assert 2 == manifest.pop("data_ranks")
     (ckpt / "MANIFEST.json").write_text(json.dumps(manifest))
-    doc = json.loads(subprocess.run([sys.executable, "-m", "trainfold", "inspect", str(ckpt), "--json"], capture_output=True,
-                                    text=True, check=True).stdout)
+    doc = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "trainfold", "inspect", str(ckpt), "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     assert (2, 2) == (doc["processes"], doc["data_ranks"])
     testing.assert_params_equal(full, checkpoint_weights(tmp_path))
 
@@ -214,7 +245,9 @@ def test_diff_says_equal_or_which_tensors_differ_and_by_how_much(tmp_path, capsy
     cli.main(["export", str(tmp_path / "before"), str(tmp_path / "before.safetensors")])
     capsys.readouterr()
 
-    assert (0, "equal: 2 tensors, bit for bit\n") == _run(capsys, "diff", str(tmp_path / "before"), str(tmp_path / "before.safetensors"))[:2]
+    assert (0, "equal: 2 tensors, bit for bit\n") == _run(
+        capsys, "diff", str(tmp_path / "before"), str(tmp_path / "before.safetensors")
+    )[:2]
     code, out, _ = _run(capsys, "diff", str(tmp_path / "before"), str(tmp_path / "after"), "--json")
     doc = json.loads(out)
     assert 1 == code and not doc["equal"]
@@ -257,7 +290,9 @@ def _big_checkpoint(folder, features=4096, outputs=4096):
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(features, outputs, bias=False)
-    save_checkpoint(ctx, folder, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    save_checkpoint(
+        ctx, folder, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    )
     ctx.close()
     return latest_checkpoint(folder)
 
@@ -338,8 +373,12 @@ def test_an_export_stopped_by_a_signal_while_it_writes_leaves_nothing(signum, tm
     ckpt = _big_checkpoint(tmp_path / "root", 8192, 4096)  # 128 MB: the write takes long enough to be caught in it
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "export", str(ckpt), str(out_dir / "model.safetensors")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainfold", "export", str(ckpt), str(out_dir / "model.safetensors")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + helpers.scaled(300)  # a hang-guard, not a wait
     while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -355,8 +394,11 @@ def test_export_never_offers_to_run_a_model_folders_code(root, tmp_path, capsys)
     is asked anything (it would prompt for trust_remote_code, and "y" ran the folder's code)."""
     config = tmp_path / "evil"
     config.mkdir()
-    (config / "config.json").write_text(json.dumps({"architectures": ["EvilModel"], "auto_map": {"AutoModel": "modeling_evil.EvilModel"},
-                                                    "model_type": "evil"}))
+    (config / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["EvilModel"], "auto_map": {"AutoModel": "modeling_evil.EvilModel"}, "model_type": "evil"}
+        )
+    )
     (config / "modeling_evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
 
     code, out, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(config))
@@ -381,8 +423,17 @@ def _with_history(ckpt, records):
     return ckpt
 
 
-@pytest.mark.parametrize("records", [[[1, 4, "train_loss", {"a": 1}]], [[1, 4, "train_loss", "abc"]], ["x"], [[1, 4]], {"a": 1},
-                                     [["1", 4, "train_loss", 2.0]]])
+@pytest.mark.parametrize(
+    "records",
+    [
+        [[1, 4, "train_loss", {"a": 1}]],
+        [[1, 4, "train_loss", "abc"]],
+        ["x"],
+        [[1, 4]],
+        {"a": 1},
+        [["1", 4, "train_loss", 2.0]],
+    ],
+)
 @pytest.mark.parametrize("as_json", [False, True])
 def test_inspect_of_misshapen_history_records(root, capsys, records, as_json):
     """`trainfold inspect` of history records of the wrong shape is one line and exit status 2."""
@@ -394,7 +445,9 @@ def test_inspect_of_misshapen_history_records(root, capsys, records, as_json):
 
 def test_inspect_json_of_a_diverged_run(root, capsys):
     """`trainfold inspect --json` of a diverged run is json with its non-finite values as strings."""
-    ckpt = _with_history(root / "ckpt-0000000004", [[1, 4, "train_loss", float("nan")], [1, 4, "grad_norm", float("inf")]])
+    ckpt = _with_history(
+        root / "ckpt-0000000004", [[1, 4, "train_loss", float("nan")], [1, 4, "grad_norm", float("inf")]]
+    )
     code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
 
     def refuse(token):
@@ -449,7 +502,9 @@ def test_a_model_folder_of_links(root, tmp_path, capsys):
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
     blobs.mkdir()
     snapshot.mkdir()
-    (blobs / "abc123").write_text(json.dumps({"architectures": ["EvilModel"], "auto_map": {"AutoModel": "m.EvilModel"}}))
+    (blobs / "abc123").write_text(
+        json.dumps({"architectures": ["EvilModel"], "auto_map": {"AutoModel": "m.EvilModel"}})
+    )
     (snapshot / "config.json").symlink_to(blobs / "abc123")
 
     code, _, err = _run(capsys, "export", str(root), str(tmp_path / "hf"), "--transformers", str(snapshot))
@@ -462,14 +517,18 @@ def test_help_and_a_usage_error_answer_without_importing_torch():
     import subprocess
     import sys
 
-    probe = ("import sys, trainfold, trainfold.cli\n"
-             "for argv in (['--help'], ['ls']):\n"
-             "    try:\n"
-             "        trainfold.cli.main(argv)\n"
-             "    except SystemExit as exc:\n"
-             "        print('exit', exc.code)\n"
-             "print(sorted(m for m in ('torch', 'accelerate', 'trainfold._src') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=helpers.scaled(120), check=True).stdout
+    probe = (
+        "import sys, trainfold, trainfold.cli\n"
+        "for argv in (['--help'], ['ls']):\n"
+        "    try:\n"
+        "        trainfold.cli.main(argv)\n"
+        "    except SystemExit as exc:\n"
+        "        print('exit', exc.code)\n"
+        "print(sorted(m for m in ('torch', 'accelerate', 'trainfold._src') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=helpers.scaled(120), check=True
+    ).stdout
 
     assert out.splitlines()[-3:] == ["exit 0", "exit 2", "[]"]
 
@@ -478,10 +537,18 @@ def test_help_and_a_usage_error_answer_without_importing_torch():
 def test_ls_verify_inspect_without_torch(root, argv):
     """They read manifests and JSON files, verified: torch's import (seconds of CPU, tens on a busy machine) is not
     theirs to pay. Each answers as it should, of the root with a gathered and a sharded checkpoint."""
-    probe = ("import sys, trainfold.cli\n"
-             "code = trainfold.cli.main(sys.argv[1:])\n"
-             "print(code, sorted(m for m in ('torch', 'accelerate', 'numpy') if m in sys.modules))\n")
-    out = subprocess.run([sys.executable, "-c", probe, *argv, str(root)], capture_output=True, text=True, timeout=helpers.scaled(120), check=True).stdout
+    probe = (
+        "import sys, trainfold.cli\n"
+        "code = trainfold.cli.main(sys.argv[1:])\n"
+        "print(code, sorted(m for m in ('torch', 'accelerate', 'numpy') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *argv, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(120),
+        check=True,
+    ).stdout
 
     assert out.splitlines()[-1] == "0 []"
     assert ("ckpt-0000000006" in out) and ("verified" in out if argv[0] == "ls" else True)
@@ -512,7 +579,10 @@ def test_inspect_reads_an_older_stop(root, capsys):
 
     code, out, _ = _run(capsys, "inspect", str(ckpt), "--json")
 
-    assert (0, {"should_stop": True, "finished": True, "reason": "early_stop:eval_loss"}) == (code, json.loads(out)["stop"])
+    assert (0, {"should_stop": True, "finished": True, "reason": "early_stop:eval_loss"}) == (
+        code,
+        json.loads(out)["stop"],
+    )
 
 
 def test_inspect_shows_the_last_report_of_a_watched_run(tmp_path, capsys):
@@ -521,7 +591,9 @@ def test_inspect_shows_the_last_report_of_a_watched_run(tmp_path, capsys):
     from trainfold import log_every
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    save_checkpoint(ctx, tmp_path / "watched", run_epoch(ctx, log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)), loader, state))
+    save_checkpoint(
+        ctx, tmp_path / "watched", run_epoch(ctx, log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)), loader, state)
+    )
     ctx.close()
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     save_checkpoint(ctx, tmp_path / "plain", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
@@ -553,4 +625,6 @@ def test_inspect_lists_the_throughput_of_each_watched_epoch(tmp_path, capsys):
     assert 0 == code and [1, 2] == [r["epoch"] for r in rows] and [4, 8] == [r["update"] for r in rows]
     assert [state.history["train_samples_per_s"][i] for i in (0, 1)] == [r["samples_per_s"] for r in rows]
     assert [state.history["train_memory_rss_gb"][i] for i in (0, 1)] == [r["memory_rss_gb"] for r in rows]
-    assert line.startswith("  throughput by epoch: 1: ") and " samples/s" in line and "; 2: " in line and " GB rss" in line
+    assert (
+        line.startswith("  throughput by epoch: 1: ") and " samples/s" in line and "; 2: " in line and " GB rss" in line
+    )

@@ -1,7 +1,6 @@
 """make_step(compile=...): compiled, proven compiled, no recompiles after warm-up, equal to eager, checkpoints of one format."""
 
 import functools
-import json
 import re
 
 import helpers
@@ -12,8 +11,22 @@ from accelerate import Accelerator
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainfold import (
-    Compile, Context, TrainState, evaluate, latest_checkpoint, load_checkpoint, log_every, loop, lr_schedule, make_step, max_steps,
-    nan_guard, run_epoch, save_checkpoint, testing, warmup_cosine,
+    Compile,
+    Context,
+    TrainState,
+    evaluate,
+    latest_checkpoint,
+    load_checkpoint,
+    log_every,
+    loop,
+    lr_schedule,
+    make_step,
+    max_steps,
+    nan_guard,
+    run_epoch,
+    save_checkpoint,
+    testing,
+    warmup_cosine,
 )
 
 
@@ -35,11 +48,16 @@ def _setup(*, ga=2, seed=0, optimizer="sgd", accelerator=None, data=21, batch_si
     torch.manual_seed(seed)
     ctx = Context(accelerator=accelerator or Accelerator(cpu=True, gradient_accumulation_steps=ga))
     model = helpers.mlp()
-    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=optimizer == "sgd-fused") if optimizer.startswith("sgd")
-           else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=optimizer == "sgd-fused")
+        if optimizer.startswith("sgd")
+        else torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(data), batch_size=batch_size, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(data), batch_size=batch_size, shuffle=True)
+    )
     return ctx, state, dl
 
 
@@ -63,8 +81,13 @@ def test_a_compiled_loss_trains_bit_for_bit_as_the_eager_step(caplog):
     assert eager.history == compiled.history
     said = [r.getMessage() for r in caplog.records if "make_step(compile=...)" in r.getMessage()]
     assert 2 == len(said)
-    assert said[0].startswith("make_step(compile=...): compiling the loss (compiled_loss[ce_loss]) at its first call (backend aot_eager")
-    assert re.fullmatch(r"make_step\(compile=\.\.\.\): the loss \(compiled_loss\[ce_loss\]\) compiled in \d+\.\d s \(checked: .*\)", said[1])
+    assert said[0].startswith(
+        "make_step(compile=...): compiling the loss (compiled_loss[ce_loss]) at its first call (backend aot_eager"
+    )
+    assert re.fullmatch(
+        r"make_step\(compile=\.\.\.\): the loss \(compiled_loss\[ce_loss\]\) compiled in \d+\.\d s \(checked: .*\)",
+        said[1],
+    )
 
 
 def test_a_compiled_update_trains_as_the_eager_step_within_rounding():
@@ -89,7 +112,9 @@ def test_nothing_recompiles_after_the_warm_up(tmp_path):
     lr = state.optimizer.param_groups[0]["lr"]
     with torch._dynamo.config.patch(error_on_recompile=True):
         state = val(run_epoch(ctx, step, dl, state))
-        assert state.optimizer.param_groups[0]["lr"] is lr  # filled in place by lr_schedule and the scheduler, not replaced
+        assert (
+            state.optimizer.param_groups[0]["lr"] is lr
+        )  # filled in place by lr_schedule and the scheduler, not replaced
         state = save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(state.step + 3)(step), dl, state))
         state = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
         state = val(run_epoch(ctx, step, dl, state))
@@ -128,15 +153,27 @@ def test_compiled_and_eager_runs_resume_from_each_other_s_checkpoints(tmp_path):
     for first, then in ((AOT_LOSS, False), (False, AOT_LOSS)):
         root = tmp_path / f"{bool(first)}"
         ctx, state, dl = _setup()
-        save_checkpoint(ctx, root, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss, compile=first)), dl, state))
+        save_checkpoint(
+            ctx, root, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss, compile=first)), dl, state)
+        )
 
         ctx, state, dl = _setup(seed=7)
-        resumed = _epochs(ctx, make_step(ctx, helpers.ce_loss, compile=then), dl, load_checkpoint(ctx, latest_checkpoint(root), state), 3)
+        resumed = _epochs(
+            ctx,
+            make_step(ctx, helpers.ce_loss, compile=then),
+            dl,
+            load_checkpoint(ctx, latest_checkpoint(root), state),
+            3,
+        )
 
         testing.assert_params_equal(expected, resumed)
 
     ctx, state, dl = _setup()
-    saved = save_checkpoint(ctx, tmp_path / "compiled", run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss, compile=AOT)), dl, state))
+    saved = save_checkpoint(
+        ctx,
+        tmp_path / "compiled",
+        run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss, compile=AOT)), dl, state),
+    )
     assert isinstance(saved.optimizer.param_groups[0]["lr"], torch.Tensor)  # the live one, for the compiled update
     ckpt = latest_checkpoint(tmp_path / "compiled")
     from safetensors import safe_open
@@ -147,7 +184,9 @@ def test_compiled_and_eager_runs_resume_from_each_other_s_checkpoints(tmp_path):
     assert "_orig_mod" not in text
     ctx, state, dl = _setup()
     eager = load_checkpoint(ctx, ckpt, state)
-    assert type(eager.optimizer.param_groups[0]["lr"]) is float and all(type(v) is float for v in eager.scheduler.get_last_lr())
+    assert type(eager.optimizer.param_groups[0]["lr"]) is float and all(
+        type(v) is float for v in eager.scheduler.get_last_lr()
+    )
 
 
 def _canonical_compiled(backend):
@@ -156,8 +195,16 @@ def _canonical_compiled(backend):
     torch._dynamo.reset()
     model, opt, sched, dl = helpers.build(0, scheduler=True)
     acc = Accelerator(cpu=True, gradient_accumulation_steps=2, dynamo_backend=backend)
-    params, _ = helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2,
-                                       read=lambda acc, prepared: testing.parameters(acc.unwrap_model(prepared, keep_torch_compile=False)))
+    params, _ = helpers.canonical_loop(
+        acc,
+        model,
+        opt,
+        sched,
+        dl,
+        helpers.ce_loss,
+        epochs=2,
+        read=lambda acc, prepared: testing.parameters(acc.unwrap_model(prepared, keep_torch_compile=False)),
+    )
     return params
 
 
@@ -179,7 +226,10 @@ def test_a_compiled_loss_equals_accelerate_s_compiled_loop_bit_for_bit():
     from trainfold._src.core.compiling import compile_spec
 
     testing.reset_accelerate_state()
-    assert compile_spec(Context(accelerator=Accelerator(cpu=True, dynamo_backend="aot_eager")), True).backend == "aot_eager"
+    assert (
+        compile_spec(Context(accelerator=Accelerator(cpu=True, dynamo_backend="aot_eager")), True).backend
+        == "aot_eager"
+    )
     testing.reset_accelerate_state()
     assert compile_spec(Context(accelerator=Accelerator(cpu=True)), True) == Compile()
 
@@ -190,7 +240,12 @@ def test_a_step_dynamo_cannot_compile_says_so():
     step = make_step(ctx, helpers.ce_loss, compile=AOT)
     batch = next(iter(dl))
 
-    with torch._dynamo.config.patch(disable=True), pytest.raises(RuntimeError, match=r"the loss \(compiled_loss\[ce_loss\]\) was to be compiled and dynamo compiled nothing"):
+    with (
+        torch._dynamo.config.patch(disable=True),
+        pytest.raises(
+            RuntimeError, match=r"the loss \(compiled_loss\[ce_loss\]\) was to be compiled and dynamo compiled nothing"
+        ),
+    ):
         step(state, batch)
 
 
@@ -210,7 +265,9 @@ def test_each_step_compiles_its_own_update():
             before = len(graphs)
             new = make_step(ctx, helpers.ce_loss, compile=Compile(backend=counting))(state, next(iter(dl)))
 
-            assert len(graphs) == before + 2, f"step {i}: {len(graphs) - before} graphs, not the loss's and the update's"
+            assert len(graphs) == before + 2, (
+                f"step {i}: {len(graphs) - before} graphs, not the loss's and the update's"
+            )
             assert all(p.grad is None for p in new.model.parameters())
 
 
@@ -225,7 +282,10 @@ def test_a_gated_update_compiles_optimizer_step():
             if i < 2:
                 step(state, next(iter(dl)))
                 continue
-            with pytest.raises(RuntimeError, match=r"the optimizer's update \(SGD.step\) ran eagerly: dynamo already holds 2 compiled versions"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"the optimizer's update \(SGD.step\) ran eagerly: dynamo already holds 2 compiled versions",
+            ):
                 step(state, next(iter(dl)))
 
 
@@ -234,15 +294,18 @@ def test_a_step_hook_runs_at_compiled_updates(hook):
     """The compiled update leaves torch's wrapper of optimizer.step out (its profiler range, its hooks) where it has
     nothing to do. A hook registered mid-run sends each update through optimizer.step (compiled) and zero_grad from
     then on; removed, the update goes back to the one compiled function. Parameters bit for bit as the run without a hook."""
+
     def train(with_hook):
         ctx, state, dl = _setup(ga=1, optimizer="adamw")
         step, calls, handle = make_step(ctx, helpers.ce_loss, compile=AOT), [], None
         try:
             for i, batch in enumerate(batches):
                 if with_hook and i == 2:
-                    register = {"the optimizer's pre-hook": state.optimizer.optimizer.register_step_pre_hook,
-                                "the optimizer's post-hook": state.optimizer.optimizer.register_step_post_hook,
-                                "a global post-hook": register_optimizer_step_post_hook}[hook]
+                    register = {
+                        "the optimizer's pre-hook": state.optimizer.optimizer.register_step_pre_hook,
+                        "the optimizer's post-hook": state.optimizer.optimizer.register_step_post_hook,
+                        "a global post-hook": register_optimizer_step_post_hook,
+                    }[hook]
                     handle = register(lambda opt, args, kwargs: calls.append(opt))
                 if with_hook and i == 5:
                     handle.remove()
@@ -303,7 +366,9 @@ def test_many_steps_built_in_one_process_each_compile_their_loss():
     for i in range(10):
         ctx, state, dl = _setup(ga=1)
         before = len(graphs)
-        make_step(ctx, lambda m, b, i=i: helpers.ce_loss(m, b), compile=Compile(backend=counting, optimizer=False))(state, next(iter(dl)))
+        make_step(ctx, lambda m, b, i=i: helpers.ce_loss(m, b), compile=Compile(backend=counting, optimizer=False))(
+            state, next(iter(dl))
+        )
 
         assert len(graphs) == before + 1, f"step {i} compiled no graph"
 
@@ -334,7 +399,9 @@ def test_an_update_needing_accelerates_wrapper():
     from trainfold._src.backend.optim import OptimizerOps
     from trainfold._src.core.update import compiled
 
-    wrapped = OptimizerOps(step=lambda: None, zero_grad=lambda: None, was_skipped=lambda: False, fast=False, scaled=True)
+    wrapped = OptimizerOps(
+        step=lambda: None, zero_grad=lambda: None, was_skipped=lambda: False, fast=False, scaled=True
+    )
     with pytest.raises(ValueError, match=r"Accelerate's optimizer wrapper must run it .* Compile\(optimizer=False\)"):
         compiled(wrapped, AOT)
 
@@ -372,7 +439,9 @@ def _tower_run(compile):
     first = [getattr(block.forward, "__func__", None) for block in model.blocks]
     with torch._dynamo.config.patch(error_on_recompile=True):
         state = run_epoch(ctx, step, dl, state)
-    assert [getattr(block.forward, "__func__", None) for block in model.blocks] == first  # compiled once, not per micro-batch
+    assert [
+        getattr(block.forward, "__func__", None) for block in model.blocks
+    ] == first  # compiled once, not per micro-batch
     return state, model
 
 
@@ -402,7 +471,9 @@ def test_regions_of_a_named_class_and_a_model_without_repeated_blocks():
 
     ctx, state, dl = _setup()
     step = make_step(ctx, helpers.ce_loss, compile=Compile(backend="aot_eager", regions=True))
-    with pytest.raises(ValueError, match=r"the model \(Sequential\) has no ModuleList of two or more blocks of one class to compile"):
+    with pytest.raises(
+        ValueError, match=r"the model \(Sequential\) has no ModuleList of two or more blocks of one class to compile"
+    ):
         step(state, next(iter(dl)))
     with pytest.raises(TypeError, match="a module class"):
         Compile(regions="Block")
@@ -427,8 +498,12 @@ def _ddp_runs():
         ctx = Context(accelerator=acc)
         model = helpers.mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7))
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True))
+        state = TrainState.create(
+            ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        )
+        (dl,) = ctx.prepare_loaders(
+            torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True)
+        )
         runs.append(testing.parameters(_epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, 2)))
     return runs
 
@@ -447,15 +522,22 @@ def _fsdp2_runs():
     Accelerator; the parameters gathered whole."""
     acc = helpers.fsdp2_accelerator(gradient_accumulation_steps=2)
     runs = []
-    for make, compile in ((helpers.mlp, False), (helpers.mlp, AOT_LOSS), (helpers.mlp, AOT), (Tower, False),
-                          (Tower, Compile(backend="aot_eager", regions=True, optimizer=False))):
+    for make, compile in (
+        (helpers.mlp, False),
+        (helpers.mlp, AOT_LOSS),
+        (helpers.mlp, AOT),
+        (Tower, False),
+        (Tower, Compile(backend="aot_eager", regions=True, optimizer=False)),
+    ):
         torch._dynamo.reset()
         torch.manual_seed(0)
         ctx = Context(accelerator=acc)
         model = make()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         state = TrainState.create(ctx, model=model, optimizer=opt)
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True))
+        (dl,) = ctx.prepare_loaders(
+            torch.utils.data.DataLoader(helpers.classification_data(32), batch_size=4, shuffle=True)
+        )
         state = _epochs(ctx, make_step(ctx, helpers.ce_loss, compile=compile), dl, state, 2)
         assert type(acc.unwrap_model(state.model)).__name__.startswith("FSDP")  # sharded by fully_shard
         runs.append({n: p.full_tensor().detach().clone() for n, p in acc.unwrap_model(state.model).named_parameters()})

@@ -33,7 +33,10 @@ from trainfold import (
 
 import helpers
 
-pytestmark = [helpers.needs_deepspeed, pytest.mark.multiprocess]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = [
+    helpers.needs_deepspeed,
+    pytest.mark.multiprocess,
+]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 
 def _objects(seed=0, mixed_precision="no"):
@@ -42,7 +45,9 @@ def _objects(seed=0, mixed_precision="no"):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     data = helpers.classification_data(48)
-    if mixed_precision == "bf16":  # DeepSpeed's bf16 casts the model, not its inputs (token ids need no cast; features do)
+    if (
+        mixed_precision == "bf16"
+    ):  # DeepSpeed's bf16 casts the model, not its inputs (token ids need no cast; features do)
         data = torch.utils.data.TensorDataset(data.tensors[0].bfloat16(), data.tensors[1])
     dl = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
     return model, opt, sched, dl
@@ -58,14 +63,18 @@ def _full_params(accelerator, model):
 
 
 def _canonical(stage, ga, clip, mixed_precision="no"):
-    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision)
+    acc = helpers.deepspeed_accelerator(
+        stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision
+    )
     model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
     # clipping comes from the DeepSpeed config (clip_norm stays None: Accelerate's clip_grad_norm_ does nothing there)
     return helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2, read=_full_params)[0]
 
 
 def _composed(stage, ga, clip, mixed_precision="no"):
-    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision)
+    acc = helpers.deepspeed_accelerator(
+        stage, gradient_accumulation_steps=ga, clip=clip, mixed_precision=mixed_precision
+    )
     ctx = Context(accelerator=acc)
     model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
     (dl,) = ctx.prepare_loaders(dl)  # first: DeepSpeed's engine is built with the loader's micro-batch size
@@ -76,8 +85,10 @@ def _composed(stage, ga, clip, mixed_precision="no"):
     return params, state.step, type(state.model).__name__
 
 
-_ON_CUDA = [pytest.param(2, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
-            pytest.param(3, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16")]
+_ON_CUDA = [
+    pytest.param(2, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
+    pytest.param(3, 3, 0.5, 1, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16"),
+]
 
 
 # On CPU the resume test below compares its uninterrupted runs with the canonical loop too (ZeRO-2 and ZeRO-3 on 2 processes).
@@ -97,7 +108,9 @@ def test_composed_loop_equals_canonical_deepspeed_loop(stage, ga, clip, nprocs, 
 
 def _train(stage, root, *, ga=1, stop_after=None, resume=False, epochs=2, async_save=False, mixed_precision="no"):
     """Train under DeepSpeed, saving every 2 updates; stop after ``stop_after`` updates; or resume from ``root``."""
-    acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5, mixed_precision=mixed_precision)
+    acc = helpers.deepspeed_accelerator(
+        stage, gradient_accumulation_steps=ga, clip=0.5, mixed_precision=mixed_precision
+    )
     ctx = Context(accelerator=acc)
     model, opt, sched, dl = _objects(mixed_precision=mixed_precision)
     (dl,) = ctx.prepare_loaders(dl)
@@ -115,12 +128,18 @@ def _train(stage, root, *, ga=1, stop_after=None, resume=False, epochs=2, async_
     return params, state.step, state.epoch
 
 
-@pytest.mark.parametrize("stage,ga,nprocs,stop_after,async_save,mixed_precision", [
-    (2, 1, 2, 5, False, "no"), (3, 3, 2, 3, True, "no"),
-    pytest.param(2, 3, 1, 5, False, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
-    pytest.param(3, 1, 1, 5, True, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16"),
-])
-def test_deepspeed_checkpoint_resumes_mid_epoch_exactly(stage, ga, nprocs, stop_after, async_save, mixed_precision, tmp_path):
+@pytest.mark.parametrize(
+    "stage,ga,nprocs,stop_after,async_save,mixed_precision",
+    [
+        (2, 1, 2, 5, False, "no"),
+        (3, 3, 2, 3, True, "no"),
+        pytest.param(2, 3, 1, 5, False, "bf16", marks=helpers.needs_cuda, id="cuda-zero2-bf16"),
+        pytest.param(3, 1, 1, 5, True, "bf16", marks=helpers.needs_cuda, id="cuda-zero3-bf16"),
+    ],
+)
+def test_deepspeed_checkpoint_resumes_mid_epoch_exactly(
+    stage, ga, nprocs, stop_after, async_save, mixed_precision, tmp_path
+):
     """Stopped mid-epoch, resumed in new processes from trainfold's checkpoint of DeepSpeed's engine: bit for bit,
     and the uninterrupted run equals Accelerate's canonical DeepSpeed loop."""
     nprocs = min(nprocs, torch.cuda.device_count()) if torch.cuda.is_available() else nprocs
@@ -137,7 +156,9 @@ def test_deepspeed_checkpoint_resumes_mid_epoch_exactly(stage, ga, nprocs, stop_
     for (want, *_), (got, step, epoch) in zip(full, resumed):
         testing.assert_params_equal(want, got)
         assert epoch == 2
-    if mixed_precision == "no":  # the uninterrupted run is Accelerate's canonical DeepSpeed loop too (clipping from the config)
+    if (
+        mixed_precision == "no"
+    ):  # the uninterrupted run is Accelerate's canonical DeepSpeed loop too (clipping from the config)
         for want, (got, *_) in zip(testing.run_distributed(_canonical, stage, ga, 0.5, nprocs=nprocs), full):
             testing.assert_params_equal(want, got)
 
@@ -207,11 +228,15 @@ def test_deepspeed_refuses_mid_group_and_pickles(tmp_path):
     unpickler: the function never runs and the live model is not changed."""
     work = tmp_path / "work"
     work.mkdir()
-    [(errors, before, trained, after, step)] = testing.run_distributed(_refusals, str(tmp_path / "ckpts"), str(work), nprocs=1)
+    [(errors, before, trained, after, step)] = testing.run_distributed(
+        _refusals, str(tmp_path / "ckpts"), str(work), nprocs=1
+    )
 
     assert "at an optimizer update" in errors["mid_group"] and "accumulation group" in errors["mid_group"]
     assert "under DeepSpeed" in errors["gathered"] and "Leave sharded unset" in errors["gathered"]
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in errors["hostile"] and "restricted unpickler" in errors["hostile"]
+    assert (
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt" in errors["hostile"] and "restricted unpickler" in errors["hostile"]
+    )
     assert "'mp_rank_01_model_states.pt', which its manifest does not list" in errors["unlisted"]
     assert not (work / "pwned").exists()
     assert step == 2
@@ -259,7 +284,10 @@ def test_deepspeed_checkpoint_refused_elsewhere(tmp_path):
     [elsewhere] = testing.run_distributed(_load_on, str(tmp_path), True, nprocs=1)
 
     assert "under DeepSpeed and this run does not use it" in without
-    assert "written by 2 processes under DeepSpeed and this run has 1" in elsewhere and "Resume it on 2 processes" in elsewhere
+    assert (
+        "written by 2 processes under DeepSpeed and this run has 1" in elsewhere
+        and "Resume it on 2 processes" in elsewhere
+    )
 
 
 def _create_before_loaders():
@@ -293,7 +321,10 @@ def _config(stage, ga):
         "zero_optimization": {"stage": stage},
         # torch_adam: torch's AdamW, not DeepSpeed's fused kernel (which needs its compiled ops)
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 3}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 3},
+        },
     }
 
 
@@ -372,10 +403,16 @@ def _train_and_save(stage, root, ga, model="mlp"):
     "tangled" and "aligned" train :class:`_Tangled` and give its state_dict (frozen, shared and buffers included);
     "aligned" with DeepSpeed's ``parameter_alignment``, which pads each parameter inside ZeRO-1/2's flat groups."""
     tangled = model != "mlp"
-    config = None if model != "aligned" else {
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": ga, "gradient_clipping": 0.5,
-        "zero_optimization": {"stage": stage, "parameter_alignment": True},
-    }
+    config = (
+        None
+        if model != "aligned"
+        else {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": ga,
+            "gradient_clipping": 0.5,
+            "zero_optimization": {"stage": stage, "parameter_alignment": True},
+        }
+    )
     acc = helpers.deepspeed_accelerator(stage, gradient_accumulation_steps=ga, clip=0.5, config=config)
     ctx = Context(accelerator=acc)
     model, opt, sched, dl = _objects()
@@ -401,7 +438,9 @@ def _full_state_dict(engine):
         return {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage,ga,model", [(2, 1, "mlp"), (3, 2, "mlp"), (0, 1, "tangled"), (2, 1, "aligned"), (3, 1, "tangled")])
+@pytest.mark.parametrize(
+    "stage,ga,model", [(2, 1, "mlp"), (3, 2, "mlp"), (0, 1, "tangled"), (2, 1, "aligned"), (3, 1, "tangled")]
+)
 def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model, tmp_path):
     """ZeRO's partitions of 2 processes put together with no process group, from verified files read by the restricted
     unpickler: the trained model's parameters, bit for bit (checkpoint_weights, export_checkpoint and `trainfold diff`);
@@ -411,7 +450,12 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model
 
     got = checkpoint_weights(tmp_path / "root")
     written = export_checkpoint(tmp_path / "root", tmp_path / "model.safetensors")
-    cli = subprocess.run([sys.executable, "-m", "trainfold", "diff", str(written), str(tmp_path / "root")], capture_output=True, text=True, timeout=helpers.scaled(300))
+    cli = subprocess.run(
+        [sys.executable, "-m", "trainfold", "diff", str(written), str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+    )
 
     assert sorted(got) == sorted(want)
     testing.assert_params_equal(want, got)
@@ -421,12 +465,27 @@ def test_a_deepspeed_checkpoint_exports_its_whole_model_offline(stage, ga, model
 def test_the_cli_reads_a_deepspeed_checkpoint(tmp_path):
     """The command line lists verifies and inspects a DeepSpeed checkpoint."""
     testing.run_distributed(_train_and_save, 3, str(tmp_path / "root"), 1, nprocs=2)
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", *argv, "--json"], capture_output=True, text=True, timeout=helpers.scaled(300))
+    run = lambda *argv: subprocess.run(
+        [sys.executable, "-m", "trainfold", *argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+    )
 
-    listed, verified, inspected = run("ls", str(tmp_path / "root")), run("verify", str(tmp_path / "root")), run("inspect", str(tmp_path / "root"))
+    listed, verified, inspected = (
+        run("ls", str(tmp_path / "root")),
+        run("verify", str(tmp_path / "root")),
+        run("inspect", str(tmp_path / "root")),
+    )
 
     [entry] = json.loads(listed.stdout)["checkpoints"]
-    assert ("deepspeed", 2, 3, True, True) == (entry["format"], entry["processes"], entry["update"], entry["complete"], entry["latest"])
+    assert ("deepspeed", 2, 3, True, True) == (
+        entry["format"],
+        entry["processes"],
+        entry["update"],
+        entry["complete"],
+        entry["latest"],
+    )
     assert json.loads(verified.stdout)["ok"] is True
     doc = json.loads(inspected.stdout)
     assert ("deepspeed", 2, 3) == (doc["format"], doc["processes"], doc["update"])

@@ -13,7 +13,9 @@ from trainfold import Context, TrainState, evaluate, loop, make_step, predict, r
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +27,9 @@ def _equivalence_on_this_rank(configs):
         kw = dict(cpu=True, gradient_accumulation_steps=cfg.get("ga", 1))
         model, opt, sched, dl = helpers.build(0, dropout=0.2, shuffle=True, scheduler=True)
         torch.manual_seed(7)
-        expected, _ = helpers.canonical_loop(Accelerator(**kw), model, opt, sched, dl, helpers.ce_loss, epochs=2, clip_norm=cfg.get("clip"))
+        expected, _ = helpers.canonical_loop(
+            Accelerator(**kw), model, opt, sched, dl, helpers.ce_loss, epochs=2, clip_norm=cfg.get("clip")
+        )
 
         AcceleratorState._reset_state()  # keep the process group, forget the Accelerator settings
         GradientState._reset_state()
@@ -34,7 +38,9 @@ def _equivalence_on_this_rank(configs):
         ctx = Context(accelerator=Accelerator(**kw))
         state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
         (dl,) = ctx.prepare_loaders(dl)
-        state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=cfg.get("clip")), dl), max_epochs=2)(state)
+        state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=cfg.get("clip")), dl), max_epochs=2)(
+            state
+        )
         out.append((expected, testing.parameters(state), state.history["train_loss"], ctx.accelerator.num_processes))
         AcceleratorState._reset_state()
         GradientState._reset_state()
@@ -69,7 +75,10 @@ def _evaluate_on_this_rank(n, batch_size):
     with torch.no_grad():
         x, y = data.tensors
         logits = model(x)
-        reference = (torch.nn.functional.cross_entropy(logits, y).item(), (logits.argmax(-1) == y).float().mean().item())
+        reference = (
+            torch.nn.functional.cross_entropy(logits, y).item(),
+            (logits.argmax(-1) == y).float().mean().item(),
+        )
     ctx.close()
     return dict(new.metrics), reference, preds, labels, y, logits
 
@@ -106,8 +115,18 @@ def test_an_error_on_one_rank_ends_the_run_with_that_error():
 
 def test_digits_example_under_torchrun_on_two_cpu_processes():
     """The same script runs unchanged under torchrun and ends cleanly."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(testing.free_port()),
-           str(ROOT / "examples" / "digits.py"), "--smoke", "--cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(testing.free_port()),
+        str(ROOT / "examples" / "digits.py"),
+        "--smoke",
+        "--cpu",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=_env())
 
     assert 0 == result.returncode, result.stderr[-3000:]
@@ -116,8 +135,17 @@ def test_digits_example_under_torchrun_on_two_cpu_processes():
 
 
 def test_digits_example_under_accelerate_launch_with_the_readme_config():
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ROOT / "examples" / "launch" / "cpu_2proc.yaml"),
-           "--main_process_port", str(testing.free_port()), str(ROOT / "examples" / "digits.py"), "--smoke", "--cpu"]
+    cmd = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        str(ROOT / "examples" / "launch" / "cpu_2proc.yaml"),
+        "--main_process_port",
+        str(testing.free_port()),
+        str(ROOT / "examples" / "digits.py"),
+        "--smoke",
+        "--cpu",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=helpers.scaled(600), env=_env())
 
     assert 0 == result.returncode, result.stderr[-3000:]
@@ -153,7 +181,12 @@ def _early_stop_on_rank_one_data():
         state_box[0] = s
         return s
 
-    epoch = compose(early_stop("eval_bad", patience=1, mode="min"), evaluate(ctx, eval_fn, loader), remember, run_epoch(ctx, make_step(ctx, loss_fn), loader))
+    epoch = compose(
+        early_stop("eval_bad", patience=1, mode="min"),
+        evaluate(ctx, eval_fn, loader),
+        remember,
+        run_epoch(ctx, make_step(ctx, loss_fn), loader),
+    )
     final = loop(epoch, max_epochs=10)(state)
     ctx.close()
     return final.epoch, final.should_stop, final.history["eval_bad"]
@@ -161,7 +194,9 @@ def _early_stop_on_rank_one_data():
 
 def test_an_early_stop_decided_on_one_ranks_data_stops_both_ranks():
     """Metrics are reduced over processes before any decision: both ranks stop after the same epoch."""
-    (epoch0, stop0, bad0), (epoch1, stop1, bad1) = testing.run_distributed(_early_stop_on_rank_one_data, nprocs=2, timeout=60)
+    (epoch0, stop0, bad0), (epoch1, stop1, bad1) = testing.run_distributed(
+        _early_stop_on_rank_one_data, nprocs=2, timeout=60
+    )
 
     assert (2, True) == (epoch0, stop0) == (epoch1, stop1)
     assert bad0 == bad1 == (0.0, 0.5)
@@ -183,7 +218,9 @@ def _checkpoint_on_this_rank(root):
         ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
         model = helpers.mlp(dropout=0.3)
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(44), batch_size=4, shuffle=True))
+        (dl,) = ctx.prepare_loaders(
+            torch.utils.data.DataLoader(helpers.classification_data(44), batch_size=4, shuffle=True)
+        )
         return ctx, state, dl
 
     def train(ctx, state, dl, wrap=lambda s: s):
@@ -209,7 +246,9 @@ def _checkpoint_on_this_rank(root):
     ctx, fresh, dl = setup(99)
     resumed = train(ctx, load_checkpoint(ctx, f"{root}/boundary", fresh), dl)
     results.append(("boundary", testing.parameters(resumed), None))
-    save_checkpoint(ctx, f"{root}/gathered", resumed, sharded=False)  # the gathered format: dealt out to replicas on resume
+    save_checkpoint(
+        ctx, f"{root}/gathered", resumed, sharded=False
+    )  # the gathered format: dealt out to replicas on resume
     return expected, results, [c.name for c in ckpts]
 
 
@@ -244,7 +283,11 @@ def _token_step_on_this_rank():
     import test_tokens as tt
 
     seqs = tt._sequences()
-    mine = [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4)] if int(__import__("os").environ["RANK"]) == 0 else [tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)]
+    mine = (
+        [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4)]
+        if int(__import__("os").environ["RANK"]) == 0
+        else [tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)]
+    )
     ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
     model = tt._lm()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
@@ -295,7 +338,9 @@ def test_token_weighted_train_loss_spans_every_process():
 
     ranks = testing.run_distributed(_token_weighted_train_loss_on_this_rank, nprocs=2)
     seqs = tt._sequences()
-    expected = tt._per_token_loss(tt._lm(), [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4), tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)])
+    expected = tt._per_token_loss(
+        tt._lm(), [tt._pad(seqs[:2], 6), tt._pad(seqs[2:3], 4), tt._pad(seqs[3:6], 5), tt._pad(seqs[6:], 2)]
+    )
 
     assert ranks[0] == ranks[1] == pytest.approx(expected, rel=1e-6)
 
@@ -338,7 +383,9 @@ def test_a_refused_save_is_refused_on_every_rank_and_none_waits(tmp_path):
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(2, 1)
-    save_checkpoint(ctx, tmp_path, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    save_checkpoint(
+        ctx, tmp_path, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    )
     ctx.close()  # this process's lock goes: only the other run's checkpoint stays
 
     ranks = testing.run_distributed(_save_into_another_runs_root, str(tmp_path), nprocs=2, timeout=60)
@@ -372,8 +419,11 @@ def _unprepared_on_this_rank(kind):
         if kind == "marked":
             (dl,) = ctx.own_shards(dl)
     outcomes = []
-    for call in (lambda: run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), lambda: evaluate(ctx, helpers.ce_loss, dl, state),
-                 lambda: predict(ctx, lambda m, b: m(b[0]), dl, state)):
+    for call in (
+        lambda: run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state),
+        lambda: evaluate(ctx, helpers.ce_loss, dl, state),
+        lambda: predict(ctx, lambda m, b: m(b[0]), dl, state),
+    ):
         try:
             call()
             outcomes.append("ran")
@@ -387,7 +437,9 @@ def test_an_unprepared_loader_on_two_processes():
     """Each rank would read the whole dataset (twice the updates per epoch, every sample twice): refused before any batch."""
     for outcomes in testing.run_distributed(_unprepared_on_this_rank, "plain", nprocs=2, timeout=60):
         for where, message in zip(("run_epoch", "evaluate", "predict"), outcomes):
-            assert message.startswith(f"{where}: the loader was not prepared, so each of the 2 processes would read the whole dataset")
+            assert message.startswith(
+                f"{where}: the loader was not prepared, so each of the 2 processes would read the whole dataset"
+            )
             assert "ctx.prepare_loaders(loader)" in message and "ctx.own_shards(loader)" in message
 
 
@@ -402,8 +454,12 @@ def _environment_and_threads():
 
     import fsspec.config
 
-    return (os.environ.get("TRAINFOLD_PROBE"), "TRAINFOLD_GONE" in os.environ, torch.get_num_threads(),
-            fsspec.config.conf.get("s3", {}).get("endpoint_url"))
+    return (
+        os.environ.get("TRAINFOLD_PROBE"),
+        "TRAINFOLD_GONE" in os.environ,
+        torch.get_num_threads(),
+        fsspec.config.conf.get("s3", {}).get("endpoint_url"),
+    )
 
 
 def test_processes_start_with_the_callers_environ(monkeypatch):
@@ -427,7 +483,9 @@ def _read_by_loader_workers():
     import torch
 
     data = torch.utils.data.TensorDataset(torch.arange(12.0))
-    return sorted(float(x) for (batch,) in torch.utils.data.DataLoader(data, batch_size=4, num_workers=2) for x in batch)
+    return sorted(
+        float(x) for (batch,) in torch.utils.data.DataLoader(data, batch_size=4, num_workers=2) for x in batch
+    )
 
 
 def test_a_process_may_read_its_data_with_loader_workers():
@@ -452,12 +510,18 @@ def test_an_interrupted_call_leaves_no_process_behind(tmp_path):
 
     # Ctrl-C reaches the caller whatever this process inherited (a background job starts with SIGINT ignored); the caller
     # leads a process group of its own, with the forkserver and the ranks in it, so that a failure kills them all
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-            "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
-            "sys.path.insert(0, sys.argv[2]); from trainfold import testing; import test_distributed as t\n"
-            "testing.run_distributed(t._sleep_after_noting_the_pid, sys.argv[1], nprocs=2, timeout=600)")
-    caller = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)], stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    code = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+        "sys.path.insert(0, sys.argv[2]); from trainfold import testing; import test_distributed as t\n"
+        "testing.run_distributed(t._sleep_after_noting_the_pid, sys.argv[1], nprocs=2, timeout=600)"
+    )
+    caller = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path), str(Path(__file__).parent)],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + helpers.scaled(120)
     while len(list(tmp_path.glob("pid-*"))) < 2 and caller.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -482,7 +546,11 @@ def test_an_interrupted_call_leaves_no_process_behind(tmp_path):
 def _imported_at_start():
     import sys
 
-    return sorted(name for name in ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets") if name in sys.modules)
+    return sorted(
+        name
+        for name in ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets")
+        if name in sys.modules
+    )
 
 
 def test_processes_start_with_lazy_imports_done():
@@ -532,7 +600,9 @@ def test_run_distributed_stretches_its_time_limit_by_the_machines_load(monkeypat
         testing.run_distributed(_sleeps, 30.0, nprocs=1, timeout=1)
 
 
-@pytest.mark.parametrize("load, cores, factor", [((8.0, 1.0, 1.0), {0, 1}, 4.0), ((1.5, 9.0, 9.0), {0, 1}, 1.0), (OSError, {0}, 1.0)])
+@pytest.mark.parametrize(
+    "load, cores, factor", [((8.0, 1.0, 1.0), {0, 1}, 4.0), ((1.5, 9.0, 9.0), {0, 1}, 1.0), (OSError, {0}, 1.0)]
+)
 def test_the_load_factor(monkeypatch, load, cores, factor):
     """The load factor is the one minute load per core and never below one."""
     import os

@@ -19,6 +19,7 @@ def test_every_public_name_has_its_api_entry_and_a_complete_docstring():
 
 def test_a_missing_docstring_section_is_named():
     """A function missing an argument returns raises or an example is named."""
+
     def scale(x: float, factor: float = 2.0) -> float:
         """Multiply.
 
@@ -131,6 +132,7 @@ def test_a_planted_stale_reference_is_found_and_live_ones_are_not(tmp_path, monk
 
 def test_a_docstring_into_the_implementation():
     """A public docstring that sends the reader into the implementation is a problem."""
+
     class Thing:
         """A thing (see :mod:`trainfold._src.core.stages`).
 
@@ -155,14 +157,20 @@ def test_the_built_pages_are_read_back(tmp_path):
     api = tmp_path / "api"
     (api / "folder").mkdir(parents=True)
     (api / "folder" / "index.html").write_text('<h2 id="trainfold.Folder">Folder</h2>')
-    (api / "state.html").write_text('<h2 id="trainfold.TrainState">TrainState</h2><h3 id="trainfold.TrainState.step">step</h3>')
-    returns = ('<span class="doc-section-title">Returns:</span><table><tr class="doc-section-item"><td>TrainState</td></tr>'
-               '<tr class="doc-section-item"><td>TrainState</td></tr></table>')
+    (api / "state.html").write_text(
+        '<h2 id="trainfold.TrainState">TrainState</h2><h3 id="trainfold.TrainState.step">step</h3>'
+    )
+    returns = (
+        '<span class="doc-section-title">Returns:</span><table><tr class="doc-section-item"><td>TrainState</td></tr>'
+        '<tr class="doc-section-item"><td>TrainState</td></tr></table>'
+    )
     (api / "epochs.html").write_text(
-        '<h2 id="trainfold.run_epoch">run_epoch</h2><div class="doc-overloads"></div><p>Per epoch::</p>' + returns
+        '<h2 id="trainfold.run_epoch">run_epoch</h2><div class="doc-overloads"></div><p>Per epoch::</p>'
+        + returns
         + '<h2 id="trainfold.max_steps">max_steps</h2><p>class:<code>Stop</code>: see '
         '<a href="state.html#trainfold.TrainState.final_stop">final_stop</a>, <a href="state.html#trainfold.TrainState.step">step</a>, '
-        '<a href="#trainfold.run_epoch">run_epoch</a>, <a href="folder/#trainfold.Folder">Folder</a>, <a href="gone.html#trainfold.x">x</a></p>')
+        '<a href="#trainfold.run_epoch">run_epoch</a>, <a href="folder/#trainfold.Folder">Folder</a>, <a href="gone.html#trainfold.x">x</a></p>'
+    )
     (tmp_path / "404.html").write_text("<p>::</p>")  # the not-found page is not a reader's page
 
     assert hooks.html_problems(tmp_path) == [
@@ -173,7 +181,9 @@ def test_the_built_pages_are_read_back(tmp_path):
         "api/epochs.html: a link to api/state.html#trainfold.TrainState.final_stop, which is no anchor there, under trainfold.max_steps",
         "api/epochs.html: a link to api/gone.html#trainfold.x, a page the site does not have, under trainfold.max_steps",
     ]
-    (api / "epochs.html").write_text('<h2 id="trainfold.run_epoch">run_epoch</h2><p>Per epoch:</p><pre><code>for batch in loader</code></pre>')
+    (api / "epochs.html").write_text(
+        '<h2 id="trainfold.run_epoch">run_epoch</h2><p>Per epoch:</p><pre><code>for batch in loader</code></pre>'
+    )
     assert hooks.html_problems(tmp_path) == []
 
 

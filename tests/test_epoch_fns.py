@@ -8,8 +8,18 @@ from hypothesis import given, settings, strategies as st
 from toolz import compose
 
 from trainfold import (
-    early_stop, evaluate, log_epoch, loop, make_step, plot_history, reduce_lr_on_plateau, restore_best, run_epoch,
-    save_best, testing, TrainState,
+    early_stop,
+    evaluate,
+    log_epoch,
+    loop,
+    make_step,
+    plot_history,
+    reduce_lr_on_plateau,
+    restore_best,
+    run_epoch,
+    save_best,
+    testing,
+    TrainState,
 )
 import helpers
 
@@ -69,7 +79,11 @@ def test_early_stop_without_the_metric_says_what_to_compose():
 
 def test_early_stop_ends_a_real_loop():
     ctx, state, loader, loss_fn = testing.tiny_setup(lr=2.5)  # diverges: eval loss grows
-    epoch = compose(early_stop("eval_loss", patience=2), evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader))
+    epoch = compose(
+        early_stop("eval_loss", patience=2),
+        evaluate(ctx, loss_fn, loader),
+        run_epoch(ctx, make_step(ctx, loss_fn), loader),
+    )
 
     final = loop(epoch, max_epochs=50)(state)
 
@@ -172,8 +186,19 @@ def test_early_stop_infers_the_direction_from_the_metrics_name():
     assert (False, False, True) == (rising.should_stop, falling_loss.should_stop, rising_loss.should_stop)
 
 
-@pytest.mark.parametrize("name,mode", [("eval_loss", "min"), ("train_error", "min"), ("eval_perplexity", "min"), ("eval_acc", "max"),
-                                       ("eval_f1", "max"), ("val_auroc", "max"), ("eval_bleu", "max"), ("eval_max_error", "min")])
+@pytest.mark.parametrize(
+    "name,mode",
+    [
+        ("eval_loss", "min"),
+        ("train_error", "min"),
+        ("eval_perplexity", "min"),
+        ("eval_acc", "max"),
+        ("eval_f1", "max"),
+        ("val_auroc", "max"),
+        ("eval_bleu", "max"),
+        ("eval_max_error", "min"),
+    ],
+)
 def test_auto_mode_knows_the_common_names(name, mode):
     from trainfold._src.compose.epoch_fns import resolve_mode
 
@@ -186,21 +211,31 @@ def test_a_name_that_says_no_direction_needs_an_explicit_mode(fn):
 
     s = TrainState(model=None, optimizer=None, scheduler=None, accelerator=None)
     s = attrs.evolve(s, history=s.history.add(epoch=1, step=1, values={"eval_widgets": 3.0}))
-    with pytest.raises(ValueError, match=rf"{fn}: cannot tell from the name 'eval_widgets'.*pass mode='min' or mode='max'"):
+    with pytest.raises(
+        ValueError, match=rf"{fn}: cannot tell from the name 'eval_widgets'.*pass mode='min' or mode='max'"
+    ):
         getattr(trainfold, fn)("eval_widgets", s)
     assert not getattr(trainfold, fn)("eval_widgets", s, mode="max").should_stop
 
 
-@pytest.mark.parametrize("make", [
-    lambda ctx, tmp: early_stop("eval_los"),
-    lambda ctx, tmp: save_best(ctx, tmp / "best.safetensors", "eval_los"),
-    lambda ctx, tmp: reduce_lr_on_plateau("eval_los"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ctx, tmp: early_stop("eval_los"),
+        lambda ctx, tmp: save_best(ctx, tmp / "best.safetensors", "eval_los"),
+        lambda ctx, tmp: reduce_lr_on_plateau("eval_los"),
+    ],
+)
 def test_a_misspelt_metric_is_named(make, tmp_path):
     """'eval_los' says no direction, but the real cause is that no such record exists: that comes first."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    epoch = compose(make(ctx, tmp_path), evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader))
-    with pytest.raises(KeyError, match=r"no 'eval_los' has been recorded \(recorded: \['train_loss', 'eval_loss'\]\)\. Did you mean 'eval_loss'\?"):
+    epoch = compose(
+        make(ctx, tmp_path), evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader)
+    )
+    with pytest.raises(
+        KeyError,
+        match=r"no 'eval_los' has been recorded \(recorded: \['train_loss', 'eval_loss'\]\)\. Did you mean 'eval_loss'\?",
+    ):
         loop(epoch, max_epochs=2)(state)
     ctx.close()
 

@@ -15,7 +15,9 @@ CONFIGS = {
     "bf16_cpu": dict(mixed_precision="bf16"),
     "scheduler": dict(scheduler=True),
     "dropout_shuffled": dict(dropout=0.3, shuffle=True),
-    "all_together": dict(gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="bf16", scheduler=True, dropout=0.3, shuffle=True),
+    "all_together": dict(
+        gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="bf16", scheduler=True, dropout=0.3, shuffle=True
+    ),
 }
 
 #: The same comparison on a GPU (skipped without CUDA): autocast there, and fp16 with Accelerate's GradScaler.
@@ -23,7 +25,9 @@ CUDA_CONFIGS = {
     "fp32_cuda": dict(),
     "bf16_cuda": dict(mixed_precision="bf16"),
     "fp16_cuda": dict(mixed_precision="fp16"),
-    "fp16_all_together_cuda": dict(gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="fp16", scheduler=True, dropout=0.3, shuffle=True),
+    "fp16_all_together_cuda": dict(
+        gradient_accumulation_steps=4, clip_norm=0.5, mixed_precision="fp16", scheduler=True, dropout=0.3, shuffle=True
+    ),
 }
 
 
@@ -40,7 +44,9 @@ def _run_both(cfg, epochs=3, seed=0):
 
     model, opt, sched, dl = build(seed, **build_kw)
     torch.manual_seed(seed + 100)
-    expected, losses = canonical_loop(_accelerator(cfg), model, opt, sched, dl, ce_loss, epochs=epochs, clip_norm=cfg.get("clip_norm"))
+    expected, losses = canonical_loop(
+        _accelerator(cfg), model, opt, sched, dl, ce_loss, epochs=epochs, clip_norm=cfg.get("clip_norm")
+    )
 
     testing.reset_accelerate_state()
     model, opt, sched, dl = build(seed, **build_kw)
@@ -114,7 +120,7 @@ def test_epoch_loss_is_mean_of_the_canonical_loops_batch_losses():
     expected, losses, final = _run_both(CONFIGS["accumulation_4"], epochs=2)
 
     per_epoch = len(losses) // 2
-    means = [torch.stack(losses[i * per_epoch:(i + 1) * per_epoch]).mean().item() for i in range(2)]
+    means = [torch.stack(losses[i * per_epoch : (i + 1) * per_epoch]).mean().item() for i in range(2)]
     assert final.history["train_loss"] == pytest.approx(means, rel=1e-6)
 
 
@@ -140,4 +146,4 @@ def test_scheduler_is_stepped_as_accelerate_does():
     loop(run_epoch(ctx, make_step(ctx, ce_loss), dl), max_epochs=2)(state)
 
     assert expected_lr == opt.param_groups[0]["lr"]
-    assert expected_lr == 0.1 * 0.5 ** 2  # 4 updates, halved every 2
+    assert expected_lr == 0.1 * 0.5**2  # 4 updates, halved every 2

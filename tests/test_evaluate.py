@@ -191,7 +191,10 @@ def test_evaluate_metrics_refuses_non_metrics():
     testing.reset_accelerate_state()
     ctx, state, dl, _ = _f1_setup()
 
-    with pytest.raises(TypeError, match=r"metric 'f1' is a function, which has neither update, compute and reset \(torchmetrics\) nor add_batch and compute"):
+    with pytest.raises(
+        TypeError,
+        match=r"metric 'f1' is a function, which has neither update, compute and reset \(torchmetrics\) nor add_batch and compute",
+    ):
         evaluate_metrics(ctx, {"f1": lambda p, t: 0.0}, lambda m, b: (m(b[0]), b[1]), dl, state)
 
     from torchmetrics.classification import MulticlassF1Score
@@ -230,7 +233,9 @@ def _tokens_setup(n=29, tokens=64, batch_size=8):
     x, y = torch.randint(0, 5, (n, tokens)), torch.randint(0, 5, (n, tokens))
     model = torch.nn.Embedding(5, 5)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
+    )
     expected = int((model(x).argmax(-1) == y).sum()) / y.numel()
     return ctx, state, dl, expected
 
@@ -264,10 +269,14 @@ def test_a_loader_that_drops_samples_is_refused_where_every_sample_counts(which)
 
     ctx, state, _, loss_fn = testing.tiny_setup(seed=0)
     x = torch.randn(60, 1)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=16, drop_last=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x), batch_size=16, drop_last=True)
+    )
     call = {
         "evaluate": lambda: evaluate(ctx, loss_fn, dl, state),
-        "evaluate_metrics": lambda: evaluate_metrics(ctx, {"acc": _TokenAccuracy()}, lambda m, b: (m(b[0]), b[1]), dl, state),
+        "evaluate_metrics": lambda: evaluate_metrics(
+            ctx, {"acc": _TokenAccuracy()}, lambda m, b: (m(b[0]), b[1]), dl, state
+        ),
         "predict": lambda: predict(ctx, lambda m, b: m(b[0]), dl, state),
     }[which]
     with pytest.raises(ValueError, match=rf"{which}: the loader drops the last 12 of 60 samples.*drop_last=False"):
@@ -290,7 +299,11 @@ class _HfAccuracyF1:
         self.predictions, self.references, self.computes = [], [], self.computes + 1
         tp = sum(p == r == 1 for p, r in pairs)
         precision, recall = tp / max(1, sum(p == 1 for p, _ in pairs)), tp / max(1, sum(r == 1 for _, r in pairs))
-        return {"accuracy": sum(p == r for p, r in pairs) / len(pairs), "f1": 2 * precision * recall / (precision + recall), "n": len(pairs)}
+        return {
+            "accuracy": sum(p == r for p, r in pairs) / len(pairs),
+            "f1": 2 * precision * recall / (precision + recall),
+            "n": len(pairs),
+        }
 
 
 def test_evaluate_metrics_takes_hf_evaluate():

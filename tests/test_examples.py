@@ -8,7 +8,9 @@ import pytest
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -35,7 +37,10 @@ def test_example_runs_in_smoke_mode(script, expect):
 def test_the_copyable_test_file_passes():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_my_training.py")],
-        capture_output=True, text=True, timeout=helpers.scaled(300), cwd=EXAMPLES,
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+        cwd=EXAMPLES,
     )
 
     assert 0 == result.returncode, result.stdout[-3000:]
@@ -46,9 +51,23 @@ def test_the_benchmark_ab_script_compares_two_versions_in_one_process():
     """benchmarks/ab.py: the last commit (read with git archive) against the working tree (a directory)."""
     root = Path(__file__).resolve().parent.parent
     result = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "ab.py"), "HEAD", str(root),
-         "--configs", "plain", "--processes", "1", "--rounds", "1", "--optimizer", "adamw"],
-        capture_output=True, text=True, timeout=helpers.scaled(300),
+        [
+            sys.executable,
+            str(root / "benchmarks" / "ab.py"),
+            "HEAD",
+            str(root),
+            "--configs",
+            "plain",
+            "--processes",
+            "1",
+            "--rounds",
+            "1",
+            "--optimizer",
+            "adamw",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
     )
 
     assert 0 == result.returncode, result.stderr[-3000:]

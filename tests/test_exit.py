@@ -17,7 +17,9 @@ import helpers
 
 from trainfold.testing import free_port
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "exit_run.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -25,12 +27,24 @@ RUNS = 3
 
 
 def _run(root, *extra):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-               str(SCRIPT), str(root), *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        str(root),
+        *extra,
+    ]
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=helpers.scaled(90), env=ENV)
     except subprocess.TimeoutExpired as exc:  # the hang this guards against: fail, with what it printed
-        pytest.fail(f"the run did not exit within 90 s:\n{(exc.stdout or b'')[-2000:]!r}\n{(exc.stderr or b'')[-3000:]!r}")
+        pytest.fail(
+            f"the run did not exit within 90 s:\n{(exc.stdout or b'')[-2000:]!r}\n{(exc.stderr or b'')[-3000:]!r}"
+        )
 
 
 def test_end_training_with_a_save_in_flight(tmp_path):

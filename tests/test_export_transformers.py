@@ -13,14 +13,25 @@ from accelerate import Accelerator
 
 import helpers
 
-from trainfold import CheckpointError, Context, TrainState, export_checkpoint, make_step, max_steps, run_epoch, save_checkpoint
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    export_checkpoint,
+    make_step,
+    max_steps,
+    run_epoch,
+    save_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
 
 def _gpt2(n_embd=16):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=n_embd, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=n_embd, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -36,7 +47,9 @@ def trained(tmp_path, isolated):
     model.save_pretrained(tmp_path / "config")
     (tmp_path / "config" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 32}))
     ctx = Context(accelerator=Accelerator(cpu=True))
-    loader = torch.utils.data.DataLoader(torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(1)), batch_size=4)
+    loader = torch.utils.data.DataLoader(
+        torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(1)), batch_size=4
+    )
     (loader,) = ctx.prepare_loaders(loader)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
     state = run_epoch(ctx, max_steps(3)(make_step(ctx, _lm_loss)), loader)(state)
@@ -65,7 +78,9 @@ def test_another_models_config_is_refused(trained):
     tmp, _ = trained
     _gpt2(n_embd=32).save_pretrained(tmp / "other")
 
-    with pytest.raises(CheckpointError, match=r"do not fit .*other's model \(GPT2LMHeadModel\).* in the checkpoint and .* in the model"):
+    with pytest.raises(
+        CheckpointError, match=r"do not fit .*other's model \(GPT2LMHeadModel\).* in the checkpoint and .* in the model"
+    ):
         export_checkpoint(tmp / "root", tmp / "hf", transformers_config=tmp / "other")
     assert not (tmp / "hf").exists()
     assert not [p.name for p in tmp.iterdir() if p.name.startswith(".hf")]
@@ -88,7 +103,12 @@ def test_architectures_that_name_no_model(trained, architectures):
 def test_the_command_writes_the_folder(trained):
     """The command writes the folder and refuses a folder without config in one line."""
     tmp, _ = trained
-    run = lambda *argv: subprocess.run([sys.executable, "-m", "trainfold", "export", *argv], capture_output=True, text=True, timeout=helpers.scaled(300))
+    run = lambda *argv: subprocess.run(
+        [sys.executable, "-m", "trainfold", "export", *argv],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+    )
 
     done = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"), "--json")
     again = run(str(tmp / "root"), str(tmp / "hf"), "--transformers", str(tmp / "config"))
@@ -116,7 +136,11 @@ def test_weights_the_configs_model_lacks_are_refused_by_name_never_dropped(tmp_p
 
     model = WithValueHead()
     ctx = Context(accelerator=Accelerator(cpu=True))
-    save_checkpoint(ctx, tmp_path / "root", TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    save_checkpoint(
+        ctx,
+        tmp_path / "root",
+        TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+    )
     ctx.close()
 
     with pytest.raises(CheckpointError, match=r"do not fit .*: unexpected \['value_head.bias', 'value_head.weight'\]"):

@@ -6,8 +6,22 @@ from accelerate import Accelerator
 from toolz import compose
 
 from trainfold import (
-    Context, TrainState, early_stop, ema, evaluate, fit, latest_checkpoint, load_checkpoint, log_epoch, log_every, loop, make_step,
-    nan_guard, run_epoch, save_checkpoint, testing,
+    Context,
+    TrainState,
+    early_stop,
+    ema,
+    evaluate,
+    fit,
+    latest_checkpoint,
+    load_checkpoint,
+    log_epoch,
+    log_every,
+    loop,
+    make_step,
+    nan_guard,
+    run_epoch,
+    save_checkpoint,
+    testing,
 )
 
 import helpers
@@ -28,14 +42,32 @@ def _setup():
 
 def test_fit_equals_the_loop_composed_by_hand(tmp_path):
     ctx, state, train_dl, eval_dl = _setup()
-    by_fit = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=8, eval_loader=eval_dl, clip_grad_norm=0.5, patience=2,
-                 checkpoint_dir=tmp_path / "fit", keep_last=2, log_every_n=3, progress=False, transforms=[ema(0.9)],
-                 stages=[nan_guard(3)])
+    by_fit = fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=8,
+        eval_loader=eval_dl,
+        clip_grad_norm=0.5,
+        patience=2,
+        checkpoint_dir=tmp_path / "fit",
+        keep_last=2,
+        log_every_n=3,
+        progress=False,
+        transforms=[ema(0.9)],
+        stages=[nan_guard(3)],
+    )
 
     ctx, state, train_dl, eval_dl = _setup()
     step = log_every(ctx, 3)(ema(0.9)(make_step(ctx, helpers.ce_loss, clip_grad_norm=0.5, stages=[nan_guard(3)])))
-    epoch = compose(save_checkpoint(ctx, tmp_path / "hand", keep_last=2), log_epoch(ctx), early_stop("eval_loss", patience=2),
-                    evaluate(ctx, helpers.ce_loss, eval_dl), run_epoch(ctx, step, train_dl))
+    epoch = compose(
+        save_checkpoint(ctx, tmp_path / "hand", keep_last=2),
+        log_epoch(ctx),
+        early_stop("eval_loss", patience=2),
+        evaluate(ctx, helpers.ce_loss, eval_dl),
+        run_epoch(ctx, step, train_dl),
+    )
     by_hand = loop(epoch, max_epochs=8)(state)
 
     testing.assert_params_equal(by_hand, by_fit)
@@ -48,12 +80,39 @@ def test_fit_equals_the_loop_composed_by_hand(tmp_path):
 def test_fit_resumes_from_its_checkpoints(tmp_path):
     """A fit stopped after 2 epochs and called again continues to the same end as one uninterrupted fit."""
     ctx, state, train_dl, eval_dl = _setup()
-    whole = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, eval_loader=eval_dl, checkpoint_dir=tmp_path / "a", progress=False)
+    whole = fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=4,
+        eval_loader=eval_dl,
+        checkpoint_dir=tmp_path / "a",
+        progress=False,
+    )
 
     ctx, state, train_dl, eval_dl = _setup()
-    fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=2, eval_loader=eval_dl, checkpoint_dir=tmp_path / "b", progress=False)
+    fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=2,
+        eval_loader=eval_dl,
+        checkpoint_dir=tmp_path / "b",
+        progress=False,
+    )
     ctx, state, train_dl, eval_dl = _setup()
-    resumed = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, eval_loader=eval_dl, checkpoint_dir=tmp_path / "b", progress=False)
+    resumed = fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=4,
+        eval_loader=eval_dl,
+        checkpoint_dir=tmp_path / "b",
+        progress=False,
+    )
 
     testing.assert_params_equal(whole, resumed)
     assert whole.history == resumed.history
@@ -65,17 +124,47 @@ def test_fit_checkpoints_after_its_epoch_fns(tmp_path):
     Saved before it, the resumed run's generators would be behind and its history would miss the
     epoch function's record; saved last, the resumed run ends where one uninterrupted run ends.
     """
+
     def shuffled_metric(state):
         order = torch.randperm(8)  # draws from the global generator, as a shuffled loader would
-        return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values={"probe": float(order[0])}))
+        return attrs.evolve(
+            state, history=state.history.add(epoch=state.epoch, step=state.step, values={"probe": float(order[0])})
+        )
 
     ctx, state, train_dl, eval_dl = _setup()
-    whole = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, checkpoint_dir=tmp_path / "a", progress=False, epoch_fns=[shuffled_metric])
+    whole = fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=4,
+        checkpoint_dir=tmp_path / "a",
+        progress=False,
+        epoch_fns=[shuffled_metric],
+    )
 
     ctx, state, train_dl, eval_dl = _setup()
-    fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=2, checkpoint_dir=tmp_path / "b", progress=False, epoch_fns=[shuffled_metric])
+    fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=2,
+        checkpoint_dir=tmp_path / "b",
+        progress=False,
+        epoch_fns=[shuffled_metric],
+    )
     ctx, state, train_dl, eval_dl = _setup()
-    resumed = fit(ctx, helpers.ce_loss, train_dl, state, max_epochs=4, checkpoint_dir=tmp_path / "b", progress=False, epoch_fns=[shuffled_metric])
+    resumed = fit(
+        ctx,
+        helpers.ce_loss,
+        train_dl,
+        state,
+        max_epochs=4,
+        checkpoint_dir=tmp_path / "b",
+        progress=False,
+        epoch_fns=[shuffled_metric],
+    )
 
     testing.assert_params_equal(whole, resumed)
     assert whole.history == resumed.history
@@ -94,7 +183,9 @@ def test_fit_checks_its_own_arguments_at_the_call_in_its_own_words():
         fit(ctx, loss_fn, state, loader, max_epochs=1)
     with pytest.raises(TypeError, match=r"^fit needs a TrainState"):
         fit(ctx, loss_fn, loader, loader, max_epochs=1)
-    with pytest.raises(TypeError, match=r"^fit\(epoch_fns=\[...\]\) calls epoch_fn\(state\).*early_stop still needs metric, state"):
+    with pytest.raises(
+        TypeError, match=r"^fit\(epoch_fns=\[...\]\) calls epoch_fn\(state\).*early_stop still needs metric, state"
+    ):
         fit(ctx, loss_fn, loader, state, max_epochs=1, epoch_fns=[early_stop], progress=False)
     with pytest.raises(TypeError, match=r"^fit\(transforms=\[...\]\) takes step transformers"):
         fit(ctx, loss_fn, loader, state, max_epochs=1, transforms=[3], progress=False)

@@ -15,8 +15,18 @@ def test_the_counted_flops_of_a_small_gpt2_agree_with_six_n_per_token():
     count 2,555,904 FLOPs against 6 N = 2,577,408 (N without the position embeddings, which no matmul uses), within 1%:
     the attention's matmuls the formula leaves out, less the embedding lookup's, which is no matmul."""
     testing.reset_accelerate_state()
-    config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=2, vocab_size=256, n_positions=16, bos_token_id=0, eos_token_id=0,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        vocab_size=256,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = transformers.GPT2LMHeadModel(config)

@@ -18,7 +18,9 @@ from attr._make import _frozen_setattrs  # what attrs installs as a frozen class
 
 import trainfold
 
-MUTABLE = re.compile(r"\b(dict|set|list|defaultdict|WeakSet|WeakKeyDictionary|WeakValueDictionary|MutableMapping|MutableSet)\b")
+MUTABLE = re.compile(
+    r"\b(dict|set|list|defaultdict|WeakSet|WeakKeyDictionary|WeakValueDictionary|MutableMapping|MutableSet)\b"
+)
 
 
 def _modules():
@@ -31,8 +33,12 @@ def _frozen_classes():
     seen = {}
     for module in _modules():
         for value in vars(module).values():
-            if (isinstance(value, type) and attrs.has(value) and value.__module__.startswith("trainfold")
-                    and value.__setattr__ is _frozen_setattrs):
+            if (
+                isinstance(value, type)
+                and attrs.has(value)
+                and value.__module__.startswith("trainfold")
+                and value.__setattr__ is _frozen_setattrs
+            ):
                 seen[f"{value.__module__}.{value.__qualname__}"] = value
     return seen
 
@@ -47,15 +53,22 @@ def test_the_walk_finds_the_frozen_classes():
 @pytest.mark.parametrize("name", sorted(FROZEN))
 def test_no_frozen_class_declares_a_mutable_container(name):
     cls = FROZEN[name]
-    declared = {f.name: f.type if isinstance(f.type, str) else typing.get_type_hints(cls).get(f.name) for f in attrs.fields(cls)}
+    declared = {
+        f.name: f.type if isinstance(f.type, str) else typing.get_type_hints(cls).get(f.name) for f in attrs.fields(cls)
+    }
     assert {k: str(v) for k, v in declared.items() if MUTABLE.search(str(v))} == {}
 
 
 @pytest.mark.parametrize("name", sorted(FROZEN))
 def test_no_frozen_class_fills_a_mutable_default(name):
     """A field typed ``Mapping`` whose default is ``factory=dict`` is a dict that code fills after creation."""
-    made = {f.name: f.default.factory.__name__ for f in attrs.fields(FROZEN[name])
-            if isinstance(f.default, attrs.Factory) and not f.default.takes_self and MUTABLE.search(f.default.factory.__name__)}
+    made = {
+        f.name: f.default.factory.__name__
+        for f in attrs.fields(FROZEN[name])
+        if isinstance(f.default, attrs.Factory)
+        and not f.default.takes_self
+        and MUTABLE.search(f.default.factory.__name__)
+    }
     assert made == {}
 
 
@@ -64,7 +77,11 @@ def _containers(value):
     found = {}
     for field in attrs.fields(type(value)):
         held = getattr(value, field.name)
-        if isinstance(held, (dict, set, list)) or type(held).__module__ == "weakref" or type(held).__name__.startswith("Weak"):
+        if (
+            isinstance(held, (dict, set, list))
+            or type(held).__module__ == "weakref"
+            or type(held).__name__.startswith("Weak")
+        ):
             found[field.name] = type(held).__name__
     return found
 

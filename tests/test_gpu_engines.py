@@ -22,13 +22,20 @@ from trainfold import (
 
 import helpers
 
-pytestmark = [helpers.needs_cuda, pytest.mark.multiprocess]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = [
+    helpers.needs_cuda,
+    pytest.mark.multiprocess,
+]  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 
 def _accelerator(ga: int) -> Accelerator:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    return Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2), mixed_precision="bf16", gradient_accumulation_steps=ga)
+    return Accelerator(
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+        mixed_precision="bf16",
+        gradient_accumulation_steps=ga,
+    )
 
 
 def _objects():
@@ -109,14 +116,25 @@ def test_sharded_checkpoint_resumes_mid_epoch_exactly_on_cuda_in_bf16(ga, tmp_pa
 def _fp8_capable() -> bool:
     import importlib.util
 
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9) and importlib.util.find_spec("torchao") is not None
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (8, 9)
+        and importlib.util.find_spec("torchao") is not None
+    )
 
 
 def _fp8_objects():
     torch.manual_seed(0)
     # torchao's float8 matmuls need dimensions divisible by 16; Accelerate leaves the first and last Linear in bf16
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 16),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(96, 16, generator=g), torch.randint(0, 16, (96,), generator=g))
@@ -149,7 +167,9 @@ def _fp8_composed(ga):
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(dl)
     state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(state)
-    params = {n: p.detach().float().cpu().clone() for n, p in ctx.accelerator.unwrap_model(state.model).named_parameters()}
+    params = {
+        n: p.detach().float().cpu().clone() for n, p in ctx.accelerator.unwrap_model(state.model).named_parameters()
+    }
     ctx.close()
     return params
 

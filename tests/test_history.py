@@ -33,7 +33,9 @@ def test_history_iterates_records():
     """Iterating gives the records, oldest first (their epoch and update with each value), as ``len`` counts them."""
     h = _history([{"train_loss": 0.5}, {"train_loss": 0.25, "eval_loss": 0.3}])
 
-    assert [("train_loss", 1, 10), ("train_loss", 2, 20), ("eval_loss", 2, 20)] == [(r.name, r.epoch, r.step) for r in h]
+    assert [("train_loss", 1, 10), ("train_loss", 2, 20), ("eval_loss", 2, 20)] == [
+        (r.name, r.epoch, r.step) for r in h
+    ]
     assert 3 == len(h)
 
 

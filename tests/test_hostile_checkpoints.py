@@ -16,7 +16,18 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import CheckpointError, Context, Stop, TrainState, latest_checkpoint, load_checkpoint, make_step, save_checkpoint, testing, verify_checkpoint
+from trainfold import (
+    CheckpointError,
+    Context,
+    Stop,
+    TrainState,
+    latest_checkpoint,
+    load_checkpoint,
+    make_step,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
+)
 
 import helpers
 
@@ -48,8 +59,9 @@ def _setup():
     torch.manual_seed(0)
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = helpers.mlp()
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                              scheduler=None)
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), scheduler=None
+    )
     return ctx, state
 
 
@@ -98,7 +110,9 @@ def _load_refused(folder, secret, match):
 # --- paths ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["../../secret.bin", "/etc/hostname", "sub/state.json", "state.json/..", "MANIFEST.json", "evil.py"])
+@pytest.mark.parametrize(
+    "name", ["../../secret.bin", "/etc/hostname", "sub/state.json", "state.json/..", "MANIFEST.json", "evil.py"]
+)
 def test_a_manifest_entry_of_another_kind(ckpt, name):
     """A manifest entry that is not a plain file of the format is refused."""
     folder, secret = ckpt
@@ -161,9 +175,19 @@ def test_a_crafted_dtype_name_is_refused(ckpt):
     _load_refused(folder, secret, "unknown dtype 'seed'")
 
 
-@pytest.mark.parametrize("field,value", [("step", float("nan")), ("epoch", float("inf")), ("micro_step", -1), ("batch_in_epoch", "3"),
-                                         ("stop", "no"), ("stop", {"__record__": "Stop", "fields": {"reason": "x", "finished": "yes"}}),
-                                         ("end_of_epoch", 1), ("step", True)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("step", float("nan")),
+        ("epoch", float("inf")),
+        ("micro_step", -1),
+        ("batch_in_epoch", "3"),
+        ("stop", "no"),
+        ("stop", {"__record__": "Stop", "fields": {"reason": "x", "finished": "yes"}}),
+        ("end_of_epoch", 1),
+        ("step", True),
+    ],
+)
 def test_counters_must_be_what_they_are(ckpt, field, value):
     folder, secret = ckpt
 
@@ -201,22 +225,35 @@ def test_older_stop_fields_of_the_wrong_kind_are_refused(ckpt):
     _load_refused(folder, secret, "stop fields")
 
 
-@pytest.mark.parametrize("plant,match", [
-    (lambda doc: doc["state"]["extras"]["__dict__"].append(["x", {"__record__": "Unknown", "fields": {}}]), "unknown record type"),
-    (lambda doc: doc["state"].__setitem__("loss_sum", {"__tensor__": "no.such.key"}), "no.such.key"),
-    (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss"]]), "cannot read"),
-    (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss", "high"]]), "history record"),
-    (lambda doc: doc.__setitem__("accelerate", {"step": -5, "gradient_accumulation_steps": 1}), "accelerate.step"),
-    (lambda doc: doc["state"].__setitem__("extras", [1, 2]), "extras"),
-])
+@pytest.mark.parametrize(
+    "plant,match",
+    [
+        (
+            lambda doc: doc["state"]["extras"]["__dict__"].append(["x", {"__record__": "Unknown", "fields": {}}]),
+            "unknown record type",
+        ),
+        (lambda doc: doc["state"].__setitem__("loss_sum", {"__tensor__": "no.such.key"}), "no.such.key"),
+        (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss"]]), "cannot read"),
+        (lambda doc: doc["state"].__setitem__("history", [[1, 2, "loss", "high"]]), "history record"),
+        (lambda doc: doc.__setitem__("accelerate", {"step": -5, "gradient_accumulation_steps": 1}), "accelerate.step"),
+        (lambda doc: doc["state"].__setitem__("extras", [1, 2]), "extras"),
+    ],
+)
 def test_a_bad_value_anywhere_is_refused_before_anything_changes(ckpt, plant, match):
     folder, secret = ckpt
     _edit_json(folder, "state.json", plant)
     _load_refused(folder, secret, match)
 
 
-@pytest.mark.parametrize("value,match", [(-1, "running.started_at"), ("2", "running.started_at"), (True, "running.started_at"),
-                                         (5, "the running sums start after batch 5, past the epoch's batch 4")])
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (-1, "running.started_at"),
+        ("2", "running.started_at"),
+        (True, "running.started_at"),
+        (5, "the running sums start after batch 5, past the epoch's batch 4"),
+    ],
+)
 def test_running_sums_outside_the_epoch(ckpt, value, match):
     """A process's running sums say after which batch of the epoch they start (an epoch resumed on another number of
     processes restarts them): a count no further than the epoch's position (4 batches here), or the load is refused."""
@@ -293,7 +330,14 @@ def test_the_untouched_checkpoint_loads_and_opens_only_its_own_files(ckpt):
 
     assert 4 == resumed.step
     files = {Path(p).name for p in opened if Path(p).resolve().is_relative_to(folder.resolve())}
-    assert {"MANIFEST.json", "state.json", "state.safetensors", "model.safetensors", "rank-0.json", "rank-0.safetensors"} == files
+    assert {
+        "MANIFEST.json",
+        "state.json",
+        "state.safetensors",
+        "model.safetensors",
+        "rank-0.json",
+        "rank-0.safetensors",
+    } == files
 
 
 def _setup_with_scheduler():
@@ -303,12 +347,27 @@ def _setup_with_scheduler():
     return ctx, TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2))
 
 
-@pytest.mark.parametrize("plant,match", [
-    (lambda doc: doc["scheduler"]["__dict__"].append(["step", 5]), r"scheduler state has keys .*'step'"),
-    (lambda doc: [kv.__setitem__(1, "soon") for kv in doc["scheduler"]["__dict__"] if kv[0] == "last_epoch"], "'last_epoch' is a str"),
-    (lambda doc: [kv.__setitem__(1, "fast") for g in doc["optimizer"]["__dict__"] if g[0] == "param_groups"
-                  for group in g[1] for kv in group["__dict__"] if kv[0] == "lr"], "parameter group 'lr' is a str"),
-])
+@pytest.mark.parametrize(
+    "plant,match",
+    [
+        (lambda doc: doc["scheduler"]["__dict__"].append(["step", 5]), r"scheduler state has keys .*'step'"),
+        (
+            lambda doc: [kv.__setitem__(1, "soon") for kv in doc["scheduler"]["__dict__"] if kv[0] == "last_epoch"],
+            "'last_epoch' is a str",
+        ),
+        (
+            lambda doc: [
+                kv.__setitem__(1, "fast")
+                for g in doc["optimizer"]["__dict__"]
+                if g[0] == "param_groups"
+                for group in g[1]
+                for kv in group["__dict__"]
+                if kv[0] == "lr"
+            ],
+            "parameter group 'lr' is a str",
+        ),
+    ],
+)
 def test_a_scheduler_or_optimizer_state_of_another_shape_is_refused(tmp_path, plant, match):
     """load_state_dict takes any keys (a scheduler's update their __dict__: 'step' would replace the method)."""
     ctx, state = _setup_with_scheduler()
@@ -408,13 +467,16 @@ def _pickled_value(doc):
     doc["tensors"][_first_tensor(doc)] = {"__reduce__": "os.system"}
 
 
-@pytest.mark.parametrize("forge,match", [
-    (_outside, r"stored in '../secret.bin', not a shard file of this checkpoint"),
-    (_uncovered, r"the pieces of .* cover \d+ of the \d+ places along its dimension 0"),
-    (_overlapping, r"declared in 2 pieces, more than the 1 processes that wrote it"),
-    (_unknown_dtype, r"KeyError: 'F128'"),
-    (_pickled_value, r"tensors.json does not describe the checkpoint's shards"),
-])
+@pytest.mark.parametrize(
+    "forge,match",
+    [
+        (_outside, r"stored in '../secret.bin', not a shard file of this checkpoint"),
+        (_uncovered, r"the pieces of .* cover \d+ of the \d+ places along its dimension 0"),
+        (_overlapping, r"declared in 2 pieces, more than the 1 processes that wrote it"),
+        (_unknown_dtype, r"KeyError: 'F128'"),
+        (_pickled_value, r"tensors.json does not describe the checkpoint's shards"),
+    ],
+)
 def test_metadata_that_does_not_describe_its_shards_is_refused(sharded, forge, match):
     """tensors.json rewritten and re-signed: every value is checked before a piece is read."""
     folder, secret, _ = sharded
@@ -446,7 +508,6 @@ def test_a_shard_without_its_piece(sharded):
     _load_refused(folder, secret, r"file shard-0.safetensors does not hold the piece of")
 
 
-
 # --- pieces, shapes and positions that cost or contradict --------------------------------------------
 
 
@@ -462,14 +523,21 @@ def test_a_tensor_in_thousands_of_pieces(sharded):
     folder, secret, _ = sharded
     _edit_json(folder, "tensors.json", lambda doc: _pieces(doc, 4000))
 
-    _load_refused(folder, secret, r"'model.0.weight' is declared in 4000 pieces, more than the 1 processes that wrote it")
+    _load_refused(
+        folder, secret, r"'model.0.weight' is declared in 4000 pieces, more than the 1 processes that wrote it"
+    )
 
 
 def _grid(rows, cols, step_r, step_c):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    return [ChunkStorageMetadata(offsets=torch.Size([r, c]), sizes=torch.Size([min(step_r, rows - r), min(step_c, cols - c)]))
-            for r in range(0, rows, step_r) for c in range(0, cols, step_c)]
+    return [
+        ChunkStorageMetadata(
+            offsets=torch.Size([r, c]), sizes=torch.Size([min(step_r, rows - r), min(step_c, cols - c)])
+        )
+        for r in range(0, rows, step_r)
+        for c in range(0, cols, step_c)
+    ]
 
 
 def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
@@ -488,12 +556,26 @@ def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
         _check_tiling("w", [400, 300], _grid(399, 300, 2, 3))
     with pytest.raises(ValueError, match="overlap"):
         _check_tiling("w", [400, 300], chunks + chunks[:1])
-    with pytest.raises(ValueError, match="do not tile it: 2 pieces for a grid of 4"):  # a diagonal: each axis covered, two cells empty
-        _check_tiling("w", [2, 2], [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 1])),
-                                    ChunkStorageMetadata(torch.Size([1, 1]), torch.Size([1, 1]))])
+    with pytest.raises(
+        ValueError, match="do not tile it: 2 pieces for a grid of 4"
+    ):  # a diagonal: each axis covered, two cells empty
+        _check_tiling(
+            "w",
+            [2, 2],
+            [
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 1])),
+                ChunkStorageMetadata(torch.Size([1, 1]), torch.Size([1, 1])),
+            ],
+        )
     with pytest.raises(ValueError, match="do not tile it"):  # an L of two pieces
-        _check_tiling("w", [2, 2], [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 2])),
-                                    ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 1]))])
+        _check_tiling(
+            "w",
+            [2, 2],
+            [
+                ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([1, 2])),
+                ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([1, 1])),
+            ],
+        )
 
 
 @pytest.mark.parametrize("size", [[2**40, 2**40], [10**12], [2**63]])
@@ -526,8 +608,12 @@ def test_an_optimizer_moment_of_another_shape(sharded):
 
     _edit_json(folder, "tensors.json", flatten)
 
-    _load_refused(folder, secret, r"optimizer state 'state.0.weight.momentum_buffer' has shape \(128,\), which no optimizer keeps "
-                                  r"for the parameter '0.weight' of shape \(16, 8\)")
+    _load_refused(
+        folder,
+        secret,
+        r"optimizer state 'state.0.weight.momentum_buffer' has shape \(128,\), which no optimizer keeps "
+        r"for the parameter '0.weight' of shape \(16, 8\)",
+    )
 
 
 def test_a_position_past_the_end_of_the_epoch_is_refused_with_both_numbers(tmp_path):
@@ -535,15 +621,21 @@ def test_a_position_past_the_end_of_the_epoch_is_refused_with_both_numbers(tmp_p
     from trainfold import max_steps, run_epoch
 
     ctx, state = _setup()
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True)
+    )
     save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss)), dl, state))
     folder = latest_checkpoint(tmp_path)
     _edit_json(folder, "state.json", lambda doc: doc["state"].__setitem__("batch_in_epoch", 10**6))
 
     ctx, fresh = _setup()
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True)
+    )
     resumed = load_checkpoint(ctx, folder, fresh)
-    with pytest.raises(ValueError, match=r"stopped at batch 1000000 of its epoch, but this loader has 4 batches per epoch"):
+    with pytest.raises(
+        ValueError, match=r"stopped at batch 1000000 of its epoch, but this loader has 4 batches per epoch"
+    ):
         run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, resumed)
 
 
@@ -597,10 +689,19 @@ def _forge_piece(folder, change):
     (folder / "scratch.safetensors").unlink()
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda t: t[: t.shape[0] // 2], r"\(a torch.float32 piece of shape \(8, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
-    (lambda t: t.half(), r"\(a torch.float16 piece of shape \(16, 8\); declared: torch.float32 of shape \(16, 8\)\)"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            lambda t: t[: t.shape[0] // 2],
+            r"\(a torch.float32 piece of shape \(8, 8\); declared: torch.float32 of shape \(16, 8\)\)",
+        ),
+        (
+            lambda t: t.half(),
+            r"\(a torch.float16 piece of shape \(16, 8\); declared: torch.float32 of shape \(16, 8\)\)",
+        ),
+    ],
+)
 def test_a_piece_of_another_shape_or_dtype(sharded, tmp_path, capsys, change, match):
     """Export reads what a load reads, through the same check: it wrote a piece holding half the declared rows into the
     first half and left the rest uninitialised (values of 1e37), and converted a float16 piece silently, exiting 0."""
@@ -641,12 +742,21 @@ def test_deepspeed_values_that_are_no_tensors_are_refused(where):
     belongs are refused naming the value, never handed to an export or a diff as a weight."""
     from trainfold._src.checkpoint.formats import engine_files
 
-    model = {"module": {"b": torch.zeros(2)}, "buffer_names": ["b"], "param_shapes": [{"w": [2]}], "frozen_param_fragments": {}}
+    model = {
+        "module": {"b": torch.zeros(2)},
+        "buffer_names": ["b"],
+        "param_shapes": [{"w": [2]}],
+        "frozen_param_fragments": {},
+    }
     model[where]["odd"] = "not a tensor"
     if where == "module":
         model["buffer_names"].append("odd")
-    parsed = {"zero_pp_rank_0_mp_rank_00_model_states.pt": model,
-              "zero_pp_rank_0_mp_rank_00_optim_states.pt": {"optimizer_state_dict": {"zero_stage": 2, "single_partition_of_fp32_groups": [torch.zeros(2)]}}}
+    parsed = {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt": model,
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": {
+            "optimizer_state_dict": {"zero_stage": 2, "single_partition_of_fp32_groups": [torch.zeros(2)]}
+        },
+    }
 
     with pytest.raises(ValueError, match=r"holds 'odd' as a str, not a tensor"):
         engine_files.merged_weights(parsed)
@@ -658,7 +768,9 @@ def test_a_stream_source_that_is_no_mapping_is_refused(tmp_path):
     from trainfold import max_steps, run_epoch
 
     ctx, state = _setup()
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(16), batch_size=4, shuffle=True)
+    )
     save_checkpoint(ctx, tmp_path, run_epoch(ctx, max_steps(2)(make_step(ctx, helpers.ce_loss)), dl, state))
     folder = latest_checkpoint(tmp_path)
     _edit_json(folder, "rank-0.json", lambda doc: doc.__setitem__("source", ["part-0.jsonl"]))

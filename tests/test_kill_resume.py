@@ -15,11 +15,14 @@ from safetensors.torch import load_file
 
 from trainfold import latest_checkpoint, testing, verify_checkpoint
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import resumable_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -36,7 +39,13 @@ def _run_to_end(root, out, *extra, monkeypatch):
 
 
 def _run_and_kill(root, out, delay, *extra):
-    with subprocess.Popen([sys.executable, str(SCRIPT), str(root), str(out), "--slow-saves", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) as proc:
+    with subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(root), str(out), "--slow-saves", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    ) as proc:
         ready = proc.stdout.readline().strip()
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -72,8 +81,20 @@ def _torchrun(root, out, *extra):
     from trainfold.testing import free_port
 
     engine = [] if "--ddp" in extra else ["--fsdp2"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(SCRIPT), str(root), str(out), *engine, *[e for e in extra if e != "--ddp"]]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        str(root),
+        str(out),
+        *engine,
+        *[e for e in extra if e != "--ddp"],
+    ]
 
 
 def _fsdp2_to_end(root, out, *extra, monkeypatch):
@@ -91,7 +112,11 @@ def _fsdp2_killed(root, out, delay, *extra):
     return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), ENV, lambda: _newest(root), delay)
 
 
-@pytest.mark.parametrize("extra", [("--async-saves",), ("--async-saves", "--lora"), ("--ddp", "--lora")], ids=["async", "async-lora", "ddp-lora"])
+@pytest.mark.parametrize(
+    "extra",
+    [("--async-saves",), ("--async-saves", "--lora"), ("--ddp", "--lora")],
+    ids=["async", "async-lora", "ddp-lora"],
+)
 def test_two_process_kill_and_resume(tmp_path, extra, monkeypatch):
     """torchrun, 2 CPU processes under FSDP2, sharded checkpoints after every update, written in the background (the
     blocking path is the same write-and-commit, run inline; pass () here to run it too): killed (launcher and workers,
@@ -102,8 +127,14 @@ def test_two_process_kill_and_resume(tmp_path, extra, monkeypatch):
 
     rng = random.Random(99)
     root = tmp_path / "killed"
-    slow = (*extra, "--slow-saves")  # 50 ms a micro-batch: the job trains for about two seconds, and the kills land inside
-    kills = sum(_fsdp2_killed(root, tmp_path / "killed.safetensors", rng.uniform(0.1, 0.8), *slow) == -signal.SIGKILL for _ in range(3))
+    slow = (
+        *extra,
+        "--slow-saves",
+    )  # 50 ms a micro-batch: the job trains for about two seconds, and the kills land inside
+    kills = sum(
+        _fsdp2_killed(root, tmp_path / "killed.safetensors", rng.uniform(0.1, 0.8), *slow) == -signal.SIGKILL
+        for _ in range(3)
+    )
     progress = verify_checkpoint(latest_checkpoint(root))["step"]  # the kills left the run part-way
     resumed = _fsdp2_to_end(root, tmp_path / "killed.safetensors", *extra, monkeypatch=monkeypatch)
 

@@ -13,14 +13,20 @@ import ast
 import importlib
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trainfold"
 #: bottom to top; the package's top-level modules (the API, the command line, testing) sit above all of them
 LAYERS = ("base", "backend", "distributed", "core", "checkpoint", "compose")
 LEAVES = ("trainfold.errors", "trainfold._version")
 #: the modules a user may import (and the package's own entry points)
-PUBLIC = {"trainfold", "trainfold.testing", "trainfold.cli", "trainfold.__main__", "trainfold.pytest_plugin", "trainfold.errors"}
+PUBLIC = {
+    "trainfold",
+    "trainfold.testing",
+    "trainfold.cli",
+    "trainfold.__main__",
+    "trainfold.pytest_plugin",
+    "trainfold.errors",
+}
 
 
 def _module(path: Path) -> str:
@@ -60,8 +66,12 @@ def _layer(module: str) -> int:
 
 
 def test_every_folder_imports_only_the_folders_below_it():
-    upward = [f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
-              if t not in LEAVES and t != "trainfold" and _layer(t) > _layer(m)]
+    upward = [
+        f"{m} -> {t}"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if t not in LEAVES and t != "trainfold" and _layer(t) > _layer(m)
+    ]
     assert upward == []
 
 
@@ -84,12 +94,16 @@ def test_no_import_circle():
 
 
 def test_every_module_outside_the_public_ones_is_private_by_name():
-    public_looking = [m for m in GRAPH if m not in PUBLIC and not any(part.startswith("_") for part in m.split(".")[1:])]
+    public_looking = [
+        m for m in GRAPH if m not in PUBLIC and not any(part.startswith("_") for part in m.split(".")[1:])
+    ]
     assert public_looking == []
 
 
 def test_the_layers_are_the_folders_of_the_implementation():
-    assert sorted(p.name for p in (PACKAGE / "_src").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(LAYERS)
+    assert sorted(p.name for p in (PACKAGE / "_src").iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        LAYERS
+    )
 
 
 def test_the_docs_never_send_a_reader_into_the_implementation():
@@ -103,10 +117,15 @@ def test_public_names_are_listed_once():
     import trainfold
 
     tree = ast.parse(Path(trainfold.__file__).read_text())
-    guarded = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    guarded = next(
+        node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+    )
     imported = [(alias.asname, node.module) for node in guarded.body for alias in node.names]
 
     assert sorted(imported) == sorted(trainfold._WHERE.items())
     assert all(alias.name == alias.asname for node in guarded.body for alias in node.names)
     assert trainfold.__all__ == ["__version__", *sorted(trainfold._WHERE)]
-    assert all(getattr(trainfold, name) is getattr(importlib.import_module(module), name) for name, module in trainfold._WHERE.items())
+    assert all(
+        getattr(trainfold, name) is getattr(importlib.import_module(module), name)
+        for name, module in trainfold._WHERE.items()
+    )

@@ -46,7 +46,9 @@ def _accelerate_way():
 def _trainfold_way(root=None, epochs=EPOCHS, resume=False, stateless=False):
     ctx = Context(accelerator=Accelerator(cpu=True))
     model, opt, _, dl = helpers.build(0, shuffle=True)
-    if stateless:  # each process's momentum differs under local SGD, and a checkpoint holds one process's: see docs/guides/loop.md
+    if (
+        stateless
+    ):  # each process's momentum differs under local SGD, and a checkpoint holds one process's: see docs/guides/loop.md
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(7)
     state = TrainState.create(ctx, model=model, optimizer=opt)
@@ -64,7 +66,9 @@ def _trainfold_way(root=None, epochs=EPOCHS, resume=False, stateless=False):
 
         return watched
 
-    epoch = compose(average_parameters(ctx), run_epoch(ctx, first(local_sgd(ctx, EVERY)(make_step(ctx, helpers.ce_loss))), dl))
+    epoch = compose(
+        average_parameters(ctx), run_epoch(ctx, first(local_sgd(ctx, EVERY)(make_step(ctx, helpers.ce_loss))), dl)
+    )
     if root is not None:
         epoch = compose(save_checkpoint(ctx, root), epoch)
     state = loop(epoch, max_epochs=epochs)(state)
@@ -78,13 +82,17 @@ def _both_ways():
 
 @pytest.mark.multiprocess
 def test_local_sgd_equals_accelerates_local_sgd_on_two_processes():
-    (expected0, (got0, [first0], record0, _)), (expected1, (got1, [first1], record1, _)) = testing.run_distributed(_both_ways, nprocs=2)
+    (expected0, (got0, [first0], record0, _)), (expected1, (got1, [first1], record1, _)) = testing.run_distributed(
+        _both_ways, nprocs=2
+    )
 
     testing.assert_params_equal(expected0, got0)
     testing.assert_params_equal(expected1, got1)
     testing.assert_params_equal(got0, got1)  # averaged at the end of each epoch
     assert any(not torch.equal(first0[k], first1[k]) for k in first0)  # but each trained alone in between
-    assert record0 == record1 and record0.since == 0 and record0.averages == 4  # per epoch of 4 updates: at the 3rd, and at its end
+    assert (
+        record0 == record1 and record0.since == 0 and record0.averages == 4
+    )  # per epoch of 4 updates: at the 3rd, and at its end
 
 
 @pytest.mark.multiprocess
@@ -116,7 +124,7 @@ def test_one_process_counts_and_trains_as_without_it():
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
         return loop(run_epoch(ctx, wrap(ctx)(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
 
-    plain, local = run(lambda ctx: (lambda step: step)), run(lambda ctx: local_sgd(ctx, 3))
+    plain, local = run(lambda ctx: lambda step: step), run(lambda ctx: local_sgd(ctx, 3))
 
     testing.assert_params_equal(plain, local)
     assert local.extras["local_sgd"].averages == 2  # updates 3 and 6 of 8; since=2 left for average_parameters

@@ -52,8 +52,11 @@ def test_loop_catches_a_curried_primitive_missing_its_loader():
     ctx, state, loader, loss_fn = testing.tiny_setup()
     epoch = run_epoch(ctx, make_step(ctx, loss_fn))
 
-    with pytest.raises(TypeError, match=r"loop calls epoch_fn\(state\), with the state alone, and run_epoch still needs "
-                       r"loader, state \(the state would be taken as 'loader'\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"loop calls epoch_fn\(state\), with the state alone, and run_epoch still needs "
+        r"loader, state \(the state would be taken as 'loader'\)",
+    ):
         loop(epoch, max_epochs=2)
 
 
@@ -140,7 +143,9 @@ def test_every_epochs_runs_at_a_final_stop():
     from trainfold import evaluate, max_steps
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 batches an epoch: update 6 is in epoch 2
-    epoch = compose(every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader))
+    epoch = compose(
+        every_epochs(2, evaluate(ctx, loss_fn, loader)), run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader)
+    )
     final = loop(epoch, max_epochs=5)(state)
     ctx.close()
     assert (6, True) == (final.step, final.ended_mid_epoch)
@@ -155,13 +160,21 @@ def test_loop_refuses_what_it_cannot_call():
     epoch = run_epoch(ctx, make_step(ctx, loss_fn), loader)
     with pytest.raises(TypeError, match=r"loop\(epoch_fn, max_epochs=20\): max_epochs is a keyword argument"):
         loop(epoch, 20)
-    with pytest.raises(TypeError, match=r"loop takes an epoch function .* and was given a TrainState: a primitive given its state"):
+    with pytest.raises(
+        TypeError, match=r"loop takes an epoch function .* and was given a TrainState: a primitive given its state"
+    ):
         loop(run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
     with pytest.raises(TypeError, match=r"loop takes an epoch function \(state -> state\); got 3, a int"):
         loop(3, max_epochs=2)
-    with pytest.raises(TypeError, match=r"loop calls epoch_fn\(state\), with the state alone, and evaluate still needs loss_fn, loader, state "):
+    with pytest.raises(
+        TypeError,
+        match=r"loop calls epoch_fn\(state\), with the state alone, and evaluate still needs loss_fn, loader, state ",
+    ):
         loop(evaluate(ctx), max_epochs=2)  # evaluate given the Context alone: still needs loss_fn and loader
-    with pytest.raises(TypeError, match=r"repeat calls epoch_fn\(state\), with the state alone, and <lambda> still needs state, loader \(the state would be taken as 'state'\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"repeat calls epoch_fn\(state\), with the state alone, and <lambda> still needs state, loader \(the state would be taken as 'state'\)",
+    ):
         repeat(2, lambda state, loader: state)
     with pytest.raises(TypeError, match=r"every_epochs takes an epoch function"):
         every_epochs(2, state)
@@ -178,9 +191,14 @@ def test_evaluation_before_training_warns():
     from trainfold import evaluate
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
-    with pytest.warns(UserWarning, match=r"recorded 'eval_loss' at update 0, before the epoch's training \(which ended at update 4\)"
-                                          r": compose applies right to left") as caught:
-        wrong = loop(compose(run_epoch(ctx, make_step(ctx, loss_fn), loader), evaluate(ctx, loss_fn, loader)), max_epochs=3)(state)
+    with pytest.warns(
+        UserWarning,
+        match=r"recorded 'eval_loss' at update 0, before the epoch's training \(which ended at update 4\)"
+        r": compose applies right to left",
+    ) as caught:
+        wrong = loop(
+            compose(run_epoch(ctx, make_step(ctx, loss_fn), loader), evaluate(ctx, loss_fn, loader)), max_epochs=3
+        )(state)
     assert 1 == len(caught)
     assert [0, 4, 8] == [r.step for r in wrong.history if r.name == "eval_loss"]  # the final model (update 12) never
     ctx.close()
@@ -188,7 +206,9 @@ def test_evaluation_before_training_warns():
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the right order says nothing
-        right = loop(compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=3)(state)
+        right = loop(
+            compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=3
+        )(state)
     assert [4, 8, 12] == [r.step for r in right.history if r.name == "eval_loss"]
     ctx.close()
 
@@ -197,7 +217,10 @@ def test_evaluation_before_training_warns():
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # evaluations inside the epoch, after updates, are not the wrong order either
-        inside = loop(run_epoch(ctx, every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
+        inside = loop(
+            run_epoch(ctx, every_steps(2, evaluate(ctx, loss_fn, loader))(make_step(ctx, loss_fn)), loader),
+            max_epochs=2,
+        )(state)
     assert [2, 4, 6, 8] == [r.step for r in inside.history if r.name == "eval_loss"]
     ctx.close()
 

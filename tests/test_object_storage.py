@@ -62,7 +62,9 @@ _setup = helpers.noisy_setup
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=3):
     """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
     end = getattr(wrap, "at_end", lambda s: s)
-    return end(loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state))
+    return end(
+        loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+    )
 
 
 # --- one process: resume bit for bit -------------------------------------------------------------
@@ -110,7 +112,9 @@ def test_fsspecs_own_configuration(server, tmp_path):
         "ctx.close()\n"
     )
     env = {**os.environ, **server.env()}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env, cwd=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env, cwd=tmp_path
+    )
     assert 0 == result.returncode, result.stderr[-3000:]
     assert f"0 {root}/ckpt-0000000000" == result.stdout.strip()
 
@@ -119,12 +123,21 @@ def test_the_cli_on_s3(s3, tmp_path):
     """`trainfold ls | verify | inspect | export | diff` take a store's URL, configured as fsspec is (the environment)."""
     root, options, _ = s3
     ctx, state, dl = _setup(ga=1)
-    state = run_epoch(ctx, checkpoint_every(ctx, 2, root, storage_options=options)(make_step(ctx, helpers.ce_loss)), dl, state)
+    state = run_epoch(
+        ctx, checkpoint_every(ctx, 2, root, storage_options=options)(make_step(ctx, helpers.ce_loss)), dl, state
+    )
     ctx.close()
     env = {**os.environ, **s3_env(options)}
 
     def cli(*argv):
-        return subprocess.run([sys.executable, "-m", "trainfold", *argv], capture_output=True, text=True, timeout=helpers.scaled(600), env=env, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "trainfold", *argv],
+            capture_output=True,
+            text=True,
+            timeout=helpers.scaled(600),
+            env=env,
+            cwd=tmp_path,
+        )
 
     listed, verified, inspected = cli("ls", root, "--json"), cli("verify", root), cli("inspect", root, "--json")
     exported = cli("export", root, str(tmp_path / "model.safetensors"))
@@ -133,18 +146,28 @@ def test_the_cli_on_s3(s3, tmp_path):
 
     entries = json.loads(listed.stdout)["checkpoints"]
     newest = latest_checkpoint(root, storage_options=options)
-    assert [e["name"] for e in entries if e["latest"]] == [newest.rsplit("/", 1)[-1]] and all(e["complete"] for e in entries)
+    assert [e["name"] for e in entries if e["latest"]] == [newest.rsplit("/", 1)[-1]] and all(
+        e["complete"] for e in entries
+    )
     assert 0 == verified.returncode and ": OK" in verified.stdout, verified.stderr[-2000:]
     assert json.loads(inspected.stdout)["checkpoint"] == newest
-    assert 0 == exported.returncode and 0 == diffed.returncode and "bit for bit" in diffed.stdout, exported.stderr + diffed.stderr
-    assert 2 == missing.returncode and 1 == len(missing.stderr.strip().splitlines()) and "Traceback" not in missing.stderr
+    assert 0 == exported.returncode and 0 == diffed.returncode and "bit for bit" in diffed.stdout, (
+        exported.stderr + diffed.stderr
+    )
+    assert (
+        2 == missing.returncode and 1 == len(missing.stderr.strip().splitlines()) and "Traceback" not in missing.stderr
+    )
     assert "the bucket (or container) 'no-such-bucket-here' does not exist" in missing.stderr
 
 
 def s3_env(options):
     """fsspec's and botocore's own configuration for the server of ``options``: what a command launched with it reads."""
-    return {"FSSPEC_S3_ENDPOINT_URL": options["endpoint_url"], "AWS_ACCESS_KEY_ID": options["key"], "AWS_SECRET_ACCESS_KEY": options["secret"],
-            "AWS_DEFAULT_REGION": "us-east-1"}
+    return {
+        "FSSPEC_S3_ENDPOINT_URL": options["endpoint_url"],
+        "AWS_ACCESS_KEY_ID": options["key"],
+        "AWS_SECRET_ACCESS_KEY": options["secret"],
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
 
 
 # --- the manifest is the commit ------------------------------------------------------------------
@@ -156,13 +179,17 @@ def test_an_unfinished_save_is_never_listed(s3):
     to take the lock removes them, since no other job can be writing then."""
     root, options, fs = s3
     ctx, state, dl = _setup(ga=1)
-    state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    state = save_checkpoint(
+        ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options
+    )
     where = root.removeprefix("s3://")
     fs.pipe_file(f"{where}/ckpt-0000000099/model.safetensors", b"half an upload")  # a save killed before its manifest
 
     assert [f"{root}/ckpt-0000000006"] == list_checkpoints(root, storage_options=options)
     assert 6 == load_checkpoint(ctx, root, state, storage_options=options).step
-    state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
+    state = save_checkpoint(
+        ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options
+    )
     assert fs.exists(f"{where}/ckpt-0000000099")  # not this job's to remove while it holds the lock
     ctx.close()
 
@@ -226,8 +253,11 @@ def test_every_damage_to_every_object(s3, damage):
         if damage == "missing":
             fs.rm(f"{where}/{name}")
         else:
-            data = {"truncated": good[:-7], "oversized": good + b"\0" * 4096,
-                    "altered": good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1:]}[damage]
+            data = {
+                "truncated": good[:-7],
+                "oversized": good + b"\0" * 4096,
+                "altered": good[: len(good) // 2] + bytes([good[len(good) // 2] ^ 1]) + good[len(good) // 2 + 1 :],
+            }[damage]
             fs.pipe_file(f"{where}/{name}", data)
         ctx, state, _ = _setup(ga=1, seed=5)
         before = testing.parameters(state)
@@ -248,9 +278,11 @@ def test_an_extra_object_is_never_read_and_a_forged_manifest_is_refused(s3):
     assert 6 == load_checkpoint(ctx, ckpt, state, storage_options=options).step  # unlisted: never read
 
     manifest = json.loads(fs.cat_file(f"{where}/MANIFEST.json"))
-    for forged in ({**manifest, "files": {**manifest["files"], "../escape.json": manifest["files"]["state.json"]}},
-                   {**manifest, "files": {k: v for k, v in manifest["files"].items() if k != "rank-0.json"}},
-                   {**manifest, "format": 99}):
+    for forged in (
+        {**manifest, "files": {**manifest["files"], "../escape.json": manifest["files"]["state.json"]}},
+        {**manifest, "files": {k: v for k, v in manifest["files"].items() if k != "rank-0.json"}},
+        {**manifest, "format": 99},
+    ):
         fs.pipe_file(f"{where}/MANIFEST.json", json.dumps(forged).encode())
         with pytest.raises(CheckpointError, match="refused|incomplete|format 99"):
             load_checkpoint(ctx, ckpt, state, storage_options=options)
@@ -281,17 +313,27 @@ def test_an_expired_lease_is_taken_over(s3, monkeypatch):
 
     root, options, fs = s3
     where = root.removeprefix("s3://")
-    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1, "lease_s": 1}).encode())
+    fs.pipe_file(
+        f"{where}/.trainfold.lock",
+        json.dumps(
+            {"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1, "lease_s": 1}
+        ).encode(),
+    )
     ctx, state, dl = _setup(ga=1)
     save_checkpoint(ctx, root, state, storage_options=options)  # a dead job's lease: taken over
     owner = json.loads(fs.cat_file(f"{where}/.trainfold.lock"))
     assert owner["pid"] == os.getpid() and owner["expires"] > time.time()
 
     # another job takes the lock over (as if this one had stalled past its lease): this one's next save refuses
-    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode())
+    fs.pipe_file(
+        f"{where}/.trainfold.lock",
+        json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode(),
+    )
     with pytest.raises(CheckpointError, match="no longer holds the root's lock.*pid 2"):
         save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
-    assert json.loads(fs.cat_file(f"{where}/.trainfold.lock"))["token"] == "thief"  # the stale owner wrote nothing over it
+    assert (
+        json.loads(fs.cat_file(f"{where}/.trainfold.lock"))["token"] == "thief"
+    )  # the stale owner wrote nothing over it
     ctx.close()
     assert root not in lease._HELD
 
@@ -331,7 +373,9 @@ def test_a_superseded_owner_leaves_the_new_lock():
     old = lease.LeaseLock(fs, path, "memory://superseded", "run-a")
     old.take()
     old._stop.set()  # stalled: no more renewals
-    fs.pipe_file(path, json.dumps({"run_id": "run-b", "token": "new", "expires": time.time() + 600}).encode())  # taken over
+    fs.pipe_file(
+        path, json.dumps({"run_id": "run-b", "token": "new", "expires": time.time() + 600}).encode()
+    )  # taken over
 
     old.release_now()
 
@@ -381,8 +425,12 @@ def test_an_owner_that_stopped_renewing(s3, monkeypatch):
     state = save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
     lease._HELD[root][0]._stop.set()  # no more renewals; the job itself goes on
 
-    copy = subprocess.Popen([sys.executable, "-c", _HOLDING_COPY, root, json.dumps(options)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    copy = subprocess.Popen(
+        [sys.executable, "-c", _HOLDING_COPY, root, json.dumps(options)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert "saved" == copy.stdout.readline().strip()  # the event: it took the lock over and saved; it holds it
         with pytest.raises(CheckpointError, match="no longer holds the root's lock.*another job took it over"):
@@ -404,7 +452,9 @@ def test_a_lock_removed_under_a_live_job(s3, caplog):
 
     save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, loss_fn), loader, state), storage_options=options)
     assert "was removed while this job held it, and no other job had taken it; taking it again" in caplog.text
-    assert [] == [r.getMessage() for r in caplog.records if r.getMessage().startswith("trainfold")]  # the logger's name says it
+    assert [] == [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("trainfold")
+    ]  # the logger's name says it
     assert json.loads(fs.cat_file(f"{root.removeprefix('s3://')}/.trainfold.lock"))["pid"] == os.getpid()
     assert helpers.second_job(root, options).startswith("refused")  # still the root's one writer
     ctx.close()
@@ -445,8 +495,11 @@ def test_a_typo_d_bucket_is_refused_when_the_checkpointing_is_composed(s3):
     """issue 46: checkpoint_every accepted s3://lmrnus/run, and the first save failed n updates later."""
     _, options, _ = s3
     ctx, state, dl = _setup(ga=1)
-    with pytest.raises(CheckpointError, match=r"checkpoint_every: s3://lmrnus/run cannot hold checkpoints: the bucket \(or container\) "
-                                              r"'lmrnus' does not exist on this store: check its name"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint_every: s3://lmrnus/run cannot hold checkpoints: the bucket \(or container\) "
+        r"'lmrnus' does not exist on this store: check its name",
+    ):
         checkpoint_every(ctx, 2, "s3://lmrnus/run", storage_options=options)
     ctx.close()  # (trainfold ls of such a root: the command-line test above)
 
@@ -461,21 +514,31 @@ def test_a_local_root_under_a_file(tmp_path):
 
 
 def test_missing_credentials_are_an_error_that_names_the_fix(server, tmp_path):
-    code = ("from trainfold import testing, save_checkpoint\n"
-            "ctx, state, *_ = testing.tiny_setup(seed=0)\n"
-            f"save_checkpoint(ctx, 's3://creds/run', state, storage_options={{'endpoint_url': {server.endpoint!r}}})\n")
+    code = (
+        "from trainfold import testing, save_checkpoint\n"
+        "ctx, state, *_ = testing.tiny_setup(seed=0)\n"
+        f"save_checkpoint(ctx, 's3://creds/run', state, storage_options={{'endpoint_url': {server.endpoint!r}}})\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"), AWS_EC2_METADATA_DISABLED="true")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env)
+    env.update(
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600), env=env
+    )
     assert 0 != result.returncode
     assert "credentials" in result.stderr.splitlines()[-1].lower()
 
 
 def test_without_fsspec_a_url_root_names_the_extra_to_install():
-    code = ("import sys; sys.modules['fsspec'] = None\n"
-            "from trainfold import testing, checkpoint_every\n"
-            "ctx, *_ = testing.tiny_setup(seed=0)\n"
-            "try:\n    checkpoint_every(ctx, 1, 's3://bucket/run')\nexcept ImportError as exc:\n    print(exc)\n")
+    code = (
+        "import sys; sys.modules['fsspec'] = None\n"
+        "from trainfold import testing, checkpoint_every\n"
+        "ctx, *_ = testing.tiny_setup(seed=0)\n"
+        "try:\n    checkpoint_every(ctx, 1, 's3://bucket/run')\nexcept ImportError as exc:\n    print(exc)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=helpers.scaled(600))
     assert "pip install 'trainfold[s3]'" in result.stdout, result.stderr[-2000:]
 
@@ -486,9 +549,29 @@ def test_without_fsspec_a_url_root_names_the_extra_to_install():
 def test_fit_resumes_from_an_s3_checkpoint_dir(s3):
     root, options, _ = s3
     ctx, state, dl = _setup(ga=1)
-    first = fit(ctx, helpers.ce_loss, dl, state, max_epochs=2, checkpoint_dir=root, storage_options=options, progress=False, echo=False)
+    first = fit(
+        ctx,
+        helpers.ce_loss,
+        dl,
+        state,
+        max_epochs=2,
+        checkpoint_dir=root,
+        storage_options=options,
+        progress=False,
+        echo=False,
+    )
     ctx2, fresh, dl2 = _setup(ga=1, seed=4)
-    more = fit(ctx2, helpers.ce_loss, dl2, fresh, max_epochs=3, checkpoint_dir=root, storage_options=options, progress=False, echo=False)
+    more = fit(
+        ctx2,
+        helpers.ce_loss,
+        dl2,
+        fresh,
+        max_epochs=3,
+        checkpoint_dir=root,
+        storage_options=options,
+        progress=False,
+        echo=False,
+    )
     assert (2, 3) == (first.epoch, more.epoch)
     assert 3 == len(list_checkpoints(root, storage_options=options))
 
@@ -560,8 +643,12 @@ def test_saves_and_a_load_make_only_the_requests_the_commit_protocol_needs(tmp_p
         ctx.close()
 
     assert first == ["PUT", "HEAD", "LIST", "LIST", "LIST"] + ["PUT"] * files + ["PUT", "PUT"]
-    assert second == (["PUT", "LIST", "GET", "LIST"] + ["PUT"] * files + ["PUT", "PUT"]
-                      + ["PUT", "LIST", "GET", "GET", "DELETE", "LIST", "DELETE"])
+    assert second == (
+        ["PUT", "LIST", "GET", "LIST"]
+        + ["PUT"] * files
+        + ["PUT", "PUT"]
+        + ["PUT", "LIST", "GET", "GET", "DELETE", "LIST", "DELETE"]
+    )
     assert load == ["GET", "LIST", "GET"] + ["GET"] * files
 
 

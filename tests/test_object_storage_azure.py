@@ -14,7 +14,17 @@ import zlib
 import helpers
 import pytest
 
-from trainfold import CheckpointError, checkpoint_every, list_checkpoints, load_checkpoint, loop, make_step, run_epoch, save_checkpoint, testing
+from trainfold import (
+    CheckpointError,
+    checkpoint_every,
+    list_checkpoints,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +45,9 @@ def az(azurite, request):
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=2):
     """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
     end = getattr(wrap, "at_end", lambda s: s)
-    return end(loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state))
+    return end(
+        loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
+    )
 
 
 def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):
@@ -73,16 +85,25 @@ def test_an_expired_azure_lease_is_taken_over(az):
     """An expired Azure lease is taken over and its stale owner cannot renew it."""
     root, options, fs = az
     where = root.removeprefix("az://")
-    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1,
-                                                         "lease_s": 1}).encode())
+    fs.pipe_file(
+        f"{where}/.trainfold.lock",
+        json.dumps(
+            {"host": "gone", "pid": 1, "run_id": "dead", "token": "x", "expires": time.time() - 1, "lease_s": 1}
+        ).encode(),
+    )
     ctx, state, dl = helpers.noisy_setup(ga=1)
-    save_checkpoint(ctx, root, state, storage_options=options)  # a dead job's lease: taken over, conditionally on its ETag
+    save_checkpoint(
+        ctx, root, state, storage_options=options
+    )  # a dead job's lease: taken over, conditionally on its ETag
     owner = json.loads(fs.cat_file(f"{where}/.trainfold.lock"))
     assert owner["pid"] == os.getpid()
 
     # another job takes the lock over (as if this one had stalled past its lease): this one's renewal (If-Match on the
     # ETag it wrote) is refused by the service, and its next save raises instead of writing beside the new owner
-    fs.pipe_file(f"{where}/.trainfold.lock", json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode())
+    fs.pipe_file(
+        f"{where}/.trainfold.lock",
+        json.dumps({**owner, "pid": 2, "token": "thief", "expires": time.time() + 600}).encode(),
+    )
     with pytest.raises(CheckpointError, match="no longer holds the root's lock.*pid 2"):
         save_checkpoint(ctx, root, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state), storage_options=options)
     assert json.loads(fs.cat_file(f"{where}/.trainfold.lock"))["token"] == "thief"

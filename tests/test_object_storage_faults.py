@@ -20,9 +20,21 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from trainfold import CheckpointError, Context, TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint, testing, verify_checkpoint
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    testing,
+    verify_checkpoint,
+)
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resumable_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -38,7 +50,13 @@ def server():
 def _env(server):
     # a killed job leaves its lock behind for one lease: 3 s here (times the machine's load: a live owner renews every
     # third of it, and a busy machine must not see its lease run out), so that each restart waits that long, not 30 s
-    return {**os.environ, **server.env(), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINFOLD_LOCK_LEASE_S": _lease()}
+    return {
+        **os.environ,
+        **server.env(),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TRAINFOLD_LOCK_LEASE_S": _lease(),
+    }
 
 
 def _lease() -> str:
@@ -46,8 +64,19 @@ def _lease() -> str:
 
 
 def _torchrun(root, out, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(testing.free_port()),
-            str(SCRIPT), root, str(out), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(testing.free_port()),
+        str(SCRIPT),
+        root,
+        str(out),
+        *extra,
+    ]
 
 
 def _to_end(server, root, out, *extra):
@@ -66,7 +95,9 @@ def _newest(server, root):
 
 def _killed(server, root, out, delay, *extra):
     """Start the 2-process job, SIGKILL the launcher and both workers ``delay`` s after it committed a new checkpoint."""
-    return helpers.kill_after_a_new_checkpoint(_torchrun(root, out, *extra), _env(server), lambda: _newest(server, root), delay)
+    return helpers.kill_after_a_new_checkpoint(
+        _torchrun(root, out, *extra), _env(server), lambda: _newest(server, root), delay
+    )
 
 
 def test_s3_kills_during_uploads(server, tmp_path):
@@ -75,16 +106,25 @@ def test_s3_kills_during_uploads(server, tmp_path):
     each time, it ends bit for bit as a clean run, and every checkpoint it left verifies."""
     bucket = server.bucket("kills")
     expected = _to_end(server, f"{bucket}/clean", tmp_path / "clean.safetensors", "--async-saves")
-    assert 2 == verify_checkpoint(_newest(server, f"{bucket}/clean"), storage_options=server.options())["format"]  # sharded
-    testing.assert_params_equal(expected, _loaded_on_one_process(server, f"{bucket}/clean"))  # elastic: 2 processes' shards, 1 process
+    assert (
+        2 == verify_checkpoint(_newest(server, f"{bucket}/clean"), storage_options=server.options())["format"]
+    )  # sharded
+    testing.assert_params_equal(
+        expected, _loaded_on_one_process(server, f"{bucket}/clean")
+    )  # elastic: 2 processes' shards, 1 process
 
     rng = random.Random(7)
     root = f"{bucket}/killed"
-    kills = sum(_killed(server, root, tmp_path / "killed.safetensors", rng.uniform(0.05, 0.6), "--async-saves", "--slow-saves") == -signal.SIGKILL
-                for _ in range(3))
+    kills = sum(
+        _killed(server, root, tmp_path / "killed.safetensors", rng.uniform(0.05, 0.6), "--async-saves", "--slow-saves")
+        == -signal.SIGKILL
+        for _ in range(3)
+    )
     progress = verify_checkpoint(_newest(server, root), storage_options=server.options())["step"]
     for ckpt in list_checkpoints(root, storage_options=server.options()):
-        verify_checkpoint(ckpt, storage_options=server.options())  # no kill left a committed checkpoint that does not verify
+        verify_checkpoint(
+            ckpt, storage_options=server.options()
+        )  # no kill left a committed checkpoint that does not verify
     resumed = _to_end(server, root, tmp_path / "killed.safetensors", "--async-saves")
 
     assert kills >= 2
@@ -108,7 +148,9 @@ def test_a_silent_server_fails_the_save_in_time(tmp_path, monkeypatch):
     time of its requests (the job does not hang), nothing is committed, and the previous checkpoint stays the newest."""
     from trainfold._src.checkpoint.storage import requests
 
-    cut = round(helpers.scaled(3))  # 120 s by default: the bound, not its value, is tested (a busy machine's moto is slow)
+    cut = round(
+        helpers.scaled(3)
+    )  # 120 s by default: the bound, not its value, is tested (a busy machine's moto is slow)
     monkeypatch.setattr(requests, "REQUEST_TIMEOUT_S", float(cut))
     with helpers.moto_server() as server:
         root = server.bucket("frozen") + "/run"
@@ -186,13 +228,28 @@ def test_read_only_credentials_are_refused(tmp_path):
     """moto enforcing IAM (after the set-up's requests): a user whose policy allows reading only saves nothing, and says why."""
     import boto3
 
-    with helpers.moto_server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"}) as server:  # the 4 set-up requests below are not checked
-        admin = {"endpoint_url": server.endpoint, "aws_access_key_id": "testing", "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+    with helpers.moto_server(
+        env={"INITIAL_NO_AUTH_ACTION_COUNT": "4"}
+    ) as server:  # the 4 set-up requests below are not checked
+        admin = {
+            "endpoint_url": server.endpoint,
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "region_name": "us-east-1",
+        }
         boto3.client("s3", **admin).create_bucket(Bucket="read-only")
         iam = boto3.client("iam", **admin)
         iam.create_user(UserName="reader")
-        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}))
+        iam.put_user_policy(
+            UserName="reader",
+            PolicyName="read",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+                }
+            ),
+        )
         key = iam.create_access_key(UserName="reader")["AccessKey"]
         reader = {"endpoint_url": server.endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
         ctx, state, *_ = testing.tiny_setup(seed=0)
@@ -209,8 +266,13 @@ STALLED = Path(__file__).resolve().parent / "scripts" / "stalled_writer.py"
 
 def _stalled_writer(root, options, updates, stop, marker):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRAINFOLD_LOCK_LEASE_S": _lease()}
-    return subprocess.Popen([sys.executable, str(STALLED), root, json.dumps(options), str(updates), stop, str(marker)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(STALLED), root, json.dumps(options), str(updates), stop, str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
 
 
 def _kill_left(*procs):
@@ -228,7 +290,9 @@ def _until_stopped(proc, marker, what):
         if marker.exists() and Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
             return
         time.sleep(0.05)
-    raise AssertionError(f"{what} did not stop itself (exit {proc.poll()}): {proc.stdout.read() if proc.poll() is not None else ''}")
+    raise AssertionError(
+        f"{what} did not stop itself (exit {proc.poll()}): {proc.stdout.read() if proc.poll() is not None else ''}"
+    )
 
 
 @pytest.mark.parametrize("store", ["s3", "az"])
@@ -238,7 +302,7 @@ def test_an_owner_past_its_lease_commits_nothing(store, server, tmp_path):
     committed; the owner is continued. Before, it committed ckpt-8 under the other job's lock and its clean-up deleted
     ckpt-6's objects, which the copy then committed over nothing ("file model.safetensors is missing"). Now its commit
     is refused by the lease (a conditional write on the lock it no longer holds) and it removes nothing."""
-    with (helpers.azurite_server(tmp_path / "azurite") if store == "az" else _as_context(server)) as service:
+    with helpers.azurite_server(tmp_path / "azurite") if store == "az" else _as_context(server) as service:
         root = (service.container("stalled") if store == "az" else service.bucket(f"stalled-{os.getpid()}")) + "/run"
         options = service.options()
         owner = _stalled_writer(root, options, 4, "write:ckpt-0000000008", tmp_path / "owner-stopped")
@@ -251,7 +315,10 @@ def test_an_owner_past_its_lease_commits_nothing(store, server, tmp_path):
             owner.send_signal(signal.SIGCONT)
             said, _ = owner.communicate(timeout=helpers.scaled(300))
             assert 3 == owner.returncode, said
-            assert "refused" in said and "ckpt-0000000008 was not committed: this job no longer holds the root's lock" in said
+            assert (
+                "refused" in said
+                and "ckpt-0000000008 was not committed: this job no longer holds the root's lock" in said
+            )
             assert [f"{root}/ckpt-0000000004"] == list_checkpoints(root, storage_options=options)
 
             copy.send_signal(signal.SIGCONT)

@@ -12,8 +12,20 @@ from accelerate import Accelerator
 import helpers
 
 from trainfold import (
-    CheckpointError, Context, TrainState, checkpoint_every, cli, export_checkpoint, latest_checkpoint, list_checkpoints,
-    load_checkpoint, loop, make_step, run_epoch, save_checkpoint, testing,
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    cli,
+    export_checkpoint,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
 )
 
 peft = pytest.importorskip("peft")
@@ -25,12 +37,16 @@ transformers = pytest.importorskip("transformers")
 def _mlp_base(seed=0):
     """The issue's base: 0.4M parameters in three Linear layers."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 600), torch.nn.ReLU(), torch.nn.Linear(600, 600), torch.nn.ReLU(), torch.nn.Linear(600, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 600), torch.nn.ReLU(), torch.nn.Linear(600, 600), torch.nn.ReLU(), torch.nn.Linear(600, 3)
+    )
 
 
 def _lora_mlp(seed=0, targets=("0", "2"), modules_to_save=("4",)):
-    model = peft.get_peft_model(_mlp_base(seed), peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                                                 modules_to_save=list(modules_to_save)))
+    model = peft.get_peft_model(
+        _mlp_base(seed),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), modules_to_save=list(modules_to_save)),
+    )
     torch.manual_seed(1)
     with torch.no_grad():  # LoRA's B starts at zero: give it values, so that a merge changes something
         for name, p in model.named_parameters():
@@ -42,8 +58,12 @@ def _lora_mlp(seed=0, targets=("0", "2"), modules_to_save=("4",)):
 def _setup(model):
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(96), batch_size=8, shuffle=True))
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    )
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(96), batch_size=8, shuffle=True)
+    )
     return ctx, state, dl
 
 
@@ -77,15 +97,20 @@ def test_a_resume_with_other_adapters_is_refused_before_anything_changes(tmp_pat
     ctx.close()
     ctx, other, _ = _setup(_lora_mlp(targets=("0", "4"), modules_to_save=()))
     before = {n: t.clone() for n, t in other.model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"'base_model\.model\.2\.base_layer\.bias' is frozen in the checkpoint's model and not a "
-                                              r"parameter of this one. Resume with the model as it was saved: the same base and adapters"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'base_model\.model\.2\.base_layer\.bias' is frozen in the checkpoint's model and not a "
+        r"parameter of this one. Resume with the model as it was saved: the same base and adapters",
+    ):
         load_checkpoint(ctx, tmp_path, other)
     assert all(torch.equal(before[n], t) for n, t in other.model.state_dict().items())
 
 
 def _gpt2_base(folder):
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config)
     model.save_pretrained(folder)
     return model
@@ -100,11 +125,19 @@ def trained_gpt2(tmp_path, isolated):
     """A tiny GPT-2 (built locally, its lm_head tied to its embedding) under LoRA on its attention's Conv1D layers
     (fan_in_fan_out), trained 6 updates and checkpointed; its base saved with save_pretrained beside it."""
     base = _gpt2_base(tmp_path / "base")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(r=4, lora_alpha=16, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    )
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(1)), batch_size=8))
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    )
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(
+            torch.randint(0, 64, (48, 16), generator=torch.Generator().manual_seed(1)), batch_size=8
+        )
+    )
     state = run_epoch(ctx, make_step(ctx, _lm_loss), dl, state)
     save_checkpoint(ctx, tmp_path / "root", state)
     ctx.close()
@@ -143,7 +176,17 @@ def test_adapters_export_to_a_file_name(trained_gpt2, capsys):
 
 def test_merged_with_its_base_the_model_gives_the_adapter_models_logits(trained_gpt2, capsys):
     tmp, model, ids, logits = trained_gpt2
-    assert 0 == cli.main(["export", str(tmp / "root"), str(tmp / "merged"), "--base", str(tmp / "base"), "--transformers", str(tmp / "base")])
+    assert 0 == cli.main(
+        [
+            "export",
+            str(tmp / "root"),
+            str(tmp / "merged"),
+            "--base",
+            str(tmp / "base"),
+            "--transformers",
+            str(tmp / "base"),
+        ]
+    )
     capsys.readouterr()
     merged = transformers.GPT2LMHeadModel.from_pretrained(tmp / "merged").eval()
     with torch.no_grad():
@@ -159,17 +202,23 @@ def test_a_merge_onto_another_base_is_refused_naming_the_tensor(trained_gpt2, tm
     other = tmp_path_factory.mktemp("other")
     torch.manual_seed(5)
     transformers.GPT2LMHeadModel(transformers.GPT2Config.from_pretrained(tmp / "base")).save_pretrained(other)
-    with pytest.raises(CheckpointError, match=r"has other values than the frozen 'base_model\.model\.transformer\.wte\.weight'"):
+    with pytest.raises(
+        CheckpointError, match=r"has other values than the frozen 'base_model\.model\.transformer\.wte\.weight'"
+    ):
         export_checkpoint(tmp / "root", tmp / "merged.safetensors", base=other)
     assert not (tmp / "merged.safetensors").exists()
 
 
-@pytest.mark.parametrize("config", [
-    {"modules_to_save": ["4"]},
-    {"use_rslora": True},
-    {"bias": "all"},
-    {"bias": "lora_only"},
-], ids=["modules_to_save", "rslora", "bias-all", "bias-lora-only"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"modules_to_save": ["4"]},
+        {"use_rslora": True},
+        {"bias": "all"},
+        {"bias": "lora_only"},
+    ],
+    ids=["modules_to_save", "rslora", "bias-all", "bias-lora-only"],
+)
 def test_merged_export_of_lora_variants(config, tmp_path, isolated):
     """A merged export (--base) equals PEFT's own merge_and_unload() for each LoRA variant a user configures: a module
     to save (its trained copy, not the untrained original), rsLoRA's scale (alpha / sqrt(r)), trained biases."""

@@ -14,9 +14,11 @@ import helpers
 from helpers import needs_cuda
 
 
-
 ON_GPU_WITH_INDUCTOR = pytest.param(
-    False, "inductor", marks=[needs_cuda, pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")], id="cuda-inductor"
+    False,
+    "inductor",
+    marks=[needs_cuda, pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")],
+    id="cuda-inductor",
 )
 
 
@@ -33,7 +35,9 @@ def test_a_compiled_model_is_not_recompiled_after_the_first_steps(cpu, backend):
     torch.manual_seed(0)
     model = torch.compile(helpers.mlp(), backend=backend, dynamic=False)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8, drop_last=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8, drop_last=True)
+    )
     step = make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)
 
     state = run_epoch(ctx, step, dl, state)
@@ -59,7 +63,21 @@ def _allocated_kb():
         libc = ctypes.CDLL("libc.so.6")
 
         class MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
 
         libc.mallinfo2.restype = MallInfo2
         info = libc.mallinfo2()
@@ -97,7 +115,13 @@ def test_memory_is_flat_over_20000_steps_with_transformers_on():
     from pathlib import Path
 
     code = "import test_performance as t; print(t._growth_over_20000_steps_kb())"
-    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=helpers.scaled(300))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+    )
 
     assert 0 == done.returncode, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) < 1024
@@ -114,7 +138,9 @@ def test_no_host_sync_in_a_step_on_the_gpu(precision):
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(64), batch_size=8))
-    step = compose(log_every(ctx, 1000), ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)]))
+    step = compose(log_every(ctx, 1000), ema(0.9))(
+        make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)])
+    )
     batches = list(dl)
     state = step(state, batches[0])
     torch.cuda.synchronize()
@@ -191,7 +217,10 @@ def test_nan_guard_makes_one_flag_buffer_per_check_every_updates():
     ctx, state, loader, loss_fn = testing.tiny_setup(n=80, batch_size=4)  # 20 updates
     batches = list(loader)
     plain = _calls(factories, lambda: testing.run_steps(make_step(ctx, loss_fn), state, batches))
-    guarded = _calls(factories, lambda: testing.run_steps(make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=10)]), state, batches))
+    guarded = _calls(
+        factories,
+        lambda: testing.run_steps(make_step(ctx, loss_fn, stages=[nan_guard(3, check_every=10)]), state, batches),
+    )
 
     assert guarded - plain == 2  # one buffer for each 10 updates
 
@@ -244,7 +273,9 @@ def test_gpu_epoch_syncs_only_where_it_reports(tmp_path):
     import threading
 
     synced_at: list[int] = []
-    caught: list[str] = []  # the training thread's synchronising calls (the saver's thread copies to the host on its own)
+    caught: list[
+        str
+    ] = []  # the training thread's synchronising calls (the saver's thread copies to the host on its own)
 
     def where(step):  # outermost: which micro-batch each synchronising call fell in
         def marking(s, b):
@@ -253,13 +284,20 @@ def test_gpu_epoch_syncs_only_where_it_reports(tmp_path):
             if len(caught) > seen:
                 synced_at.append(new.micro_step)
             return new
+
         return marking
 
     log_n, save_n = 5, 7  # updates
-    step = compose(where, progress_bar(ctx, total=len(dl)), log_every(ctx, log_n), checkpoint_every(ctx, save_n, tmp_path, async_save=True),
-                   ema(0.9))(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=log_n)]))
+    step = compose(
+        where,
+        progress_bar(ctx, total=len(dl)),
+        log_every(ctx, log_n),
+        checkpoint_every(ctx, save_n, tmp_path, async_save=True),
+        ema(0.9),
+    )(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=log_n)]))
     state = step(state, next(iter(dl)))  # the first step builds what it needs
     torch.cuda.synchronize()
+
     def seen(message, category, *args, **kwargs):
         if threading.current_thread() is threading.main_thread():
             caught.append(str(message))
@@ -274,5 +312,7 @@ def test_gpu_epoch_syncs_only_where_it_reports(tmp_path):
             torch.cuda.set_sync_debug_mode(0)
     ctx.wait_for_checkpoints()
 
-    allowed = {m for m in range(2, 2 * len(dl) + 2, 2) if (m // 2) % log_n == 0 or (m // 2) % save_n == 0}  # updates that log or save
+    allowed = {
+        m for m in range(2, 2 * len(dl) + 2, 2) if (m // 2) % log_n == 0 or (m // 2) % save_n == 0
+    }  # updates that log or save
     assert synced_at and set(synced_at) <= allowed, (sorted(set(synced_at) - allowed), caught[:3])

@@ -22,7 +22,7 @@ def test_the_window_is_traced_to_one_file_and_training_is_unchanged(tmp_path):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
         return loop(run_epoch(ctx, wrap(ctx)(make_step(ctx, loss_fn)), loader), max_epochs=2)(state)
 
-    plain = run(lambda ctx: (lambda step: step))
+    plain = run(lambda ctx: lambda step: step)
     traced = run(lambda ctx: profile(ctx, tmp_path, wait=1, warmup=1, active=2))
 
     testing.assert_params_equal(plain, traced)
@@ -45,8 +45,12 @@ def test_a_stop_inside_the_window_writes_what_was_recorded(tmp_path):
 def test_a_second_window_later_in_the_run_is_profiled_too(tmp_path):
     """It recorded nothing: both windows shared one record, which the first had marked done."""
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
-    state = run_epoch(ctx, profile(ctx, tmp_path / "a", wait=0, warmup=1, active=1)(make_step(ctx, loss_fn)), loader, state)
-    state = run_epoch(ctx, profile(ctx, tmp_path / "b", wait=0, warmup=1, active=1)(make_step(ctx, loss_fn)), loader, state)
+    state = run_epoch(
+        ctx, profile(ctx, tmp_path / "a", wait=0, warmup=1, active=1)(make_step(ctx, loss_fn)), loader, state
+    )
+    state = run_epoch(
+        ctx, profile(ctx, tmp_path / "b", wait=0, warmup=1, active=1)(make_step(ctx, loss_fn)), loader, state
+    )
 
     assert (tmp_path / "a" / "profile_0.json").exists() and (tmp_path / "b" / "profile_0.json").exists()
 

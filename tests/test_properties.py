@@ -52,7 +52,9 @@ def test_evaluate_counts_every_sample_once(n, batch_size):
     assert math.isclose(metrics["eval_y"], y.double().mean().item(), rel_tol=1e-5, abs_tol=1e-6)
 
 
-schedule_args = st.tuples(st.floats(1e-4, 10.0), st.integers(0, 50), st.integers(1, 200), st.floats(0.0, 1e-4)).filter(lambda a: a[1] <= a[2])
+schedule_args = st.tuples(st.floats(1e-4, 10.0), st.integers(0, 50), st.integers(1, 200), st.floats(0.0, 1e-4)).filter(
+    lambda a: a[1] <= a[2]
+)
 
 
 @settings(max_examples=100, deadline=None)
@@ -100,7 +102,7 @@ def test_running_sums_are_values_whatever_earlier_sums_are_added_to_again(parent
         paths.append([*paths[parent], value])
 
     for made, path in zip(sums, paths):
-        assert [loss.item() for loss, _ in made.pending] == path[len(path) // FOLD_EVERY * FOLD_EVERY:]
+        assert [loss.item() for loss, _ in made.pending] == path[len(path) // FOLD_EVERY * FOLD_EVERY :]
         assert sum(path) == made.loss.item()  # integers below 2**24: exact in float32
 
 
@@ -108,15 +110,20 @@ _CHANGES = {
     "step": st.integers(0, 10**6),
     "micro_step": st.integers(0, 10**6),
     "batch_in_epoch": st.integers(0, 10**6),
-    "stop": st.sampled_from([None, __import__("trainfold").Stop("max_steps", final=True), __import__("trainfold").Stop("x", finished=True)]),
+    "stop": st.sampled_from(
+        [None, __import__("trainfold").Stop("max_steps", final=True), __import__("trainfold").Stop("x", finished=True)]
+    ),
     "sums": st.just(None).map(lambda _: __import__("trainfold").RunningSums.zero("cpu")),
     "run_id": st.text(max_size=4),
 }
 
 
 @settings(max_examples=40, deadline=None)
-@given(changes=st.lists(st.sampled_from(sorted(_CHANGES)), unique=True).flatmap(
-    lambda names: st.fixed_dictionaries({n: _CHANGES[n] for n in names})))
+@given(
+    changes=st.lists(st.sampled_from(sorted(_CHANGES)), unique=True).flatmap(
+        lambda names: st.fixed_dictionaries({n: _CHANGES[n] for n in names})
+    )
+)
 def test_the_steps_generated_copier_is_attrs_evolve(changes):
     """The copier the step builds its new state with gives what attrs.evolve gives, for any set of changed fields."""
     import attrs
@@ -153,8 +160,10 @@ def test_the_copier_with_awkward_fields():
 
 
 @settings(max_examples=200, deadline=None)
-@given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+@given(
+    values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=64),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+)
 def test_finiteness_at_the_extremes(values, dtype):
     """checkpoint/background.py checks a weight's finiteness by its min and max (one pass): the same answer as
     ``isfinite(t).all()`` for every dtype a weight has, NaN and infinities anywhere (and a float32 value that is inf

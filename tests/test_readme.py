@@ -15,7 +15,9 @@ import pytest
 
 import helpers
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -30,14 +32,17 @@ def _blocks(path):
 
 def guides_in_site_order():
     """The guides as mkdocs.yml's nav lists them (the order a reader meets them)."""
-    return [ROOT / "docs" / name for name in re.findall(r"^\s+- [^:\n]+: (guides/[\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)]
+    return [
+        ROOT / "docs" / name
+        for name in re.findall(r"^\s+- [^:\n]+: (guides/[\w-]+\.md)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    ]
 
 
 def test_the_site_lists_every_guide_once():
     assert sorted(guides_in_site_order()) == sorted(GUIDES.glob("*.md"))
 
 
-_RUNNER = '''
+_RUNNER = """
 import re, sys
 from accelerate.state import AcceleratorState, GradientState
 
@@ -54,7 +59,7 @@ for path in sys.argv[1:]:
         exec(compile(block, f"{path} snippet {i + 1}", "exec"), namespace)
         count += 1
 print("all snippets ran", count)
-'''
+"""
 
 
 def test_the_readme_and_the_guides_run_in_order_as_written(tmp_path):
@@ -64,7 +69,13 @@ def test_the_readme_and_the_guides_run_in_order_as_written(tmp_path):
     (tmp_path / "run_docs.py").write_text(_RUNNER)
     files = [README, *(g for g in guides_in_site_order() if g.name not in APART)]
 
-    done = subprocess.run([sys.executable, "run_docs.py", *map(str, files)], cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
+    done = subprocess.run(
+        [sys.executable, "run_docs.py", *map(str, files)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+    )
 
     assert 0 == done.returncode, done.stdout[-2000:] + done.stderr[-4000:]
     ran = int(done.stdout.rsplit("all snippets ran", 1)[1])
@@ -75,7 +86,9 @@ def test_each_snippet_of_the_embedding_guide_runs_on_its_own(tmp_path):
     for i, block in enumerate(_blocks(GUIDES / "embedding.md")):
         script = tmp_path / f"snippet{i}.py"
         script.write_text(block)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600)
+        )
         assert 0 == done.returncode, f"docs/guides/embedding.md snippet {i + 1}:\n{done.stderr[-3000:]}"
 
 
@@ -86,8 +99,13 @@ def test_the_testing_guide_passes(tmp_path):
     (tmp_path / "test_from_docs.py").write_text("\n\n".join(blocks))
     expected = sum(block.count("\ndef test_") + block.startswith("def test_") for block in blocks)
 
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=helpers.scaled(600))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_from_docs.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(600),
+    )
 
     assert 0 == done.returncode, done.stdout[-3000:] + done.stderr[-3000:]
     assert expected >= 2 and f"{expected} passed" in done.stdout

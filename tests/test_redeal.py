@@ -30,24 +30,43 @@ class Ids(IterableDataset):
 def _dealt(pieces, samples, unit, processes, drop_last):
     """Every process's batches, as lists of ids."""
     items = [(True, torch.tensor(p)) for p in pieces] + [(False, torch.tensor(s)) for s in samples]
-    return [[b.tolist() for b in deal(iter(items), unit=unit, processes=processes, index=i, drop_last=drop_last, collate=default_collate)]
-            for i in range(processes)]
+    return [
+        [
+            b.tolist()
+            for b in deal(
+                iter(items), unit=unit, processes=processes, index=i, drop_last=drop_last, collate=default_collate
+            )
+        ]
+        for i in range(processes)
+    ]
 
 
 def _accelerate(samples, unit, processes, drop_last):
     """What Accelerate's prepared loader gives each process of a stream (a plain DataLoader for one process)."""
     if processes == 1:
         return [[b.tolist() for b in DataLoader(Ids(samples), batch_size=unit, drop_last=drop_last)]]
-    return [[b.tolist() for b in DataLoader(IterableDatasetShard(Ids(samples), batch_size=unit, drop_last=drop_last, num_processes=processes,
-                                                                 process_index=i), batch_size=unit, drop_last=drop_last)]
-            for i in range(processes)]
+    return [
+        [
+            b.tolist()
+            for b in DataLoader(
+                IterableDatasetShard(
+                    Ids(samples), batch_size=unit, drop_last=drop_last, num_processes=processes, process_index=i
+                ),
+                batch_size=unit,
+                drop_last=drop_last,
+            )
+        ]
+        for i in range(processes)
+    ]
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 4), st.integers(1, 4), st.booleans())
 def test_the_deal_is_accelerates(length, unit, processes, drop_last):
     """With nothing read ahead the rule deals a stream as Accelerate does."""
-    assert _accelerate(range(length), unit, processes, drop_last) == _dealt([], range(length), unit, processes, drop_last)
+    assert _accelerate(range(length), unit, processes, drop_last) == _dealt(
+        [], range(length), unit, processes, drop_last
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -63,8 +82,8 @@ def test_batches_read_ahead_come_first(pieces, length, unit, processes, drop_las
     rounds = len(sequence) // processes
     if rounds and len(sequence[rounds * processes - 1]) < unit:
         rounds -= 1  # a short batch ends the sequence: its round is not whole
-    dealt = sequence[:rounds * processes]
-    left = sequence[rounds * processes:]
+    dealt = sequence[: rounds * processes]
+    left = sequence[rounds * processes :]
     assert [dealt[i::processes] for i in range(processes)] == [batches[:rounds] for batches in got]
     if drop_last or not left:
         assert all(len(batches) == rounds for batches in got)
@@ -80,7 +99,9 @@ def test_a_last_round_is_completed():
     assert [[[1000, 1001], [2, 3]], [[0, 1], [4, 0]]] == _dealt([[1000, 1001]], range(5), 2, 2, drop_last=False)
     assert [[[1000, 1001]], [[0, 1]]] == _dealt([[1000, 1001]], range(5), 2, 2, drop_last=True)
     assert [[[1000, 1001], [0, 1], [2]]] == _dealt([[1000, 1001]], range(3), 2, 1, drop_last=False)
-    assert [[[1000, 1001]], [[1002, 1003]], [[1000, 1001]]] == _dealt([[1000, 1001], [1002, 1003]], [], 2, 3, drop_last=False)
+    assert [[[1000, 1001]], [[1002, 1003]], [[1000, 1001]]] == _dealt(
+        [[1000, 1001], [1002, 1003]], [], 2, 3, drop_last=False
+    )
 
 
 def test_batches_read_ahead_are_cut_or_joined_into_this_runs_batches():
@@ -104,18 +125,26 @@ def test_tuple_samples_are_dealt():
     assert isinstance(ahead[0], list)
     items = [(True, b) for b in ahead] + [(False, sample(i)) for i in range(6)]
 
-    got = [[b[2].tolist() for b in deal(iter(items), unit=2, processes=2, index=i, drop_last=False, collate=default_collate)]
-           for i in range(2)]
+    got = [
+        [
+            b[2].tolist()
+            for b in deal(iter(items), unit=2, processes=2, index=i, drop_last=False, collate=default_collate)
+        ]
+        for i in range(2)
+    ]
 
     assert [[[1000, 1001], [2, 3]], [[0, 1], [4, 5]]] == got
 
 
-@pytest.mark.parametrize("parts, words", [
-    ([[[2, 0], {}], [[2, 0], {}]], r"names the part \[2, 0\] twice"),
-    ([[[2, 0], {}], [[3, 1], {}]], r"parts of streams split 2 and 3 ways"),
-    ([[None, {}], [[2, 1], {}]], r"the whole stream and a part of it"),
-    ([[[2, 1], {}]], r"Ids cannot be split \(it has no shard\(\)\)"),
-])
+@pytest.mark.parametrize(
+    "parts, words",
+    [
+        ([[[2, 0], {}], [[2, 0], {}]], r"names the part \[2, 0\] twice"),
+        ([[[2, 0], {}], [[3, 1], {}]], r"parts of streams split 2 and 3 ways"),
+        ([[None, {}], [[2, 1], {}]], r"the whole stream and a part of it"),
+        ([[[2, 1], {}]], r"Ids cannot be split \(it has no shard\(\)\)"),
+    ],
+)
 def test_forged_redealt_parts_are_refused(parts, words):
     """A stream dealt anew records the parts still to read; a checkpoint naming one twice (trained twice), parts of
     different splits, the whole stream beside a part of it, or a part of a stream that cannot be split is refused."""

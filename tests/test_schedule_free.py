@@ -156,12 +156,16 @@ def test_a_schedule_free_run_resumes_exactly_from_any_checkpoint(tmp_path):
     def run(root, resume_from=None):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
         model = state.model
-        state = TrainState.create(ctx, model=model, optimizer=schedulefree.AdamWScheduleFree(model.parameters(), lr=0.05, warmup_steps=2))
+        state = TrainState.create(
+            ctx, model=model, optimizer=schedulefree.AdamWScheduleFree(model.parameters(), lr=0.05, warmup_steps=2)
+        )
         if resume_from is not None:
             state = load_checkpoint(ctx, resume_from, state)
         saving = checkpoint_every(ctx, 3, root)
         step = saving(make_step(ctx, loss_fn))
-        return saving.at_end(loop(compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, step, loader)), max_epochs=3)(state))
+        return saving.at_end(
+            loop(compose(evaluate(ctx, loss_fn, loader), run_epoch(ctx, step, loader)), max_epochs=3)(state)
+        )
 
     uninterrupted = run(tmp_path / "run")
     checkpoints = list_checkpoints(tmp_path / "run")

@@ -32,16 +32,22 @@ import helpers
 def _full_params(state):
     """Every parameter whole, on every process (FSDP2's DTensors gathered), by name."""
     model = state.accelerator.unwrap_model(state.model)
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def _accelerator(engine, **kwargs):
     """``"fsdp2"``: FSDP2 over every process; ``"hsdp"``: HSDP on a 2 × 2 mesh (4 processes); ``"ddp"``: Accelerate's choice."""
-    return {"fsdp2": helpers.fsdp2_accelerator, "hsdp": helpers.mesh_accelerator}.get(engine, lambda **kw: Accelerator(cpu=True, **kw))(**kwargs)
+    return {"fsdp2": helpers.fsdp2_accelerator, "hsdp": helpers.mesh_accelerator}.get(
+        engine, lambda **kw: Accelerator(cpu=True, **kw)
+    )(**kwargs)
 
 
 def _setup(engine, *, ga=1, seed=0, n=48, batch_size=4, shuffle=True, mixed_precision="no"):
-    acc = _accelerator(engine, gradient_accumulation_steps=ga, **({"mixed_precision": mixed_precision} if engine != "ddp" else {}))
+    acc = _accelerator(
+        engine, gradient_accumulation_steps=ga, **({"mixed_precision": mixed_precision} if engine != "ddp" else {})
+    )
     ctx = Context(accelerator=acc)
     torch.manual_seed(seed)
     model = helpers.mlp(dropout=0.1)
@@ -84,12 +90,25 @@ def _fsdp2_equivalence(ga, clip, mixed_precision="no", engine="fsdp2"):
     ctx, state, dl = _setup(engine, ga=ga, mixed_precision=mixed_precision)
     state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=clip), dl), max_epochs=2)(state)
     weight = state.accelerator.unwrap_model(state.model)[0].weight
-    return expected, _full_params(state), type(state.accelerator.unwrap_model(state.model)).__name__, str(weight.device_mesh.mesh_dim_names)
+    return (
+        expected,
+        _full_params(state),
+        type(state.accelerator.unwrap_model(state.model)).__name__,
+        str(weight.device_mesh.mesh_dim_names),
+    )
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine,ga,clip,nprocs,mixed_precision", [
-    ("fsdp2", 1, None, 2, "no"), ("fsdp2", 3, 0.5, 2, "no"), ("fsdp2", 3, None, 1, "bf16"), ("hsdp", 1, 0.5, 4, "no"), ("hsdp", 2, None, 4, "no")])
+@pytest.mark.parametrize(
+    "engine,ga,clip,nprocs,mixed_precision",
+    [
+        ("fsdp2", 1, None, 2, "no"),
+        ("fsdp2", 3, 0.5, 2, "no"),
+        ("fsdp2", 3, None, 1, "bf16"),
+        ("hsdp", 1, 0.5, 4, "no"),
+        ("hsdp", 2, None, 4, "no"),
+    ],
+)
 def test_composed_loop_equals_canonical_fsdp2_loop(engine, ga, clip, nprocs, mixed_precision):
     """Under Accelerate's FSDP2 (CPU processes): the same parameters, bit for bit, with and without accumulation and clipping;
     on one process too, where Accelerate still turns FSDP2's gradient sync off inside an accumulation group (with bf16
@@ -128,21 +147,31 @@ def _train(engine, root, *, stop_after=None, resume=False, sharded=None, ga=1, e
 # DDP's sharded mid-epoch resume: test_distributed's checkpoint test (sharded is the default on several processes)
 @pytest.mark.multiprocess
 # HSDP in the background with accumulation only: its blocking save is the same DCP write (suite time)
-@pytest.mark.parametrize("engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("fsdp2", 3, True), ("hsdp", 3, True)])
+@pytest.mark.parametrize(
+    "engine,ga,async_save", [("fsdp2", 1, False), ("fsdp2", 3, False), ("fsdp2", 3, True), ("hsdp", 3, True)]
+)
 def test_sharded_checkpoint_resumes_mid_epoch_exactly(engine, ga, async_save, tmp_path):
     """Stopped mid-epoch (at update 5, inside the second epoch), resumed in new processes: the run ends as an uninterrupted one,
     bit for bit; under FSDP2 on 2 processes, and under HSDP on a 2 × 2 mesh (DCP's DTensors on a 2-D mesh: each
     parameter in as many pieces as dp_shard ranks, each piece written once, by one of its replicas)."""
     nprocs = 4 if engine == "hsdp" else 2
     (full, *_), *_ = testing.run_distributed(_train, engine, str(tmp_path / "a"), ga=ga, nprocs=nprocs)
-    testing.run_distributed(_train, engine, str(tmp_path / "b"), stop_after=5, ga=ga, async_save=async_save, nprocs=nprocs)
+    testing.run_distributed(
+        _train, engine, str(tmp_path / "b"), stop_after=5, ga=ga, async_save=async_save, nprocs=nprocs
+    )
     manifest = verify_checkpoint(latest_checkpoint(tmp_path / "b"))
-    (resumed, step, epoch), *_ = testing.run_distributed(_train, engine, str(tmp_path / "b"), resume=True, ga=ga, async_save=async_save, nprocs=nprocs)
+    (resumed, step, epoch), *_ = testing.run_distributed(
+        _train, engine, str(tmp_path / "b"), resume=True, ga=ga, async_save=async_save, nprocs=nprocs
+    )
 
     assert 2 == manifest["format"] and nprocs == manifest["world_size"]
-    assert {"tensors.json", *(f"shard-{r}.safetensors" for r in range(nprocs)), f"rank-{nprocs - 1}.json"} <= set(manifest["files"])
+    assert {"tensors.json", *(f"shard-{r}.safetensors" for r in range(nprocs)), f"rank-{nprocs - 1}.json"} <= set(
+        manifest["files"]
+    )
     assert "model.safetensors" not in manifest["files"]  # nothing gathered to one process
-    pieces = json.loads((latest_checkpoint(tmp_path / "b") / "tensors.json").read_text())["tensors"]["model.0.weight"]["chunks"]
+    pieces = json.loads((latest_checkpoint(tmp_path / "b") / "tensors.json").read_text())["tensors"]["model.0.weight"][
+        "chunks"
+    ]
     assert 2 == len(pieces)  # sharded over the 2 dp_shard ranks; under HSDP, not once more per replica
     testing.assert_params_equal(full, resumed)
     assert epoch == 2
@@ -199,10 +228,27 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
 
     caught = []
     if resume:
-        with pytest.warns(UserWarning, match="running train sums were each process's own") if elastic else contextlib.nullcontext():
+        with (
+            pytest.warns(UserWarning, match="running train sums were each process's own")
+            if elastic
+            else contextlib.nullcontext()
+        ):
             state = load_checkpoint(ctx, root, state)
-    at_start = (_full_params(state), state.step, state.scheduler.state_dict()["last_epoch"], state.optimizer.optimizer.state_dict()["state"])
-    at_start = (at_start[0], at_start[1], at_start[2], {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()} for k, per in at_start[3].items()})
+    at_start = (
+        _full_params(state),
+        state.step,
+        state.scheduler.state_dict()["last_epoch"],
+        state.optimizer.optimizer.state_dict()["state"],
+    )
+    at_start = (
+        at_start[0],
+        at_start[1],
+        at_start[2],
+        {
+            k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()}
+            for k, per in at_start[3].items()
+        },
+    )
     step = make_step(ctx, loss_fn)
     if stop_after is not None:
         step = max_steps(stop_after)(step)
@@ -211,8 +257,15 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
         warnings.simplefilter("always")
         state = run_epoch(ctx, step, dl, state)
     caught = [str(w.message) for w in log if "global batch" in str(w.message)]
-    at_end = (_full_params(state), state.step, state.scheduler.state_dict()["last_epoch"],
-              {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()} for k, per in state.optimizer.optimizer.state_dict()["state"].items()})
+    at_end = (
+        _full_params(state),
+        state.step,
+        state.scheduler.state_dict()["last_epoch"],
+        {
+            k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for n, v in per.items()}
+            for k, per in state.optimizer.optimizer.state_dict()["state"].items()
+        },
+    )
     ctx.close()
     return seen, at_start, at_end, state.epoch, caught
 
@@ -222,7 +275,9 @@ def _run(engine, nprocs, *args, **kwargs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine,saved,resumed,stop_after", [("ddp", 2, 1, 3), ("ddp", 1, 2, 4), ("ddp", 2, 3, 3), ("fsdp2", 2, 1, 3)])
+@pytest.mark.parametrize(
+    "engine,saved,resumed,stop_after", [("ddp", 2, 1, 3), ("ddp", 1, 2, 4), ("ddp", 2, 3, 3), ("fsdp2", 2, 1, 3)]
+)
 def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, saved, resumed, stop_after, tmp_path):
     """Stopped mid-epoch on N processes, resumed on M: every sample of the epoch is trained on exactly once over the
     two runs, and the model, optimizer and scheduler continue exactly where they stopped (resharded)."""
@@ -240,7 +295,11 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
             assert torch.equal(value, started[3][k][name]), (k, name)
     assert all(epoch == 1 for *_, epoch, _ in second)
     warned = second[0][4]
-    assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
+    assert (
+        len(warned) == 1
+        and f"global batch of {4 * saved} samples per update" in warned[0]
+        and f"this run's is {4 * resumed}" in warned[0]
+    )
 
 
 @pytest.mark.multiprocess
@@ -278,7 +337,9 @@ def test_an_hsdp_checkpoint_reshards_to_fsdp2_on_two_processes_then_to_one(tmp_p
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("saved,resumed,stop_after", [(1, 2, 4), (2, 1, 3), (1, 3, 3)])  # the rest divides evenly: no padding
+@pytest.mark.parametrize(
+    "saved,resumed,stop_after", [(1, 2, 4), (2, 1, 3), (1, 3, 3)]
+)  # the rest divides evenly: no padding
 def test_a_gathered_checkpoint_resumes_on_another_number_of_processes(saved, resumed, stop_after, tmp_path):
     """A one-process run (the gathered format, the default there) scales out, and a gathered checkpoint of several
     processes continues on one: the whole model and optimizer are in it, and the data position in samples. Every sample
@@ -286,7 +347,11 @@ def test_a_gathered_checkpoint_resumes_on_another_number_of_processes(saved, res
     first = _run("ddp", saved, str(tmp_path), stop_after=stop_after, sharded=False)
     second = _run("ddp", resumed, str(tmp_path), resume=True, sharded=False)
     warned = second[0][4]
-    assert len(warned) == 1 and f"global batch of {4 * saved} samples per update" in warned[0] and f"this run's is {4 * resumed}" in warned[0]
+    assert (
+        len(warned) == 1
+        and f"global batch of {4 * saved} samples per update" in warned[0]
+        and f"this run's is {4 * resumed}" in warned[0]
+    )
 
     assert "model.safetensors" in verify_checkpoint(latest_checkpoint(tmp_path))["files"]  # still gathered: one file
     trained = sorted(i for seen, *_ in first + second for i in seen)
@@ -366,7 +431,10 @@ def _gathered_under_fsdp2(root):
 @pytest.mark.multiprocess
 def test_a_gathered_checkpoint_is_refused_under_fsdp2_with_the_way_out(tmp_path):
     for message in testing.run_distributed(_gathered_under_fsdp2, str(tmp_path), nprocs=2):
-        assert "sharded=False gathers the whole model into one process's files" in message and "leave sharded unset" in message
+        assert (
+            "sharded=False gathers the whole model into one process's files" in message
+            and "leave sharded unset" in message
+        )
 
 
 def _save_one_process(root, *, ga=1, iterable=False, max_batches=None, stop_after=None):
@@ -410,11 +478,20 @@ def _load_on_this_rank(root, ga):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case,match", [
-    ({"ga": 2, "max_batches": 3}, r"saved by 1 process in the middle of an accumulation group .* resume it on 1 process, or from a checkpoint at an optimizer update"),
-    ({"iterable": True, "stop_after": 3}, r"in the middle of an epoch over a stream, and this run has 2 processes: its position in samples is unknown: "
-                                          r"the stream had no state .*a datasets shuffle buffer.*\. Resume it on 1 process, or from a checkpoint between epochs"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        (
+            {"ga": 2, "max_batches": 3},
+            r"saved by 1 process in the middle of an accumulation group .* resume it on 1 process, or from a checkpoint at an optimizer update",
+        ),
+        (
+            {"iterable": True, "stop_after": 3},
+            r"in the middle of an epoch over a stream, and this run has 2 processes: its position in samples is unknown: "
+            r"the stream had no state .*a datasets shuffle buffer.*\. Resume it on 1 process, or from a checkpoint between epochs",
+        ),
+    ],
+)
 def test_an_undealable_checkpoint_is_refused(case, match, tmp_path):
     """Mid-accumulation, or mid-epoch over an iterable dataset: refused on every process, with the way out; nothing changed."""
     import re
@@ -457,8 +534,14 @@ def _host_copies_of_fsdp2_shards():
     checks = []
     for name, live in shards.items():
         copy = copies[name]
-        checks.append((type(copy) is type(live), getattr(copy, "placements", None) == getattr(live, "placements", None),
-                       torch.equal(dcp.local(copy), dcp.local(live)), dcp.local(copy).data_ptr() != dcp.local(live).data_ptr()))
+        checks.append(
+            (
+                type(copy) is type(live),
+                getattr(copy, "placements", None) == getattr(live, "placements", None),
+                torch.equal(dcp.local(copy), dcp.local(live)),
+                dcp.local(copy).data_ptr() != dcp.local(live).data_ptr(),
+            )
+        )
     weight = state.accelerator.unwrap_model(state.model)[0].weight
     before = dcp.local(copies["model.0.weight"]).clone()
     with torch.no_grad():
@@ -503,7 +586,9 @@ def _loads_a_root_damaged_on_one_rank(root, sharded, damaged):
 def test_every_process_falls_back_together(sharded, damaged, tmp_path):
     """Only process 1 reads the file and finds the flipped bit; the processes agree, and both load ckpt-4 (none loads
     ckpt-6 while the other falls back, which would train two models)."""
-    (names, step0, warned0), (_, step1, warned1) = testing.run_distributed(_loads_a_root_damaged_on_one_rank, str(tmp_path), sharded, damaged, nprocs=2)
+    (names, step0, warned0), (_, step1, warned1) = testing.run_distributed(
+        _loads_a_root_damaged_on_one_rank, str(tmp_path), sharded, damaged, nprocs=2
+    )
     assert ["ckpt-0000000002", "ckpt-0000000004", "ckpt-0000000006"] == names
     assert (4, 4) == (step0, step1)
     assert 1 == len(warned0) == len(warned1)
@@ -560,7 +645,9 @@ def test_resumed_elsewhere_records_its_means(tmp_path):
 
     assert 3 == len(losses) == len(rest)  # 24 samples of 48 left, in batches of 4: updates 4 to 9
     assert [8] == [step for step, _ in more_reports]
-    assert reports[0][1] == pytest.approx(losses[0], rel=1e-6)  # update 4 alone: the interval's update 3 was the run before's
+    assert reports[0][1] == pytest.approx(
+        losses[0], rel=1e-6
+    )  # update 4 alone: the interval's update 3 was the run before's
     assert reports[1][1] == pytest.approx(sum(losses[1:3]) / 2, rel=1e-6)
     assert more_reports[0][1] == pytest.approx(sum(rest[:2]) / 2, rel=1e-6)
     assert train_loss[-1] == pytest.approx(sum(losses + rest) / 6, rel=1e-6)
@@ -577,10 +664,14 @@ def _elastic_sent(root, *, stop_after=None, resume=False):
     torch.manual_seed(0)
     model = helpers.mlp(dropout=0.1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
+    )
     step = checkpoint_every(ctx, 1, root, keep_last=1)(make_step(ctx, helpers.ce_loss))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the sums restart, the global batch changed, the tracker cannot cut back: said
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # the sums restart, the global batch changed, the tracker cannot cut back: said
         if resume:
             state = load_checkpoint(ctx, root, state)
         init_trackers(ctx, "proj", state)

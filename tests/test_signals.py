@@ -47,6 +47,7 @@ from trainfold._src.distributed.launch import free_port
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import signal_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 
 
@@ -87,7 +88,12 @@ def test_a_signal_stops_at_a_step_boundary(signum):
 
     stopped = run_epoch(ctx, _kill_self_at(5, signum)(make_step(ctx, helpers.ce_loss)), dl, state)
 
-    assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (stopped.epoch, stopped.batch_in_epoch, stopped.should_stop, stopped.stop.reason)
+    assert (0, 5, True, f"signal {signal.Signals(signum).name}") == (
+        stopped.epoch,
+        stopped.batch_in_epoch,
+        stopped.should_stop,
+        stopped.stop.reason,
+    )
     assert stopped.interrupted and not stopped.stop.finished
     ctx.close()
     assert before is signal.getsignal(signum)
@@ -219,15 +225,22 @@ else:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("where, deadline, second", [("outside", 1.0, False), ("in-step", 1.0, False),
-                                                     ("in-step", 0, True), ("blocked", 1.0, False)])
+@pytest.mark.parametrize(
+    "where, deadline, second",
+    [("outside", 1.0, False), ("in-step", 1.0, False), ("in-step", 0, True), ("blocked", 1.0, False)],
+)
 def test_an_unhonoured_stop_ends_the_process(where, deadline, second):
     """A stop request that nothing acts on (no epoch running, a step hung in a tracker's log) does not keep the process
     alive: past the Context's stop_deadline_s, or at a second SIGTERM a second after the first, the signal acts as it
     would without trainfold (the process ends by SIGTERM), and the log says why; a main thread that cannot take the
     signal any more (blocked in it) still ends, with SIGTERM's exit status."""
-    proc = subprocess.Popen([sys.executable, "-c", _UNHONOURED, where, str(deadline)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _UNHONOURED, where, str(deadline)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         assert "ready" == proc.stdout.readline().strip()
         if where == "in-step":
@@ -277,9 +290,13 @@ def test_a_signal_during_a_save(tmp_path):
 
 @pytest.mark.parametrize(
     "kw,words",
-    [({"stop_check_s": 0}, "positive, finite number of seconds"), ({"stop_check_s": float("inf")}, "positive, finite"),
-     ({"stop_deadline_s": -1}, "'stop_deadline_s' must be a positive"),
-     ({"timeout": -1}, "positive, finite"), ({"signals": ["TERM"]}, "must be signal numbers")],
+    [
+        ({"stop_check_s": 0}, "positive, finite number of seconds"),
+        ({"stop_check_s": float("inf")}, "positive, finite"),
+        ({"stop_deadline_s": -1}, "'stop_deadline_s' must be a positive"),
+        ({"timeout": -1}, "positive, finite"),
+        ({"signals": ["TERM"]}, "must be signal numbers"),
+    ],
 )
 def test_the_contexts_stop_settings_are_checked(kw, words):
     with pytest.raises((ValueError, TypeError), match=words):
@@ -361,7 +378,12 @@ def test_an_interrupted_epoch_goes_on():
     stopped = loop(run_epoch(ctx, _kill_self_at(5)(make_step(ctx, helpers.ce_loss)), dl), max_epochs=2)(state)
     assert (0, 5) == (stopped.epoch, stopped.batch_in_epoch)
     with pytest.raises(ValueError, match="stopped in the middle of an epoch over another loader"):
-        run_epoch(ctx, make_step(ctx, helpers.ce_loss), [(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))], attrs.evolve(stopped, stop=None))
+        run_epoch(
+            ctx,
+            make_step(ctx, helpers.ce_loss),
+            [(torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))],
+            attrs.evolve(stopped, stop=None),
+        )
     final = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl), max_epochs=2)(attrs.evolve(stopped, stop=None))
     testing.assert_params_equal(expected, final)
     assert expected.history == final.history
@@ -401,7 +423,9 @@ def test_a_signal_during_evaluation_stops_the_run_after_it():
     ctx, state, dl = _setup()
     loss_fn = _sigterm_in_first_loss()
 
-    final = loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3)(state)
+    final = loop(
+        compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=3
+    )(state)
     assert (1, 0, True, "signal SIGTERM") == (final.epoch, final.batch_in_epoch, final.should_stop, final.stop.reason)
     assert [1] == [r.epoch for r in final.history if r.name == "eval_loss"]  # the evaluation finished
 
@@ -419,7 +443,9 @@ def test_a_signal_between_epochs_is_cleared():
     assert (1, "signal SIGTERM") == (stopped.epoch, stopped.stop.reason)
 
     _, fresh, _ = _setup(1, ctx=ctx)
-    second = loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=2)(fresh)
+    second = loop(
+        compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl)), max_epochs=2
+    )(fresh)
     assert (2, False, None) == (second.epoch, second.should_stop, second.stop)
 
 
@@ -431,7 +457,9 @@ def test_a_stop_during_evaluation_is_saved(tmp_path):
 
     saving = checkpoint_every(ctx, 5, tmp_path)
     step = saving(make_step(ctx, helpers.ce_loss))
-    final = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
+    final = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, dl), run_epoch(ctx, step, dl)), max_epochs=3))(
+        state
+    )
 
     assert (12, 1, "signal SIGTERM") == (final.step, final.epoch, final.stop.reason)
     assert [f"ckpt-{n:010d}" for n in (5, 10, 12)] == [p.name for p in list_checkpoints(tmp_path)]
@@ -452,7 +480,9 @@ def test_a_finished_job_trains_nothing_again(tmp_path):
             state = load_checkpoint(ctx, tmp_path, state)
         saving = checkpoint_every(ctx, 5, tmp_path, keep_last=2)
         step = saving(make_step(ctx, helpers.ce_loss))
-        return compose(saving.at_end, loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3))(state)
+        return compose(
+            saving.at_end, loop(compose(evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl)), max_epochs=3)
+        )(state)
 
     finished = job(0)
     assert [f"ckpt-{n:010d}" for n in (35, 36)] == [p.name for p in list_checkpoints(tmp_path)]
@@ -474,20 +504,34 @@ def test_a_budget_ending_mid_epoch_is_evaluated(budget, tmp_path, capsys):
     ctx, state, dl = _setup()
     saving = checkpoint_every(ctx, 100, tmp_path)
     step = saving(max_steps(budget)(make_step(ctx, helpers.ce_loss)))
-    epoch = compose(save_best(ctx, tmp_path / "best.safetensors", "eval_loss"), log_epoch(ctx), early_stop("eval_loss", patience=1),
-                    evaluate(ctx, helpers.ce_loss, dl), run_epoch(ctx, step, dl))
+    epoch = compose(
+        save_best(ctx, tmp_path / "best.safetensors", "eval_loss"),
+        log_epoch(ctx),
+        early_stop("eval_loss", patience=1),
+        evaluate(ctx, helpers.ce_loss, dl),
+        run_epoch(ctx, step, dl),
+    )
 
     final = compose(saving.at_end, loop(epoch, max_epochs=5))(state)
 
-    assert (budget, budget // 12, budget % 12, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.stop.reason)
+    assert (budget, budget // 12, budget % 12, "max_steps") == (
+        final.step,
+        final.epoch,
+        final.batch_in_epoch,
+        final.stop.reason,
+    )
     ctx2, fresh, _ = _setup(99)
     expected = evaluate(ctx2, helpers.ce_loss, dl, restore_params(fresh, final))
-    assert pytest.approx(expected.metrics["eval_loss"], rel=1e-6) == final.metrics["eval_loss"]  # the final model's (another batch order)
+    assert (
+        pytest.approx(expected.metrics["eval_loss"], rel=1e-6) == final.metrics["eval_loss"]
+    )  # the final model's (another batch order)
     assert (budget // 12, budget) == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"][-1]
     assert f"stopped in epoch {budget // 12 + 1} at update {budget} (max_steps):  eval_loss" in capsys.readouterr().out
     assert (tmp_path / "best.safetensors").exists()
     patience = final.extras.get("early_stop:eval_loss")  # counts completed epochs only: the budget's end is not one
-    assert (None if budget < 12 else (final.history["eval_loss"][0], 0)) == (patience and (patience.best, patience.bad_epochs))
+    assert (None if budget < 12 else (final.history["eval_loss"][0], 0)) == (
+        patience and (patience.best, patience.bad_epochs)
+    )
     resumed = load_checkpoint(ctx2, tmp_path, fresh)  # the end, with its evaluation, is the newest checkpoint
     assert (budget, final.history) == (resumed.step, resumed.history)
 
@@ -508,7 +552,10 @@ def test_metrics_never_present_an_older_models_value_as_current():
     state = train(state)  # an epoch without evaluation: eval_loss is of the model 12 updates ago
 
     assert {"train_loss"} == set(state.metrics)
-    with pytest.raises(KeyError, match=r"'eval_loss' was not recorded for the model at update 24: its last value is from update 12 \(epoch 1\)"):
+    with pytest.raises(
+        KeyError,
+        match=r"'eval_loss' was not recorded for the model at update 24: its last value is from update 12 \(epoch 1\)",
+    ):
         state.metrics["eval_loss"]
     assert state.history.latest("eval_loss") == state.history["eval_loss"][0]
 
@@ -538,9 +585,18 @@ def test_a_budget_stop_ends_the_invocation_not_the_run(tmp_path):
 
 def test_a_finished_run_stays_finished_when_resumed(tmp_path):
     ctx, state, dl = _setup()
-    epoch = compose(save_checkpoint(ctx, tmp_path), early_stop("train_loss", patience=1, min_delta=10.0), run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl))
+    epoch = compose(
+        save_checkpoint(ctx, tmp_path),
+        early_stop("train_loss", patience=1, min_delta=10.0),
+        run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl),
+    )
     done = loop(epoch, max_epochs=10)(state)
-    assert (2, True, True, "early_stop:train_loss") == (done.epoch, done.should_stop, done.stop.finished, done.stop.reason)
+    assert (2, True, True, "early_stop:train_loss") == (
+        done.epoch,
+        done.should_stop,
+        done.stop.finished,
+        done.stop.reason,
+    )
 
     ctx, fresh, dl = _setup(99)
     resumed = load_checkpoint(ctx, tmp_path, fresh)
@@ -560,7 +616,10 @@ def test_keep_last_never_prunes_the_newest_finite_checkpoint(tmp_path, caplog):
     step = checkpoint_every(ctx, 1, tmp_path, keep_last=2)(make_step(ctx, loss_fn))
     state = run_epoch(ctx, step, dl, state, max_batches=4)
     poisoned = True
-    with caplog.at_level("ERROR", logger="trainfold"), pytest.warns(RuntimeWarning, match="train_loss is nan .*has diverged"):
+    with (
+        caplog.at_level("ERROR", logger="trainfold"),
+        pytest.warns(RuntimeWarning, match="train_loss is nan .*has diverged"),
+    ):
         run_epoch(ctx, step, dl, state, max_batches=4)
 
     assert ["ckpt-0000000004", "ckpt-0000000007", "ckpt-0000000008"] == [p.name for p in list_checkpoints(tmp_path)]
@@ -591,7 +650,9 @@ def _uneven_on_this_rank(kind):
                 for _ in range(5 + rank):  # rank 1 has one more batch
                     yield torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
 
-        (dl,) = ctx.own_shards(torch.utils.data.DataLoader(Stream(), batch_size=None))  # a stream per rank: its own share
+        (dl,) = ctx.own_shards(
+            torch.utils.data.DataLoader(Stream(), batch_size=None)
+        )  # a stream per rank: its own share
     if kind == "stream":  # the short rank raises and exits; run_distributed then stops the other, as torchrun does
         run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)
         return "no error"
@@ -606,7 +667,9 @@ def _two_runs_after_a_signal_in_the_last_round():
     """Rank 0 gets SIGINT in the epoch's last step (3 a process), a check launches the round carrying it, the epoch ends
     with that round in flight, and loop agrees the stop between epochs. Then a second run on the same Context."""
     testing.reset_accelerate_state()
-    ctx = Context(accelerator=Accelerator(cpu=True), stop_check_s=30.0)  # after the first rounds, one per 30 s: none more
+    ctx = Context(
+        accelerator=Accelerator(cpu=True), stop_check_s=30.0
+    )  # after the first rounds, one per 30 s: none more
     ctx, state, dl = _setup(ctx=ctx, n=24)  # 6 batches: 3 a process
     step = make_step(ctx, helpers.ce_loss)
     first_step = _kill_self_at(3)(step) if ctx.accelerator.process_index == 0 else step
@@ -638,7 +701,9 @@ def test_uneven_batches_fail_at_the_epoch_start():
 def test_a_rank_ending_early_fails():
     """A loader of unknown length that ends early on one rank fails instead of hanging."""
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"this process's loader ended after 5 batches, but the other processes had not ended"):
+    with pytest.raises(
+        RuntimeError, match=r"this process's loader ended after 5 batches, but the other processes had not ended"
+    ):
         testing.run_distributed(_uneven_on_this_rank, "stream", nprocs=2, timeout=60)
     assert time.monotonic() - started < helpers.scaled(40)  # a collective's timeout would be 30 min
 
@@ -672,8 +737,19 @@ def test_a_hung_rank_fails_after_the_timeout():
 
 
 def _torchrun(root, out, *extra):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-            str(SCRIPT), str(root), str(out), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(SCRIPT),
+        str(root),
+        str(out),
+        *extra,
+    ]
 
 
 def _to_end(root, out, *extra):
@@ -693,8 +769,13 @@ def uninterrupted(tmp_path_factory):
 
 def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_check_s=1.0):
     """Start the job, wait for both ranks and a few updates, signal ``target``; return (seconds to exit, last update seen, output)."""
-    proc = subprocess.Popen(_torchrun(root, root / "never.st", "--step-s", str(step_s), "--stop-check-s", str(stop_check_s)),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = subprocess.Popen(
+        _torchrun(root, root / "never.st", "--step-s", str(step_s), "--stop-check-s", str(stop_check_s)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     pids, lines, update = {}, [], 0
     try:
         deadline = time.monotonic() + helpers.scaled(600)  # waits for an event; this only bounds a hang
@@ -709,7 +790,12 @@ def _start_and_signal(root, target, signum, *, step_s, after_updates=4, stop_che
                 update = int(line.split()[1])
         # slurm: scancel and the time limit signal every process of the step, torchrun included, which then
         # forwards its own copy to the workers milliseconds later
-        for pid in {"torchrun": [proc.pid], "all": list(pids.values()), "rank1": [pids[1]], "slurm": [*pids.values(), proc.pid]}[target]:
+        for pid in {
+            "torchrun": [proc.pid],
+            "all": list(pids.values()),
+            "rank1": [pids[1]],
+            "slurm": [*pids.values(), proc.pid],
+        }[target]:
             os.kill(pid, signum)
         sent = time.monotonic()
         rest, _ = proc.communicate(timeout=helpers.scaled(60))
@@ -733,7 +819,9 @@ def test_sigterm_to_torchrun(tmp_path, uninterrupted, target):
 
     assert seconds < helpers.scaled(15), output[-3000:]  # on a quiet machine; a busy one is slower at everything
     assert "stopped" in output and "signal SIGTERM" in output, output[-3000:]
-    assert [f"ckpt-{int(output.split('stopped', 1)[1].split()[0]):010d}"] == [p.name for p in list_checkpoints(root)], output[-3000:]
+    assert [f"ckpt-{int(output.split('stopped', 1)[1].split()[0]):010d}"] == [p.name for p in list_checkpoints(root)], (
+        output[-3000:]
+    )
 
     resumed = _to_end(root, tmp_path / "resumed.st")
     testing.assert_params_equal(load_file(str(uninterrupted)), load_file(str(resumed)))

@@ -18,7 +18,9 @@ def _setup(seed=0, ga=2):
     model = helpers.mlp(dropout=0.3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4, shuffle=True)
+    )
     return ctx, state, dl
 
 
@@ -112,8 +114,16 @@ def test_a_snapshot_keeps_nan_guard_flags_apart():
     live = testing.run_steps(step, state, batches[2:4])  # the 3rd skipped
     back = restore(ctx, snap, live)
 
-    assert (2, 1, 1) == (back.extras["nan_guard"].unread, back.extras["nan_guard"].skipped, back.extras["nan_guard"].consecutive)
-    assert (4, 2, 0) == (live.extras["nan_guard"].unread, live.extras["nan_guard"].skipped, live.extras["nan_guard"].consecutive)
+    assert (2, 1, 1) == (
+        back.extras["nan_guard"].unread,
+        back.extras["nan_guard"].skipped,
+        back.extras["nan_guard"].consecutive,
+    )
+    assert (4, 2, 0) == (
+        live.extras["nan_guard"].unread,
+        live.extras["nan_guard"].skipped,
+        live.extras["nan_guard"].consecutive,
+    )
     assert snap.values.extras["nan_guard"].flags.values.data_ptr() != live.extras["nan_guard"].flags.values.data_ptr()
 
 
@@ -131,6 +141,8 @@ def test_restore_is_curried_and_checks_the_model():
 
     other_snap = attrs.evolve(snap, weights={"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
     before = testing.parameters(trained)
-    with pytest.raises(ValueError, match=r"restore: the snapshot is from another model: parameter 'weight' has shape \(2, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"restore: the snapshot is from another model: parameter 'weight' has shape \(2, 2\)"
+    ):
         restore(ctx, other_snap, trained)
     testing.assert_params_equal(before, trained)

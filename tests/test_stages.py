@@ -9,7 +9,18 @@ import torch
 from accelerate import Accelerator
 from toolz import compose
 
-from trainfold import Context, TrainState, clip_by_norm, evaluate, log_every, loop, make_step, nan_guard, run_epoch, testing
+from trainfold import (
+    Context,
+    TrainState,
+    clip_by_norm,
+    evaluate,
+    log_every,
+    loop,
+    make_step,
+    nan_guard,
+    run_epoch,
+    testing,
+)
 
 import helpers
 from helpers import ce_loss, classification_data, mlp
@@ -110,7 +121,9 @@ def test_log_every_reports_the_mean_norm():
 
 
 def test_recording_the_norm_adds_no_host_sync_to_a_step():
-    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    ctx, state, loader, loss_fn = testing.tiny_setup(
+        seed=0, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2)
+    )
     batches = list(loader)
     for record in (False, True):
         with testing.count_host_syncs() as syncs:
@@ -133,8 +146,12 @@ def test_clip_by_norm_records_its_norm():
     def run(**options):
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, shuffle=True)
         clip = ctx.accelerator.clip_grad_norm_
-        ctx.accelerator.clip_grad_norm_ = lambda *args: calls.append(args[1]) or clip(*args)  # counted, Accelerate's own
-        return loop(run_epoch(ctx, make_step(ctx, loss_fn, record_grad_norm=True, **options), loader), max_epochs=2)(state)
+        ctx.accelerator.clip_grad_norm_ = lambda *args: (
+            calls.append(args[1]) or clip(*args)
+        )  # counted, Accelerate's own
+        return loop(run_epoch(ctx, make_step(ctx, loss_fn, record_grad_norm=True, **options), loader), max_epochs=2)(
+            state
+        )
 
     by_option, by_stage = run(clip_grad_norm=0.5), run(stages=[clip_by_norm(0.5)])
 
@@ -220,8 +237,10 @@ def test_nan_guard_steps_each_optimizer_its_own_way_from_one_step_function():
     ctx = Context(accelerator=Accelerator(cpu=True))
     torch.manual_seed(0)
     models = [mlp(), mlp()]
-    states = [TrainState.create(ctx, model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.01, fused=fused))
-              for m, fused in zip(models, (True, False))]
+    states = [
+        TrainState.create(ctx, model=m, optimizer=torch.optim.Adam(m.parameters(), lr=0.01, fused=fused))
+        for m, fused in zip(models, (True, False))
+    ]
     poison = {"on": False}
     step = make_step(ctx, lambda m, b: ce_loss(m, b) * (float("nan") if poison["on"] else 1.0), stages=[nan_guard(3)])
     batch = next(iter(torch.utils.data.DataLoader(classification_data(8), batch_size=8)))
@@ -360,7 +379,9 @@ def test_nan_guard_epoch_loss_is_the_mean_of_the_finite_batches():
 def test_without_nan_guard_a_nan_batch_shows_in_the_epoch_record():
     ctx, state, dl = helpers.nan_setup(True)
 
-    with pytest.warns(RuntimeWarning, match=r"epoch 1's train_loss is nan \(update \d+\): the run has diverged.*nan_guard"):
+    with pytest.warns(
+        RuntimeWarning, match=r"epoch 1's train_loss is nan \(update \d+\): the run has diverged.*nan_guard"
+    ):
         final = run_epoch(ctx, make_step(ctx, helpers.poisoned({2})), dl, state)
 
     assert final.metrics["train_loss"] != final.metrics["train_loss"]  # nan
@@ -388,7 +409,9 @@ def test_nan_guard_as_a_stage_in_isolation():
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(1, 1)
-    state = TrainState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None, accelerator=ctx.accelerator)
+    state = TrainState(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None, accelerator=ctx.accelerator
+    )
     stage = nan_guard(2, check_every=2).bind(ctx)
     assert (True, True) == (stage.gates_update, stage.masks_nonfinite)
 
@@ -422,8 +445,11 @@ def test_a_user_stage_sees_each_update_between_backward_and_the_optimizer():
     torch.nn.init.zeros_(model.weight)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
     seen = []
-    record = Stage("record", on_batch=lambda mb: seen.append(("batch", mb.synced)),
-                   on_update=lambda mb: seen.append(("update", mb.model.weight.grad.item(), mb.model.weight.item())))
+    record = Stage(
+        "record",
+        on_batch=lambda mb: seen.append(("batch", mb.synced)),
+        on_update=lambda mb: seen.append(("update", mb.model.weight.grad.item(), mb.model.weight.item())),
+    )
     step = make_step(ctx, lambda m, b: (m(b) - 3.0).pow(2).mean(), clip_grad_norm=1.0, stages=[record])
 
     state = step(step(state, torch.ones(1, 1)), torch.ones(1, 1))
@@ -446,7 +472,9 @@ def test_nan_guard_keeps_an_infinite_loss_out_of_the_epoch_mean(bad):
 
     clean = run_epoch(ctx, make_step(ctx, loss_fn), loader, state).history.latest("train_loss")
     finite = [loss_fn(state.model, b).item() for i, b in enumerate(loader) if i != 1]
-    guarded = run_epoch(ctx, make_step(ctx, poisoned, stages=[nan_guard(3)]), loader, state).history.latest("train_loss")
+    guarded = run_epoch(ctx, make_step(ctx, poisoned, stages=[nan_guard(3)]), loader, state).history.latest(
+        "train_loss"
+    )
 
     assert math.isfinite(clean)
     assert guarded == pytest.approx(sum(finite) / len(finite), rel=1e-6)

@@ -111,8 +111,12 @@ def test_a_step_updates_despite_sync_gradients():
 def test_aux_sums_add_bool_int_and_half_values_as_float32():
     """Whatever the values' dtypes, the sums are float32 and exact."""
     ctx, state = _setup()
-    aux = {"flag": torch.tensor(True), "count": torch.tensor(3), "half": torch.tensor(0.5, dtype=torch.float16),
-           "double": torch.tensor(0.25, dtype=torch.float64)}
+    aux = {
+        "flag": torch.tensor(True),
+        "count": torch.tensor(3),
+        "half": torch.tensor(0.5, dtype=torch.float16),
+        "double": torch.tensor(0.25, dtype=torch.float64),
+    }
     step = make_step(ctx, lambda m, b: (testing.mse_loss(m, b), aux))
 
     three = step(step(step(state, BATCH), BATCH), BATCH)
@@ -200,7 +204,9 @@ def test_a_trainstate_subclass_through_steps():
         seen: int = attrs.field(default=0, kw_only=True)
 
     ctx, base = _setup()
-    state = LabelledState(base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums, label="run-a", seen=3)
+    state = LabelledState(
+        base.model, base.optimizer, base.scheduler, base.accelerator, sums=base.sums, label="run-a", seen=3
+    )
     (loader,) = ctx.prepare_loaders(torch.utils.data.DataLoader(testing.regression_data(8), batch_size=2))
 
     new = run_epoch(ctx, make_step(ctx, testing.mse_loss), loader, state)
@@ -253,12 +259,15 @@ def _summed(model, batch):
     return model(batch).sum()  # the gradient of the weight is the sum of the inputs
 
 
-@pytest.mark.parametrize("option,second,expected", [
-    # norm: the group's gradient (2, 1) / sqrt(5); clipped after each micro-batch it would be (0.707, 0.707)
-    ({"clip_grad_norm": 1.0}, [0.0, 2.0], [-2 / 5 ** 0.5, -1 / 5 ** 0.5]),
-    # value: the group's gradient (1, 0) is inside [-1.5, 1.5]; clipped after each micro-batch it would be (0.5, 0)
-    ({"clip_grad_value": 1.5}, [-2.0, 0.0], [-1.0, 0.0]),
-])
+@pytest.mark.parametrize(
+    "option,second,expected",
+    [
+        # norm: the group's gradient (2, 1) / sqrt(5); clipped after each micro-batch it would be (0.707, 0.707)
+        ({"clip_grad_norm": 1.0}, [0.0, 2.0], [-2 / 5**0.5, -1 / 5**0.5]),
+        # value: the group's gradient (1, 0) is inside [-1.5, 1.5]; clipped after each micro-batch it would be (0.5, 0)
+        ({"clip_grad_value": 1.5}, [-2.0, 0.0], [-1.0, 0.0]),
+    ],
+)
 def test_clipping_acts_once_on_the_accumulated_gradient_of_an_update(option, second, expected):
     """The first micro-batch's partial gradient, (2, 0) after Accelerate's division by 2, already exceeds the limit:
     clipping it (and not the update's whole gradient) gives another update. The accumulation tests' partial

@@ -94,7 +94,16 @@ def _both_ways(trigger, end, ga=1):
 
 def _on_this_rank(end):
     (params, ends, updates), (got, got_ends, state) = _both_ways(_trigger(1, 0.9), end)
-    return params, ends, updates, got, got_ends, state.step, state.epoch, [r.epoch for r in state.history if r.name == "train_loss"]
+    return (
+        params,
+        ends,
+        updates,
+        got,
+        got_ends,
+        state.step,
+        state.epoch,
+        [r.epoch for r in state.history if r.name == "train_loss"],
+    )
 
 
 @pytest.mark.parametrize("end", ["run", "epoch"])
@@ -116,8 +125,12 @@ def test_one_process_stops_where_set_trigger_and_check_trigger_stop(end):
 def test_a_stop_inside_a_group_waits_for_its_end():
     """Unlike a break in Accelerate's loop, which leaves half a group's gradients for the next epoch: the decision
     waits for the update, so a run stops (or an epoch ends) with no partial gradients held."""
-    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
-    step = stop_when(ctx, lambda s: s.micro_step == 3, check_every=1)(make_step(ctx, loss_fn))  # the 1st micro-batch of group 2
+    ctx, state, loader, loss_fn = testing.tiny_setup(
+        seed=0, n=32, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2)
+    )
+    step = stop_when(ctx, lambda s: s.micro_step == 3, check_every=1)(
+        make_step(ctx, loss_fn)
+    )  # the 1st micro-batch of group 2
 
     state = run_epoch(ctx, step, loader, state)
 
@@ -131,7 +144,9 @@ def test_a_decision_on_rank_one_stops_both(end):
     """On two processes, a decision on rank one stops both at the same update."""
     ranks = testing.run_distributed(_on_this_rank, end, nprocs=2)
 
-    (p0, ends0, u0, got0, gends0, step0, epoch0, recorded0), (p1, ends1, u1, got1, gends1, step1, epoch1, recorded1) = ranks
+    (p0, ends0, u0, got0, gends0, step0, epoch0, recorded0), (p1, ends1, u1, got1, gends1, step1, epoch1, recorded1) = (
+        ranks
+    )
     assert ends0 == ends1 == gends0 == gends1 and ends0  # rank 1 decided; both stopped there
     assert step0 == step1 == u0 == u1
     testing.assert_params_equal(p0, got0)
@@ -277,12 +292,16 @@ def test_a_run_stop_mid_epoch_is_the_end(tmp_path):
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 batches an epoch
     step = stop_when(ctx, lambda s: s.step >= 6, check_every=1)(make_step(ctx, loss_fn))
-    epoch = compose(save_best(ctx, tmp_path / "best", "eval_loss"), evaluate(ctx, loss_fn, loader), run_epoch(ctx, step, loader))
+    epoch = compose(
+        save_best(ctx, tmp_path / "best", "eval_loss"), evaluate(ctx, loss_fn, loader), run_epoch(ctx, step, loader)
+    )
     final = loop(epoch, max_epochs=5)(state)
     ctx.close()
 
     assert (6, 2, True) == (final.step, final.batch_in_epoch, final.ended_mid_epoch)
-    assert [(1, 4), (1, 6)] == [(r.epoch, r.step) for r in final.history if r.name == "eval_loss"]  # the final model too
+    assert [(1, 4), (1, 6)] == [
+        (r.epoch, r.step) for r in final.history if r.name == "eval_loss"
+    ]  # the final model too
     losses = final.history["eval_loss"]
     assert losses[1] < losses[0]  # so the final model is the best one, and save_best wrote it
     assert 6 == final.extras["save_best:eval_loss"].step and (tmp_path / "best").exists()

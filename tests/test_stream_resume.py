@@ -16,11 +16,14 @@ from safetensors.torch import load_file
 
 from trainfold import CheckpointError, latest_checkpoint, testing, verify_checkpoint
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "stream_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import stream_run  # noqa: E402  (its train(argv), run by testing.run_distributed)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
 SAMPLES = 384  # stream_run.py's
 
@@ -28,8 +31,19 @@ SAMPLES = 384  # stream_run.py's
 def _cmd(root, out, processes, extra):
     if processes == 1:
         return [sys.executable, str(SCRIPT), str(root), str(out), *extra]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-            str(testing.free_port()), str(SCRIPT), str(root), str(out), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(testing.free_port()),
+        str(SCRIPT),
+        str(root),
+        str(out),
+        *extra,
+    ]
 
 
 def _run(root, out, processes, extra, monkeypatch):
@@ -81,7 +95,11 @@ def uninterrupted(tmp_path_factory):
 
     def run(processes, extra):
         source = extra[1]
-        key = (processes, source if processes == 1 or source == "datasets-plain" else "stateful", extra[2:] if processes == 1 else ())
+        key = (
+            processes,
+            source if processes == 1 or source == "datasets-plain" else "stateful",
+            extra[2:] if processes == 1 else (),
+        )
         if key not in runs:
             folder = tmp_path_factory.mktemp("uninterrupted")
             # two processes: dealt as shards (the other ways deal the same samples); "plain" is "stateful" without a state
@@ -97,22 +115,28 @@ def test_each_way_to_deal_a_stream(uninterrupted, tmp_path, monkeypatch):
     """What lets the kill tests share one uninterrupted run: shards, one split batch, and dispatching from process 0."""
     shard_out, shard = uninterrupted(2, ("--source", "stateful", "--deal", "shard"))
     for deal in ("split", "dispatch"):
-        params = _to_end(tmp_path / deal, tmp_path / f"{deal}-out", 2, ("--source", "stateful", "--deal", deal), monkeypatch)
+        params = _to_end(
+            tmp_path / deal, tmp_path / f"{deal}-out", 2, ("--source", "stateful", "--deal", deal), monkeypatch
+        )
         testing.assert_params_equal(shard, params)
         assert [_trained(shard_out, r) for r in (0, 1)] == [_trained(tmp_path / f"{deal}-out", r) for r in (0, 1)]
 
 
 @pytest.mark.parametrize("processes, extra, kills", CASES, ids=IDS)
-def test_stream_kill_and_resume(processes, extra, kills, uninterrupted, tmp_path,
-                                                                                                    monkeypatch):
+def test_stream_kill_and_resume(processes, extra, kills, uninterrupted, tmp_path, monkeypatch):
     """A stream killed at random moments and resumed trains every sample once to the same parameters."""
     clean, expected = uninterrupted(processes, extra)
 
     rng = random.Random(7)
     root, out = tmp_path / "killed-root", tmp_path / "killed"
     newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
-    killed = sum(helpers.kill_after_a_new_checkpoint(_cmd(root, out, processes, (*extra, "--slow")), ENV, newest, rng.uniform(0.05, 0.3),
-                                                     processes=processes) == -signal.SIGKILL for _ in range(kills))
+    killed = sum(
+        helpers.kill_after_a_new_checkpoint(
+            _cmd(root, out, processes, (*extra, "--slow")), ENV, newest, rng.uniform(0.05, 0.3), processes=processes
+        )
+        == -signal.SIGKILL
+        for _ in range(kills)
+    )
     progress = verify_checkpoint(latest_checkpoint(root))["step"]
     resumed = _to_end(root, out, processes, extra, monkeypatch)  # the last resume: in processes of run_distributed
 
@@ -126,18 +150,27 @@ def test_stream_kill_and_resume(processes, extra, kills, uninterrupted, tmp_path
 
 def _ids(out):
     """Every sample id trained by every process of a run (its out folder), in no particular order."""
-    return [i for path in sorted(out.glob("trained-*.txt")) for line in path.read_text().splitlines()
-            if not line.startswith("resumed") for i in map(int, line.split()[1:])]
+    return [
+        i
+        for path in sorted(out.glob("trained-*.txt"))
+        for line in path.read_text().splitlines()
+        if not line.startswith("resumed")
+        for i in map(int, line.split()[1:])
+    ]
 
 
-@pytest.mark.parametrize("source, deal, stops, counts", [
-    ("stateful", "dispatch", (5, 22), [160, 224 + 48, 336]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 17; 3 x 8 x 2 x 7
-    ("datasets-plain", "dispatch", (5, 22), [160, 224 + 48, 336]),
-    ("stateful", "shard", (5, 13), [160, 128, 96 + 384]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 8; the rest of both epochs
-    ("stateful", "split", (5, 13), [160, 128, 96 + 384]),
-    ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
-    ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
-], ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"])
+@pytest.mark.parametrize(
+    "source, deal, stops, counts",
+    [
+        ("stateful", "dispatch", (5, 22), [160, 224 + 48, 336]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 17; 3 x 8 x 2 x 7
+        ("datasets-plain", "dispatch", (5, 22), [160, 224 + 48, 336]),
+        ("stateful", "shard", (5, 13), [160, 128, 96 + 384]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 8; the rest of both epochs
+        ("stateful", "split", (5, 13), [160, 128, 96 + 384]),
+        ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
+        ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
+    ],
+    ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"],
+)
 def test_a_stream_resumes_on_one_then_three(source, deal, stops, counts, tmp_path, monkeypatch):
     """Saved by 2 processes inside epoch 1 (update 5: 160 samples of 384), continued on 1 process and saved again, then
     on 3 processes to the end: each sample of each epoch is trained once, none twice, none lost.
@@ -155,7 +188,9 @@ def test_a_stream_resumes_on_one_then_three(source, deal, stops, counts, tmp_pat
     said = {}
     for processes, stop, out in ((2, stops[0], "two"), (1, stops[1], "one"), (3, None, "three")):
         extra = ("--source", source, "--deal", first if out == "two" else then or first)
-        said[out] = _run(root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())), monkeypatch)
+        said[out] = _run(
+            root, tmp_path / out, processes, (*extra, *(("--stop-after", str(stop)) if stop else ())), monkeypatch
+        )
         if stop:
             assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
     assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said
@@ -179,11 +214,15 @@ def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
         state_dict = load_state_dict = None
 
     torch.manual_seed(0)
-    config = DataLoaderConfiguration(dispatch_batches=deal == "dispatch", use_stateful_dataloader=source == "datasets-loader")
+    config = DataLoaderConfiguration(
+        dispatch_batches=deal == "dispatch", use_stateful_dataloader=source == "datasets-loader"
+    )
     ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=config))
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    if source.startswith("datasets"):  # a datasets stream Accelerate splits by process (read by a StatefulDataLoader: its state the loader's)
+    if source.startswith(
+        "datasets"
+    ):  # a datasets stream Accelerate splits by process (read by a StatefulDataLoader: its state the loader's)
         from datasets import Dataset
 
         data = Dataset.from_dict({"x": [[i / 512] for i in range(512)], "id": list(range(512))})
@@ -202,11 +241,26 @@ def _saves_inside_a_streamed_epoch(root, deal="shard", source="stateful"):
     ctx.close()
 
 
-@pytest.mark.parametrize("deal, source, reason", [
-    ("dispatch", "plain", r"process 0 read it and dispatched it, but it cannot say where it stood \(no state_dict\(\)\)"),
-    ("shard", "datasets-loader", r"each process's loader \(.*StatefulDataLoader, 0 worker\(s\)\) saved a state of its own.*num_workers=0"),
-    ("prepared-elsewhere", "datasets", r"each process read a part of the stream, and the checkpoint does not say how the stream was split.*ctx.prepare_loaders"),
-])
+@pytest.mark.parametrize(
+    "deal, source, reason",
+    [
+        (
+            "dispatch",
+            "plain",
+            r"process 0 read it and dispatched it, but it cannot say where it stood \(no state_dict\(\)\)",
+        ),
+        (
+            "shard",
+            "datasets-loader",
+            r"each process's loader \(.*StatefulDataLoader, 0 worker\(s\)\) saved a state of its own.*num_workers=0",
+        ),
+        (
+            "prepared-elsewhere",
+            "datasets",
+            r"each process read a part of the stream, and the checkpoint does not say how the stream was split.*ctx.prepare_loaders",
+        ),
+    ],
+)
 def test_an_undealable_stream_is_refused(deal, source, reason, tmp_path):
     """Process 0 read a stream with no state; a StatefulDataLoader saved a state of its own; a loader prepared by
     Accelerate directly split a datasets stream by process (how, the checkpoint cannot say): on one process the epoch
@@ -223,8 +277,11 @@ def test_an_undealable_stream_is_refused(deal, source, reason, tmp_path):
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     before = testing.parameters(state)
-    with pytest.raises(CheckpointError, match=r"saved by 2 processes in the middle of an epoch over a stream, and this run has 1 "
-                                              rf"process: {reason}.*Resume it on 2 processes"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved by 2 processes in the middle of an epoch over a stream, and this run has 1 "
+        rf"process: {reason}.*Resume it on 2 processes",
+    ):
         load_checkpoint(ctx, tmp_path, state)
     ctx.close()
     testing.assert_params_equal(before, state)
@@ -248,7 +305,9 @@ def test_a_redealt_epoch_continues_in_order(tmp_path):
 
     def resume(root, dataset=None, dispatch=False):
         testing.reset_accelerate_state()
-        ctx = Context(accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)))
+        ctx = Context(
+            accelerator=Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch))
+        )
         torch.manual_seed(1)
         model = torch.nn.Linear(1, 1)
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -262,9 +321,15 @@ def test_a_redealt_epoch_continues_in_order(tmp_path):
     class Other(StatefulNumbers):
         pass
 
-    for dataset, dispatch, refusal in ((None, True, r"dealt to its processes in shares, and this loader has process 0 read and "
-                                                    r"dispatch the stream.*dispatch_batches=False"),
-                                       (Other(), False, r"the state of a .*StatefulNumbers, and this loader's stream is a .*Other")):
+    for dataset, dispatch, refusal in (
+        (
+            None,
+            True,
+            r"dealt to its processes in shares, and this loader has process 0 read and "
+            r"dispatch the stream.*dispatch_batches=False",
+        ),
+        (Other(), False, r"the state of a .*StatefulNumbers, and this loader's stream is a .*Other"),
+    ):
         ctx, state, dl, dataset = resume(tmp_path / "two", dataset, dispatch)
         with pytest.raises(CheckpointError, match=refusal):
             run_epoch(ctx, make_step(ctx, _loss([])), dl, state)
@@ -275,7 +340,9 @@ def test_a_redealt_epoch_continues_in_order(tmp_path):
     ctx, state, dl, dataset = resume(tmp_path / "two")
     assert 5 == state.batch_in_epoch
     inner = make_step(ctx, _loss(trained))
-    state = run_epoch(ctx, lambda s, b: (lambda t: t.with_stop("test") if t.batch_in_epoch == 8 else t)(inner(s, b)), dl, state)
+    state = run_epoch(
+        ctx, lambda s, b: (lambda t: t.with_stop("test") if t.batch_in_epoch == 8 else t)(inner(s, b)), dl, state
+    )
     save_checkpoint(ctx, tmp_path / "one", state)
     ctx.close()
     read = dataset.yielded.value
@@ -313,7 +380,9 @@ def _continues_in_shares(root):
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(1, 1)
-    state = load_checkpoint(ctx, root, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)))
+    state = load_checkpoint(
+        ctx, root, TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    )
     dataset = StatefulNumbers()
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(dataset, batch_size=8))
     return _refusal(ctx, dl, state), dataset.yielded.value
@@ -349,7 +418,9 @@ def _resumes_prepared_by_accelerate(root):
         warnings.simplefilter("ignore")  # (the epoch's running sums restart: said, and not what this test is about)
         state = load_checkpoint(ctx, root, state)
     data = Dataset.from_dict({"x": [[i / 512] for i in range(512)], "id": list(range(512))})
-    dl = ctx.accelerator.prepare(torch.utils.data.DataLoader(data.to_iterable_dataset(num_shards=4).with_format("torch"), batch_size=8))
+    dl = ctx.accelerator.prepare(
+        torch.utils.data.DataLoader(data.to_iterable_dataset(num_shards=4).with_format("torch"), batch_size=8)
+    )
     return _refusal(ctx, dl, state)
 
 

@@ -17,7 +17,18 @@ import pytest
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 
-from trainfold import CheckpointError, Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
+from trainfold import (
+    CheckpointError,
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    testing,
+)
 
 SAMPLES, BATCH = 512, 16  # 32 batches an epoch
 
@@ -39,7 +50,7 @@ class Numbers(torch.utils.data.IterableDataset):
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + self.epoch))
         worker = torch.utils.data.get_worker_info()
         if worker is not None:  # each worker its share, as a sharded stream deals them
-            order = order[worker.id::worker.num_workers]
+            order = order[worker.id :: worker.num_workers]
         return order.tolist()
 
     def sample(self, i: int) -> dict:
@@ -132,13 +143,17 @@ def test_a_stream_resumed_mid_epoch(kind, workers, tmp_path):
     ctx, state, dl = _setup(kind, workers)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, 10, tmp_path)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+        run_epoch(
+            ctx, checkpoint_every(ctx, 10, tmp_path)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state
+        )
     ctx.close()
     assert tmp_path / "ckpt-0000000020" == latest_checkpoint(tmp_path)
 
     ctx, state, dl = _setup(kind, workers)
     after: list[int] = []
-    with pytest.warns(UserWarning, match=r"stopped at batch 20 of epoch 0.*reading the epoch's first 21 batches \(336 samples\) again") as caught:
+    with pytest.warns(
+        UserWarning, match=r"stopped at batch 20 of epoch 0.*reading the epoch's first 21 batches \(336 samples\) again"
+    ) as caught:
         resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
         resumed = loop(run_epoch(ctx, make_step(ctx, _loss(after)), dl), max_epochs=2)(resumed)
     ctx.close()
@@ -147,7 +162,7 @@ def test_a_stream_resumed_mid_epoch(kind, workers, tmp_path):
     assert 2 * 32 == resumed.step  # never a second pass over the consumed part
     first_epoch = before[: 20 * BATCH] + after[: 12 * BATCH]
     assert sorted(first_epoch) == list(range(SAMPLES))  # every sample of the interrupted epoch once
-    assert expected_ids == first_epoch + after[12 * BATCH:]  # in the uninterrupted run's order
+    assert expected_ids == first_epoch + after[12 * BATCH :]  # in the uninterrupted run's order
     testing.assert_params_equal(expected, resumed)
     assert expected.history == resumed.history
 
@@ -187,7 +202,14 @@ def _interrupted(kind, workers, stateful_loader, root, crash_after):
     ctx, state, dl = _setup(kind, workers, stateful_loader)
     trained: list[int] = []
     with pytest.raises(Crash):
-        loop(run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(trained, crash_after=crash_after * BATCH))), dl), max_epochs=2)(state)
+        loop(
+            run_epoch(
+                ctx,
+                checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(trained, crash_after=crash_after * BATCH))),
+                dl,
+            ),
+            max_epochs=2,
+        )(state)
     ctx.close()
     return trained
 
@@ -200,7 +222,16 @@ def _resumed(kind, workers, stateful_loader, root, crash_after=None):
         warnings.simplefilter("error")  # no replay warning: nothing is read again
         warnings.filterwarnings("ignore", "'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
         resumed = load_checkpoint(ctx, latest_checkpoint(root), state)
-        run = loop(run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(trained, crash_after=crash_after and crash_after * BATCH))), dl), max_epochs=2)
+        run = loop(
+            run_epoch(
+                ctx,
+                checkpoint_every(ctx, 10, root)(
+                    make_step(ctx, _loss(trained, crash_after=crash_after and crash_after * BATCH))
+                ),
+                dl,
+            ),
+            max_epochs=2,
+        )
         if crash_after is not None:
             with pytest.raises(Crash):
                 run(resumed)
@@ -256,7 +287,9 @@ def test_a_loader_that_cannot_take_the_state(tmp_path):
     ctx, state, dl = _setup("plain", 0)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
     trained: list[int] = []
-    with pytest.raises(CheckpointError, match=r"said by a test_streams\.StatefulNumbers \(dataset\).*Numbers cannot say where it is"):
+    with pytest.raises(
+        CheckpointError, match=r"said by a test_streams\.StatefulNumbers \(dataset\).*Numbers cannot say where it is"
+    ):
         run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
     ctx.close()
     assert [] == trained and 0 == _yielded(dl)
@@ -267,7 +300,9 @@ def test_another_number_of_workers_is_refused(tmp_path):
     _interrupted("stateful", 2, True, tmp_path, crash_after=13)
     ctx, state, dl = _setup("stateful", 1, True)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
-    with pytest.raises(CheckpointError, match="the states of 2 loader worker.*num_workers=1.*Resume with num_workers=2"):
+    with pytest.raises(
+        CheckpointError, match="the states of 2 loader worker.*num_workers=1.*Resume with num_workers=2"
+    ):
         run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
     ctx.close()
 
@@ -276,32 +311,48 @@ def test_a_stream_state_of_another_kind_of_source_is_refused_naming_both(tmp_pat
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
     ctx, state, dl = _setup("datasets-shards", 0)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
-    with pytest.raises(CheckpointError, match=r"state of a test_streams\.StatefulNumbers \(dataset\).*said by a datasets\..*IterableDataset \(dataset\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"state of a test_streams\.StatefulNumbers \(dataset\).*said by a datasets\..*IterableDataset \(dataset\)",
+    ):
         run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
     ctx.close()
 
 
-@pytest.mark.parametrize("kind, workers, stateful_loader, why", [
-    ("datasets", 0, False, "its IterableDataset shuffles through a buffer that its state_dict\\(\\) leaves out"),
-    ("stateful", 2, False, "its StatefulNumbers has a state, but 2 workers read it and a plain DataLoader does not collect their states.*use_stateful_dataloader=True"),
-    ("plain", 0, False, "its Numbers cannot say where it is: give it state_dict\\(\\) and load_state_dict\\(\\)"),
-])
+@pytest.mark.parametrize(
+    "kind, workers, stateful_loader, why",
+    [
+        ("datasets", 0, False, "its IterableDataset shuffles through a buffer that its state_dict\\(\\) leaves out"),
+        (
+            "stateful",
+            2,
+            False,
+            "its StatefulNumbers has a state, but 2 workers read it and a plain DataLoader does not collect their states.*use_stateful_dataloader=True",
+        ),
+        ("plain", 0, False, "its Numbers cannot say where it is: give it state_dict\\(\\) and load_state_dict\\(\\)"),
+    ],
+)
 def test_a_stream_read_again_says_why_and_how_to_make_the_resume_o1(kind, workers, stateful_loader, why, tmp_path):
     _interrupted(kind, workers, stateful_loader, tmp_path, crash_after=13)
     ctx, state, dl = _setup(kind, workers, stateful_loader)
     resumed = load_checkpoint(ctx, latest_checkpoint(tmp_path), state)
-    with pytest.warns(UserWarning, match=rf"reading the epoch's first 11 batches \(176 samples\) again.*read again because {why}"):
+    with pytest.warns(
+        UserWarning, match=rf"reading the epoch's first 11 batches \(176 samples\) again.*read again because {why}"
+    ):
         run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
     ctx.close()
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda doc: doc["stream"].update(holder="sampler"), "stream holder 'sampler'"),
-    (lambda doc: doc["stream"].update(workers=-1), "'stream workers' is -1"),
-    (lambda doc: doc["stream"].pop("state"), "not {holder, kind, workers, state}"),
-    (lambda doc: doc.update(dispatched="yes"), "dispatched is 'yes', not a bool"),
-    (lambda doc: doc.update(dealt="half"), "dealt is 'half', not 'whole' or 'part'"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda doc: doc["stream"].update(holder="sampler"), "stream holder 'sampler'"),
+        (lambda doc: doc["stream"].update(workers=-1), "'stream workers' is -1"),
+        (lambda doc: doc["stream"].pop("state"), "not {holder, kind, workers, state}"),
+        (lambda doc: doc.update(dispatched="yes"), "dispatched is 'yes', not a bool"),
+        (lambda doc: doc.update(dealt="half"), "dealt is 'half', not 'whole' or 'part'"),
+    ],
+)
 def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, match, tmp_path):
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
     folder = latest_checkpoint(tmp_path)
@@ -312,17 +363,31 @@ def test_a_damaged_stream_state_is_refused_by_load_checkpoint_naming_it(change, 
     ctx.close()
 
 
-@pytest.mark.parametrize("state, match", [
-    (lambda saved: saved, "not one of a stream dealt anew"),  # a dataset's state named the state of an epoch dealt anew
-    (lambda saved: {"__dict__": [["pieces", []], ["parts", [[[2, 5], saved]]]]}, r"names a part \[\[2, 5\], .*not \[processes, index\] or null"),
-    (lambda saved: {"__dict__": [["pieces", []], ["parts", [["whole", saved]]]]}, r"not \[processes, index\] or null"),
-])
+@pytest.mark.parametrize(
+    "state, match",
+    [
+        (
+            lambda saved: saved,
+            "not one of a stream dealt anew",
+        ),  # a dataset's state named the state of an epoch dealt anew
+        (
+            lambda saved: {"__dict__": [["pieces", []], ["parts", [[[2, 5], saved]]]]},
+            r"names a part \[\[2, 5\], .*not \[processes, index\] or null",
+        ),
+        (
+            lambda saved: {"__dict__": [["pieces", []], ["parts", [["whole", saved]]]]},
+            r"not \[processes, index\] or null",
+        ),
+    ],
+)
 def test_a_damaged_redealt_state_is_refused(state, match, tmp_path):
     """The state an epoch dealt anew on another number of processes records (the batches still to come, each part of
     the stream still to read as [processes, index] and its state), forged: refused when the epoch starts, nothing read."""
     _interrupted("stateful", 0, False, tmp_path, crash_after=13)
     folder = latest_checkpoint(tmp_path)
-    assert "whole" == json.loads((folder / "rank-0.json").read_text())["dealt"]  # one process: its state is the whole stream's
+    assert (
+        "whole" == json.loads((folder / "rank-0.json").read_text())["dealt"]
+    )  # one process: its state is the whole stream's
 
     def forge(doc):  # (written as the codec writes a mapping)
         doc["stream"]["holder"] = "redealt"
@@ -347,7 +412,9 @@ def test_a_stream_saved_with_its_last_read_ahead(tmp_path):
     ctx, state, dl = _setup("stateful", 0)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, 31, tmp_path)(make_step(ctx, _loss(before, crash_after=31 * BATCH))), dl, state)
+        run_epoch(
+            ctx, checkpoint_every(ctx, 31, tmp_path)(make_step(ctx, _loss(before, crash_after=31 * BATCH))), dl, state
+        )
     ctx.close()
     resumed, after, yielded = _resumed("stateful", 0, False, tmp_path)
 
@@ -368,7 +435,9 @@ def _killed_at_23_and_resumed(kind, root, **setup):
     ctx, state, dl = _setup(kind, 0, **setup)
     before: list[int] = []
     with pytest.raises(Crash):
-        run_epoch(ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state)
+        run_epoch(
+            ctx, checkpoint_every(ctx, 10, root)(make_step(ctx, _loss(before, crash_after=23 * BATCH))), dl, state
+        )
     ctx.close()
 
     ctx, state, dl = _setup(kind, 0, **setup)
@@ -388,16 +457,22 @@ def test_a_stream_process_0_dispatches_resumes_to_the_uninterrupted_run(kind, tm
     checkpoint_every refused the epoch at its first step, saying the loader was not prepared.)"""
     from accelerate.data_loader import DataLoaderDispatcher
 
-    (expected_ids, expected), before, after, resumed, caught, dl = _killed_at_23_and_resumed(kind, tmp_path, dispatch=True)
+    (expected_ids, expected), before, after, resumed, caught, dl = _killed_at_23_and_resumed(
+        kind, tmp_path, dispatch=True
+    )
     assert type(dl) is DataLoaderDispatcher
     assert expected_ids == before[: 20 * BATCH] + after
     testing.assert_params_equal(expected, resumed)
-    assert (kind == "plain") == any("process 0 reading the epoch's first 21 batches (336 samples) again" in w for w in caught)
+    assert (kind == "plain") == any(
+        "process 0 reading the epoch's first 21 batches (336 samples) again" in w for w in caught
+    )
     # from the state: the rest of epoch 0 after the batch the checkpoint holds, and epoch 1
     assert _yielded(dl) == (SAMPLES - 21 * BATCH + SAMPLES if kind == "stateful" else SAMPLES + SAMPLES)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: Accelerate dispatches a stream's batches where it places them"
+)
 @pytest.mark.parametrize("kind", ["stateful", "plain"])
 def test_a_dispatched_stream_on_a_gpu(kind, tmp_path):
     """On a GPU, Accelerate's default for an iterable dataset is to dispatch it (DataLoaderDispatcher), on one process too:
@@ -434,6 +509,7 @@ class _Short(torch.utils.data.IterableDataset):
 def test_a_shorter_stream_read_again_is_refused(tmp_path):
     """A stream read again on a resume that ends before the batches the checkpoint had trained (it changed, or the
     checkpoint's position is forged) is refused with both counts, before a step."""
+
     def setup(n):
         return _linear_over(_Short(n), 4)
 
@@ -447,8 +523,14 @@ def test_a_shorter_stream_read_again_is_refused(tmp_path):
     ctx, fresh, dl = setup(12)  # 3 batches: fewer than the 5 the checkpoint trained
     resumed = load_checkpoint(ctx, tmp_path, fresh)
     trained = []
-    with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"the stream ended after 3 of the 6 batches of "
-                                                                         r"this epoch that the checkpoint had read"):
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(
+            CheckpointError,
+            match=r"the stream ended after 3 of the 6 batches of "
+            r"this epoch that the checkpoint had read",
+        ),
+    ):
         warnings.simplefilter("ignore")  # it is read again: said
         run_epoch(ctx, make_step(ctx, _loss(trained)), dl, resumed)
     assert [] == trained
@@ -461,7 +543,9 @@ def _json_shards(folder, sizes):
         f.unlink()
     start = 0
     for k, n in enumerate(sizes):
-        (folder / f"part-{k}.jsonl").write_text("".join(json.dumps({"x": [i / 64], "id": i}) + "\n" for i in range(start, start + n)))
+        (folder / f"part-{k}.jsonl").write_text(
+            "".join(json.dumps({"x": [i / 64], "id": i}) + "\n" for i in range(start, start + n))
+        )
         start += n
 
 
@@ -472,12 +556,15 @@ def _json_setup(folder):
     return _linear_over(load_dataset("json", data_files=files, split="train", streaming=True).with_format("torch"), 4)
 
 
-@pytest.mark.parametrize("change, words", [
-    (None, None),
-    ([16, 20, 16, 16], r"part-1\.jsonl .*changed size"),
-    ([16, 16, 16, 16, 16], r"part-4\.jsonl .*added"),
-    ([16, 16, 16], r"part-3\.jsonl .*removed"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (None, None),
+        ([16, 20, 16, 16], r"part-1\.jsonl .*changed size"),
+        ([16, 16, 16, 16, 16], r"part-4\.jsonl .*added"),
+        ([16, 16, 16], r"part-3\.jsonl .*removed"),
+    ],
+)
 def test_a_changed_stream_source_is_refused(change, words, tmp_path):
     """A datasets stream records its data files (names and sizes) and shards with its position: a resume onto files
     rewritten, added or removed since is refused naming the file, before a step; the same files resume."""
@@ -525,7 +612,10 @@ def test_a_users_stream_source_id_is_checked(tmp_path):
     ctx.close()
     ctx, fresh, dl = setup("v2")
     resumed = load_checkpoint(ctx, tmp_path, fresh)
-    with warnings.catch_warnings(), pytest.raises(CheckpointError, match=r"source changed since the checkpoint: version was 'v1', now 'v2'"):
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(CheckpointError, match=r"source changed since the checkpoint: version was 'v1', now 'v2'"),
+    ):
         warnings.simplefilter("ignore")
         run_epoch(ctx, make_step(ctx, _loss([])), dl, resumed)
     ctx.close()

@@ -56,7 +56,9 @@ def _model(acc, layout, dropout=0.1):
 
 
 def _full_params(model):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def _ids_data(n=48):
@@ -82,8 +84,17 @@ def _accelerates_loop(layout, ga, clip):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     dl = torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
-    params, _ = helpers.canonical_loop(acc, model, opt, sched, dl, helpers.ce_loss, epochs=2, clip_norm=clip,
-                                       read=lambda acc, model: _full_params(acc.unwrap_model(model)))
+    params, _ = helpers.canonical_loop(
+        acc,
+        model,
+        opt,
+        sched,
+        dl,
+        helpers.ce_loss,
+        epochs=2,
+        clip_norm=clip,
+        read=lambda acc, model: _full_params(acc.unwrap_model(model)),
+    )
     return params
 
 
@@ -99,7 +110,9 @@ def _composed_and_accelerates(layout, ga, clip):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(helpers.classification_data(48), batch_size=4, shuffle=True)
+    )
     state = loop(run_epoch(ctx, make_step(ctx, helpers.ce_loss, clip_grad_norm=clip), dl), max_epochs=2)(state)
     weight = state.accelerator.unwrap_model(state.model)[0].weight
     got = _full_params(state.accelerator.unwrap_model(state.model))
@@ -112,7 +125,9 @@ def test_composed_loop_equals_accelerates_loop_under_tensor_parallelism(layout, 
     """The same parameters bit for bit as Accelerate's loop under the same ParallelismConfig (accumulation, clipping, a
     scheduler, 2 epochs): the first layer's weight split by rows over ``tp`` (a column-wise layer), and under TP × FSDP2
     also sharded over ``dp_shard``."""
-    for expected, got, dims, placements in testing.run_distributed(_composed_and_accelerates, layout, ga, clip, nprocs=nprocs):
+    for expected, got, dims, placements in testing.run_distributed(
+        _composed_and_accelerates, layout, ga, clip, nprocs=nprocs
+    ):
         assert "tp" in dims and "Shard(dim=0)" in placements
         if layout == "tp_fsdp2":
             assert dims == ("dp_shard_cp", "tp")
@@ -156,8 +171,16 @@ def _run(layout, root, *, stop_after=None, resume=False, ga=1, epochs=1, every=1
 def _position(state):
     """The model (whole), step, scheduler and optimizer state (whole tensors) of a state."""
     moments = state.optimizer.optimizer.state_dict()["state"]
-    whole = {k: {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for name, v in per.items()} for k, per in moments.items()}
-    return _full_params(state.accelerator.unwrap_model(state.model)), state.step, state.scheduler.state_dict()["last_epoch"], whole
+    whole = {
+        k: {name: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for name, v in per.items()}
+        for k, per in moments.items()
+    }
+    return (
+        _full_params(state.accelerator.unwrap_model(state.model)),
+        state.step,
+        state.scheduler.state_dict()["last_epoch"],
+        whole,
+    )
 
 
 def _launch(layout, *args, **kwargs):
@@ -206,7 +229,10 @@ def test_tp_checkpoint_reshards(tmp_path):
     helpers.continues_exactly(third, fourth)
     assert "global batch of 4 samples per update" in second[0][4][0] and "this run's is 8" in second[0][4][0]
     assert (fourth[0][2][1], fourth[0][3]) == (10, 1)  # 10 updates in all, the epoch ended
-    assert (tp_layout, tp_fsdp2_layout) == ((2, 1), (4, 2))  # processes and data-parallel ranks, as `trainfold inspect` tells
+    assert (tp_layout, tp_fsdp2_layout) == (
+        (2, 1),
+        (4, 2),
+    )  # processes and data-parallel ranks, as `trainfold inspect` tells
 
 
 def _inspected(root):
@@ -230,7 +256,9 @@ def _evaluate_and_predict(layout):
     ctx = Context(accelerator=acc)
     model = _model(acc, layout)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), scheduler=None)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_ids_data(50), batch_size=4))  # 50 = 6 rounds of 8 + 2: padded
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(_ids_data(50), batch_size=4)
+    )  # 50 = 6 rounds of 8 + 2: padded
 
     def loss_fn(model, batch):
         x, y, ids = batch
@@ -240,9 +268,12 @@ def _evaluate_and_predict(layout):
     ids = predict(ctx, lambda m, b: b[2], dl, state)
     losses = predict(ctx, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1], reduction="none"), dl, state)
     refused = []
-    for attempt in (lambda: evaluate_metrics(ctx, {"n": _Count()}, lambda m, b: [f"sample {int(i)}" for i in b[2]], dl, state),
-                    lambda: nan_guard(3).bind(ctx), lambda: local_sgd(ctx, 2),
-                    lambda: save_checkpoint(ctx, "unused", state, sharded=False)):
+    for attempt in (
+        lambda: evaluate_metrics(ctx, {"n": _Count()}, lambda m, b: [f"sample {int(i)}" for i in b[2]], dl, state),
+        lambda: nan_guard(3).bind(ctx),
+        lambda: local_sgd(ctx, 2),
+        lambda: save_checkpoint(ctx, "unused", state, sharded=False),
+    ):
         try:
             attempt()
         except (TypeError, ValueError) as exc:

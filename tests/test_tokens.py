@@ -100,13 +100,17 @@ def test_train_loss_is_weighted_by_tokens():
     testing.reset_accelerate_state()
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = _lm()
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))  # lr 0: fixed weights
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0)
+    )  # lr 0: fixed weights
     batches = _token_batches()
     expected = _per_token_loss(model, batches)
     per_batch_means = sum(_per_token_loss(model, [b]) for b in batches) / len(batches)
     assert abs(expected - per_batch_means) > 1e-3  # the two differ here: the batches have 12, 6 and 2 tokens
 
-    state = run_epoch(ctx, log_every(ctx, 3)(make_step(ctx, summed_loss, normalize="tokens")), ctx.own_shards(batches)[0], state)
+    state = run_epoch(
+        ctx, log_every(ctx, 3)(make_step(ctx, summed_loss, normalize="tokens")), ctx.own_shards(batches)[0], state
+    )
 
     assert state.history["train_loss"][-1] == pytest.approx(expected, rel=1e-6)
     assert state.extras["log_every"].values["loss"] == pytest.approx(expected, rel=1e-6)
@@ -142,7 +146,13 @@ def test_the_token_count_is_the_losss_weight_not_a_metric():
     model = _lm()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     batches = ctx.own_shards(_token_batches())[0]
-    state = evaluate(ctx, summed_loss, batches, run_epoch(ctx, make_step(ctx, summed_loss, normalize="tokens"), batches, state), normalize="tokens")
+    state = evaluate(
+        ctx,
+        summed_loss,
+        batches,
+        run_epoch(ctx, make_step(ctx, summed_loss, normalize="tokens"), batches, state),
+        normalize="tokens",
+    )
 
     assert {"train_loss", "eval_loss"} == set(state.metrics)
 
@@ -164,7 +174,9 @@ def test_nan_guard_masks_a_skipped_batchs_tokens():
         seen.append(1)
         return (loss * float("nan") if len(seen) == 2 else loss), aux
 
-    state = run_epoch(ctx, make_step(ctx, poisoned, normalize="tokens", stages=[nan_guard(3)]), ctx.own_shards(batches)[0], state)
+    state = run_epoch(
+        ctx, make_step(ctx, poisoned, normalize="tokens", stages=[nan_guard(3)]), ctx.own_shards(batches)[0], state
+    )
 
     finite = [batches[0], batches[2]]
     assert state.history["train_loss"][-1] == pytest.approx(_per_token_loss(model, finite), rel=1e-6)

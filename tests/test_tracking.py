@@ -23,8 +23,13 @@ UPDATES = 36  # 3 epochs of 12 batches
 
 
 def _run(root, logs, *extra):
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root), str(logs), *extra], capture_output=True, text=True,
-                            timeout=helpers.scaled(300), env=ENV)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(root), str(logs), *extra],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(300),
+        env=ENV,
+    )
     assert 0 == result.returncode, result.stderr[-3000:]
     return result
 
@@ -43,19 +48,26 @@ def _mlflow_series(logs):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"file:{Path(logs).resolve()}/mlruns")
-    (run,) = client.search_runs([client.get_experiment_by_name("run").experiment_id])  # one run, the resumed one going on
-    return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))]
-            for key in run.data.metrics}
+    (run,) = client.search_runs(
+        [client.get_experiment_by_name("run").experiment_id]
+    )  # one run, the resumed one going on
+    return {
+        key: [
+            (m.step, m.value)
+            for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+        ]
+        for key in run.data.metrics
+    }
 
 
-TRACKIO_READ = r'''
+TRACKIO_READ = r"""
 import json
 from trackio.sqlite_storage import SQLiteStorage
 
 (name,) = SQLiteStorage.get_runs("run")  # one run: the resumed run went on with it
 rows = SQLiteStorage.get_logs("run", name)
 print(json.dumps({key: [(row["step"], row[key]) for row in rows if key in row] for key in sorted({k for row in rows for k in row} - {"step", "timestamp"})}))
-'''
+"""
 
 
 def _trackio_series(logs):
@@ -63,10 +75,17 @@ def _trackio_series(logs):
     of its own: Trackio reads TRACKIO_DIR once, at import): {key: [(step, value), ...]} in the order written."""
     import json
 
-    result = subprocess.run([sys.executable, "-c", TRACKIO_READ], capture_output=True, text=True, timeout=helpers.scaled(120),
-                            env={**ENV, "TRACKIO_DIR": str(Path(logs) / "trackio")})
+    result = subprocess.run(
+        [sys.executable, "-c", TRACKIO_READ],
+        capture_output=True,
+        text=True,
+        timeout=helpers.scaled(120),
+        env={**ENV, "TRACKIO_DIR": str(Path(logs) / "trackio")},
+    )
     assert 0 == result.returncode, result.stderr[-3000:]
-    return {key: [tuple(point) for point in points] for key, points in json.loads(result.stdout.splitlines()[-1]).items()}
+    return {
+        key: [tuple(point) for point in points] for key, points in json.loads(result.stdout.splitlines()[-1]).items()
+    }
 
 
 def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
@@ -89,7 +108,11 @@ def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
         before = _series(logs)  # what the killed run left
         if max(step for step, _ in before["train/loss"]) > resumed_from:
             break
-    before_mlflow, before_dvclive, before_clearml = _mlflow_series(logs), helpers.dvclive_series(logs / "dvclive"), helpers.clearml_series(logs / "clearml")
+    before_mlflow, before_dvclive, before_clearml = (
+        _mlflow_series(logs),
+        helpers.dvclive_series(logs / "dvclive"),
+        helpers.clearml_series(logs / "clearml"),
+    )
     before_trackio = _trackio_series(logs)
     ((_, before_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(logs).values()]
     result = _run(root, logs)
@@ -98,9 +121,13 @@ def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
     assert max(step for step, _ in before["train/loss"]) > resumed_from  # it had logged past its checkpoint
     assert max(step for step, _ in before_mlflow["train/loss"]) > resumed_from
     assert max(step for step, _ in before_dvclive["train/loss"]) > resumed_from
-    assert max(step for step, _ in before_clearml["train/loss"]) >= resumed_from  # (it writes behind: what came after the checkpoint may be lost; nothing before)
+    assert (
+        max(step for step, _ in before_clearml["train/loss"]) >= resumed_from
+    )  # (it writes behind: what came after the checkpoint may be lost; nothing before)
     assert max(step for step, _ in before_trackio["train/loss"]) >= resumed_from  # (so does Trackio)
-    assert list(range(1, resumed_from + 1)) == [step for step, _ in before_aim["train/loss"]][:resumed_from]  # (Aim writes as it is given)
+    assert (
+        list(range(1, resumed_from + 1)) == [step for step, _ in before_aim["train/loss"]][:resumed_from]
+    )  # (Aim writes as it is given)
     assert "cannot cut a series back" not in result.stderr  # trackers that can keep their series: no such warning
     series = _series(logs)
     assert list(range(1, UPDATES + 1)) == [step for step, _ in series["train/loss"]]
@@ -112,12 +139,16 @@ def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
     assert clean_mlflow.keys() == mlflow_series.keys() and len(clean_mlflow) > 3
     for key in clean_mlflow:
         assert clean_mlflow[key] == mlflow_series[key], key
-    dvclive_series = helpers.dvclive_series(logs / "dvclive")  # DVCLive's files went on (not emptied) and were sent only what they lacked
+    dvclive_series = helpers.dvclive_series(
+        logs / "dvclive"
+    )  # DVCLive's files went on (not emptied) and were sent only what they lacked
     assert list(range(1, UPDATES + 1)) == [step for step, _ in dvclive_series["train/loss"]]
     assert clean_dvclive.keys() == dvclive_series.keys() and len(clean_dvclive) > 3
     for key in clean_dvclive:
         assert clean_dvclive[key] == dvclive_series[key], key
-    clearml_series = helpers.clearml_series(logs / "clearml")  # the session went on, each checkpoint waited for what ClearML was given
+    clearml_series = helpers.clearml_series(
+        logs / "clearml"
+    )  # the session went on, each checkpoint waited for what ClearML was given
     assert list(range(1, UPDATES + 1)) == [step for step, _ in clearml_series["train/loss"]]
     assert clean_clearml.keys() == clearml_series.keys() and len(clean_clearml) > 3
     for key in clean_clearml:
@@ -137,7 +168,7 @@ def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
         assert clean_aim[key] == aim_series[key], key
 
 
-CLEARML_RUN = r'''
+CLEARML_RUN = r"""
 import json, sys, warnings
 import attrs
 from accelerate import Accelerator
@@ -156,7 +187,7 @@ for update in (5, 6) if resumed else (1, 2, 3, 4, 5):
 print(json.dumps({"task": tracker.task.id, "warnings": [str(w.message) for w in caught]}), file=sys.stderr)
 ctx.accelerator.end_training()
 ctx.close()
-'''
+"""
 
 
 def test_a_resume_goes_on_with_clearml(tmp_path):
@@ -172,8 +203,14 @@ def test_a_resume_goes_on_with_clearml(tmp_path):
     env = {**ENV, "HOME": str(home), "CLEARML_CACHE_DIR": str(cache), "CLEARML_OFFLINE_MODE": "1"}
     reports = []
     for run in ("first", "resumed"):
-        result = subprocess.run([sys.executable, "-c", CLEARML_RUN, run], capture_output=True, text=True, env=env, cwd=tmp_path,
-                                timeout=helpers.scaled(120))
+        result = subprocess.run(
+            [sys.executable, "-c", CLEARML_RUN, run],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=helpers.scaled(120),
+        )
         assert 0 == result.returncode, result.stderr[-3000:]
         reports.append(json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"task"'))))
         if run == "first":
@@ -188,16 +225,24 @@ def test_a_resume_goes_on_with_clearml(tmp_path):
     assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)]} == helpers.clearml_series(cache)
 
     # a resumed state of another run: no session is tagged with its id, so it says so and starts a session of its own
-    other = subprocess.run([sys.executable, "-c", CLEARML_RUN, "resumed", "r-2"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                           timeout=helpers.scaled(120))
+    other = subprocess.run(
+        [sys.executable, "-c", CLEARML_RUN, "resumed", "r-2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=helpers.scaled(120),
+    )
     assert 0 == other.returncode, other.stderr[-3000:]
     report = json.loads(next(line for line in other.stderr.splitlines() if line.startswith('{"task"')))
-    assert any("ClearML holds no run of offline session tagged trainfold.run_id=r-2" in w for w in report["warnings"]), report["warnings"]
+    assert any(
+        "ClearML holds no run of offline session tagged trainfold.run_id=r-2" in w for w in report["warnings"]
+    ), report["warnings"]
     assert report["task"] != session.name
     assert {session.name, report["task"]} == {p.name for p in (cache / "offline").iterdir() if p.is_dir()}
 
 
-AIM_RUNS = r'''
+AIM_RUNS = r"""
 import json, sys, warnings
 import attrs
 from accelerate import Accelerator
@@ -225,7 +270,7 @@ def run(run_id, resumed, given=None):
 first, resumed, other = run("r-1", False), run("r-1", True), run("r-2", True)
 given = run("r-3", True, given=first["run"])  # (one Aim has seen: Aim's list of runs is cached for 0.5 s in a process)
 print(json.dumps({"first": first, "resumed": resumed, "other": other, "given": given}), file=sys.stderr)
-'''
+"""
 
 
 def test_a_resume_goes_on_with_aim(tmp_path):
@@ -235,18 +280,28 @@ def test_a_resume_goes_on_with_aim(tmp_path):
     an Aim run of its own. A run_hash given is the run a resumed state goes on with, whatever its tags."""
     import json
 
-    result = subprocess.run([sys.executable, "-c", AIM_RUNS], capture_output=True, text=True, env=ENV, cwd=tmp_path,
-                            timeout=helpers.scaled(180))
+    result = subprocess.run(
+        [sys.executable, "-c", AIM_RUNS],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+        timeout=helpers.scaled(180),
+    )
     assert 0 == result.returncode, result.stderr[-3000:]
     made = json.loads(next(line for line in result.stderr.splitlines() if line.startswith('{"first"')))
     first, resumed, other, given = made["first"], made["resumed"], made["other"], made["given"]
     runs = helpers.aim_runs(tmp_path)
 
     assert first["run"] == resumed["run"]
-    assert not any("cannot cut a series back" in w or "holds no run" in w for w in resumed["warnings"]), resumed["warnings"]
+    assert not any("cannot cut a series back" in w or "holds no run" in w for w in resumed["warnings"]), resumed[
+        "warnings"
+    ]
     assert {"train/loss": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)]} == runs[first["run"]]["series"]
     # another run's state: no run is tagged with its id, so it says so and starts a run of its own
-    assert any("Aim holds no run of repository . tagged trainfold.run_id=r-2" in w for w in other["warnings"]), other["warnings"]
+    assert any("Aim holds no run of repository . tagged trainfold.run_id=r-2" in w for w in other["warnings"]), other[
+        "warnings"
+    ]
     assert {first["run"], other["run"]} == set(runs)
     assert ["trainfold.run_id=r-2"] == runs[other["run"]]["tags"]
     assert {"train/loss": [(5, 5.5), (6, 6.5)]} == runs[other["run"]]["series"]

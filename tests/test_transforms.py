@@ -10,12 +10,29 @@ from toolz import compose
 
 from trainfold import (
     RunningSums,
-    Context, TrainState, constant, ema, ema_model, evaluate, every_steps, log_every, loop, lr_schedule, make_step,
-    max_steps, nan_guard, progress_bar, reduce_lr_on_plateau, run_epoch, testing, warmup_cosine, warmup_linear,
+    Context,
+    TrainState,
+    constant,
+    ema,
+    ema_model,
+    evaluate,
+    every_steps,
+    log_every,
+    loop,
+    lr_schedule,
+    make_step,
+    max_steps,
+    nan_guard,
+    progress_bar,
+    reduce_lr_on_plateau,
+    run_epoch,
+    testing,
+    warmup_cosine,
+    warmup_linear,
 )
 
 import helpers
-from helpers import ce_loss, classification_data, mlp
+from helpers import ce_loss
 
 
 def _fake_state(**kw):
@@ -46,7 +63,14 @@ def test_max_steps_ends_run_epoch_early_and_loop_stops():
     final = loop(run_epoch(ctx, max_steps(6)(make_step(ctx, loss_fn)), loader), max_epochs=10)(state)
 
     # 4 batches an epoch: stopped in the second epoch, which stays open at batch 2 (not counted, not recorded)
-    assert (6, 1, 2, True, False, "max_steps") == (final.step, final.epoch, final.batch_in_epoch, final.should_stop, final.stop.finished, final.stop.reason)
+    assert (6, 1, 2, True, False, "max_steps") == (
+        final.step,
+        final.epoch,
+        final.batch_in_epoch,
+        final.should_stop,
+        final.stop.finished,
+        final.stop.reason,
+    )
     assert [1] == [r.epoch for r in final.history if r.name == "train_loss"]
     assert not final.interrupted  # loop has returned: code after it runs as written
 
@@ -156,7 +180,9 @@ def test_log_every_composed_twice_is_refused(periods):
     ctx, state, loader, loss_fn = testing.tiny_setup(n=64)
     step = log_every(ctx, outer)(log_every(ctx, inner)(make_step(ctx, loss_fn)))
 
-    with pytest.raises(ValueError, match=rf"log_every\({outer}\) is composed around another log_every, inside 'log_every\({inner}\)") as raised:
+    with pytest.raises(
+        ValueError, match=rf"log_every\({outer}\) is composed around another log_every, inside 'log_every\({inner}\)"
+    ) as raised:
         run_epoch(ctx, step, loader, state)
     assert "Use one log_every per step" in str(raised.value)
 
@@ -227,8 +253,9 @@ def test_progress_bar_is_off_when_not_a_terminal_and_can_be_forced(capsys):
 def test_all_transformers_together_keep_the_step_sync_free():
     """With every sync-free transformer composed, a step has no host sync (fused optimizer)."""
     ctx, state, dl = helpers.nan_setup(True)
-    step = compose(max_steps(1000), log_every(ctx, 1000), ema(0.9), lr_schedule(warmup_cosine(0.01, 2, 100)),
-                   progress_bar(ctx))(make_step(ctx, ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)]))
+    step = compose(
+        max_steps(1000), log_every(ctx, 1000), ema(0.9), lr_schedule(warmup_cosine(0.01, 2, 100)), progress_bar(ctx)
+    )(make_step(ctx, ce_loss, clip_grad_norm=1.0, stages=[nan_guard(3, check_every=1000)]))
     batches = list(dl)
     state = step(state, batches[0])
 
@@ -274,7 +301,9 @@ def test_sync_batchnorm():
 
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sync_batchnorm=True)
+    state = TrainState.create(
+        ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), sync_batchnorm=True
+    )
     assert isinstance(state.model[1], torch.nn.BatchNorm1d)
 
     with pytest.raises(ValueError, match="does not run on CPU across processes"):
@@ -287,8 +316,13 @@ def test_log_every_against_a_fake_step_reports_only_on_the_nth_update(caplog):
     ctx = Context(accelerator=Accelerator(cpu=True))
 
     def fake(state, batch):
-        return attrs.evolve(state, step=state.step + batch, micro_step=state.micro_step + 1, batch_in_epoch=state.batch_in_epoch + 1,
-                            sums=state.sums.add(torch.tensor(1.0), {}))
+        return attrs.evolve(
+            state,
+            step=state.step + batch,
+            micro_step=state.micro_step + 1,
+            batch_in_epoch=state.batch_in_epoch + 1,
+            sums=state.sums.add(torch.tensor(1.0), {}),
+        )
 
     step = log_every(ctx, 2)(fake)
     s = _fake_state(sums=RunningSums.zero("cpu"))
@@ -311,8 +345,8 @@ def test_ema_against_a_fake_step_updates_only_when_the_inner_step_updates():
 
     step = ema(0.5)(fake)
     s = TrainState(model=model, optimizer=None, scheduler=None, accelerator=None)
-    s = step(s, 3.0)   # ema: 0.5 * 1 + 0.5 * 3 = 2
-    s = step(s, 0.0)   # no update: ema stays 2 although the weight is now 0
+    s = step(s, 3.0)  # ema: 0.5 * 1 + 0.5 * 3 = 2
+    s = step(s, 0.0)  # no update: ema stays 2 although the weight is now 0
 
     assert 2.0 == ema_model(s).weight.item()
     assert 1 == s.extras["ema"].updates
@@ -328,7 +362,9 @@ def test_log_epoch_sends_its_records_on_the_axis_asked_for(axis, expected, tmp_p
     acc = Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
     acc.init_trackers("run")
     ctx, state, loader, loss_fn = testing.tiny_setup(accelerator=acc)
-    loop(compose(log_epoch(ctx, echo=False, axis=axis), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=2)(state)
+    loop(compose(log_epoch(ctx, echo=False, axis=axis), run_epoch(ctx, make_step(ctx, loss_fn), loader)), max_epochs=2)(
+        state
+    )
     ctx.close()
 
     (events,) = tmp_path.rglob("events.out.tfevents.*")
@@ -351,7 +387,9 @@ def test_lr_schedule_multiplies_by_the_factor_reduce_lr_on_plateau_records():
 
 def test_every_steps_fires_on_updates_not_on_micro_batches():
     """With 2 accumulation steps, 8 batches are 4 updates: every_steps(1, fn) runs fn 4 times, after each update."""
-    ctx, state, loader, loss_fn = testing.tiny_setup(n=32, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2))
+    ctx, state, loader, loss_fn = testing.tiny_setup(
+        n=32, accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2)
+    )
     seen = []
 
     def record(s):
@@ -361,5 +399,3 @@ def test_every_steps_fires_on_updates_not_on_micro_batches():
     run_epoch(ctx, every_steps(1, record)(make_step(ctx, loss_fn)), loader, state)
 
     assert [1, 2, 3, 4] == seen
-
-

@@ -20,11 +20,14 @@ import helpers
 
 from trainfold import list_checkpoints, testing, verify_checkpoint
 
-pytestmark = pytest.mark.multiprocess  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
+pytestmark = (
+    pytest.mark.multiprocess
+)  # spawns processes: the multi-process part (make test-multiprocess), not the in-process one
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "signal_run.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import signal_run  # noqa: E402  (its main(argv), run by testing.run_distributed)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -45,9 +48,27 @@ def _start_two_nodes(tmp, nproc, root, out, *extra):
         cwd = tmp / f"node{k}"
         cwd.mkdir(exist_ok=True)
         log = open(tmp / f"node{k}.log", "w")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(k), "--nproc_per_node", str(nproc),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"two-nodes-{port}",
-               str(SCRIPT), str(root), str(out), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(k),
+            "--nproc_per_node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            f"two-nodes-{port}",
+            str(SCRIPT),
+            str(root),
+            str(out),
+            *extra,
+        ]
         nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=cwd), log))
     return nodes
 
@@ -83,7 +104,9 @@ def _wait(nodes, tmp, timeout=helpers.scaled(600), signalled=None):
 def one_node(tmp_path_factory):
     """The same job on one launcher, for each world size: what two nodes must equal."""
     tmp = tmp_path_factory.mktemp("one-node")
-    return {world: _one_node(world, tmp / f"ckpt-{world}", tmp / f"one-{world}.st", "--step-s", "0") for world in (2, 4)}
+    return {
+        world: _one_node(world, tmp / f"ckpt-{world}", tmp / f"one-{world}.st", "--step-s", "0") for world in (2, 4)
+    }
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])

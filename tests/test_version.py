@@ -26,7 +26,7 @@ def test_the_changelog_agrees_with_the_version():
     released = re.findall(r"^## \[(\d[^\]]*)\]", text, re.M)
 
     if version.is_devrelease:
-        unreleased = text[text.index("## [Unreleased]"):]
+        unreleased = text[text.index("## [Unreleased]") :]
         assert f"**{version.base_version}**" in unreleased.split("\n### ")[0]
         assert version.base_version not in released
     else:
@@ -37,5 +37,7 @@ def test_no_docstring_names_a_version_after_this_one():
     """A `versionadded`/`versionchanged`/`deprecated` note, or a "before X.Y", naming a version after this one is false."""
     version = Version(Version(trainfold.__version__).base_version)
     for path in (ROOT / "src" / "trainfold").rglob("*.py"):
-        for named in re.findall(r"(?:\.\. (?:versionadded|versionchanged|deprecated)::|\bbefore) ([0-9]+\.[0-9.]*[0-9])", path.read_text()):
+        for named in re.findall(
+            r"(?:\.\. (?:versionadded|versionchanged|deprecated)::|\bbefore) ([0-9]+\.[0-9.]*[0-9])", path.read_text()
+        ):
             assert Version(named) <= version, f"{path.relative_to(ROOT)} names version {named}, after {version}"

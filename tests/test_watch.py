@@ -68,8 +68,10 @@ def _token_run(accumulation, watch=True, epochs=2):
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
     dataset = Padded(seed=ctx.accelerator.process_index)  # each process its own padding
     (dl,) = ctx.own_shards(torch.utils.data.DataLoader(dataset, batch_size=BATCH))
-    step, reports = _reports(log_every(ctx, 1, watch=watch)(make_step(ctx, summed_loss, normalize="tokens")),
-                             counted=lambda batch: int(batch["mask"].sum()))
+    step, reports = _reports(
+        log_every(ctx, 1, watch=watch)(make_step(ctx, summed_loss, normalize="tokens")),
+        counted=lambda batch: int(batch["mask"].sum()),
+    )
     state = loop(run_epoch(ctx, step, dl), max_epochs=epochs)(state)
     return ctx, state, reports, dataset
 
@@ -124,9 +126,13 @@ def test_each_epoch_records_its_samples_and_real_tokens_per_second(accumulation)
     history = state.history
 
     assert 2 == len(history["train_epoch_s"]) and all(s > 0 for s in history["train_epoch_s"])
-    assert [24.0, 24.0] == [pytest.approx(r * s) for r, s in zip(history["train_samples_per_s"], history["train_epoch_s"])]
+    assert [24.0, 24.0] == [
+        pytest.approx(r * s) for r, s in zip(history["train_samples_per_s"], history["train_epoch_s"])
+    ]
     real = float(dataset.real.sum())
-    assert [real, real] == [pytest.approx(r * s) for r, s in zip(history["train_tokens_per_s"], history["train_epoch_s"])]
+    assert [real, real] == [
+        pytest.approx(r * s) for r, s in zip(history["train_tokens_per_s"], history["train_epoch_s"])
+    ]
     assert history["train_loss"] == plain.history["train_loss"]
     assert not {"train_epoch_s", "train_samples_per_s", "train_tokens_per_s"} & set(plain.history.names)
 
@@ -151,7 +157,10 @@ def test_each_epoch_records_peak_memory():
 
     peaks = state.history["train_memory_rss_gb"]
     assert 2 == len(peaks) and before <= peaks[0] <= peaks[1] <= after
-    assert "train_memory_rss_gb" not in unwatched_memory.history.names and "train_samples_per_s" in unwatched_memory.history.names
+    assert (
+        "train_memory_rss_gb" not in unwatched_memory.history.names
+        and "train_samples_per_s" in unwatched_memory.history.names
+    )
 
 
 @helpers.needs_cuda
@@ -202,8 +211,10 @@ def _two_process_epochs():
     ctx, state, _, dataset = _token_run(4)
     ctx.close()
     history = state.history
-    return float(dataset.real.sum()), [(r * s, t * s) for r, t, s in zip(history["train_samples_per_s"], history["train_tokens_per_s"],
-                                                                          history["train_epoch_s"])]
+    return float(dataset.real.sum()), [
+        (r * s, t * s)
+        for r, t, s in zip(history["train_samples_per_s"], history["train_tokens_per_s"], history["train_epoch_s"])
+    ]
 
 
 @pytest.mark.multiprocess
@@ -269,6 +280,7 @@ def test_watching_changes_nothing_in_training_bit_for_bit():
 def test_watching_adds_no_host_sync_to_an_epoch():
     """With reports far apart, an epoch of 40 batches syncs as often as one of 4, watched or not; with a report every 5
     updates, watching adds no sync to them: the counts ride in the report's own all-reduce."""
+
     def syncs(n_samples, watch, every):
         testing.reset_accelerate_state()
         ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=n_samples)
@@ -302,7 +314,9 @@ def test_the_time_shares_add_up_and_name_the_loader_and_the_checkpoints(tmp_path
     model = helpers.mlp()
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Slow(), batch_size=4))
-    step, reports = _reports(log_every(ctx, 3, watch=True)(checkpoint_every(ctx, 1, tmp_path)(make_step(ctx, helpers.ce_loss))))
+    step, reports = _reports(
+        log_every(ctx, 3, watch=True)(checkpoint_every(ctx, 1, tmp_path)(make_step(ctx, helpers.ce_loss)))
+    )
     run_epoch(ctx, step, dl, state)
     ctx.close()
 
@@ -351,7 +365,9 @@ def test_the_progress_bar_shows_the_rates_of_the_last_report():
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=32)
     out = io.StringIO()
-    step = progress_bar(ctx, total=len(loader), force=True, file=out, mininterval=0)(log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn)))
+    step = progress_bar(ctx, total=len(loader), force=True, file=out, mininterval=0)(
+        log_every(ctx, 2, watch=True)(make_step(ctx, loss_fn))
+    )
     run_epoch(ctx, step, loader, state)
     ctx.close()
 
@@ -392,14 +408,19 @@ def test_trackers_started_before_the_load_warn(started_by, tmp_path):
     save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
     ctx.close()
     testing.reset_accelerate_state()
-    ctx, fresh, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path)))
+    ctx, fresh, _, _ = testing.tiny_setup(
+        seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    )
     if started_by == "init_trackers":
         init_trackers(ctx, "run", fresh)
     else:
         ctx.accelerator.init_trackers("run")
 
-    with pytest.warns(UserWarning, match=r"the Accelerator's trackers \(tensorboard\) were started before this load.*"
-                                         r"init_trackers\(ctx, project_name, state\) after load_checkpoint"):
+    with pytest.warns(
+        UserWarning,
+        match=r"the Accelerator's trackers \(tensorboard\) were started before this load.*"
+        r"init_trackers\(ctx, project_name, state\) after load_checkpoint",
+    ):
         load_checkpoint(ctx, tmp_path / "root", fresh)
     ctx.close()
 
@@ -414,14 +435,18 @@ def test_trackers_started_after_the_load(started_by, tmp_path):
     save_checkpoint(ctx, tmp_path / "root", run_epoch(ctx, make_step(ctx, loss_fn), loader, state))
     ctx.close()
     testing.reset_accelerate_state()
-    ctx, fresh, loader, loss_fn = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard",
-                                                                                      project_dir=str(tmp_path)))
+    ctx, fresh, loader, loss_fn = testing.tiny_setup(
+        seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    )
     resumed = load_checkpoint(ctx, tmp_path / "root", fresh)
     step = log_every(ctx, 2)(make_step(ctx, loss_fn))
     if started_by == "accelerate":
         ctx.accelerator.init_trackers("run")
-        with pytest.warns(UserWarning, match=r"the run resumed from update 4, and its trackers \(tensorboard\) were started by "
-                                             r"accelerator.init_trackers.*init_trackers\(ctx, project_name, state\)"):
+        with pytest.warns(
+            UserWarning,
+            match=r"the run resumed from update 4, and its trackers \(tensorboard\) were started by "
+            r"accelerator.init_trackers.*init_trackers\(ctx, project_name, state\)",
+        ):
             run_epoch(ctx, step, loader, resumed)
     else:
         init_trackers(ctx, "run", resumed)
@@ -461,8 +486,13 @@ def test_a_resume_goes_on_with_mlflow(tmp_path, monkeypatch):
         ctx.close()
 
     client = MlflowClient()
-    assert [mlflow_run] == [r.info.run_id for r in client.search_runs([client.get_experiment_by_name("proj").experiment_id])]
-    series = {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key)) for key in ("train/loss", "train/loss_epoch")}
+    assert [mlflow_run] == [
+        r.info.run_id for r in client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    ]
+    series = {
+        key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key))
+        for key in ("train/loss", "train/loss_epoch")
+    }
     assert [(u, float(u)) for u in range(1, 7)] + [(7, 7.5), (8, 8.5)] == series["train/loss"]
     assert [(6, 16.0)] == series["train/loss_epoch"]
 
@@ -478,15 +508,22 @@ def test_an_epoch_record_is_not_logged_twice(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path}/mlruns")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    _, trackers = _cut_off_then_resumed("proj", {"log_with": ["tensorboard", "mlflow"], "project_dir": str(tmp_path / "logs")})
+    _, trackers = _cut_off_then_resumed(
+        "proj", {"log_with": ["tensorboard", "mlflow"], "project_dir": str(tmp_path / "logs")}
+    )
     mlflow_run = next(t for t in trackers[-1] if t.name == "mlflow").active_run.info.run_id
 
     board = EventAccumulator(str(tmp_path / "logs" / "proj"), size_guidance={"scalars": 0})
     board.Reload()
     client = MlflowClient()
     series = {
-        "tensorboard": {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in ("train/loss", "train/loss_epoch")},
-        "mlflow": {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key)) for key in ("train/loss", "train/loss_epoch")},
+        "tensorboard": {
+            tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in ("train/loss", "train/loss_epoch")
+        },
+        "mlflow": {
+            key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run, key))
+            for key in ("train/loss", "train/loss_epoch")
+        },
     }
     # update 5: TensorBoard purged the first run's, MLflow kept it (it cannot delete; an exact resume logs the same)
     assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.5), (6, 6.5)] == series["tensorboard"]["train/loss"]
@@ -540,8 +577,7 @@ class _CutAt(helpers.OwnTracker):
 
 @pytest.mark.parametrize("saved_every, cut", [(2, 4), (3, 6)], ids=["inside-an-epoch", "at-an-epochs-end"])
 @pytest.mark.parametrize("watch", [False, True], ids=["plain", "watched"])
-def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog,
-                                                                                                                      watch, saved_every, cut):
+def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog, watch, saved_every, cut):
     """log_every(2) outside checkpoint_every: the report of the update ``cut`` is made after its checkpoint, so the
     resumed run goes on from the next update and the report at ``cut`` is never made again. The run before stopped while
     that report went through the trackers: TensorBoard got it, MLflow did not (the kill test found Trackio so, its writer
@@ -569,7 +605,9 @@ def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # mine cannot cut a series back: said
             init_trackers(ctx, "proj", state)
-        step = log_every(ctx, 2, watch=watch)(checkpoint_every(ctx, saved_every, tmp_path / name / "checkpoints")(make_step(ctx, loss_fn)))
+        step = log_every(ctx, 2, watch=watch)(
+            checkpoint_every(ctx, saved_every, tmp_path / name / "checkpoints")(make_step(ctx, loss_fn))
+        )
         with pytest.raises(_Killed) if cut else contextlib.nullcontext():
             loop(run_epoch(ctx, step, loader), max_epochs=2)(state)
         ctx.accelerator.end_training()
@@ -580,13 +618,22 @@ def test_a_report_a_kill_kept_back_is_sent(tmp_path, monkeypatch, caplog,
         (mlflow_run,) = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
         keys = ("train/loss", "train/lr", "epoch")
         rates.extend(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "train/samples_per_s"))
-        return ({key: sorted((e.step, e.value) for e in board.Scalars(key)) for key in keys},  # (two runs' files: read in either order)
-                {key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key)) for key in keys})
+        return (
+            {
+                key: sorted((e.step, e.value) for e in board.Scalars(key)) for key in keys
+            },  # (two runs' files: read in either order)
+            {
+                key: sorted((m.step, m.value) for m in client.get_metric_history(mlflow_run.info.run_id, key))
+                for key in keys
+            },
+        )
 
     rates = []
     clean = run("clean")
     board, mlflow = run("cut", cut=cut)
-    assert cut // 2 == len(board["train/loss"]) == len(mlflow["train/loss"]) + 1  # the run before: TensorBoard got the cut report, MLflow not
+    assert (
+        cut // 2 == len(board["train/loss"]) == len(mlflow["train/loss"]) + 1
+    )  # the run before: TensorBoard got the cut report, MLflow not
     rates.clear()
     with caplog.at_level(logging.INFO, logger="trainfold"):
         board, mlflow = run("cut", resume=True)
@@ -612,8 +659,15 @@ def test_a_resume_goes_on_with_dvclive(tmp_path, monkeypatch):
     assert [(4, 10.0)] == series["train/loss_epoch"]
 
 
-@pytest.mark.parametrize("damaged, content", [("metrics.json", '{\n    "step": 5,\n    "tra'), ("metrics.json", ""), ("params.yaml", ""),
-                                              ("params.yaml", "lr: [0.1\n")])
+@pytest.mark.parametrize(
+    "damaged, content",
+    [
+        ("metrics.json", '{\n    "step": 5,\n    "tra'),
+        ("metrics.json", ""),
+        ("params.yaml", ""),
+        ("params.yaml", "lr: [0.1\n"),
+    ],
+)
 def test_a_cut_dvclive_file_is_set_aside(tmp_path, monkeypatch, damaged, content):
     """DVCLive rewrites its summary (``metrics.json``, at every step) and parameters (``params.yaml``, at every start)
     in place, so a kill can leave them cut short, and DVCLive going on with its folder fails on them (the kill test
@@ -632,7 +686,9 @@ def test_a_cut_dvclive_file_is_set_aside(tmp_path, monkeypatch, damaged, content
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
 
     with pytest.warns(UserWarning, match=rf"DVCLive's .* .*{damaged} is cut short .*set aside as .*{damaged}.damaged"):
-        init_trackers(ctx, "proj", attrs.evolve(state, step=4), config={"lr": 0.1}, init_kwargs={"dvclive": {"dir": str(folder)}})
+        init_trackers(
+            ctx, "proj", attrs.evolve(state, step=4), config={"lr": 0.1}, init_kwargs={"dvclive": {"dir": str(folder)}}
+        )
     emit(ctx, {"train/loss": 0.125}, 6)
     ctx.accelerator.end_training()
     ctx.close()
@@ -653,8 +709,13 @@ def test_an_unreadable_dvclive_file_is_named(tmp_path, monkeypatch):
     (metrics / "loss.tsv").write_text("step\tloss\n1\t0.5\n5\t0.25\n")
     (metrics / "lr.tsv").write_text("step\tlr\n1\t0.1\nfive\t0.1\n")
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="dvclive"))
-    with pytest.warns(UserWarning, match=r"DVCLive's .*lr.tsv could not be read \(ValueError: .*five.*\), so what the run before logged to it at or after update 4"):
-        init_trackers(ctx, "proj", attrs.evolve(state, step=4), init_kwargs={"dvclive": {"dir": str(tmp_path / "dvclive")}})
+    with pytest.warns(
+        UserWarning,
+        match=r"DVCLive's .*lr.tsv could not be read \(ValueError: .*five.*\), so what the run before logged to it at or after update 4",
+    ):
+        init_trackers(
+            ctx, "proj", attrs.evolve(state, step=4), init_kwargs={"dvclive": {"dir": str(tmp_path / "dvclive")}}
+        )
     assert {"dvclive": {"train/loss": 5}} == ctx.runtime.tracker_holds
     ctx.accelerator.end_training()
     ctx.close()
@@ -675,7 +736,9 @@ def test_a_resume_goes_on_with_trackio():
 
     assert names[0] == names[1] and [names[0]] == SQLiteStorage.get_runs(project)
     rows = SQLiteStorage.get_logs(project, names[0])
-    series = {key: [(row["step"], row[key]) for row in rows if key in row] for key in ("train/loss", "train/loss_epoch")}
+    series = {
+        key: [(row["step"], row[key]) for row in rows if key in row] for key in ("train/loss", "train/loss_epoch")
+    }
     assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == series["train/loss"]
     assert [(4, 10.0)] == series["train/loss_epoch"]
     assert {"lr": 0.1, "trainfold.run_id": run_id}.items() <= SQLiteStorage.get_run_config(project, names[0]).items()
@@ -694,7 +757,9 @@ def test_a_resumed_run_given_its_trackio_runs_name_goes_on_with_that_run():
     assert ["named", "named"] == [ended[0].run.name for ended in trackers]
     assert trackers[0][0].run.id == trackers[1][0].run.id and 1 == len(SQLiteStorage.get_run_records(project))
     rows = SQLiteStorage.get_logs(project, "named")
-    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+    assert [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 6.5)] == [
+        (r["step"], r["train/loss"]) for r in rows if "train/loss" in r
+    ]
 
 
 def test_a_lost_trackio_run_starts_anew():
@@ -707,7 +772,10 @@ def test_a_lost_trackio_run_starts_anew():
     project = f"proj-{uuid.uuid4().hex[:8]}"
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
     state = attrs.evolve(state, step=3)
-    with pytest.warns(UserWarning, match=rf"Trackio holds no run of project '{project}' whose config has trainfold.run_id={state.run_id}"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"Trackio holds no run of project '{project}' whose config has trainfold.run_id={state.run_id}",
+    ):
         init_trackers(ctx, project, state)
     run = ctx.accelerator.trackers[0].run
     assert state.run_id == run.config["trainfold.run_id"] and not ctx.runtime.tracker_holds
@@ -727,7 +795,10 @@ def test_an_unreadable_trackio_store_is_named(monkeypatch):
 
     monkeypatch.setattr(SQLiteStorage, "get_logs", unreadable)  # trackio's reader, not trainfold's code
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="trackio"))
-    with pytest.warns(UserWarning, match=r"Trackio's run '.*' of project 'proj-unread' could not be read \(OSError: database disk image"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Trackio's run '.*' of project 'proj-unread' could not be read \(OSError: database disk image",
+    ):
         init_trackers(ctx, "proj-unread", attrs.evolve(state, step=4), init_kwargs={"trackio": {"name": "named"}})
     assert "named" == ctx.accelerator.trackers[0].run.name and not ctx.runtime.tracker_holds
     ctx.accelerator.end_training()
@@ -745,8 +816,13 @@ def test_unreadable_tensorboard_events_are_named(tmp_path, monkeypatch):
         raise OSError("no such filesystem")
 
     monkeypatch.setattr(EventAccumulator, "Reload", unreadable)  # tensorboard's reader, not trainfold's code
-    ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path)))
-    with pytest.warns(UserWarning, match=r"could not be read \(OSError: no such filesystem\), so what the run before logged at update 4"):
+    ctx, state, _, _ = testing.tiny_setup(
+        seed=0, accelerator=Accelerator(cpu=True, log_with="tensorboard", project_dir=str(tmp_path))
+    )
+    with pytest.warns(
+        UserWarning,
+        match=r"could not be read \(OSError: no such filesystem\), so what the run before logged at update 4",
+    ):
         init_trackers(ctx, "proj", attrs.evolve(state, step=4))
     assert not ctx.runtime.tracker_holds
     ctx.close()
@@ -763,7 +839,9 @@ def test_a_lost_mlflow_run_starts_anew(tmp_path, monkeypatch):
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with="mlflow"))
     state = attrs.evolve(state, step=3)
 
-    with pytest.warns(UserWarning, match=rf"MLflow holds no run of experiment 'proj' tagged trainfold.run_id={state.run_id}"):
+    with pytest.warns(
+        UserWarning, match=rf"MLflow holds no run of experiment 'proj' tagged trainfold.run_id={state.run_id}"
+    ):
         init_trackers(ctx, "proj", state)
 
     run = ctx.accelerator.trackers[0].active_run
@@ -804,7 +882,10 @@ def test_a_tracker_that_cannot_flush_is_named(tmp_path):
     ctx, state, _, _ = testing.tiny_setup(seed=0, accelerator=Accelerator(cpu=True, log_with=[Broken()]))
     ctx.accelerator.init_trackers("proj")
 
-    with pytest.warns(UserWarning, match=r"clearml could not be made to write what it was given before this checkpoint \(OSError: No space"):
+    with pytest.warns(
+        UserWarning,
+        match=r"clearml could not be made to write what it was given before this checkpoint \(OSError: No space",
+    ):
         save_checkpoint(ctx, tmp_path, state)
     assert latest_checkpoint(tmp_path) is not None
     ctx.close()

@@ -30,22 +30,39 @@ from typing import Sequence
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return its exit status (0 done, 1 a checkpoint failed verification, 2 bad input)."""
-    parser = argparse.ArgumentParser(prog="trainfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="trainfold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, what, places in (("ls", "list the checkpoints under a root", ("root",)), ("verify", "check a checkpoint against its manifest", ("path",)),
-                               ("inspect", "what a checkpoint holds, besides its tensors", ("path",)),
-                               ("export", "the model's weights as one safetensors file (or a save_pretrained folder)", ("path", "out")),
-                               ("diff", "compare the weights of two checkpoints or safetensors files", ("a", "b"))):
+    for name, what, places in (
+        ("ls", "list the checkpoints under a root", ("root",)),
+        ("verify", "check a checkpoint against its manifest", ("path",)),
+        ("inspect", "what a checkpoint holds, besides its tensors", ("path",)),
+        ("export", "the model's weights as one safetensors file (or a save_pretrained folder)", ("path", "out")),
+        ("diff", "compare the weights of two checkpoints or safetensors files", ("a", "b")),
+    ):
         sub = subparsers.add_parser(name, help=what)
         for place in places:
             sub.add_argument(place)
         sub.add_argument("--json", action="store_true", help="one JSON document, for scripts")
         if name == "ls":
-            sub.add_argument("--verify", action="store_true", help="check every checkpoint's files against its manifest, marking a damaged one (exit 1 if any is)")
+            sub.add_argument(
+                "--verify",
+                action="store_true",
+                help="check every checkpoint's files against its manifest, marking a damaged one (exit 1 if any is)",
+            )
         if name == "export":
-            sub.add_argument("--transformers", metavar="CONFIG_DIR", help="write OUT as a save_pretrained folder of this Hugging Face model folder's model")
-            sub.add_argument("--base", metavar="BASE", help="an adapter checkpoint's base (a safetensors file or save_pretrained folder): "
-                                                            "checked against the checkpoint's fingerprint, OUT gets the whole model (LoRA merged)")
+            sub.add_argument(
+                "--transformers",
+                metavar="CONFIG_DIR",
+                help="write OUT as a save_pretrained folder of this Hugging Face model folder's model",
+            )
+            sub.add_argument(
+                "--base",
+                metavar="BASE",
+                help="an adapter checkpoint's base (a safetensors file or save_pretrained folder): "
+                "checked against the checkpoint's fingerprint, OUT gets the whole model (LoRA merged)",
+            )
     args = parser.parse_args(argv)
     from trainfold._src import commands  # the library, imported once the arguments are good
 

@@ -22,4 +22,3 @@ class DamagedCheckpoint(CheckpointError):
     ``load_checkpoint`` of a root falls back from such a checkpoint to the newest one that loads
     (warning about the damaged one); any other refusal stops the load.
     """
-

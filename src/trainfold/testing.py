@@ -85,7 +85,11 @@ def isolated_accelerate() -> Iterator[None]:
     import signal
     import threading
 
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if threading.current_thread() is threading.main_thread() else {}
+    handlers = (
+        {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     reset_accelerate_state()
     try:
         yield
@@ -236,7 +240,13 @@ def _named_message(name: str, message: str) -> str:
     return f"parameter {name!r}: {message}"
 
 
-def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor], b: TrainState | torch.nn.Module | dict[str, torch.Tensor], *, rtol: float = 0.0, atol: float = 0.0) -> None:
+def assert_params_equal(
+    a: TrainState | torch.nn.Module | dict[str, torch.Tensor],
+    b: TrainState | torch.nn.Module | dict[str, torch.Tensor],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+) -> None:
     """Assert two models (or states, or parameter dicts) have the same parameters (exactly, by default).
 
     Examples:
@@ -248,7 +258,9 @@ def assert_params_equal(a: TrainState | torch.nn.Module | dict[str, torch.Tensor
     if pa.keys() != pb.keys():
         raise AssertionError(f"parameter names differ: {sorted(pa)} != {sorted(pb)}")
     for name in pa:
-        torch.testing.assert_close(pa[name], pb[name], rtol=rtol, atol=atol, msg=functools.partial(_named_message, name))
+        torch.testing.assert_close(
+            pa[name], pb[name], rtol=rtol, atol=atol, msg=functools.partial(_named_message, name)
+        )
 
 
 def assert_params_changed(before: dict[str, torch.Tensor], after: TrainState | torch.nn.Module) -> None:

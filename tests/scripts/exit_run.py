@@ -28,12 +28,16 @@ def main():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
         data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
-        train_dl, eval_dl = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
-                                                torch.utils.data.DataLoader(data, batch_size=8))
+        train_dl, eval_dl = ctx.prepare_loaders(
+            torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
+            torch.utils.data.DataLoader(data, batch_size=8),
+        )
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         saving = checkpoint_every(ctx, 2, root, keep_last=2, async_save=True)
         step = saving(make_step(ctx, loss_fn))
-        state = compose(saving.at_end, loop(compose(evaluate(ctx, loss_fn, eval_dl), run_epoch(ctx, step, train_dl)), max_epochs=2))(state)
+        state = compose(
+            saving.at_end, loop(compose(evaluate(ctx, loss_fn, eval_dl), run_epoch(ctx, step, train_dl)), max_epochs=2)
+        )(state)
         predict(ctx, lambda m, b: m(b[0]), eval_dl, state)
         if end_training:
             ctx.accelerator.end_training()

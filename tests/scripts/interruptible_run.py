@@ -1,6 +1,6 @@
 """A run that Ctrl-C stops at a step boundary with a final checkpoint; run again, it resumes.
 
-    python interruptible_run.py ROOT OUT [--disk-full-after-first-save]
+python interruptible_run.py ROOT OUT [--disk-full-after-first-save]
 """
 
 import resource
@@ -12,7 +12,18 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, save_checkpoint, testing
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
+)
 
 
 def main():

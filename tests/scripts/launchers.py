@@ -20,7 +20,10 @@ def train():
         (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4))
         state = evaluate(ctx, helpers.ce_loss, dl, run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
         if ctx.accelerator.process_index == 0:
-            print(f"processes {ctx.accelerator.num_processes} steps {state.step} eval_loss {state.metrics['eval_loss']:.6f}", flush=True)
+            print(
+                f"processes {ctx.accelerator.num_processes} steps {state.step} eval_loss {state.metrics['eval_loss']:.6f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,16 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+)
 
 
 class NoisyData(torch.utils.data.Dataset):
@@ -56,7 +65,9 @@ def main(argv=None):
     if "--lora" in argv:
         model = helpers.lora_mlp(width=64)
     else:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(64, 3)
+        )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
@@ -71,11 +82,16 @@ def main(argv=None):
             time.sleep(pause)
             return inner(s, b)
 
-    os.write(1, f"ready {os.getpid()}\n".encode())  # one system call: two workers share the pipe (print may write twice)
+    os.write(
+        1, f"ready {os.getpid()}\n".encode()
+    )  # one system call: two workers share the pipe (print may write twice)
     with ctx:  # waits for the last background save and every process, then ends the run
         state = saving.at_end(loop(run_epoch(ctx, step, dl), max_epochs=6)(state))
         model = ctx.accelerator.unwrap_model(state.model)
-        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+        params = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()
+        }
         if ctx.is_main_process:
             save_file(params, out)
     print("done", state.step, flush=True)

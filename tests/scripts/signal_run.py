@@ -20,7 +20,17 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, run_epoch, testing
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    run_epoch,
+    testing,
+)
 
 
 def say(line):
@@ -41,9 +51,16 @@ def main(argv=None):
     loaders = DataLoaderConfiguration(even_batches=not args.uneven)
 
     torch.manual_seed(0)
-    with Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=loaders), stop_check_s=args.stop_check_s) as ctx:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 3))
-        state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    with Context(
+        accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=loaders),
+        stop_check_s=args.stop_check_s,
+    ) as ctx:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 3)
+        )
+        state = TrainState.create(
+            ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        )
         g = torch.Generator().manual_seed(3)
         n = 242 if args.uneven else 240  # 121 batches of 2: one more on rank 0
         data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))

@@ -17,7 +17,15 @@ import signal
 import sys
 from pathlib import Path
 
-from trainfold import CheckpointError, latest_checkpoint, load_checkpoint, make_step, run_epoch, save_checkpoint, testing
+from trainfold import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    make_step,
+    run_epoch,
+    save_checkpoint,
+    testing,
+)
 from trainfold._src.checkpoint.storage import remote
 
 
@@ -48,7 +56,13 @@ def stop_at(where: str, name: str, marker: Path) -> None:
 
 
 def main() -> int:
-    root, options, updates, stop, marker = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+    root, options, updates, stop, marker = (
+        sys.argv[1],
+        json.loads(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        Path(sys.argv[5]),
+    )
     stop_at(*stop.split(":"), marker)
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
     if latest_checkpoint(root, storage_options=options) is not None:

@@ -22,7 +22,17 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, latest_checkpoint, load_checkpoint, loop, make_step, max_steps, run_epoch
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    loop,
+    make_step,
+    max_steps,
+    run_epoch,
+)
 
 SAMPLES, BATCH = 384, 8
 
@@ -47,10 +57,13 @@ class StatefulNumbers(torch.utils.data.IterableDataset):
         order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
         worker = torch.utils.data.get_worker_info()
         if worker is not None:
-            order = order[worker.id::worker.num_workers]
+            order = order[worker.id :: worker.num_workers]
         start, self.start = self.start, 0
         for self.position, i in enumerate(order[start:], start + 1):
-            yield {"x": torch.tensor([i / SAMPLES]) + 0.01 * torch.randn(1), "id": torch.tensor(i)}  # a random augmentation
+            yield {
+                "x": torch.tensor([i / SAMPLES]) + 0.01 * torch.randn(1),
+                "id": torch.tensor(i),
+            }  # a random augmentation
 
 
 class Plain(StatefulNumbers):
@@ -102,13 +115,18 @@ def _train(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(0)
-    config = DataLoaderConfiguration(use_stateful_dataloader=args.stateful_loader, dispatch_batches=args.deal == "dispatch",
-                                     split_batches=args.deal == "split")
+    config = DataLoaderConfiguration(
+        use_stateful_dataloader=args.stateful_loader,
+        dispatch_batches=args.deal == "dispatch",
+        split_batches=args.deal == "split",
+    )
     ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=2, dataloader_config=config))
     model = torch.nn.Sequential(torch.nn.Linear(1, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
     batch = BATCH * ctx.accelerator.num_processes if args.deal == "split" else BATCH
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream(args.source), batch_size=batch, num_workers=args.workers))
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(stream(args.source), batch_size=batch, num_workers=args.workers)
+    )
     log = open(out / f"trained-{ctx.accelerator.process_index}.txt", "a", buffering=1)  # a line a write: kept by a kill
     if latest_checkpoint(args.root) is not None:
         state = load_checkpoint(ctx, args.root, state)

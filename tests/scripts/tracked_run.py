@@ -21,8 +21,20 @@ import time
 import torch
 from accelerate import Accelerator
 
-from trainfold import (Context, TrainState, checkpoint_every, evaluate, init_trackers, latest_checkpoint, load_checkpoint, log_epoch,
-                       log_every, loop, make_step, run_epoch)
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    evaluate,
+    init_trackers,
+    latest_checkpoint,
+    load_checkpoint,
+    log_epoch,
+    log_every,
+    loop,
+    make_step,
+    run_epoch,
+)
 from toolz import compose
 
 
@@ -36,27 +48,48 @@ def main():
     args.root, args.logs = os.path.abspath(args.root), os.path.abspath(args.logs)
     os.makedirs(args.logs, exist_ok=True)
     os.chdir(args.logs)  # (DVCLive looks for a git repository where it runs: none there)
-    os.environ.update(MLFLOW_TRACKING_URI=f"file:{args.logs}/mlruns", MLFLOW_ALLOW_FILE_STORE="true",
-                      CLEARML_OFFLINE_MODE="1", CLEARML_CACHE_DIR=f"{args.logs}/clearml", HOME=f"{args.logs}/home",
-                      TRACKIO_DIR=f"{args.logs}/trackio")  # (read once, when trackio is imported: in init_trackers)
+    os.environ.update(
+        MLFLOW_TRACKING_URI=f"file:{args.logs}/mlruns",
+        MLFLOW_ALLOW_FILE_STORE="true",
+        CLEARML_OFFLINE_MODE="1",
+        CLEARML_CACHE_DIR=f"{args.logs}/clearml",
+        HOME=f"{args.logs}/home",
+        TRACKIO_DIR=f"{args.logs}/trackio",
+    )  # (read once, when trackio is imported: in init_trackers)
     os.makedirs(os.environ["HOME"], exist_ok=True)
-    with open(os.path.join(os.environ["HOME"], "clearml.conf"), "w") as f:  # ClearML reports from a thread: from its forked process, closing took 11-90 s
+    with open(
+        os.path.join(os.environ["HOME"], "clearml.conf"), "w"
+    ) as f:  # ClearML reports from a thread: from its forked process, closing took 11-90 s
         f.write("sdk { development { report_use_subprocess: false } }\n")
     torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, log_with=["tensorboard", "mlflow", "dvclive", "clearml", "trackio", "aim"], project_dir=args.logs))
+    ctx = Context(
+        accelerator=Accelerator(
+            cpu=True, log_with=["tensorboard", "mlflow", "dvclive", "clearml", "trackio", "aim"], project_dir=args.logs
+        )
+    )
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(96, 4, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
-    (train, held_out) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True),
-                                            torch.utils.data.DataLoader(data, batch_size=32))
+    (train, held_out) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(data, batch_size=8, shuffle=True), torch.utils.data.DataLoader(data, batch_size=32)
+    )
     if latest_checkpoint(args.root) is not None:
         state = load_checkpoint(ctx, args.root, state)
-    with contextlib.redirect_stdout(sys.stderr):  # ClearML and Trackio say where they write: stdout is for "ready" first
-        init_trackers(ctx, "run", state, init_kwargs={"dvclive": {"dir": os.path.join(args.logs, "dvclive")},
-                                                      "clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False},
-                                                      "aim": {"capture_terminal_logs": False}})  # (stdout is the test's)
+    with contextlib.redirect_stdout(
+        sys.stderr
+    ):  # ClearML and Trackio say where they write: stdout is for "ready" first
+        init_trackers(
+            ctx,
+            "run",
+            state,
+            init_kwargs={
+                "dvclive": {"dir": os.path.join(args.logs, "dvclive")},
+                "clearml": {"auto_connect_frameworks": False, "auto_resource_monitoring": False},
+                "aim": {"capture_terminal_logs": False},
+            },
+        )  # (stdout is the test's)
 
     def loss_fn(model, batch):
         if args.slow:
@@ -65,7 +98,11 @@ def main():
         return torch.nn.functional.mse_loss(model(x), y)
 
     saving = checkpoint_every(ctx, 3, args.root)
-    epoch = compose(log_epoch(ctx), evaluate(ctx, loss_fn, held_out), run_epoch(ctx, log_every(ctx, 1)(saving(make_step(ctx, loss_fn))), train))
+    epoch = compose(
+        log_epoch(ctx),
+        evaluate(ctx, loss_fn, held_out),
+        run_epoch(ctx, log_every(ctx, 1)(saving(make_step(ctx, loss_fn))), train),
+    )
     os.write(1, f"ready {os.getpid()}\n".encode())
     with ctx:
         state = saving.at_end(loop(epoch, max_epochs=3)(state))

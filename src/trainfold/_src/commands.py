@@ -16,7 +16,16 @@ from typing import Any, Iterator
 
 from trainfold._src.base.history import history_from_rows
 from trainfold._src.base.io import read_into
-from trainfold._src.checkpoint.manifest import DEEPSPEED, FORMAT, SHARDED, data_ranks, parse_json, read_manifest, read_manifest_json, read_verified
+from trainfold._src.checkpoint.manifest import (
+    DEEPSPEED,
+    FORMAT,
+    SHARDED,
+    data_ranks,
+    parse_json,
+    read_manifest,
+    read_manifest_json,
+    read_verified,
+)
 from trainfold._src.checkpoint.root import latest_checkpoint, list_checkpoints, resolve, verify_checkpoint
 from trainfold._src.checkpoint.storage import checkpoint_at, is_url, open_root
 from trainfold.errors import CheckpointError
@@ -43,6 +52,7 @@ def _json_safe(value: Any) -> Any:
 @contextlib.contextmanager
 def exit_on_sigterm() -> Iterator[None]:
     """SIGTERM raises SystemExit(143) (as SIGINT raises KeyboardInterrupt), so what a write made is removed on the way out."""
+
     def leave(signum: int, frame: Any) -> None:
         del frame  # unused
         raise SystemExit(128 + signum)
@@ -79,10 +89,14 @@ def _folder(where: str) -> str:
     if (path / "MANIFEST.json").exists():
         return where
     if not path.is_dir():
-        raise Refused(f"{path} does not exist or is not a folder: give a checkpoint folder (ckpt-...) or the root that holds them.")
+        raise Refused(
+            f"{path} does not exist or is not a folder: give a checkpoint folder (ckpt-...) or the root that holds them."
+        )
     latest = latest_checkpoint(path)
     if latest is None:
-        raise Refused(f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside).")
+        raise Refused(
+            f"{path} is neither a trainfold checkpoint nor a root of them (no MANIFEST.json, no committed ckpt-* inside)."
+        )
     return str(latest)
 
 
@@ -117,18 +131,26 @@ def ls(root: str, verify: bool = False) -> dict[str, Any]:
         reason = storage.unusable()  # a bucket that does not exist (a typo?) says so
         if reason is not None:
             raise Refused(f"{root}: {reason}.")
-        raise Refused(f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
-                       "(what save_checkpoint was given).")
+        raise Refused(
+            f"{root} is not a folder (or, on a store, holds nothing): give the root that holds the checkpoints "
+            "(what save_checkpoint was given)."
+        )
     found = [str(c) for c in list_checkpoints(root)]  # every manifest read once to order them; the newest is the last
     latest = found[-1] if found else None
     entries = []
     for folder in found:
-        entry = {**_summary(folder, read_manifest_json(checkpoint_at(folder))), "complete": True, "latest": folder == latest}
+        entry = {
+            **_summary(folder, read_manifest_json(checkpoint_at(folder))),
+            "complete": True,
+            "latest": folder == latest,
+        }
         try:  # the position inside the epoch (state.json) and the epoch's length (rank-0.json), read as the manifest vouches
             state, first = _verified_json(folder, "state.json", "rank-0.json")
             entry["batch_in_epoch"] = state["state"].get("batch_in_epoch")
             length = first.get("epoch_length") if entry["batch_in_epoch"] else None
-            entry["epoch_length"] = length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+            entry["epoch_length"] = (
+                length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+            )
         except (CheckpointError, KeyError, TypeError, AttributeError):
             entry["batch_in_epoch"] = entry["epoch_length"] = None
         if verify:
@@ -147,27 +169,41 @@ def ls_text(doc: dict[str, Any]) -> str:
     lines = [f"{doc['root']}:"]
     for e in doc["checkpoints"]:
         if not e["complete"]:
-            lines.append(f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)")
+            lines.append(
+                f"    {e['name']:<28} debris of an unfinished save (removed by the next save; on a store, by the next job to take the root)"
+            )
             continue
         where = f"after epoch {_shown(e['epoch'])}"
-        if e.get("batch_in_epoch"):  # of how many: a save at an epoch's last batch reads "batch 44/44", not as if half-way
+        if e.get(
+            "batch_in_epoch"
+        ):  # of how many: a save at an epoch's last batch reads "batch 44/44", not as if half-way
             epoch = "?" if e["epoch"] is None else e["epoch"] + 1
-            where = f"epoch {epoch} batch {e['batch_in_epoch']}" + (f"/{e['epoch_length']}" if e.get("epoch_length") else "")
+            where = f"epoch {epoch} batch {e['batch_in_epoch']}" + (
+                f"/{e['epoch_length']}" if e.get("epoch_length") else ""
+            )
         checked = "" if "ok" not in e else "  verified" if e["ok"] else f"  DAMAGED: {e['error']}"
-        lines.append(f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {_shown(e['update']):<8} {where:<22} {e['format']:<9} "
-                     f"{_shown(e['processes'])} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}")
+        lines.append(
+            f"{'  *' if e['latest'] else '   '} {e['name']:<28} update {_shown(e['update']):<8} {where:<22} {e['format']:<9} "
+            f"{_shown(e['processes'])} process(es)  {'finite' if e['finite'] is not False else 'NON-FINITE'}  {size_text(e['bytes'])}{checked}"
+        )
     complete = [e for e in doc["checkpoints"] if e["complete"]]
     if len(lines) == 1:
         lines.append("    (no checkpoints)")
     elif any(e.get("latest") for e in complete):
         sound = [e for e in complete if e.get("ok", True)]
         if "ok" not in complete[-1]:  # not read: a damaged newest would be passed over by a load
-            lines.append("* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest "
-                         "that does (trainfold ls --verify checks each)")
+            lines.append(
+                "* the newest: load_checkpoint(ctx, root, state) resumes from it if it verifies, else from the newest "
+                "that does (trainfold ls --verify checks each)"
+            )
         elif complete[-1]["ok"]:
             lines.append("* the newest, what load_checkpoint(ctx, root, state) resumes from")
         else:
-            instead = f"from {sound[-1]['name']}, the newest that verifies" if sound else "from none: every checkpoint is damaged"
+            instead = (
+                f"from {sound[-1]['name']}, the newest that verifies"
+                if sound
+                else "from none: every checkpoint is damaged"
+            )
             lines.append(f"* the newest, damaged: load_checkpoint(ctx, root, state) resumes {instead}")
     return "\n".join(lines)
 
@@ -186,11 +222,18 @@ def verify(path: str, as_json: bool) -> int:
     try:
         manifest = verify_checkpoint(folder)
     except CheckpointError as exc:
-        print(json.dumps({"checkpoint": str(folder), "ok": False, "error": str(exc)}) if as_json else f"{folder}: FAILED: {exc}")
+        print(
+            json.dumps({"checkpoint": str(folder), "ok": False, "error": str(exc)})
+            if as_json
+            else f"{folder}: FAILED: {exc}"
+        )
         return 1
     files = manifest["files"]
-    print(json.dumps({"checkpoint": str(folder), "ok": True, "files": len(files)}) if as_json else
-          f"{folder}: OK ({len(files)} files, {size_text(sum(e['size'] for e in files.values()))}, every one of the size and digest its manifest records)")
+    print(
+        json.dumps({"checkpoint": str(folder), "ok": True, "files": len(files)})
+        if as_json
+        else f"{folder}: OK ({len(files)} files, {size_text(sum(e['size'] for e in files.values()))}, every one of the size and digest its manifest records)"
+    )
     return 0
 
 
@@ -227,7 +270,9 @@ def inspect(path: str) -> dict[str, Any]:
         "checkpoint": str(folder),
         "batch_in_epoch": state.get("batch_in_epoch"),
         "stop": _stop(state),
-        "last_records": [{"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]],
+        "last_records": [
+            {"epoch": r.epoch, "update": r.step, "name": r.name, "value": r.value} for r in tuple(history)[-8:]
+        ],
         "last_report": _last_report(state),
         "throughput": _throughput(history),
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
@@ -251,7 +296,9 @@ def _frozen(folder: str, entries: Any) -> dict[str, Any] | None:
     try:
         values = sum(math.prod(e["shape"]) for e in entries)
     except (TypeError, KeyError) as exc:
-        raise Refused(f"{folder}/state.json is damaged: its frozen entries are not fingerprints ({exc}) (trainfold verify {folder} checks every file)") from None
+        raise Refused(
+            f"{folder}/state.json is damaged: its frozen entries are not fingerprints ({exc}) (trainfold verify {folder} checks every file)"
+        ) from None
     return {"tensors": len(entries), "values": values, "base": digest.of(json.dumps(entries, sort_keys=True).encode())}
 
 
@@ -260,33 +307,57 @@ def _last_report(state: dict[str, Any]) -> dict[str, Any] | None:
     watched run's rates, MFU, time shares and memory among them), or None where there is none or it is not one."""
     extras = state.get("extras")
     pairs = extras.get("__dict__") if isinstance(extras, dict) else None
-    record = next((v for k, v in pairs if k == "log_every"), None) if isinstance(pairs, list) and all(
-        isinstance(p, list) and len(p) == 2 for p in pairs) else None
+    record = (
+        next((v for k, v in pairs if k == "log_every"), None)
+        if isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 for p in pairs)
+        else None
+    )
     fields = record.get("fields") if isinstance(record, dict) and record.get("__record__") == "LogState" else None
     if not isinstance(fields, dict) or not isinstance(fields.get("values"), dict):
         return None
     values = fields["values"].get("__dict__")
-    if not isinstance(values, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in values):
+    if not isinstance(values, list) or not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in values
+    ):
         return None
     return {"update": fields.get("step"), "values": {k: v for k, v in values if isinstance(v, (int, float))}}
 
 
 #: A watched run's epoch figures (``run_epoch``'s records when ``log_every(watch=...)`` is on), as ``inspect`` lists them.
-EPOCH_FIGURES = ("epoch_s", "samples_per_s", "tokens_per_s", "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
+EPOCH_FIGURES = (
+    "epoch_s",
+    "samples_per_s",
+    "tokens_per_s",
+    "memory_allocated_gb",
+    "memory_reserved_gb",
+    "memory_rss_gb",
+)
 
 
 def _throughput(history: Any) -> list[dict[str, Any]]:
     """Each watched epoch's figures, in order: ``{"epoch", "update", "epoch_s", "samples_per_s"[, "tokens_per_s"][, memory]}``."""
     rows: dict[int, dict[str, Any]] = {}
     for r in history:
-        if r.name.startswith("train_") and r.name[len("train_"):] in EPOCH_FIGURES:
-            rows.setdefault(r.epoch, {"epoch": r.epoch, "update": r.step})[r.name[len("train_"):]] = r.value
+        if r.name.startswith("train_") and r.name[len("train_") :] in EPOCH_FIGURES:
+            rows.setdefault(r.epoch, {"epoch": r.epoch, "update": r.step})[r.name[len("train_") :]] = r.value
     return [rows[e] for e in sorted(rows)]
 
 
 #: What ``inspect`` prints of a watched run's last report, in this order (a share of time as a percentage).
-REPORTED = ("samples_per_s", "tokens_per_s", "updates_per_s", "mfu", "time_data", "time_step", "time_update", "time_checkpoint", "time_stop",
-            "memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb")
+REPORTED = (
+    "samples_per_s",
+    "tokens_per_s",
+    "updates_per_s",
+    "mfu",
+    "time_data",
+    "time_step",
+    "time_update",
+    "time_checkpoint",
+    "time_stop",
+    "memory_allocated_gb",
+    "memory_reserved_gb",
+    "memory_rss_gb",
+)
 
 
 def _epoch_figure(name: str, value: float) -> str:
@@ -301,10 +372,18 @@ def _epoch_figure(name: str, value: float) -> str:
 def _stop(state: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's stop as ``state.json`` holds it: a ``Stop`` record (or null); older checkpoints' separate fields."""
     if "stop" not in state:
-        return {"should_stop": state.get("should_stop", False), "finished": state.get("finished", False), "reason": state.get("stop_reason", "")}
+        return {
+            "should_stop": state.get("should_stop", False),
+            "finished": state.get("finished", False),
+            "reason": state.get("stop_reason", ""),
+        }
     stop = state["stop"]
     fields = stop.get("fields", {}) if isinstance(stop, dict) else {}
-    return {"should_stop": stop is not None, "finished": fields.get("finished", False), "reason": fields.get("reason", "")}
+    return {
+        "should_stop": stop is not None,
+        "finished": fields.get("finished", False),
+        "reason": fields.get("reason", ""),
+    }
 
 
 def inspect_text(d: dict[str, Any]) -> str:
@@ -324,26 +403,44 @@ def inspect_text(d: dict[str, Any]) -> str:
     if d["frozen"]:
         f = d["frozen"]
         counts = d["parameters"] or {}
-        tied = "frozen" in counts and counts["frozen"] != f["values"]  # the parameters count a tensor once, fingerprints per name
-        values = f"{f['values']:,} values" + (", one fingerprint per name: a weight tied under several names counts under each" if tied else "")
-        lines.append(f"  adapter checkpoint: {f['tensors']} frozen tensor(s) ({values}) not held, recorded by fingerprint; "
-                     f"base {f['base']} (a load checks the model's base against it)")
+        tied = (
+            "frozen" in counts and counts["frozen"] != f["values"]
+        )  # the parameters count a tensor once, fingerprints per name
+        values = f"{f['values']:,} values" + (
+            ", one fingerprint per name: a weight tied under several names counts under each" if tied else ""
+        )
+        lines.append(
+            f"  adapter checkpoint: {f['tensors']} frozen tensor(s) ({values}) not held, recorded by fingerprint; "
+            f"base {f['base']} (a load checks the model's base against it)"
+        )
     if d["last_records"]:
-        lines.append("  last records: " + ", ".join(f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]))
+        lines.append(
+            "  last records: "
+            + ", ".join(
+                f"{r['name']} {r['value']:.6g} (epoch {r['epoch']}, update {r['update']})" for r in d["last_records"]
+            )
+        )
     if d.get("throughput"):
-        lines.append("  throughput by epoch: " + "; ".join(
-            f"{t['epoch']}: " + ", ".join(_epoch_figure(k, t[k]) for k in EPOCH_FIGURES if k in t) for t in d["throughput"][-8:]))
+        lines.append(
+            "  throughput by epoch: "
+            + "; ".join(
+                f"{t['epoch']}: " + ", ".join(_epoch_figure(k, t[k]) for k in EPOCH_FIGURES if k in t)
+                for t in d["throughput"][-8:]
+            )
+        )
     report = d.get("last_report")
     shown = [k for k in REPORTED if k in report["values"]] if report is not None else []
     if report is not None and shown:
         values = report["values"]
-        lines.append(f"  last report (update {report['update']}): " + ", ".join(
-            f"{k} {values[k]:.1%}" if k.startswith("time_") else f"{k} {values[k]:.4g}" for k in shown))
+        lines.append(
+            f"  last report (update {report['update']}): "
+            + ", ".join(f"{k} {values[k]:.1%}" if k.startswith("time_") else f"{k} {values[k]:.4g}" for k in shown)
+        )
     return "\n".join(lines)
 
 
 def _ranks(d: dict[str, Any]) -> str:
-    """", in N data-parallel ranks" where that is not one per process (tensor parallelism)."""
+    """ ", in N data-parallel ranks" where that is not one per process (tensor parallelism)."""
     return "" if d["data_ranks"] == d["processes"] else f" in {d['data_ranks']} data-parallel rank(s)"
 
 
@@ -353,7 +450,9 @@ def export(path: str, out: Path, transformers_config: str | None, base: str | No
 
     folder = _folder(path)
     if transformers_config is not None and not Path(transformers_config).is_dir():
-        raise Refused(f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least).")
+        raise Refused(
+            f"--transformers {transformers_config} is not a folder: name a Hugging Face model folder (its config.json at least)."
+        )
     try:
         adapters = base is None and bool(_state(folder).get("frozen"))  # sync: none: a JSON value
         written = export_checkpoint(folder, out, transformers_config=transformers_config, base=base)
@@ -372,8 +471,10 @@ def export_text(d: dict[str, Any]) -> str:
     text = f"wrote {d['out']}: {d['tensors']} tensors, {size_text(d['bytes'])}"
     if d["what"] == "model":
         return text
-    return (f"{text}: the adapters alone{' (PeftModel.from_pretrained(base_model, OUT) loads them)' if d['what'] == 'peft adapters' else ''}. "
-            "The checkpoint records its base by fingerprint; --base BASE writes the whole model.")
+    return (
+        f"{text}: the adapters alone{' (PeftModel.from_pretrained(base_model, OUT) loads them)' if d['what'] == 'peft adapters' else ''}. "
+        "The checkpoint records its base by fingerprint; --base BASE writes the whole model."
+    )
 
 
 def _weights(where: str) -> dict[str, Any]:
@@ -402,21 +503,38 @@ def diff(a: str, b: str) -> dict[str, Any]:
         if tuple(x.shape) != tuple(y.shape):
             rows.append({"name": name, "shapes": [list(x.shape), list(y.shape)], "max_abs_diff": None})
         elif not torch.equal(x, y):
-            rows.append({"name": name, "max_abs_diff": float((x.double() - y.double()).abs().max())})  # sync: none, CPU tensors
+            rows.append(
+                {"name": name, "max_abs_diff": float((x.double() - y.double()).abs().max())}
+            )  # sync: none, CPU tensors
     only = {"a": sorted(left.keys() - right.keys()), "b": sorted(right.keys() - left.keys())}
-    return {"a": str(a), "b": str(b), "compared": len(left.keys() & right.keys()), "different": rows, "only_in": only,
-            "equal": not rows and not only["a"] and not only["b"]}
+    return {
+        "a": str(a),
+        "b": str(b),
+        "compared": len(left.keys() & right.keys()),
+        "different": rows,
+        "only_in": only,
+        "equal": not rows and not only["a"] and not only["b"],
+    }
 
 
 def diff_text(d: dict[str, Any]) -> str:
     if d["equal"]:
         return f"equal: {d['compared']} tensors, bit for bit"
     if not d["compared"]:
-        return (f"no tensor in common: {d['a']} has {', '.join(d['only_in']['a']) or 'none'}; "
-                f"{d['b']} has {', '.join(d['only_in']['b']) or 'none'}")
+        return (
+            f"no tensor in common: {d['a']} has {', '.join(d['only_in']['a']) or 'none'}; "
+            f"{d['b']} has {', '.join(d['only_in']['b']) or 'none'}"
+        )
     lines = [f"{len(d['different'])} of {d['compared']} tensors differ:"]
     for r in d["different"]:
-        lines.append(f"  {r['name']}: " + (f"shape {r['shapes'][0]} vs {r['shapes'][1]}" if r["max_abs_diff"] is None else f"max |a - b| {r['max_abs_diff']:.6g}"))
+        lines.append(
+            f"  {r['name']}: "
+            + (
+                f"shape {r['shapes'][0]} vs {r['shapes'][1]}"
+                if r["max_abs_diff"] is None
+                else f"max |a - b| {r['max_abs_diff']:.6g}"
+            )
+        )
     for side in ("a", "b"):
         if d["only_in"][side]:
             lines.append(f"  only in {side}: {', '.join(d['only_in'][side])}")

@@ -63,7 +63,9 @@ def engine_name(accelerator: Accelerator) -> str:
 
 def shards_parameters(accelerator: Accelerator) -> bool:
     """True under FSDP or tensor parallelism: each process holds a shard of every parameter (a DTensor), never the whole model."""
-    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(accelerator)  # sync: none: an enum
+    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(
+        accelerator
+    )  # sync: none: an enum
 
 
 def is_dtensor(t: Any) -> bool:
@@ -83,7 +85,8 @@ def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         g = grad.to(param.device, param.dtype, copy=True)
-        return DTensor.from_local(g, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())  # type: ignore[attr-defined]
+        mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+        return DTensor.from_local(g, mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
     return grad.to(param.device, param.dtype, copy=True)
 
 
@@ -132,7 +135,9 @@ def is_config_scheduler(scheduler: Any) -> bool:
 
 def engine_builds_optimizers(accelerator: Accelerator) -> bool:
     """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
-    return bool(accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM))  # sync: none: an enum
+    return bool(
+        accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    )  # sync: none: an enum
 
 
 def release_prepared(accelerator: Accelerator, state: Any, loaders: tuple[Any, ...]) -> None:

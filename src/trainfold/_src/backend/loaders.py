@@ -30,7 +30,10 @@ def loader_placement(accelerator: Accelerator, count: int) -> list[bool] | None:
     dispatches an iterable dataset's batches only where it places them: on CPU,
     each process reads the stream and keeps its share.)
     """
-    if accelerator.device.type != "cpu" or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+    if accelerator.device.type != "cpu" or accelerator.distributed_type in (
+        DistributedType.DEEPSPEED,
+        DistributedType.MEGATRON_LM,
+    ):
         return None
     if accelerator.dataloader_config.dispatch_batches:  # process 0 reads and sends each process its part: placed
         return None
@@ -69,7 +72,11 @@ def loader_generators(loader: Any) -> list[torch.Generator]:
         sampler = get_sampler(loader)
     except Exception:
         sampler = None
-    for g in (getattr(loader, "synchronized_generator", None), getattr(sampler, "generator", None), getattr(base, "generator", None)):
+    for g in (
+        getattr(loader, "synchronized_generator", None),
+        getattr(sampler, "generator", None),
+        getattr(base, "generator", None),
+    ):
         if isinstance(g, torch.Generator) and all(g is not f for f in found):
             found.append(g)
     return found
@@ -148,7 +155,11 @@ def begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callabl
     from accelerate.utils import send_to_device, synchronize_rng_states
 
     def to_device(batch: Any) -> Any:
-        return send_to_device(batch, loader.device, non_blocking=loader._non_blocking) if loader.device is not None else batch
+        return (
+            send_to_device(batch, loader.device, non_blocking=loader._non_blocking)
+            if loader.device is not None
+            else batch
+        )
 
     restore_epoch_start()
     if loader.rng_types is not None:
@@ -158,7 +169,13 @@ def begin_again(loader: Any, restore_epoch_start: Callable[[], None]) -> Callabl
     return to_device
 
 
-def resumed_epoch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+def resumed_epoch(
+    loader: Any,
+    consumed: int,
+    read_ahead: tuple[bool, Any],
+    restore_epoch_start: Callable[[], None],
+    restore_now: Callable[[], None],
+) -> Any:
     """Iterate the rest of an interrupted epoch exactly as ``DataLoaderShard.__iter__`` would have.
 
     ``consumed`` batches were stepped on and, if ``read_ahead[0]``, one more was
@@ -205,7 +222,8 @@ def _stream_ended(read: int, wanted: int) -> CheckpointError:
     return CheckpointError(
         f"run_epoch: the stream ended after {read} of the {wanted} batches of this epoch that the checkpoint had read: it "
         "is not the stream that saved it (shorter, or changed), or the checkpoint's position is not its own. Resume with "
-        "the data that saved it, or from a checkpoint between epochs.")
+        "the data that saved it, or from a checkpoint between epochs."
+    )
 
 
 def passing_over(loader: Any, base_iter: Any) -> Callable[[int, int], None]:
@@ -221,6 +239,7 @@ def passing_over(loader: Any, base_iter: Any) -> Callable[[int, int], None]:
     """
     sampler_iter = getattr(base_iter, "_sampler_iter", None)
     if sampler_iter is not None and loader.base_dataloader.num_workers == 0 and not is_streamed(loader):
+
         def by_sampler_order(n: int, already: int = 0) -> None:
             del already  # unused: a map-style epoch's length is checked against the checkpoint's before
             for _ in range(n):  # draws the permutation, loads nothing
@@ -292,7 +311,9 @@ def dropped_samples(loader: Any) -> int:
     """How many samples of the dataset a loader never yields in an epoch (``drop_last=True``), 0 if none or unknown."""
     base = getattr(loader, "base_dataloader", loader)
     sampler = getattr(base, "batch_sampler", None)
-    drop = bool(getattr(sampler, "drop_last", False) or getattr(getattr(sampler, "batch_sampler", None), "drop_last", False))  # sync: none: loader settings
+    drop = bool(
+        getattr(sampler, "drop_last", False) or getattr(getattr(sampler, "batch_sampler", None), "drop_last", False)
+    )  # sync: none: loader settings
     per_batch = samples_per_batch(loader)
     if per_batch is None:  # a plain DataLoader: its own batch size
         per_batch = getattr(sampler, "batch_size", None) if type(sampler) is torch.utils.data.BatchSampler else None
@@ -303,8 +324,13 @@ def dropped_samples(loader: Any) -> int:
     return max(0, total - batches * per_batch) if drop and per_batch else 0
 
 
-def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[torch.Tensor, ...], restore_epoch_start: Callable[[], None],
-                       restore_now: Callable[[], None]) -> Any:
+def resumed_by_samples(
+    loader: Any,
+    samples_done: int,
+    saved_generators: tuple[torch.Tensor, ...],
+    restore_epoch_start: Callable[[], None],
+    restore_now: Callable[[], None],
+) -> Any:
     """Iterate the rest of an interrupted epoch by its position in samples, dealt out to this run's processes.
 
     For an epoch saved on another number of processes: the epoch's order is
@@ -355,10 +381,22 @@ def resumed_by_samples(loader: Any, samples_done: int, saved_generators: tuple[t
     del whole
     batches: Any = torch.utils.data.BatchSampler(order[samples_done:], inner.batch_size, inner.drop_last)
     if isinstance(shard, BatchSamplerShard):
-        batches = BatchSamplerShard(batches, shard.num_processes, shard.process_index, split_batches=shard.split_batches, even_batches=shard.even_batches)
+        batches = BatchSamplerShard(
+            batches,
+            shard.num_processes,
+            shard.process_index,
+            split_batches=shard.split_batches,
+            even_batches=shard.even_batches,
+        )
     rest = torch.utils.data.DataLoader(
-        base.dataset, batch_sampler=batches, collate_fn=base.collate_fn, num_workers=base.num_workers, pin_memory=base.pin_memory,
-        worker_init_fn=base.worker_init_fn, timeout=base.timeout, multiprocessing_context=base.multiprocessing_context,
+        base.dataset,
+        batch_sampler=batches,
+        collate_fn=base.collate_fn,
+        num_workers=base.num_workers,
+        pin_memory=base.pin_memory,
+        worker_init_fn=base.worker_init_fn,
+        timeout=base.timeout,
+        multiprocessing_context=base.multiprocessing_context,
     )
     restore_now()
     base_iter = iter(rest)

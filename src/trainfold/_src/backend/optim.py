@@ -75,7 +75,9 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     """
     if _needs_accelerate_optimizer(accelerator, optimizer):
         skipped = getattr(optimizer, "step_was_skipped", None)
-        was_skipped = (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped  # sync: none: a host flag Accelerate's scaler sets
+        was_skipped = (
+            (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped
+        )  # sync: none: a host flag Accelerate's scaler sets
         scaled = getattr(optimizer, "scaler", None) is not None
         return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
     inner = optimizer.optimizer
@@ -91,7 +93,9 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def set_lr(group: dict[str, Any], value: Any) -> None:
     """Set a parameter group's learning rate, in place where it is a tensor (a compiled update's: see :func:`lr_as_tensor`)."""
     if isinstance(group["lr"], torch.Tensor):
-        group["lr"].fill_(float(value))  # sync: none for a number (a schedule's); the tensor is the update's, on the CPU
+        group["lr"].fill_(
+            float(value)
+        )  # sync: none for a number (a schedule's); the tensor is the update's, on the CPU
     else:
         group["lr"] = value
 
@@ -165,7 +169,10 @@ def backward_fn(accelerator: Accelerator) -> Callable[[torch.Tensor], Any]:
     with one accumulation step the division is skipped (``x / 1`` is ``x``, bit
     for bit).
     """
-    plain = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) and accelerator.scaler is None
+    plain = (
+        accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        and accelerator.scaler is None
+    )
     if not plain or getattr(accelerator, "has_lomo_optimizer", False):
         return cast("Callable[[torch.Tensor], Any]", accelerator.backward)
     steps = accelerator.gradient_accumulation_steps

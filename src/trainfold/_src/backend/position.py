@@ -34,8 +34,18 @@ from trainfold._src.backend.loaders import (
 )
 from trainfold._src.backend.sources import check_source, source_identity
 from trainfold._src.backend.streams import (
-    WHOLE, StreamSource, StreamState, check_saved, dealing, kind_of, redeal, resumed_dispatch, resumed_elsewhere,
-    resumed_from_state, stream_source, whole_stream,
+    WHOLE,
+    StreamSource,
+    StreamState,
+    check_saved,
+    dealing,
+    kind_of,
+    redeal,
+    resumed_dispatch,
+    resumed_elsewhere,
+    resumed_from_state,
+    stream_source,
+    whole_stream,
 )
 from trainfold._src.base import rng
 from trainfold._src.base.checks import length_or_none
@@ -74,8 +84,16 @@ class EpochPosition:
     source: Any = attrs.field(default=None, repr=False)
 
 
-def position_at_save(loader: Any, iterator: Any, epoch_start: RngStates, consumed: int, processes: int, *,
-                     resumed_at: tuple[int, int] | None = None, reader: Any = None) -> EpochPosition:
+def position_at_save(
+    loader: Any,
+    iterator: Any,
+    epoch_start: RngStates,
+    consumed: int,
+    processes: int,
+    *,
+    resumed_at: tuple[int, int] | None = None,
+    reader: Any = None,
+) -> EpochPosition:
     """Where the epoch over ``loader``, iterated by ``iterator`` from ``epoch_start``, stands after ``consumed`` batches.
 
     ``resumed_at``: the samples and batches done before this iteration began, for an epoch continued on another
@@ -86,12 +104,21 @@ def position_at_save(loader: Any, iterator: Any, epoch_start: RngStates, consume
     per_batch = samples_per_batch(loader)
     samples_before, batches_before = resumed_at or (0, 0)
     done = None if per_batch is None else samples_before + (consumed - batches_before) * per_batch
-    streamed = is_streamed(loader) and read_ahead[0]  # a stream that can say where it is: its state after the batch read ahead
+    streamed = (
+        is_streamed(loader) and read_ahead[0]
+    )  # a stream that can say where it is: its state after the batch read ahead
     source = (StreamSource("redealt", reader, 0) if reader is not None else stream_source(loader)) if streamed else None
-    return EpochPosition(epoch_start, read_ahead, length_or_none(loader), done, by_samples=resumed_at is not None,
-                         stream=None if source is None else source.capture(), dispatched=is_dispatcher(loader),
-                         dealt=(WHOLE if reader is not None else dealing(loader, processes)) if streamed else None,
-                         source=source_identity(loader, processes) if is_streamed(loader) else None)
+    return EpochPosition(
+        epoch_start,
+        read_ahead,
+        length_or_none(loader),
+        done,
+        by_samples=resumed_at is not None,
+        stream=None if source is None else source.capture(),
+        dispatched=is_dispatcher(loader),
+        dealt=(WHOLE if reader is not None else dealing(loader, processes)) if streamed else None,
+        source=source_identity(loader, processes) if is_streamed(loader) else None,
+    )
 
 
 @attrs.frozen
@@ -108,7 +135,10 @@ class Moments:
     def restorers(self, loader: Any) -> tuple[Callable[[], None], Callable[[], None]]:
         """Two functions that restore the epoch's start and the checkpoint's moment into the process and ``loader``."""
         generators = loader_generators(loader)
-        start, now = (rng.restore_loosely if self.start_loosely else rng.restore), (rng.restore_loosely if self.now_loosely else rng.restore)
+        start, now = (
+            (rng.restore_loosely if self.start_loosely else rng.restore),
+            (rng.restore_loosely if self.now_loosely else rng.restore),
+        )
         return (lambda: start(self.start, generators)), (lambda: now(self.now, generators))
 
 
@@ -123,8 +153,19 @@ class Resumed:
     replayed: bool = False
 
 
-def resume_in_epoch(loader: Any, position: EpochPosition, consumed: int, now: RngStates, *, epoch: int, processes: int, index: int,
-                    elastic: bool, saved_processes: int, peers: Sequence[EpochPosition | None] = ()) -> Resumed:
+def resume_in_epoch(
+    loader: Any,
+    position: EpochPosition,
+    consumed: int,
+    now: RngStates,
+    *,
+    epoch: int,
+    processes: int,
+    index: int,
+    elastic: bool,
+    saved_processes: int,
+    peers: Sequence[EpochPosition | None] = (),
+) -> Resumed:
     """The rest of the epoch ``position`` describes, ``consumed`` batches in, saved at the random state ``now`` by
     ``saved_processes`` processes, on this run's ``processes`` (this one ``index``): one of the five ways of this
     module's docstring. ``elastic``: the checkpoint's data-parallel layout is not this run's; ``peers``: every saving
@@ -140,28 +181,74 @@ def resume_in_epoch(loader: Any, position: EpochPosition, consumed: int, now: Rn
     # another number of processes), whose loader had other generators: its order is drawn with the saved ones
     moments = Moments(position.epoch_start, now, start_loosely=elastic or position.by_samples, now_loosely=elastic)
     restore_start, restore_now = moments.restorers(loader)
-    if position.stream is not None and (position.stream.holder == "redealt" or elastic and not (position.dispatched and is_dispatcher(loader))):
+    if position.stream is not None and (
+        position.stream.holder == "redealt" or elastic and not (position.dispatched and is_dispatcher(loader))
+    ):
         reader = _redealt(loader, position, peers, epoch, processes)
-        return Resumed(resumed_elsewhere(loader, reader, processes, index, restore_epoch_start=restore_start, restore_now=restore_now),
-                       reader=reader)
-    if position.stream is not None:  # a stream that said where it stood: continued from there, in O(1) (elastic if dispatched)
+        return Resumed(
+            resumed_elsewhere(
+                loader, reader, processes, index, restore_epoch_start=restore_start, restore_now=restore_now
+            ),
+            reader=reader,
+        )
+    if (
+        position.stream is not None
+    ):  # a stream that said where it stood: continued from there, in O(1) (elastic if dispatched)
         source = check_saved(position.stream, stream_source(loader), loader)
         if is_dispatcher(loader):
-            return Resumed(resumed_dispatch(loader, consumed, position.read_ahead, source, position.stream,
-                                            restore_epoch_start=restore_start, restore_now=restore_now))
-        return Resumed(resumed_from_state(loader, source, position.stream, position.read_ahead,
-                                          restore_epoch_start=restore_start, restore_now=restore_now))
+            return Resumed(
+                resumed_dispatch(
+                    loader,
+                    consumed,
+                    position.read_ahead,
+                    source,
+                    position.stream,
+                    restore_epoch_start=restore_start,
+                    restore_now=restore_now,
+                )
+            )
+        return Resumed(
+            resumed_from_state(
+                loader,
+                source,
+                position.stream,
+                position.read_ahead,
+                restore_epoch_start=restore_start,
+                restore_now=restore_now,
+            )
+        )
     if elastic or position.by_samples:
         assert position.samples_done is not None  # load_checkpoint refuses a checkpoint without it
-        return Resumed(resumed_by_samples(loader, position.samples_done, position.epoch_start.generators,
-                                          restore_epoch_start=restore_start, restore_now=restore_now),
-                       resumed_at=(position.samples_done, consumed))
+        return Resumed(
+            resumed_by_samples(
+                loader,
+                position.samples_done,
+                position.epoch_start.generators,
+                restore_epoch_start=restore_start,
+                restore_now=restore_now,
+            ),
+            resumed_at=(position.samples_done, consumed),
+        )
     replayed = is_streamed(loader) and bool(position.read_ahead[0])
     if is_dispatcher(loader):
-        return Resumed(resumed_dispatch(loader, consumed, position.read_ahead, None, None, restore_epoch_start=restore_start,
-                                        restore_now=restore_now), replayed=replayed)
-    return Resumed(resumed_epoch(loader, consumed, position.read_ahead, restore_epoch_start=restore_start, restore_now=restore_now),
-                   replayed=replayed)
+        return Resumed(
+            resumed_dispatch(
+                loader,
+                consumed,
+                position.read_ahead,
+                None,
+                None,
+                restore_epoch_start=restore_start,
+                restore_now=restore_now,
+            ),
+            replayed=replayed,
+        )
+    return Resumed(
+        resumed_epoch(
+            loader, consumed, position.read_ahead, restore_epoch_start=restore_start, restore_now=restore_now
+        ),
+        replayed=replayed,
+    )
 
 
 def _check_dealing(loader: Any, position: EpochPosition, saved_processes: int, elastic: bool) -> None:
@@ -173,7 +260,9 @@ def _check_dealing(loader: Any, position: EpochPosition, saved_processes: int, e
     """
     if elastic or saved_processes == 1 or not is_streamed(loader) or position.dispatched == is_dispatcher(loader):
         return
-    was, now = ("dispatched", "deals each process its share") if position.dispatched else ("dealt in shares", "dispatches")
+    was, now = (
+        ("dispatched", "deals each process its share") if position.dispatched else ("dealt in shares", "dispatches")
+    )
     raise CheckpointError(
         f"run_epoch: the checkpoint's epoch over a stream was {was} on its {saved_processes} processes, and this loader {now}: "
         f"each process's position says where its own part stood that way. Resume with DataLoaderConfiguration(dispatch_batches="
@@ -182,7 +271,9 @@ def _check_dealing(loader: Any, position: EpochPosition, saved_processes: int, e
     )
 
 
-def _redealt(loader: Any, position: EpochPosition, peers: Sequence[EpochPosition | None], epoch: int, processes: int) -> Any:
+def _redealt(
+    loader: Any, position: EpochPosition, peers: Sequence[EpochPosition | None], epoch: int, processes: int
+) -> Any:
     """The reader of an interrupted streamed epoch's rest, dealt anew to this run's processes, checked against the loader.
 
     Raises:
@@ -190,7 +281,9 @@ def _redealt(loader: Any, position: EpochPosition, peers: Sequence[EpochPosition
             another kind than the one saved.
     """
     assert position.stream is not None and peers
-    dealt = position.dealt or WHOLE  # (recorded as dispatched alone by an older trainfold: process 0's state is the whole stream's)
+    dealt = (
+        position.dealt or WHOLE
+    )  # (recorded as dispatched alone by an older trainfold: process 0's state is the whole stream's)
     if is_dispatcher(loader):
         raise CheckpointError(
             "run_epoch: the checkpoint's epoch was dealt to its processes in shares, and this loader has process 0 read and "

@@ -30,4 +30,6 @@ def drop_fp32_outputs(model: torch.nn.Module) -> None:
         converter = getattr(forward, "__wrapped__", None)
         if isinstance(converter, ConvertOutputsToFp32):
             autocast_forward = converter.model_forward
-            module.forward = MethodType(autocast_forward, module) if isinstance(forward, MethodType) else autocast_forward
+            module.forward = (
+                MethodType(autocast_forward, module) if isinstance(forward, MethodType) else autocast_forward
+            )

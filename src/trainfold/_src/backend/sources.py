@@ -31,8 +31,10 @@ def source_identity(loader: Any, processes: int) -> dict[str, Any] | None:
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError):
-            raise TypeError(f"{type(whole).__name__}.source_id() returned {value!r:.100}, which a checkpoint cannot hold: "
-                            "return JSON values (str, numbers, lists, dicts of str keys).") from None
+            raise TypeError(
+                f"{type(whole).__name__}.source_id() returned {value!r:.100}, which a checkpoint cannot hold: "
+                "return JSON values (str, numbers, lists, dicts of str keys)."
+            ) from None
         return dict(value) if isinstance(value, dict) else {"source_id": value}
     return _datasets_identity(whole)
 

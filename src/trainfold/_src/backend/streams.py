@@ -120,7 +120,11 @@ def drops_shuffle_buffer(dataset: Any) -> bool:
         seen += 1
         if it is None:
             continue
-        if type(it).__name__ == "BufferShuffledExamplesIterable" and getattr(it, "buffer_size", 2) > 1 and "buffer" not in _keys(it):
+        if (
+            type(it).__name__ == "BufferShuffledExamplesIterable"
+            and getattr(it, "buffer_size", 2) > 1
+            and "buffer" not in _keys(it)
+        ):
             return True
         found.append(getattr(it, "ex_iterable", None))
         found.extend(getattr(it, "ex_iterables", None) or ())
@@ -193,8 +197,14 @@ def check_saved(saved: StreamState, source: StreamSource | None, loader: Any) ->
     return source
 
 
-def resumed_from_state(loader: Any, source: StreamSource, saved: StreamState, read_ahead: tuple[bool, Any],
-                       restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+def resumed_from_state(
+    loader: Any,
+    source: StreamSource,
+    saved: StreamState,
+    read_ahead: tuple[bool, Any],
+    restore_epoch_start: Callable[[], None],
+    restore_now: Callable[[], None],
+) -> Any:
     """Iterate the rest of an interrupted epoch over a stream from its saved state: nothing consumed is read again.
 
     The epoch begins again as the loader begins one (its random state, so that workers draw the same
@@ -212,11 +222,20 @@ def resumed_from_state(loader: Any, source: StreamSource, saved: StreamState, re
     except StopIteration:  # the batch read ahead is the epoch's last
         after = []
     # the read-ahead batch as the checkpoint kept it, in the container types the loader's own batches have
-    yield from look_ahead(loader, _chain(after, base_iter), to_device(like(after[0], ahead) if after else ahead), to_device)
+    yield from look_ahead(
+        loader, _chain(after, base_iter), to_device(like(after[0], ahead) if after else ahead), to_device
+    )
 
 
-def resumed_dispatch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], source: StreamSource | None, saved: StreamState | None,
-                     restore_epoch_start: Callable[[], None], restore_now: Callable[[], None]) -> Any:
+def resumed_dispatch(
+    loader: Any,
+    consumed: int,
+    read_ahead: tuple[bool, Any],
+    source: StreamSource | None,
+    saved: StreamState | None,
+    restore_epoch_start: Callable[[], None],
+    restore_now: Callable[[], None],
+) -> Any:
     """Iterate the rest of an interrupted epoch whose stream process 0 reads and dispatches (``dispatch_batches``).
 
     Accelerate's own dispatching loop runs over the base loader's batches as they would have come: on
@@ -258,8 +277,16 @@ def resumed_dispatch(loader: Any, consumed: int, read_ahead: tuple[bool, Any], s
 class _Continued:
     """A base loader whose next iteration continues an interrupted epoch: ``pieces`` first, then the stream, placed by ``position``."""
 
-    def __init__(self, base: Any, pieces: list[Any], position: Callable[[], None], restore_now: Callable[[], None], skip: int) -> None:
-        self._base, self._pieces, self._position, self._restore_now, self._skip = base, pieces, position, restore_now, skip
+    def __init__(
+        self, base: Any, pieces: list[Any], position: Callable[[], None], restore_now: Callable[[], None], skip: int
+    ) -> None:
+        self._base, self._pieces, self._position, self._restore_now, self._skip = (
+            base,
+            pieces,
+            position,
+            restore_now,
+            skip,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._base, name)
@@ -344,7 +371,9 @@ class Redealt:
     so a checkpoint inside the epoch resumes, again on any number of processes, by this same rule.
     """
 
-    def __init__(self, whole: Any, pieces: list[Any], parts: list[tuple[tuple[int, int] | None, Any]], epoch: int) -> None:
+    def __init__(
+        self, whole: Any, pieces: list[Any], parts: list[tuple[tuple[int, int] | None, Any]], epoch: int
+    ) -> None:
         self.whole, self._pieces, self._parts, self._epoch = whole, list(pieces), list(parts), epoch
         self._reading: Any = None  # the part being read, whose own state says where it is
 
@@ -373,14 +402,30 @@ class Redealt:
 def _parts_of(state: Any, whole: Any) -> tuple[list[Any], list[tuple[tuple[int, int] | None, Any]]]:
     """The batches still to come and the parts still to read, from a :class:`Redealt`'s ``state_dict()``, checked: each
     part once, of one split of ``whole`` (which can be split), or the whole stream alone."""
-    if not (isinstance(state, dict) and set(state) == {"pieces", "parts"} and isinstance(state["pieces"], list)
-            and isinstance(state["parts"], list)):
-        raise CheckpointError(f"run_epoch: the checkpoint's stream state is not one of a stream dealt anew ({str(state)[:200]}).")
+    if not (
+        isinstance(state, dict)
+        and set(state) == {"pieces", "parts"}
+        and isinstance(state["pieces"], list)
+        and isinstance(state["parts"], list)
+    ):
+        raise CheckpointError(
+            f"run_epoch: the checkpoint's stream state is not one of a stream dealt anew ({str(state)[:200]})."
+        )
     parts: list[tuple[tuple[int, int] | None, Any]] = []
     for entry in state["parts"]:
         spec = entry[0] if isinstance(entry, list) and len(entry) == 2 else "bad"
-        if not (spec is None or (isinstance(spec, list) and len(spec) == 2 and all(type(n) is int for n in spec) and 0 <= spec[1] < spec[0])):
-            raise CheckpointError(f"run_epoch: the checkpoint's stream names a part {entry!r:.200}, not [processes, index] or null.")
+        if not (
+            spec is None
+            or (
+                isinstance(spec, list)
+                and len(spec) == 2
+                and all(type(n) is int for n in spec)
+                and 0 <= spec[1] < spec[0]
+            )
+        ):
+            raise CheckpointError(
+                f"run_epoch: the checkpoint's stream names a part {entry!r:.200}, not [processes, index] or null."
+            )
         parts.append((None if spec is None else (spec[0], spec[1]), entry[1]))
     _check_parts([spec for spec, _ in parts], whole)
     return state["pieces"], parts
@@ -391,16 +436,22 @@ def _check_parts(specs: list[tuple[int, int] | None], whole: Any) -> None:
     seen: set[tuple[int, int] | None] = set()
     for spec in specs:
         if spec in seen:
-            raise CheckpointError(f"{where} names the part {list(spec) if spec else None} twice: its samples would be trained twice.")
+            raise CheckpointError(
+                f"{where} names the part {list(spec) if spec else None} twice: its samples would be trained twice."
+            )
         seen.add(spec)
     splits = sorted({spec[0] for spec in specs if spec is not None})
     if len(splits) > 1:
-        raise CheckpointError(f"{where} names parts of streams split {' and '.join(map(str, splits))} ways: not one stream's rest.")
+        raise CheckpointError(
+            f"{where} names parts of streams split {' and '.join(map(str, splits))} ways: not one stream's rest."
+        )
     if splits and None in specs:
         raise CheckpointError(f"{where} names the whole stream and a part of it: the part would be trained twice.")
     if splits and not callable(getattr(whole, "shard", None)):
-        raise CheckpointError(f"{where} names parts of a split stream, and this loader's {type(whole).__name__} cannot be split "
-                              "(it has no shard()): resume with the dataset that saved it.")
+        raise CheckpointError(
+            f"{where} names parts of a split stream, and this loader's {type(whole).__name__} cannot be split "
+            "(it has no shard()): resume with the dataset that saved it."
+        )
 
 
 def units_of(pieces: list[Any], unit: int) -> list[Any]:
@@ -448,7 +499,9 @@ def _cut(batch: Any, part: slice) -> Any:
     raise TypeError(f"a batch holding a {type(batch).__name__}, which cannot be cut into batches")
 
 
-def deal(items: Any, *, unit: int, processes: int, index: int, drop_last: bool, collate: Callable[[list[Any]], Any]) -> Any:
+def deal(
+    items: Any, *, unit: int, processes: int, index: int, drop_last: bool, collate: Callable[[list[Any]], Any]
+) -> Any:
     """Process ``index``'s batches of a sequence dealt to ``processes`` as Accelerate's ``IterableDatasetShard`` deals
     a stream: the sequence cut into batches of ``unit`` samples, batch ``i`` to process ``i % processes``, a round of
     ``processes`` batches taken only once it is whole (so every process takes as many).
@@ -501,7 +554,9 @@ class _Samples(list[Any]):
     ``default_collate`` of tuple samples)."""
 
 
-def redeal(whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt: str, epoch: int, unit: int) -> Redealt:
+def redeal(
+    whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt: str, epoch: int, unit: int
+) -> Redealt:
     """The reader of an interrupted epoch's rest, dealt anew (:class:`Redealt`), from what the saving processes recorded
     (in rank order): the batches they had read ahead and their streams' states."""
     states = [s for s in saved if s is not None]
@@ -516,14 +571,26 @@ def redeal(whole: Any, aheads: list[Any], saved: list[StreamState | None], dealt
     return Redealt(whole, pieces, [((len(saved), r), s.state) for r, s in enumerate(saved) if s is not None], epoch)
 
 
-def resumed_elsewhere(loader: Any, reader: Redealt, processes: int, index: int, restore_epoch_start: Callable[[], None],
-                      restore_now: Callable[[], None]) -> Any:
+def resumed_elsewhere(
+    loader: Any,
+    reader: Redealt,
+    processes: int,
+    index: int,
+    restore_epoch_start: Callable[[], None],
+    restore_now: Callable[[], None],
+) -> Any:
     """Iterate this process's share of an interrupted epoch's rest, dealt anew to this run's processes (:func:`deal`)."""
     to_device = begin_again(loader, restore_epoch_start)
     restore_now()
     base = _base_of(loader)
-    batches = deal(iter(reader), unit=base.batch_size, processes=processes, index=index, drop_last=base.drop_last,
-                   collate=base.collate_fn)
+    batches = deal(
+        iter(reader),
+        unit=base.batch_size,
+        processes=processes,
+        index=index,
+        drop_last=base.drop_last,
+        collate=base.collate_fn,
+    )
     try:
         first = next(batches)
     except StopIteration:  # nothing was left of the epoch

@@ -25,8 +25,10 @@ def named(fn: _F, name: str) -> _F:
 
 
 #: where trainfold's and toolz's code lives: frames a warning is not attributed to
-_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
-                 os.path.dirname(os.path.abspath(toolz.__file__)) + os.sep)
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+    os.path.dirname(os.path.abspath(toolz.__file__)) + os.sep,
+)
 
 
 def user_stacklevel() -> int:

@@ -47,7 +47,9 @@ def _generate(cls: type, changed: tuple[str, ...]) -> Callable[..., Any]:
     # the generated names cannot clash with a field's (fields named "state" or "cls" are fine)
     values = {f.alias: f.alias if f.alias in changed else f"__old.{f.name}" for f in fields}
     # by position where __init__ takes it (attrs keeps the fields' order), by keyword otherwise
-    args = [values[f.alias] for f in fields if not f.kw_only] + [f"{f.alias}={values[f.alias]}" for f in fields if f.kw_only]
+    args = [values[f.alias] for f in fields if not f.kw_only] + [
+        f"{f.alias}={values[f.alias]}" for f in fields if f.kw_only
+    ]
     source = f"def copy(__old{''.join(f', {name}' for name in changed)}):\n    return __cls({', '.join(args)})\n"
     namespace: dict[str, Any] = {"__cls": cls}
     exec(compile(source, f"<trainfold copy of {cls.__name__}>", "exec"), namespace)  # noqa: S102 (field names only)

@@ -53,7 +53,9 @@ class History:
 
     def add(self, *, epoch: int, step: int, values: Mapping[str, float]) -> History:
         """Return a History with one record per item of ``values`` appended."""
-        new = tuple(Record(epoch, step, name, float(v)) for name, v in values.items())  # sync: none for floats; per record (never per step) for a tensor
+        new = tuple(
+            Record(epoch, step, name, float(v)) for name, v in values.items()
+        )  # sync: none for floats; per record (never per step) for a tensor
         return History(self.records + new)
 
     def __getitem__(self, name: str) -> tuple[float, ...]:
@@ -154,7 +156,9 @@ def _record(r: Any) -> Record:
     epoch, step, name, value = r
     if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
-    return Record(counter("history epoch", epoch), counter("history step", step), name, float(value))  # sync: none: a JSON number
+    return Record(
+        counter("history epoch", epoch), counter("history step", step), name, float(value)
+    )  # sync: none: a JSON number
 
 
 class _AtStep(Mapping[str, float]):
@@ -171,7 +175,9 @@ class _AtStep(Mapping[str, float]):
         except KeyError:
             older = [r for r in self._history.records if r.name == name]
             if not older:
-                raise KeyError(f"no metric {name!r} has been recorded; recorded at update {self._step}: {list(self._values)}") from None
+                raise KeyError(
+                    f"no metric {name!r} has been recorded; recorded at update {self._step}: {list(self._values)}"
+                ) from None
             last = older[-1]
             raise KeyError(
                 f"{name!r} was not recorded for the model at update {self._step}: its last value is from update {last.step} "

@@ -74,14 +74,18 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
     return target
 
 
-def write_durably(path: str | os.PathLike[str], chunks: Iterable[Any], seen: Callable[[Any], Any] = lambda chunk: None) -> int:
+def write_durably(
+    path: str | os.PathLike[str], chunks: Iterable[Any], seen: Callable[[Any], Any] = lambda chunk: None
+) -> int:
     """Write ``chunks`` (buffers) to ``path`` and fsync it; ``seen`` is given each chunk as it is written (a hasher's update).
 
     Returns the number of bytes written. Raises OSError when a write fails (a full disk: ENOSPC).
     """
     size = 0
     # never through a link: a name swapped for a symbolic link fails (ELOOP) instead of writing where it points
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644
+    )
     with os.fdopen(fd, "wb") as f:
         for chunk in chunks:
             f.write(chunk)
@@ -135,4 +139,3 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
 
 #: where torch's CPU allocator puts every tensor (c10's alignment, for AVX-512)
 ALIGNMENT = 64
-

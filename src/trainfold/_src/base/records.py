@@ -72,7 +72,11 @@ def register_record(cls: _T | None = None, /, *, name: str | None = None) -> _T:
             raise TypeError(f"register_record takes an attrs class (got {c!r}): decorate an @attrs.frozen class.")
         key = name or c.__qualname__
         known = RECORDS.get(key)
-        if known is not None and known is not c and (known.__module__, known.__qualname__) != (c.__module__, c.__qualname__):
+        if (
+            known is not None
+            and known is not c
+            and (known.__module__, known.__qualname__) != (c.__module__, c.__qualname__)
+        ):
             raise ValueError(
                 f"record name {key!r} is taken by {known.__module__}.{known.__qualname__}; register "
                 f"{c.__module__}.{c.__qualname__} under another name: register_record(name='...')."

@@ -68,7 +68,13 @@ def to_record(states: RngStates) -> tuple[dict[str, torch.Tensor], dict[str, Any
     name, keys, pos, has_gauss, cached = states.numpy
     meta = {
         "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],  # sync: none: numpy's state, on the host
+        "numpy": [
+            name,
+            keys.tolist(),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],  # sync: none: numpy's state, on the host
         "cuda_devices": len(states.torch_cuda),
         "generators": len(states.generators),
     }

@@ -74,7 +74,9 @@ class RunningSums:
     closed: tuple[RunningSums, int] | None = attrs.field(default=None, eq=False, repr=False)
 
     @classmethod
-    def zero(cls, device: torch.device | str, *, mask_nonfinite: bool = False, dtype: torch.dtype = torch.float32) -> RunningSums:
+    def zero(
+        cls, device: torch.device | str, *, mask_nonfinite: bool = False, dtype: torch.dtype = torch.float32
+    ) -> RunningSums:
         """Empty sums whose loss sum is a 0-d zero of ``dtype`` on ``device``."""
         return cls(torch.zeros((), device=device, dtype=dtype), _NO_AUX, (), mask_nonfinite, dtype)
 
@@ -92,22 +94,30 @@ class RunningSums:
         entry = detached(loss, aux)
         pending = (*self.pending, entry)
         if len(pending) < FOLD_EVERY:
-            return RunningSums(self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype, self.started_at, entry)
-        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+            return RunningSums(
+                self.folded_loss, self.folded_aux, pending, self.mask_nonfinite, self.dtype, self.started_at, entry
+            )
+        loss_sum, aux_sums = fold(
+            self.folded_loss, self.folded_aux, pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype
+        )
         return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.started_at, entry)
 
     def folded(self) -> RunningSums:
         """These sums with the pending batches added (a few kernels, no sync)."""
         if not self.pending:
             return self
-        loss_sum, aux_sums = fold(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype)
+        loss_sum, aux_sums = fold(
+            self.folded_loss, self.folded_aux, self.pending, mask_nonfinite=self.mask_nonfinite, dtype=self.dtype
+        )
         return RunningSums(loss_sum, aux_sums, (), self.mask_nonfinite, self.dtype, self.started_at, self.last)
 
     def masking(self, mask_nonfinite: bool = True) -> RunningSums:
         """These sums, masking non-finite losses from now on (or not)."""
         if mask_nonfinite == self.mask_nonfinite:
             return self
-        return RunningSums(self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.started_at, self.last)
+        return RunningSums(
+            self.folded_loss, self.folded_aux, self.pending, mask_nonfinite, self.dtype, self.started_at, self.last
+        )
 
     def reset(self, device: torch.device | str, batches: int | None = None, *, started_at: int = 0) -> RunningSums:
         """Empty sums on ``device`` that mask as these do: a new epoch's, which (given the epoch's ``batches``) hold these,
@@ -121,7 +131,12 @@ class RunningSums:
         """Where the interval these sums (of ``epoch``) hold since ``last`` began: ``last``'s sums and batch (a
         ``log_every`` report: ``epoch``, ``batches``, ``sums``) where it is of this epoch, with these names, and these
         sums held its batches; else no sums to subtract, from the batch these sums start after."""
-        if last is not None and last.epoch == epoch and last.batches >= self.started_at and last.sums.keys() == self.as_dict().keys():
+        if (
+            last is not None
+            and last.epoch == epoch
+            and last.batches >= self.started_at
+            and last.sums.keys() == self.as_dict().keys()
+        ):
             return last.sums, last.batches
         return None, self.started_at
 
@@ -140,15 +155,23 @@ class RunningSums:
         done = self.folded()
         return dict(done.folded_aux) if done.folded_loss is None else {"loss": done.folded_loss, **done.folded_aux}
 
-    def means(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None) -> dict[str, float]:
+    def means(
+        self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, float]:
         """The means over every process: the sums (minus ``since``, an earlier :meth:`as_dict`) over ``count``.
 
         One all-reduce and one host transfer: call it once per epoch or log interval.
         """
         return self.means_and_totals(accelerator, count, since=since)[0]
 
-    def means_and_totals(self, accelerator: Accelerator, count: torch.Tensor | int, *, since: Mapping[str, torch.Tensor] | None = None,
-                         totals: Mapping[str, torch.Tensor | float] | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    def means_and_totals(
+        self,
+        accelerator: Accelerator,
+        count: torch.Tensor | int,
+        *,
+        since: Mapping[str, torch.Tensor] | None = None,
+        totals: Mapping[str, torch.Tensor | float] | None = None,
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """:meth:`means`, and ``totals`` (counts of this process: samples, FLOPs) summed over every process, from the
         same one all-reduce; with totals, the sums (minus ``since``) themselves too, summed, under ``"sum:<name>"``."""
         sums = self.as_dict()
@@ -156,7 +179,9 @@ class RunningSums:
             sums = {k: v - since[k] for k, v in sums.items()}
         if not sums and not totals:
             return {}, {}
-        extra = {**totals, **{f"sum:{k}": v for k, v in sums.items()}} if totals else {}  # (none: the plain means, in float32 as ever)
+        extra = (
+            {**totals, **{f"sum:{k}": v for k, v in sums.items()}} if totals else {}
+        )  # (none: the plain means, in float32 as ever)
         means, summed = reduce_with_totals(accelerator, sums, count, extra)
         return (weighted_means(finite_loss_mean(means)) if sums else {}), summed
 
@@ -259,21 +284,28 @@ def reduce_means(
     return reduce_with_totals(accelerator, sums, count, {})[0]
 
 
-def reduce_with_totals(accelerator: Accelerator, sums: Mapping[str, torch.Tensor], count: torch.Tensor | int,
-                       totals: Mapping[str, torch.Tensor | float]) -> tuple[dict[str, float], dict[str, float]]:
+def reduce_with_totals(
+    accelerator: Accelerator,
+    sums: Mapping[str, torch.Tensor],
+    count: torch.Tensor | int,
+    totals: Mapping[str, torch.Tensor | float],
+) -> tuple[dict[str, float], dict[str, float]]:
     """:func:`reduce_means`, and ``totals`` summed over processes, in the same one all-reduce and host transfer."""
     names, extra = list(sums), list(totals)
     dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) or extra else torch.float32
     device = accelerator.device
-    local = torch.stack([sums[n].to(dtype) for n in names] + [torch.as_tensor(totals[n], dtype=dtype, device=device) for n in extra]
-                        + [torch.as_tensor(count, dtype=dtype, device=device)])
+    local = torch.stack(
+        [sums[n].to(dtype) for n in names]
+        + [torch.as_tensor(totals[n], dtype=dtype, device=device) for n in extra]
+        + [torch.as_tensor(count, dtype=dtype, device=device)]
+    )
     if accelerator.num_processes > 1:
         _check_same_names(accelerator, names + extra)
         local = accelerator.reduce(local, reduction="sum")
     values = local.tolist()  # sync: once per epoch / log interval
     n = values[-1]
     means = {name: (v / n if n else float("nan")) for name, v in zip(names, values)}  # sync: none: host numbers
-    return means, dict(zip(extra, values[len(names):-1]))
+    return means, dict(zip(extra, values[len(names) : -1]))
 
 
 def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:
@@ -294,7 +326,10 @@ def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dic
     """
     if nonfinite in means and "loss" in means and "loss" + WEIGHT not in means:
         finite_share = 1.0 - means[nonfinite]
-        means = {**means, "loss": means["loss"] / finite_share if finite_share > 0 else float("nan")}  # sync: none: host numbers
+        means = {
+            **means,
+            "loss": means["loss"] / finite_share if finite_share > 0 else float("nan"),
+        }  # sync: none: host numbers
     return means
 
 
@@ -315,5 +350,7 @@ def weighted_means(means: dict[str, float], suffix: str = WEIGHT) -> dict[str, f
         if name.endswith(suffix):
             continue
         weight = means.get(name + suffix)
-        out[name] = value if weight is None else (value / weight if weight else float("nan"))  # sync: none: host numbers
+        out[name] = (
+            value if weight is None else (value / weight if weight else float("nan"))
+        )  # sync: none: host numbers
     return out

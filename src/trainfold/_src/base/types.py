@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     pass
 
+
 def read_only(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """A read-only copy of ``mapping`` (empty for None): what a frozen class keeps of a mapping it is given."""
     return MappingProxyType(dict(mapping or {}))

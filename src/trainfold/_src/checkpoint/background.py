@@ -67,8 +67,15 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
     entries = agreed(ctx, lambda: write_files(staging, job.files), f"writing {staging}", cleanup, group=group)
     if job.shards is not None:
         shards = job.shards
-        entries.update(agreed(ctx, lambda: job.format.write_pieces(staging, shards, ctx.accelerator.process_index, group),
-                              f"writing the shards of {staging}", cleanup, group=group))
+        entries.update(
+            agreed(
+                ctx,
+                lambda: job.format.write_pieces(staging, shards, ctx.accelerator.process_index, group),
+                f"writing the shards of {staging}",
+                cleanup,
+                group=group,
+            )
+        )
     if job.format.partitioned:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
         finite = _finite(job.weights)
         if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
@@ -79,8 +86,17 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
         finite = _finite(job.weights) if main else True
     if main and not finite:
         _report_nonfinite(job.name)
-    agreed(ctx, lambda: commit(job.storage, staging, ctx, job.state, entries, job.keep_last, finite=finite, fmt=job.format.code) if main else None,
-           f"committing {job.name}", cleanup, group=group)
+    agreed(
+        ctx,
+        lambda: (
+            commit(job.storage, staging, ctx, job.state, entries, job.keep_last, finite=finite, fmt=job.format.code)
+            if main
+            else None
+        ),
+        f"committing {job.name}",
+        cleanup,
+        group=group,
+    )
 
 
 #: Dtypes whose smallest and largest element ``torch.aminmax`` finds (NaN propagates into both): one pass, nothing allocated.

@@ -24,9 +24,7 @@ MAX_DEPTH = 64
 
 #: The dtypes a checkpoint may name, by name: decoding never looks a name up on the torch module.
 DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 
 
@@ -78,14 +76,23 @@ class Encoder:
             return {"__module__": path, "shared": shared} if shared else {"__module__": path}
         name = record_name(type(value)) if attrs.has(type(value)) else None
         if name is not None:
-            fields = {f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}") for f in attrs.fields(type(value)) if f.init}
+            fields = {
+                f.alias: self.encode(getattr(value, f.name), f"{path}.{f.name}")
+                for f in attrs.fields(type(value))
+                if f.init
+            }
             return {"__record__": name, "fields": fields}
         if isinstance(value, tuple):
             return {"__tuple__": [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):
             return [self.encode(v, f"{path}.{i}") for i, v in enumerate(value)]
         if isinstance(value, Mapping):
-            return {"__dict__": [[self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{k}")] for i, (k, v) in enumerate(value.items())]}
+            return {
+                "__dict__": [
+                    [self.encode(k, f"{path}.key{i}"), self.encode(v, f"{path}.{k}")]
+                    for i, (k, v) in enumerate(value.items())
+                ]
+            }
         if isinstance(value, torch.dtype):
             return {"__dtype__": str(value).removeprefix("torch.")}
         if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
@@ -95,7 +102,11 @@ class Encoder:
             return value.item()  # sync: none: a numpy scalar
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             # kept as its fields; a resumed loader's own batches give the type back (_batch.like)
-            return {"__fields__": [[f.name, self.encode(getattr(value, f.name), f"{path}.{f.name}")] for f in dataclasses.fields(value)]}
+            return {
+                "__fields__": [
+                    [f.name, self.encode(getattr(value, f.name), f"{path}.{f.name}")] for f in dataclasses.fields(value)
+                ]
+            }
         raise TypeError(
             f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
             "numbers, strings, tensors, numpy arrays, tuples, lists, dicts, dataclasses and registered records: "
@@ -104,8 +115,13 @@ class Encoder:
         )
 
 
-def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Callable[[Mapping[str, str]], torch.nn.Module] | None = None,
-           device: Any = None) -> Any:
+def decode(
+    obj: Any,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    module_template: Callable[[Mapping[str, str]], torch.nn.Module] | None = None,
+    device: Any = None,
+) -> Any:
     """Rebuild what :meth:`Encoder.encode` wrote. Tensors go to ``device`` if given; a module is ``module_template(shared)``
     (:func:`deep_template`: a copy of the run's model holding its parameters named by ``shared`` itself) given the rest."""
 
@@ -136,21 +152,29 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor], *, module_template: Ca
         if "__record__" in o:
             cls = lookup(o["__record__"]) if isinstance(o["__record__"], str) else None
             if cls is None:
-                raise ValueError(f"the checkpoint holds an unknown record type {o['__record__']!r} (a record of your own: "
-                                 "import the module that registers it before load_checkpoint)")
+                raise ValueError(
+                    f"the checkpoint holds an unknown record type {o['__record__']!r} (a record of your own: "
+                    "import the module that registers it before load_checkpoint)"
+                )
             return cls(**{k: go(v, depth) for k, v in o["fields"].items()})
         if "__module__" in o:
             if module_template is None:
                 raise ValueError("the checkpoint holds a model copy (an EMA?) but no model to copy its structure from")
             prefix = o["__module__"] + "."
             shared = o.get("shared", {})
-            if not isinstance(shared, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in shared.items()):
+            if not isinstance(shared, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
+            ):
                 raise ValueError("a model copy's shared parameters are not names")
             module = module_template(shared)
-            result = module.load_state_dict({k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=False)
+            result = module.load_state_dict(
+                {k[len(prefix) :]: t for k, t in tensors.items() if k.startswith(prefix)}, strict=False
+            )
             if set(result.missing_keys) != set(shared) or result.unexpected_keys:
-                raise ValueError(f"a model copy does not fit this model (missing {sorted(set(result.missing_keys) - set(shared))[:3]}, "
-                                 f"unexpected {sorted(result.unexpected_keys)[:3]})")
+                raise ValueError(
+                    f"a model copy does not fit this model (missing {sorted(set(result.missing_keys) - set(shared))[:3]}, "
+                    f"unexpected {sorted(result.unexpected_keys)[:3]})"
+                )
             return module.to(device) if device is not None else module
         raise ValueError(f"unreadable value in the checkpoint: {sorted(o)}")
 
@@ -164,13 +188,16 @@ def deep_template(model: torch.nn.Module) -> Callable[[Mapping[str, str]], torch
     Raises:
         ValueError: a shared name the model has not, or of a trainable parameter (only frozen ones are ever shared).
     """
+
     def make(shared: Mapping[str, str]) -> torch.nn.Module:
         params = dict(model.named_parameters(remove_duplicate=False))
         memo: dict[int, Any] = {}
         for name in shared.values():
             p = params.get(name)
             if p is None or p.requires_grad:
-                raise ValueError(f"a model copy shares the model's frozen parameter {name!r}, which this model has not (or trains)")
+                raise ValueError(
+                    f"a model copy shares the model's frozen parameter {name!r}, which this model has not (or trains)"
+                )
             memo[id(p)] = p
         return copy.deepcopy(model, memo)
 

@@ -34,7 +34,9 @@ def checkpoint_name(ctx: Context, state: TrainState) -> str:
     return f"{PREFIX}{state.step:010d}" + (f"-{state.micro_step}" if mid_group else "")
 
 
-def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None, *, group: Any = None) -> Any:
+def agreed(
+    ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[], Any] = lambda: None, *, group: Any = None
+) -> Any:
     """Run ``work`` on every process and agree on whether it failed anywhere (one all-reduce on several).
 
     Every process then raises or goes on together: none waits forever in the next collective.
@@ -59,8 +61,11 @@ def agreed(ctx: Context, work: Callable[[], Any], what: str, cleanup: Callable[[
         return result
     cleanup()
     if isinstance(error, OSError):
-        advice = ("Free space (or lower keep_last) and save again." if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-                  "Check that the folder (or bucket) exists and this process may write there, and save again.")
+        advice = (
+            "Free space (or lower keep_last) and save again."
+            if error.errno in (errno.ENOSPC, errno.EDQUOT)
+            else "Check that the folder (or bucket) exists and this process may write there, and save again."
+        )
         text = f"{what} failed ({error}); nothing was committed and the previous checkpoints are intact. {advice}"
         raise (OSError(error.errno, text) if error.errno is not None else OSError(text)) from error
     if error is not None:
@@ -94,8 +99,18 @@ def check_same_run(storage: Storage, state: TrainState) -> None:
         )
 
 
-def commit(storage: Storage, staging: Staging, ctx: Context, state: TrainState, entries: dict[str, Any], keep_last: int | None,
-           *, finite: bool = True, fmt: int = FORMAT, fields: dict[str, Any] | None = None) -> None:
+def commit(
+    storage: Storage,
+    staging: Staging,
+    ctx: Context,
+    state: TrainState,
+    entries: dict[str, Any],
+    keep_last: int | None,
+    *,
+    finite: bool = True,
+    fmt: int = FORMAT,
+    fields: dict[str, Any] | None = None,
+) -> None:
     """Write the manifest (every file's entry; the other processes' files not reported are read back) and commit."""
     world = ctx.accelerator.num_processes
     others = [n for n in required_files(world, fmt) if n not in entries]

@@ -55,9 +55,16 @@ _OWN = ("history", "sums")
 # --- the shared files: the run state -------------------------------------------------------
 
 
-def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, layout: Mapping[str, Any] | None = None,
-                  parameters: Mapping[str, int] | None = None, peft: Mapping[str, Any] | None = None,
-                  frozen_ids: Mapping[int, str] | None = None) -> dict[str, Content]:
+def encode_shared(
+    run: RunState,
+    *,
+    accumulation: int,
+    mixed_precision: str,
+    layout: Mapping[str, Any] | None = None,
+    parameters: Mapping[str, int] | None = None,
+    peft: Mapping[str, Any] | None = None,
+    frozen_ids: Mapping[int, str] | None = None,
+) -> dict[str, Content]:
     """``run`` (but its gradients and random states, which are per process) as the shared files' bytes. ``parameters``:
     how many values train and how many are frozen (what ``trainfold inspect`` shows); ``peft``: a PEFT model's adapter
     name and config (what ``trainfold export`` writes as ``adapter_config.json``). A load reads neither. ``frozen_ids``:
@@ -67,7 +74,9 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         TypeError: a value that cannot be written (an unregistered record in ``extras``...),
             before anything is written.
     """
-    enc = _codec.Encoder(frozen_ids if run.frozen else None)  # a checkpoint holding every parameter holds the copies' too
+    enc = _codec.Encoder(
+        frozen_ids if run.frozen else None
+    )  # a checkpoint holding every parameter holds the copies' too
     values = run.values
     sums = values.sums
     doc = {
@@ -80,14 +89,20 @@ def encode_shared(run: RunState, *, accumulation: int, mixed_precision: str, lay
         "optimizer": enc.encode(run.optimizer, "optimizer"),
         "scheduler": None if run.scheduler is None else enc.encode(run.scheduler, "scheduler"),
         "scaler": None if run.scaler is None else enc.encode(run.scaler, "scaler"),
-        "accelerate": {"step": run.accelerate_step, "gradient_accumulation_steps": accumulation, "mixed_precision": mixed_precision},
+        "accelerate": {
+            "step": run.accelerate_step,
+            "gradient_accumulation_steps": accumulation,
+            "mixed_precision": mixed_precision,
+        },
         "layout": dict(layout or {}),
         "parameters": dict(parameters or {}),
     }
     if peft is not None:
         doc["peft"] = dict(peft)
     if run.frozen:  # an adapter checkpoint: the frozen parameters by fingerprint, not in the weights
-        doc["frozen"] = [{"name": f.name, "shape": list(f.shape), "dtype": f.dtype, _digest.DEFAULT: f.digest} for f in run.frozen]
+        doc["frozen"] = [
+            {"name": f.name, "shape": list(f.shape), "dtype": f.dtype, _digest.DEFAULT: f.digest} for f in run.frozen
+        ]
     files: dict[str, Content] = {"state.safetensors": enc.tensors, "state.json": json_bytes(doc)}
     if not run.sharded:  # a sharded checkpoint's weights: each process's shard-<rank>.safetensors
         files["model.safetensors"] = dict(run.weights)
@@ -117,8 +132,13 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
     try:
         saved = doc["state"]
         template_model = unwrap(template.accelerator, template.model)  # what a model copy (an EMA's) is a copy of
-        values = {f.name: _codec.decode(saved[f.name], shared, module_template=_codec.deep_template(template_model), device=device)
-                  for f in _value_fields(type(template)) if f.name in saved}
+        values = {
+            f.name: _codec.decode(
+                saved[f.name], shared, module_template=_codec.deep_template(template_model), device=device
+            )
+            for f in _value_fields(type(template))
+            if f.name in saved
+        }
         _check_counters(values)
         if "stop" not in saved:  # written before the stop was one value: only a finished run's stop is carried on
             values["stop"] = _older_stop(saved)
@@ -132,7 +152,9 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         if own is not None:
             sums = _decode_sums(own, per_rank, device, "nan_guard" in extras)
         if sums.started_at > values.get("batch_in_epoch", 0):
-            raise ValueError(f"the running sums start after batch {sums.started_at}, past the epoch's batch {values.get('batch_in_epoch', 0)}")
+            raise ValueError(
+                f"the running sums start after batch {sums.started_at}, past the epoch's batch {values.get('batch_in_epoch', 0)}"
+            )
         history = history_from_rows(saved["history"])
         optimizer = _codec.decode(doc["optimizer"], shared)
         scheduler = None if doc["scheduler"] is None else _codec.decode(doc["scheduler"], shared)
@@ -143,12 +165,24 @@ def decode(folder: object, files: Mapping[str, Any], template: TrainState, rank:
         grads, resume = _decode_rank(meta, per_rank)
         resume = attrs.evolve(resume, saved_layout=_layout(doc.get("layout"), accumulation))
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
-        raise CheckpointError(f"{folder}: a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
+        raise CheckpointError(
+            f"{folder}: a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed."
+        ) from None
     if "extras" in values:
         values["extras"] = MappingProxyType(values["extras"])
     state = attrs.evolve(template, **NO_HANDLES, history=history, sums=sums, **values)
-    run = RunState(values=state, weights=weights, grads=grads, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                   accelerate_step=accelerate_step, rng=resume.now, sharded=sharded, frozen=frozen)
+    run = RunState(
+        values=state,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        accelerate_step=accelerate_step,
+        rng=resume.now,
+        sharded=sharded,
+        frozen=frozen,
+    )
     return run, resume, accumulation
 
 
@@ -166,7 +200,9 @@ def decode_positions(folder: object, files: Mapping[str, Any], world: int) -> tu
         try:
             positions.append(_decode_rank(meta, tensors)[1].position)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, RecursionError) as exc:
-            raise CheckpointError(f"{folder}: {json_name} holds a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
+            raise CheckpointError(
+                f"{folder}: {json_name} holds a value this trainfold cannot read ({type(exc).__name__}: {exc}): refused, nothing changed."
+            ) from None
     return tuple(positions)
 
 
@@ -183,9 +219,13 @@ def decode_frozen(saved: Any) -> tuple[FrozenTensor, ...]:
         if not isinstance(entry, dict) or set(entry) != {"name", "shape", "dtype", _digest.DEFAULT}:
             raise ValueError(f"a frozen entry is not name, shape, dtype and {_digest.DEFAULT}: {entry!r:.200}")
         name, shape, dtype, digest = entry["name"], entry["shape"], entry["dtype"], entry[_digest.DEFAULT]
-        if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
-                and _digest.recorded({_digest.DEFAULT: digest}) is not None):
+        if not (
+            isinstance(name, str)
+            and isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            and _digest.recorded({_digest.DEFAULT: digest}) is not None
+        ):
             raise ValueError(f"the frozen entry of {name!r:.100} does not have a name, a shape, a dtype and a digest")
         out.append(FrozenTensor(name, tuple(shape), dtype, digest))
     if len({f.name for f in out}) != len(out):
@@ -198,7 +238,11 @@ def _layout(layout: Any, accumulation: int) -> tuple[int, int | None, int] | Non
     if not isinstance(layout, dict) or "processes" not in layout:
         return None  # written before trainfold recorded it
     per_batch = layout.get("batch_samples")
-    return counter("processes", layout["processes"]), None if per_batch is None else counter("batch_samples", per_batch), accumulation
+    return (
+        counter("processes", layout["processes"]),
+        None if per_batch is None else counter("batch_samples", per_batch),
+        accumulation,
+    )
 
 
 def _check_counters(values: Mapping[str, Any]) -> None:
@@ -235,13 +279,20 @@ def _encode_sums(enc: _codec.Encoder, sums: RunningSums) -> dict[str, Any]:
     }
 
 
-def _decode_sums(saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Any, mask_default: bool) -> RunningSums:
+def _decode_sums(
+    saved: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Any, mask_default: bool
+) -> RunningSums:
     return RunningSums(
         _codec.decode(saved["loss_sum"], tensors, device=device),
         MappingProxyType(_codec.decode(saved["aux_sums"], tensors, device=device)),
-        tuple((loss, MappingProxyType(aux)) for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)),
+        tuple(
+            (loss, MappingProxyType(aux))
+            for loss, aux in _codec.decode(saved.get("unsummed", {"__tuple__": []}), tensors, device=device)
+        ),
         bool(saved.get("mask_nonfinite", mask_default)),  # sync: none: JSON
-        started_at=counter("running.started_at", saved.get("started_at", 0)),  # (0 in a checkpoint written before it was)
+        started_at=counter(
+            "running.started_at", saved.get("started_at", 0)
+        ),  # (0 in a checkpoint written before it was)
     )
 
 
@@ -272,7 +323,12 @@ def encode_rank(rank: int, run: RunState, position: EpochPosition | None) -> dic
         meta["read_ahead"] = [has, enc.encode(batch, "read_ahead") if has else None]
         if position.stream is not None:
             s = position.stream
-            meta["stream"] = {"holder": s.holder, "kind": s.kind, "workers": s.workers, "state": enc.encode(s.state, "stream")}
+            meta["stream"] = {
+                "holder": s.holder,
+                "kind": s.kind,
+                "workers": s.workers,
+                "state": enc.encode(s.state, "stream"),
+            }
     tensors.update(enc.tensors)
     meta["grads"] = bool(run.grads)  # sync: none: a host flag
     tensors.update({f"grad.{n}": g for n, g in run.grads.items()})
@@ -287,15 +343,24 @@ def _decode_stream(saved: Any, tensors: Mapping[str, torch.Tensor]) -> StreamSta
     if not isinstance(saved, dict) or set(saved) != {"holder", "kind", "workers", "state"}:
         raise ValueError(f"stream is {saved!r}, not {{holder, kind, workers, state}}")
     if saved["holder"] not in ("loader", "dataset", "redealt") or not isinstance(saved["kind"], str):
-        raise ValueError(f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader', 'dataset' or 'redealt' and a class name")
-    return StreamState(saved["holder"], saved["kind"], counter("stream workers", saved["workers"]), _codec.decode(saved["state"], tensors))
+        raise ValueError(
+            f"stream holder {saved['holder']!r} and kind {saved['kind']!r} are not 'loader', 'dataset' or 'redealt' and a class name"
+        )
+    return StreamState(
+        saved["holder"],
+        saved["kind"],
+        counter("stream workers", saved["workers"]),
+        _codec.decode(saved["state"], tensors),
+    )
 
 
-def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Resume]:
-    grads = {k[len("grad."):]: v for k, v in tensors.items() if k.startswith("grad.")} if meta.get("grads") else {}
+def _decode_rank(
+    meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], Resume]:
+    grads = {k[len("grad.") :]: v for k, v in tensors.items() if k.startswith("grad.")} if meta.get("grads") else {}
 
     def states(prefix: str) -> _rng.RngStates:
-        sub = {k[len(prefix) + 1:]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        sub = {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
         return _rng.from_record(sub, meta[prefix])
 
     read_ahead: tuple[bool, Any] = (False, None)
@@ -315,11 +380,20 @@ def _decode_rank(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -
         raise ValueError(f"dealt is {meta['dealt']!r}, not {WHOLE!r} or {PART!r}")
     if not isinstance(meta.get("source", {}), dict):
         raise ValueError(f"the stream's source is {str(meta['source'])[:100]!r}, not a mapping")
-    position = EpochPosition(states("epoch_start"), read_ahead, length, done, by_samples=meta.get("by_samples", False),
-                             stream=_decode_stream(meta.get("stream"), tensors),
-                             dispatched=meta.get("dispatched", False), dealt=meta.get("dealt"),
-                             source=meta.get("source")) if "epoch_start" in meta else None
+    position = (
+        EpochPosition(
+            states("epoch_start"),
+            read_ahead,
+            length,
+            done,
+            by_samples=meta.get("by_samples", False),
+            stream=_decode_stream(meta.get("stream"), tensors),
+            dispatched=meta.get("dispatched", False),
+            dealt=meta.get("dealt"),
+            source=meta.get("source"),
+        )
+        if "epoch_start" in meta
+        else None
+    )
     resume = Resume(now=states("now"), position=position)
     return grads, resume
-
-

@@ -1,5 +1,4 @@
-"""``checkpoint_every``: saving every n updates and at a stop, and (``.at_end``, composed after the loop) at the run's end.
-"""
+"""``checkpoint_every``: saving every n updates and at a stop, and (``.at_end``, composed after the loop) at the run's end."""
 
 from __future__ import annotations
 
@@ -85,7 +84,8 @@ class CheckpointEvery:
             due = new.step != state.step and new.step % n == 0
             # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
             stopping = (new.should_stop and not state.should_stop) or (
-                new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+                new.micro_step >= interrupt.next_check
+                and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
             )
             if stopping:  # the run ends here: its last checkpoint is committed before the step returns
                 saved = self._save(new)
@@ -126,7 +126,10 @@ class CheckpointEvery:
             warnings.warn(
                 f"checkpoint_every({self.root!r}).at_end ran before its step trained anything: it saved the state the loop "
                 "started from, and the loop's end will not be saved. Compose it after the loop: compose(saving.at_end, "
-                "loop(...)) (compose applies right to left).", UserWarning, stacklevel=user_stacklevel())
+                "loop(...)) (compose applies right to left).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
         if runtime.warn_once(f"unsaved end:{key}"):
             runtime.at_close(lambda: self._say_unsaved(key))
 
@@ -137,17 +140,38 @@ class CheckpointEvery:
         if last is None or last.step <= saved or not self.ctx.is_main_process:
             return
         after = f"after update {saved}" if held is not None else "and none before them"
-        logger.warning("checkpoint_every(%r): the run's last %d update(s), %s, are not in a checkpoint: a restart trains "
-                       "them again. Compose saving.at_end after the loop to save the end: compose(saving.at_end, loop(...)).",
-                       self.root, last.step - saved, after)
+        logger.warning(
+            "checkpoint_every(%r): the run's last %d update(s), %s, are not in a checkpoint: a restart trains "
+            "them again. Compose saving.at_end after the loop to save the end: compose(saving.at_end, loop(...)).",
+            self.root,
+            last.step - saved,
+            after,
+        )
 
     def _save(self, state: TrainState) -> TrainState:
-        return save_checkpoint(self.ctx, self.root, state, keep_last=self.keep_last, sharded=self.sharded, async_save=self.async_save,
-                               storage_options=self.storage_options, save_frozen=self.save_frozen)
+        return save_checkpoint(
+            self.ctx,
+            self.root,
+            state,
+            keep_last=self.keep_last,
+            sharded=self.sharded,
+            async_save=self.async_save,
+            storage_options=self.storage_options,
+            save_frozen=self.save_frozen,
+        )
 
 
-def checkpoint_every(ctx: Context, n: int, root: str | os.PathLike[str], *, keep_last: int | None = None, sharded: bool | None = None,
-                     async_save: bool = False, storage_options: Mapping[str, Any] | None = None, save_frozen: bool = False) -> CheckpointEvery:
+def checkpoint_every(
+    ctx: Context,
+    n: int,
+    root: str | os.PathLike[str],
+    *,
+    keep_last: int | None = None,
+    sharded: bool | None = None,
+    async_save: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    save_frozen: bool = False,
+) -> CheckpointEvery:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
     A final checkpoint is written after the step at which the run stops for any
@@ -214,15 +238,20 @@ def checkpoint_every(ctx: Context, n: int, root: str | os.PathLike[str], *, keep
     # an unknown protocol, the store's package missing, a bucket that does not exist (one request): refused now, not at the first save
     reason = open_root(root, storage_options).unusable()
     if reason is not None:
-        raise CheckpointError(f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet.")
+        raise CheckpointError(
+            f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet."
+        )
     return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen)
 
 
 def _period_first(n: Any, root: Any) -> tuple[Any, Any]:
     """``(n, root)``, also when given in the order before (``checkpoint_every(ctx, root, n)``), which warns."""
     if isinstance(root, int) and not isinstance(root, bool) and isinstance(n, (str, os.PathLike)):
-        warnings.warn(f"checkpoint_every(ctx, root, n) is now checkpoint_every(ctx, n, root), the period first as in every periodic "
-                      f"name: write checkpoint_every(ctx, {root}, {os.fspath(n)!r}). The order before still works for now.",
-                      DeprecationWarning, stacklevel=user_stacklevel())
+        warnings.warn(
+            f"checkpoint_every(ctx, root, n) is now checkpoint_every(ctx, n, root), the period first as in every periodic "
+            f"name: write checkpoint_every(ctx, {root}, {os.fspath(n)!r}). The order before still works for now.",
+            DeprecationWarning,
+            stacklevel=user_stacklevel(),
+        )
         return root, n
     return n, root

@@ -31,7 +31,9 @@ from trainfold.errors import CheckpointError
 __all__ = ["checkpoint_weights", "export_checkpoint"]
 
 
-def checkpoint_weights(path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None) -> dict[str, torch.Tensor]:
+def checkpoint_weights(
+    path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
+) -> dict[str, torch.Tensor]:
     """The model's weights of a checkpoint (a folder, or a root: its newest), whole, by parameter name, on the CPU.
 
     Every file read is verified against the manifest as it is read. A sharded
@@ -78,8 +80,10 @@ def checkpoint_weights(path: str | os.PathLike[str], *, base: str | os.PathLike[
         return held
     frozen, peft = _adapter_entries(stored, manifest)
     if not frozen:
-        raise CheckpointError(f"{stored} holds every parameter of its model: a base is for an adapter checkpoint, one that "
-                              "records its frozen parameters by fingerprint. Leave base out.")
+        raise CheckpointError(
+            f"{stored} holds every parameter of its model: a base is for an adapter checkpoint, one that "
+            "records its frozen parameters by fingerprint. Leave base out."
+        )
     return _adapters.whole_weights(stored, held, frozen, peft, Path(base))
 
 
@@ -95,8 +99,13 @@ def _adapter_entries(stored: Stored, manifest: Any) -> tuple[tuple[FrozenTensor,
     return frozen, doc.get("peft")
 
 
-def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                      transformers_config: str | os.PathLike[str] | None = None, base: str | os.PathLike[str] | None = None) -> Path:
+def export_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    transformers_config: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> Path:
     """Write the model's weights of a checkpoint (see :func:`checkpoint_weights`) to ``out``.
 
     Offline and without a process group: every file is verified as it is read, and the
@@ -144,14 +153,18 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
     """
     target = Path(out)
     if target.exists():
-        raise FileExistsError(f"{target} exists: export writes a new {'folder' if transformers_config else 'file'}; remove it or name another.")
+        raise FileExistsError(
+            f"{target} exists: export writes a new {'folder' if transformers_config else 'file'}; remove it or name another."
+        )
     if base is None:
         stored = resolve(path)
         manifest = read_manifest(stored)
         frozen, peft = _adapter_entries(stored, manifest)
         if frozen and transformers_config is not None:
-            raise CheckpointError(f"{stored} is an adapter checkpoint: it holds what trained, not its base. Give the base "
-                                  "(--base, a safetensors file or save_pretrained folder) for a whole model.")
+            raise CheckpointError(
+                f"{stored} is an adapter checkpoint: it holds what trained, not its base. Give the base "
+                "(--base, a safetensors file or save_pretrained folder) for a whole model."
+            )
         if frozen and peft is not None:
             return _write_peft(stored, manifest, target, peft)
     weights = checkpoint_weights(path, base=base)
@@ -159,6 +172,7 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
         from trainfold._src.checkpoint.pretrained import write_pretrained
 
         return write_pretrained(weights, Path(transformers_config), target)
+
     # a fresh name beside the target, created exclusively, removed on any error or exception (a full disk, SIGINT,
     # SIGTERM through the command line's handler): a name planted as a link is never written through
     def write(tmp: Path) -> None:
@@ -170,8 +184,10 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
 def _write_peft(stored: Stored, manifest: Any, target: Path, peft: Any) -> Path:
     """A PEFT model's adapters as the folder ``PeftModel.from_pretrained`` loads, renamed into place when whole."""
     if target.suffix == ".safetensors":
-        raise CheckpointError(f"{stored} holds a PEFT model's adapters, which export as a folder (adapter_model.safetensors and "
-                              f"adapter_config.json, what PeftModel.from_pretrained loads): name a folder, not {target.name}.")
+        raise CheckpointError(
+            f"{stored} holds a PEFT model's adapters, which export as a folder (adapter_model.safetensors and "
+            f"adapter_config.json, what PeftModel.from_pretrained loads): name a folder, not {target.name}."
+        )
     held = by_code(manifest["format"]).weights(stored, manifest)
     tensors, config = _adapters.peft_files(stored, held, peft)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -103,9 +103,13 @@ def check_frozen_alike(folder: object, saved: Sequence[FrozenTensor], model: tor
     on_record = {f.name for f in saved}
     if set(live) != on_record:
         name = sorted(on_record ^ set(live))[0]
-        where = ("frozen in the checkpoint's model and not a parameter of this one" if name in on_record and name not in dict(model.named_parameters()) else
-                 "frozen when it was saved and trainable in this model" if name in on_record else
-                 "frozen in this model and not in the checkpoint's")
+        where = (
+            "frozen in the checkpoint's model and not a parameter of this one"
+            if name in on_record and name not in dict(model.named_parameters())
+            else "frozen when it was saved and trainable in this model"
+            if name in on_record
+            else "frozen in this model and not in the checkpoint's"
+        )
         raise CheckpointError(
             f"{folder} is an adapter checkpoint of a model with {len(on_record)} frozen parameter(s), and this model has "
             f"{len(live)}: {name!r} is {where}. Resume with the model as it was saved: the same base and adapters (a PEFT "

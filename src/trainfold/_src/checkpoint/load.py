@@ -26,15 +26,21 @@ from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 
 @overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...) -> Any: ...
+def load_checkpoint(
+    ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...
+) -> Any: ...
 
 
 @overload
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
+def load_checkpoint(
+    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...
+) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
+def load_checkpoint(
+    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None
+) -> TrainState:
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 
     ``path`` is a checkpoint folder, or a root of them (then the newest complete
@@ -95,7 +101,9 @@ def load_checkpoint(ctx: Context, path: str | os.PathLike[str], state: TrainStat
             break
         except DamagedCheckpoint as exc:
             if n + 1 == len(found):
-                raise DamagedCheckpoint(f"{exc} No checkpoint under the root loads: each is damaged." if n else str(exc)) from None
+                raise DamagedCheckpoint(
+                    f"{exc} No checkpoint under the root loads: each is damaged." if n else str(exc)
+                ) from None
             _warn_damaged(exc, folder, found[n + 1])
     # the root holds this position: a finished run started again does not save its end a second time (CheckpointEvery.at_end)
     ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
@@ -113,7 +121,10 @@ def _warn_trackers_started(ctx: Context, loaded: TrainState) -> None:
             f"load_checkpoint: the Accelerator's trackers ({', '.join(trackers)}) were started before this load, for a run "
             f"from update 0, and the run goes on from update {loaded.step}: what the run before logged after its checkpoint "
             "would be logged again beside it. Start them with init_trackers(ctx, project_name, state) after load_checkpoint, "
-            "given the loaded state.", UserWarning, stacklevel=user_stacklevel())
+            "given the loaded state.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _load(ctx: Context, folder: Stored, state: TrainState) -> TrainState:
@@ -140,10 +151,16 @@ def _agreed(ctx: Context, work: Callable[[], TrainState]) -> TrainState:
         assert result is not None
         return result
     if outcome == 1:
-        raise error if error is not None else DamagedCheckpoint("a process found the checkpoint damaged (its warning names the file)")
+        raise (
+            error
+            if error is not None
+            else DamagedCheckpoint("a process found the checkpoint damaged (its warning names the file)")
+        )
     if error is not None and not isinstance(error, DamagedCheckpoint):
         raise error
-    raise CheckpointError("load_checkpoint was refused on another process (see its error); nothing is loaded here either.")
+    raise CheckpointError(
+        "load_checkpoint was refused on another process (see its error); nothing is loaded here either."
+    )
 
 
 def _warn_damaged(exc: DamagedCheckpoint, damaged: Stored, previous: Stored) -> None:

@@ -21,7 +21,7 @@ from trainfold._src.checkpoint import digest as _digest
 from trainfold.errors import CheckpointError, DamagedCheckpoint
 
 if TYPE_CHECKING:
-    from trainfold._src.checkpoint.storage.protocol import Staging, Stored
+    from trainfold._src.checkpoint.storage.protocol import Stored
 
 #: The manifest: written last, it is what makes a checkpoint exist.
 MANIFEST = "MANIFEST.json"
@@ -43,19 +43,25 @@ SHARED = {
     DEEPSPEED: ("state.safetensors", "state.json"),
 }
 #: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
-_NAME = re.compile(r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)")
+_NAME = re.compile(
+    r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)"
+)
 #: And in format 3, the names DeepSpeed gives its files (read by ``formats/engine_files.py``; here, so that no deepspeed import is needed).
 _ENGINE_NAME = re.compile(r"(?:bf16_)?(?:zero_pp_rank_(?:0|[1-9][0-9]{0,5})_)?mp_rank_00_(?:model|optim)_states\.pt")
 
 
 def allowed_name(name: Any, fmt: int) -> bool:
     """Whether a manifest of format ``fmt`` may list ``name``: one of the format's plain file names."""
-    return isinstance(name, str) and (_NAME.fullmatch(name) is not None or (fmt == DEEPSPEED and _ENGINE_NAME.fullmatch(name) is not None))
+    return isinstance(name, str) and (
+        _NAME.fullmatch(name) is not None or (fmt == DEEPSPEED and _ENGINE_NAME.fullmatch(name) is not None)
+    )
 
 
 def is_engine_file(name: str) -> bool:
     """A DeepSpeed engine file of a format-3 checkpoint."""
     return _ENGINE_NAME.fullmatch(name) is not None
+
+
 #: Refused before parsing: a manifest or JSON file larger than this is not one trainfold wrote.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_JSON_BYTES = 64 << 20
@@ -84,11 +90,15 @@ def json_bytes(value: Any) -> bytes:
 
 def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES) -> Any:
     if len(data) > limit:
-        raise CheckpointError(f"{folder}: file {name} has {len(data)} bytes, more than the {limit} a trainfold checkpoint writes: refused unread.")
+        raise CheckpointError(
+            f"{folder}: file {name} has {len(data)} bytes, more than the {limit} a trainfold checkpoint writes: refused unread."
+        )
     try:
         return json.loads(bytes(data))
     except RecursionError:
-        raise CheckpointError(f"{folder}: file {name} is nested too deeply to be a trainfold checkpoint: refused.") from None
+        raise CheckpointError(
+            f"{folder}: file {name} is nested too deeply to be a trainfold checkpoint: refused."
+        ) from None
     except ValueError as exc:
         raise CheckpointError(f"{folder}: file {name} is not valid JSON ({exc}).") from None
 
@@ -96,14 +106,18 @@ def parse_json(folder: object, name: str, data: Any, limit: int = MAX_JSON_BYTES
 # --- reading files: each once, verified while read ------------------------------------------
 def wrong_size(stored: object, name: str, actual: int, expected: int) -> DamagedCheckpoint:
     """The error for a file of another size than its manifest records (every storage says it alike)."""
-    return DamagedCheckpoint(f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered.")
+    return DamagedCheckpoint(
+        f"{stored}: file {name} has {actual} bytes, the manifest says {expected}: truncated or altered."
+    )
 
 
 def removed_while_read(where: object, name: str) -> CheckpointError:
     """A file gone between listing and reading: a ``keep_last`` of the run writing there removed the checkpoint meanwhile
     (every storage says it alike)."""
-    return CheckpointError(f"{where}: file {name} was removed while the checkpoint was read (a keep_last of the run "
-                           "that writes there removed it?); read the root again for its newest checkpoint.")
+    return CheckpointError(
+        f"{where}: file {name} was removed while the checkpoint was read (a keep_last of the run "
+        "that writes there removed it?); read the root again for its newest checkpoint."
+    )
 
 
 def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: bool) -> Any:
@@ -122,11 +136,15 @@ def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: 
             h.update(chunk)
         digest = h.hexdigest()
     if digest != want:
-        raise DamagedCheckpoint(f"{stored}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted.")
+        raise DamagedCheckpoint(
+            f"{stored}: file {name} does not match its digest ({algorithm}) in the manifest: altered or corrupted."
+        )
     return data
 
 
-def read_verified(stored: Stored, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True) -> dict[str, Any]:
+def read_verified(
+    stored: Stored, manifest: Mapping[str, Any], names: list[str], *, keep: bool = True
+) -> dict[str, Any]:
     """The files ``names`` of a checkpoint, each read once and verified against the manifest (in parallel).
 
     Raises:
@@ -150,7 +168,9 @@ def read_manifest_json(stored: Stored) -> dict[str, Any]:
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise DamagedCheckpoint(f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted.") from None
+        raise DamagedCheckpoint(
+            f"{path} is damaged ({type(exc).__name__}: {exc}); the checkpoint cannot be trusted."
+        ) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path} is damaged: not a JSON object; the checkpoint cannot be trusted.")
     return manifest
@@ -186,18 +206,26 @@ def read_manifest(stored: Stored, *, version: str = "") -> dict[str, Any]:
         raise CheckpointError(f"{path} is damaged: 'files' must be a mapping and 'world_size' a positive int.")
     ranks = data_ranks(manifest)
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1 or world % ranks:
-        raise CheckpointError(f"{path} is damaged: 'data_ranks' must be a positive int that divides 'world_size' ({world}).")
+        raise CheckpointError(
+            f"{path} is damaged: 'data_ranks' must be a positive int that divides 'world_size' ({world})."
+        )
     for name, entry in files.items():
         if not allowed_name(name, fmt):
-            raise CheckpointError(f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused.")
+            raise CheckpointError(
+                f"{path} lists {name!r}, which is not a file of the checkpoint format (plain names inside the folder only): refused."
+            )
         size, digest = (entry.get("size"), _digest.recorded(entry)) if isinstance(entry, dict) else (None, None)
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or digest is None:
-            raise CheckpointError(f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256).")
+            raise CheckpointError(
+                f"{path} is damaged: the entry of {name} needs a size and one digest (xxh3_128 or sha256)."
+            )
     # lazily: a manifest declaring 10^9 processes is refused at its first unlisted file, after as many names as it lists;
     # one that passes lists a file of each process, so its world size is bounded by its own size
     missing = next((name for name in required_files(world, fmt) if name not in files), None)
     if missing is not None:
-        raise CheckpointError(f"{path} does not list {missing}, a file every checkpoint of {world} process(es) has: incomplete, refused.")
+        raise CheckpointError(
+            f"{path} does not list {missing}, a file every checkpoint of {world} process(es) has: incomplete, refused."
+        )
     return manifest
 
 

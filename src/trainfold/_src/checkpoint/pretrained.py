@@ -32,8 +32,10 @@ def _check_no_code(config_dir: Path) -> None:
     """
     path = config_dir / "config.json"
     if not path.is_file():  # through a link too: a Hugging Face cache snapshot's files are links to its blobs
-        raise CheckpointError(f"{config_dir} has no config.json: name the folder of a Hugging Face model "
-                              "(save_pretrained's, or its config alone).")
+        raise CheckpointError(
+            f"{config_dir} has no config.json: name the folder of a Hugging Face model "
+            "(save_pretrained's, or its config alone)."
+        )
     try:
         config = json.loads(path.read_bytes()[: 1 << 20])
     except (ValueError, RecursionError) as exc:
@@ -42,7 +44,8 @@ def _check_no_code(config_dir: Path) -> None:
         raise CheckpointError(
             f"{path} has an auto_map: its model class is code in that folder, and trainfold never runs a folder's code "
             "(transformers' trust_remote_code). Export without --transformers (one model.safetensors), or name the "
-            "config of a model class transformers has.")
+            "config of a model class transformers has."
+        )
 
 
 def _model_class(config_dir: Path) -> tuple[Any, Any]:
@@ -58,7 +61,8 @@ def _model_class(config_dir: Path) -> tuple[Any, Any]:
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         raise CheckpointError(
             f"{config_dir}/config.json names no model class transformers has (architectures: {names}): "
-            "set \"architectures\" to the class the checkpoint's model is, e.g. [\"GPT2LMHeadModel\"].")
+            'set "architectures" to the class the checkpoint\'s model is, e.g. ["GPT2LMHeadModel"].'
+        )
     return cls, config
 
 
@@ -68,11 +72,18 @@ def _check_fits(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], con
     unexpected = sorted(weights.keys() - expected.keys())
     shapes = sorted(n for n in expected.keys() & weights.keys() if tuple(weights[n].shape) != expected[n])
     if missing or unexpected or shapes:
-        parts = [f"missing {missing[:5]}" if missing else "", f"unexpected {unexpected[:5]}" if unexpected else "",
-                 f"{shapes[0]!r} is {tuple(weights[shapes[0]].shape)} in the checkpoint and {expected[shapes[0]]} in the model" if shapes else ""]
+        parts = [
+            f"missing {missing[:5]}" if missing else "",
+            f"unexpected {unexpected[:5]}" if unexpected else "",
+            f"{shapes[0]!r} is {tuple(weights[shapes[0]].shape)} in the checkpoint and {expected[shapes[0]]} in the model"
+            if shapes
+            else "",
+        ]
         raise CheckpointError(
             f"the checkpoint's weights do not fit {config_dir}'s model ({type(model).__name__}): "
-            + "; ".join(p for p in parts if p) + ". Name the config of the model that was trained.")
+            + "; ".join(p for p in parts if p)
+            + ". Name the config of the model that was trained."
+        )
 
 
 def write_pretrained(weights: Mapping[str, torch.Tensor], config_dir: Path, out: Path) -> Path:
@@ -81,14 +92,20 @@ def write_pretrained(weights: Mapping[str, torch.Tensor], config_dir: Path, out:
     with torch.device("meta"):
         model = cls(config)
     _check_fits(model, weights, config_dir)
-    model.load_state_dict(dict(weights), strict=False, assign=True)  # every name checked above; tied names share one tensor below
+    model.load_state_dict(
+        dict(weights), strict=False, assign=True
+    )  # every name checked above; tied names share one tensor below
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     with staged_beside(out, folder=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         for item in sorted(config_dir.iterdir()):
-            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and not (staging / item.name).exists() \
-                    and not item.name.endswith(".index.json"):
+            if (
+                item.is_file()
+                and not item.name.endswith(_WEIGHT_SUFFIXES)
+                and not (staging / item.name).exists()
+                and not item.name.endswith(".index.json")
+            ):
                 shutil.copy2(item, staging / item.name)
         os.replace(staging, out)
     return out

@@ -44,7 +44,9 @@ def ordered(storage: Storage) -> list[Stored]:
     return [c for *_, c in sorted(found, key=lambda f: f[:2])]
 
 
-def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> list[CheckpointPath]:
+def list_checkpoints(
+    root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> list[CheckpointPath]:
     """The committed checkpoints under ``root``, oldest first: ``Path`` objects in a local root, URLs (``str``) on a store.
 
     Only folders named as trainfold names checkpoints (``ckpt-<update>``...)
@@ -72,7 +74,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, storage_options: Mapping[s
     return [c.path for c in ordered(open_root(root, storage_options))]
 
 
-def latest_checkpoint(root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> CheckpointPath | None:
+def latest_checkpoint(
+    root: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> CheckpointPath | None:
     """The newest committed checkpoint under ``root`` (by the position it records), or None (see :func:`list_checkpoints`).
 
     Args:
@@ -124,12 +128,20 @@ def newest_first(path: str | os.PathLike[str], storage_options: Mapping[str, Any
 def expect_path(where: str, path: Any) -> str | os.PathLike[str]:
     """``path`` if it is a path; else the TypeError that names what ``where`` was given (None: no checkpoint found)."""
     if not isinstance(path, (str, os.PathLike)):
-        found = "None: latest_checkpoint(root) found no complete checkpoint there" if path is None else f"a {type(path).__name__}"
-        raise TypeError(f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first.")
+        found = (
+            "None: latest_checkpoint(root) found no complete checkpoint there"
+            if path is None
+            else f"a {type(path).__name__}"
+        )
+        raise TypeError(
+            f"{where} needs the path of a checkpoint folder or root (got {found}). Check the root, or save a checkpoint first."
+        )
     return path
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def verify_checkpoint(
+    path: str | os.PathLike[str], *, rank: int | None = None, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest and return the manifest.
 
     The manifest must list every file the format needs, and only plain names
@@ -161,4 +173,6 @@ def verify_checkpoint(path: str | os.PathLike[str], *, rank: int | None = None, 
         >>> manifest["step"], manifest["world_size"], sorted(manifest["files"])[:2]
         (0, 1, ['model.safetensors', 'rank-0.json'])
     """
-    return verify(checkpoint_at(expect_path("verify_checkpoint", path), storage_options), rank=rank, version=__version__)
+    return verify(
+        checkpoint_at(expect_path("verify_checkpoint", path), storage_options), rank=rank, version=__version__
+    )

@@ -44,21 +44,45 @@ from trainfold._src.core.state import TrainState
 logger = logging.getLogger("trainfold")
 
 
+@overload
+def save_checkpoint(
+    ctx: Context,
+    root: str | os.PathLike[str],
+    *,
+    keep_last: int | None = ...,
+    sharded: bool | None = ...,
+    async_save: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+    save_frozen: bool = ...,
+) -> Any: ...
 
 
 @overload
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], *, keep_last: int | None = ..., sharded: bool | None = ..., async_save: bool = ...,
-                    storage_options: Mapping[str, Any] | None = ..., save_frozen: bool = ...) -> Any: ...
-
-
-@overload
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = ..., sharded: bool | None = ...,
-                    async_save: bool = ..., storage_options: Mapping[str, Any] | None = ..., save_frozen: bool = ...) -> TrainState: ...
+def save_checkpoint(
+    ctx: Context,
+    root: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    keep_last: int | None = ...,
+    sharded: bool | None = ...,
+    async_save: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+    save_frozen: bool = ...,
+) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainState, *, keep_last: int | None = None, sharded: bool | None = None,
-                    async_save: bool = False, storage_options: Mapping[str, Any] | None = None, save_frozen: bool = False) -> TrainState:
+def save_checkpoint(
+    ctx: Context,
+    root: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    keep_last: int | None = None,
+    sharded: bool | None = None,
+    async_save: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    save_frozen: bool = False,
+) -> TrainState:
     """Write a checkpoint of ``state`` under ``root`` and return the state unchanged.
 
     Everything needed to continue exactly is written: the model, optimizer,
@@ -145,8 +169,15 @@ def save_checkpoint(ctx: Context, root: str | os.PathLike[str], state: TrainStat
     start = time.perf_counter()
     try:
         with eval_mode(state.model, state.optimizer, no_grad=False):
-            return _save(ctx, _storage(ctx, root, storage_options), state, keep_last, sharded_layout(ctx, sharded), flag("async_save", async_save),
-                         flag("save_frozen", save_frozen))
+            return _save(
+                ctx,
+                _storage(ctx, root, storage_options),
+                state,
+                keep_last,
+                sharded_layout(ctx, sharded),
+                flag("async_save", async_save),
+                flag("save_frozen", save_frozen),
+            )
     finally:
         ctx.runtime.clock.add("checkpoint", time.perf_counter() - start)  # the time the save held training up
 
@@ -186,7 +217,15 @@ def sharded_layout(ctx: Context, sharded: bool | None) -> bool:
     return ctx.accelerator.num_processes > 1 or shards_parameters(ctx.accelerator) if sharded is None else sharded
 
 
-def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | None, sharded: bool, async_save: bool, save_frozen: bool) -> TrainState:
+def _save(
+    ctx: Context,
+    storage: Storage,
+    state: TrainState,
+    keep_last: int | None,
+    sharded: bool,
+    async_save: bool,
+    save_frozen: bool,
+) -> TrainState:
     ctx.runtime.saver.wait()  # at most one save in flight: the previous one is committed (or its error raised) first
     acc = ctx.accelerator
     main = ctx.is_main_process
@@ -197,7 +236,10 @@ def _save(ctx: Context, storage: Storage, state: TrainState, keep_last: int | No
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
     fmt = for_save(ctx, sharded)
     captured = fmt.capture(ctx, state, now, async_save, () if save_frozen else _fingerprint(ctx, state))
-    files = {**agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"), **captured.files}
+    files = {
+        **agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"),
+        **captured.files,
+    }
     agreed(ctx, lambda: _start(storage, name, state) if main else None, f"creating {name} in {storage}")
     job = SaveJob(storage, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt)
     if async_save:
@@ -214,8 +256,11 @@ def _fingerprint(ctx: Context, state: TrainState) -> tuple[FrozenTensor, ...]:
     engine files hold every parameter). Every process computes them: a sharded tensor is gathered."""
     if is_deepspeed(ctx.accelerator):
         return ()
-    fingerprints: tuple[FrozenTensor, ...] = agreed(ctx, lambda: model_fingerprint(ctx, unwrap(ctx.accelerator, state.model)),
-                                                    "fingerprinting the frozen parameters")
+    fingerprints: tuple[FrozenTensor, ...] = agreed(
+        ctx,
+        lambda: model_fingerprint(ctx, unwrap(ctx.accelerator, state.model)),
+        "fingerprinting the frozen parameters",
+    )
     return fingerprints
 
 
@@ -233,11 +278,15 @@ def _storage(ctx: Context, root: str | os.PathLike[str], storage_options: Mappin
         ImportError: the store's package is not installed.
     """
     if not isinstance(root, (str, os.PathLike)) or os.fspath(root) == "":
-        raise ValueError(f"save_checkpoint needs a folder for its checkpoints (got {root!r}): pass a path such as 'checkpoints' (or a URL: s3://bucket/run).")
+        raise ValueError(
+            f"save_checkpoint needs a folder for its checkpoints (got {root!r}): pass a path such as 'checkpoints' (or a URL: s3://bucket/run)."
+        )
     storage = open_root(root, storage_options)
     if ctx.accelerator.num_processes > 1 and not storage.shared:
-        raise ValueError(f"{storage} is one process's memory, and this run has {ctx.accelerator.num_processes} processes: "
-                         "give them a root they all see (a shared folder, s3://...).")
+        raise ValueError(
+            f"{storage} is one process's memory, and this run has {ctx.accelerator.num_processes} processes: "
+            "give them a root they all see (a shared folder, s3://...)."
+        )
     return storage
 
 
@@ -249,9 +298,17 @@ def _start(storage: Storage, name: str, state: TrainState) -> None:
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
     files = encode_rank(ctx.accelerator.process_index, run, _position(state, ctx.accelerator.num_processes))
     if main:
-        files.update(encode_shared(run, accumulation=ctx.gradient_accumulation_steps, mixed_precision=ctx.mixed_precision, layout=_layout(ctx, state),
-                                   parameters=_parameters(ctx, state), peft=peft_record(unwrap(ctx.accelerator, state.model)),
-                                   frozen_ids=_frozen_ids(ctx, state)))
+        files.update(
+            encode_shared(
+                run,
+                accumulation=ctx.gradient_accumulation_steps,
+                mixed_precision=ctx.mixed_precision,
+                layout=_layout(ctx, state),
+                parameters=_parameters(ctx, state),
+                peft=peft_record(unwrap(ctx.accelerator, state.model)),
+                frozen_ids=_frozen_ids(ctx, state),
+            )
+        )
     return files
 
 
@@ -267,8 +324,15 @@ def _position(state: TrainState, processes: int) -> EpochPosition | None:
         return None
     if (refused := not_resumable("save_checkpoint", cursor.loader)) is not None:
         raise refused
-    return position_at_save(cursor.loader, cursor.iterator, cursor.epoch_start, state.batch_in_epoch, processes,
-                            resumed_at=cursor.resumed_at, reader=cursor.stream)
+    return position_at_save(
+        cursor.loader,
+        cursor.iterator,
+        cursor.epoch_start,
+        state.batch_in_epoch,
+        processes,
+        resumed_at=cursor.resumed_at,
+        reader=cursor.stream,
+    )
 
 
 def _frozen_ids(ctx: Context, state: TrainState) -> dict[int, str]:

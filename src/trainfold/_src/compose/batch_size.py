@@ -39,6 +39,7 @@ class BatchSizeFound(Generic[_T]):
     batch_size: int
     gradient_accumulation_steps: int
 
+
 #: What Accelerate keeps of every object it prepares: emptied back to its length before a failed attempt.
 _PREPARED = ("_models", "_optimizers", "_schedulers", "_dataloaders")
 
@@ -71,8 +72,14 @@ def halvings(start: int) -> list[int]:
     return sizes
 
 
-def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global_batch: int, start: int | None = None,
-                    policy: str = "keep_global_batch") -> BatchSizeFound[_T]:
+def find_batch_size(
+    ctx: Context,
+    train: Callable[[Context, int], _T],
+    *,
+    global_batch: int,
+    start: int | None = None,
+    policy: str = "keep_global_batch",
+) -> BatchSizeFound[_T]:
     """Run ``train(ctx, batch_size)`` with the largest per-process batch that fits, keeping the global batch by accumulation.
 
     ``global_batch`` is the number of samples per optimizer update over every
@@ -136,7 +143,9 @@ def find_batch_size(ctx: Context, train: Callable[[Context, int], _T], *, global
     accelerator = ctx.accelerator
     processes = accelerator.num_processes
     if global_batch % processes:
-        raise ValueError(f"find_batch_size: global_batch={global_batch} is not a multiple of the {processes} processes.")
+        raise ValueError(
+            f"find_batch_size: global_batch={global_batch} is not a multiple of the {processes} processes."
+        )
     per_process = global_batch // processes
     keep = policy == "keep_global_batch"
     sizes = batch_sizes(per_process, start) if keep else halvings(start or per_process)

@@ -10,7 +10,14 @@ from typing import Any, Iterable, overload
 import attrs
 from toolz import curry
 
-from trainfold._src.backend.loaders import abandon_epoch, is_dispatcher, loader_generators, not_resumable, samples_per_batch, set_loader_epoch
+from trainfold._src.backend.loaders import (
+    abandon_epoch,
+    is_dispatcher,
+    loader_generators,
+    not_resumable,
+    samples_per_batch,
+    set_loader_epoch,
+)
 from trainfold._src.backend.position import resume_in_epoch
 from trainfold._src.backend.streams import replay_advice
 from trainfold._src.base import rng
@@ -34,11 +41,15 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], *, max_batches:
 
 
 @overload
-def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = ...) -> TrainState: ...
+def run_epoch(
+    ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = ...
+) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = None) -> TrainState:
+def run_epoch(
+    ctx: Context, step: Step, loader: Iterable[Batch], state: TrainState, *, max_batches: int | None = None
+) -> TrainState:
     """Train for one epoch: fold ``step`` over ``loader``.
 
     Per epoch:
@@ -112,7 +123,9 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
         for batch in clock.timed(iterator) if clock.on else iterator:  # (the cursor keeps the loader's own iterator)
             state = step(state, batch)
             seen += 1
-            if state.micro_step >= interrupt.next_check and (signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients)):
+            if state.micro_step >= interrupt.next_check and (
+                signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients)
+            ):
                 state = state.with_stop(f"signal {signal_name(signum)}")
                 interrupt.clear()  # honoured: the next run on this Context is not stopped by it
             if state.batch_in_epoch == limit or state.end_of_epoch:
@@ -123,10 +136,16 @@ def run_epoch(ctx: Context, step: Step, loader: Iterable[Batch], state: TrainSta
                 # The epoch stays open: its position is kept (a checkpoint continues it, as does a
                 # later run_epoch). After a preemption (a signal, nan_guard) the epoch-level functions
                 # after this one pass it through; a final stop (a budget) is the run's own end, which they evaluate.
-                return attrs.evolve(state, cursor=attrs.evolve(cursor, interrupted=not (state.stop is not None and state.stop.final)))
+                return attrs.evolve(
+                    state, cursor=attrs.evolve(cursor, interrupted=not (state.stop is not None and state.stop.final))
+                )
         else:
             if distributed and length is None:
-                check_same_count(ctx.runtime.control, state.batch_in_epoch, wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()))
+                check_same_count(
+                    ctx.runtime.control,
+                    state.batch_in_epoch,
+                    wait_s=max(10 * ctx.stop_check_s, 20 * interrupt.seconds_per_batch()),
+                )
     if seen == 0 and state.batch_in_epoch == 0:
         raise empty_loader("run_epoch", loader)
     _check_recorded(step, seen, started_at, state)
@@ -187,7 +206,12 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
     position = resume.position
     by_samples = resume.elastic or (position is not None and position.by_samples)
     saved_length = position.epoch_length if position is not None else None
-    if state.batch_in_epoch > 0 and not by_samples and saved_length is not None and length_or_none(loader) not in (None, saved_length):
+    if (
+        state.batch_in_epoch > 0
+        and not by_samples
+        and saved_length is not None
+        and length_or_none(loader) not in (None, saved_length)
+    ):
         raise ValueError(
             f"run_epoch: the interrupted epoch had {saved_length} batches, this loader has {length_or_none(loader)}: "
             "the data or the batch size changed, so the run cannot continue where it stopped. Resume with the "
@@ -206,12 +230,23 @@ def _start_epoch(ctx: Context, state: TrainState, loader: Iterable[Batch]) -> Ep
         restore(resume.now, generators)
         return EpochCursor(iter(loader), loader, rng.capture(generators))
     acc = ctx.accelerator
-    resumed = resume_in_epoch(loader, position, state.batch_in_epoch, resume.now, epoch=state.epoch, processes=acc.num_processes,
-                              index=acc.process_index, elastic=resume.elastic,
-                              saved_processes=resume.saved_layout[0] if resume.saved_layout is not None else 1, peers=resume.peers)
+    resumed = resume_in_epoch(
+        loader,
+        position,
+        state.batch_in_epoch,
+        resume.now,
+        epoch=state.epoch,
+        processes=acc.num_processes,
+        index=acc.process_index,
+        elastic=resume.elastic,
+        saved_processes=resume.saved_layout[0] if resume.saved_layout is not None else 1,
+        peers=resume.peers,
+    )
     if resumed.replayed:
         _warn_replay(ctx, state, loader)
-    return EpochCursor(resumed.iterator, loader, position.epoch_start, resumed_at=resumed.resumed_at, stream=resumed.reader)
+    return EpochCursor(
+        resumed.iterator, loader, position.epoch_start, resumed_at=resumed.resumed_at, stream=resumed.reader
+    )
 
 
 def _warn_replay(ctx: Context, state: TrainState, loader: Any) -> None:
@@ -284,7 +319,9 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     """Close the current epoch: record its train metrics (and a watched run's throughput), count it, reset the running sums."""
     timed = ctx.runtime.clock.end_epoch()
     sums = state.sums.folded()
-    held = state.batch_in_epoch - sums.started_at  # the batches the sums hold: all, but after a resume on another layout
+    held = (
+        state.batch_in_epoch - sums.started_at
+    )  # the batches the sums hold: all, but after a resume on another layout
     # none where that resume came at the epoch's last update (so on every process): the record then has no train values
     averaged = sums if held else RunningSums()
     if timed is None:

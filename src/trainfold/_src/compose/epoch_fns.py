@@ -34,10 +34,67 @@ logger = logging.getLogger("trainfold")
 
 _MODES = ("auto", "min", "max")
 #: words of a metric's name that say lower is better, and higher is better (``mode="auto"``, as Keras' ``"auto"``)
-_LOWER = frozenset({"loss", "error", "err", "errors", "perplexity", "ppl", "nll", "mse", "mae", "rmse", "mape", "wer", "cer", "ter", "distance", "regret"})
-_HIGHER = frozenset({"acc", "accuracy", "f1", "fscore", "auroc", "auc", "auprc", "ap", "map", "bleu", "rouge", "rouge1", "rouge2", "rougel",
-                     "meteor", "chrf", "precision", "recall", "iou", "miou", "dice", "r2", "mcc", "matthews", "jaccard", "em",
-                     "exact", "match", "top1", "top5", "ndcg", "mrr", "psnr", "ssim", "score", "reward", "return"})
+_LOWER = frozenset(
+    {
+        "loss",
+        "error",
+        "err",
+        "errors",
+        "perplexity",
+        "ppl",
+        "nll",
+        "mse",
+        "mae",
+        "rmse",
+        "mape",
+        "wer",
+        "cer",
+        "ter",
+        "distance",
+        "regret",
+    }
+)
+_HIGHER = frozenset(
+    {
+        "acc",
+        "accuracy",
+        "f1",
+        "fscore",
+        "auroc",
+        "auc",
+        "auprc",
+        "ap",
+        "map",
+        "bleu",
+        "rouge",
+        "rouge1",
+        "rouge2",
+        "rougel",
+        "meteor",
+        "chrf",
+        "precision",
+        "recall",
+        "iou",
+        "miou",
+        "dice",
+        "r2",
+        "mcc",
+        "matthews",
+        "jaccard",
+        "em",
+        "exact",
+        "match",
+        "top1",
+        "top5",
+        "ndcg",
+        "mrr",
+        "psnr",
+        "ssim",
+        "score",
+        "reward",
+        "return",
+    }
+)
 
 
 def resolve_mode(metric: str, mode: str, where: str, state: TrainState | None = None) -> str:
@@ -113,9 +170,13 @@ class PatienceState:
 @overload
 def early_stop(metric: str, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> EpochFn: ...
 @overload
-def early_stop(metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...) -> TrainState: ...
+def early_stop(
+    metric: str, state: TrainState, *, patience: int = ..., mode: str = ..., min_delta: float = ...
+) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str = "auto", min_delta: float = 0.0) -> TrainState:
+def early_stop(
+    metric: str, state: TrainState, *, patience: int = 3, mode: str = "auto", min_delta: float = 0.0
+) -> TrainState:
     """Stop the run (``state.stop``) when ``metric`` has not improved for ``patience`` epochs.
 
     Reads the latest ``state.history[metric]`` (so compose it after the
@@ -157,7 +218,9 @@ def early_stop(metric: str, state: TrainState, *, patience: int = 3, mode: str =
     if state.interrupted or state.ended_mid_epoch:
         return state  # no epoch ended: nothing to count
     key = f"early_stop:{metric}"
-    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "early_stop"), mode, min_delta)
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(
+        _latest(state, metric, "early_stop"), mode, min_delta
+    )
     state = state.with_extra(key, tracker)
     return state.with_stop(key, finished=True) if tracker.bad_epochs >= patience else state
 
@@ -174,13 +237,34 @@ class BestState:
 
 
 @overload
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, *, mode: str = ..., storage_options: Mapping[str, Any] | None = ...) -> EpochFn: ...
+def save_best(
+    ctx: Context,
+    path: str | os.PathLike[str],
+    metric: str,
+    *,
+    mode: str = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> EpochFn: ...
 @overload
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = ...,
-              storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
+def save_best(
+    ctx: Context,
+    path: str | os.PathLike[str],
+    metric: str,
+    state: TrainState,
+    *,
+    mode: str = ...,
+    storage_options: Mapping[str, Any] | None = ...,
+) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: TrainState, *, mode: str = "auto",
-              storage_options: Mapping[str, Any] | None = None) -> TrainState:
+def save_best(
+    ctx: Context,
+    path: str | os.PathLike[str],
+    metric: str,
+    state: TrainState,
+    *,
+    mode: str = "auto",
+    storage_options: Mapping[str, Any] | None = None,
+) -> TrainState:
     """Save the model's weights to ``path`` (safetensors) whenever ``metric`` improves.
 
     The write is atomic (a temporary file renamed over ``path``; on a store, one
@@ -231,11 +315,17 @@ def save_best(ctx: Context, path: str | os.PathLike[str], metric: str, state: Tr
 
 
 @overload
-def restore_best(ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...) -> EpochFn: ...
+def restore_best(
+    ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...
+) -> EpochFn: ...
 @overload
-def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...) -> TrainState: ...
+def restore_best(
+    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...
+) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None) -> TrainState:
+def restore_best(
+    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None
+) -> TrainState:
     """Load the weights :func:`save_best` wrote into the state's model (in place) and return the state.
 
     Args:
@@ -266,7 +356,9 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, 
     try:
         data = read_object(path, storage_options)
     except FileNotFoundError:
-        raise FileNotFoundError(f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves.") from None
+        raise FileNotFoundError(
+            f"restore_best: no weights at {os.fspath(path)!r}; save_best writes them when the metric improves."
+        ) from None
     # Read on the CPU; load_state_dict copies into the parameters where they are.
     weights = load(data)
     ctx.accelerator.unwrap_model(state.model).load_state_dict(weights, strict=True)
@@ -274,12 +366,36 @@ def restore_best(ctx: Context, path: str | os.PathLike[str], state: TrainState, 
 
 
 @overload
-def reduce_lr_on_plateau(metric: str, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> EpochFn: ...
+def reduce_lr_on_plateau(
+    metric: str,
+    *,
+    factor: float = ...,
+    patience: int = ...,
+    mode: str = ...,
+    min_delta: float = ...,
+    min_lr: float = ...,
+) -> EpochFn: ...
 @overload
-def reduce_lr_on_plateau(metric: str, state: TrainState, *, factor: float = ..., patience: int = ..., mode: str = ..., min_delta: float = ..., min_lr: float = ...) -> TrainState: ...
+def reduce_lr_on_plateau(
+    metric: str,
+    state: TrainState,
+    *,
+    factor: float = ...,
+    patience: int = ...,
+    mode: str = ...,
+    min_delta: float = ...,
+    min_lr: float = ...,
+) -> TrainState: ...
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def reduce_lr_on_plateau(
-    metric: str, state: TrainState, *, factor: float = 0.1, patience: int = 2, mode: str = "auto", min_delta: float = 0.0, min_lr: float = 0.0
+    metric: str,
+    state: TrainState,
+    *,
+    factor: float = 0.1,
+    patience: int = 2,
+    mode: str = "auto",
+    min_delta: float = 0.0,
+    min_lr: float = 0.0,
 ) -> TrainState:
     """Multiply the learning rate by ``factor`` when ``metric`` has not improved for ``patience`` epochs.
 
@@ -319,12 +435,18 @@ def reduce_lr_on_plateau(
     if state.interrupted or state.ended_mid_epoch:
         return state  # no epoch ended (a budget's end changes no learning rate)
     key = f"plateau:{metric}"
-    tracker: PatienceState = state.extras.get(key, PatienceState()).update(_latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta)
+    tracker: PatienceState = state.extras.get(key, PatienceState()).update(
+        _latest(state, metric, "reduce_lr_on_plateau"), mode, min_delta
+    )
     if tracker.bad_epochs < patience:
         return state.with_extra(key, tracker)
     for group in inner_optimizer(state.optimizer).param_groups:
-        set_lr(group, max(float(group["lr"]) * factor, min_lr))  # sync: once per epoch; a compiled update's lr is a CPU tensor
-    return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor)
+        set_lr(
+            group, max(float(group["lr"]) * factor, min_lr)
+        )  # sync: once per epoch; a compiled update's lr is a CPU tensor
+    return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(
+        LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor
+    )
 
 
 @overload
@@ -369,27 +491,37 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
     """
     state = expect_state("log_epoch", state)
     if axis not in ("update", "epoch"):
-        raise ValueError(f"log_epoch: axis must be 'update' (the records at state.step) or 'epoch' (at state.epoch), not {axis!r}.")
+        raise ValueError(
+            f"log_epoch: axis must be 'update' (the records at state.step) or 'epoch' (at state.epoch), not {axis!r}."
+        )
     at = state.step if axis == "update" else state.epoch
     reason = state.stop.reason if state.stop is not None else ""
     if state.interrupted:
         if ctx.is_main_process:
-            logger.warning("stopped in epoch %d at batch %d (update %d): %s.", state.epoch + 1, state.batch_in_epoch, state.step, reason or "stop set")
+            logger.warning(
+                "stopped in epoch %d at batch %d (update %d): %s.",
+                state.epoch + 1,
+                state.batch_in_epoch,
+                state.step,
+                reason or "stop set",
+            )
         return state
     if state.ended_mid_epoch:  # a budget's end: what was recorded for the final model
         values = dict(state.metrics)
         emit(ctx, {epoch_key(k): v for k, v in values.items()}, at, log=False)
         if ctx.is_main_process:
-            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({reason}):" + "".join(f"  {k} {v:.6g}" for k, v in values.items())
+            line = f"stopped in epoch {state.epoch + 1} at update {state.step} ({reason}):" + "".join(
+                f"  {k} {v:.6g}" for k, v in values.items()
+            )
             print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
-    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False)  # sync: none: a host int
+    emit(
+        ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False
+    )  # sync: none: a host int
     if ctx.is_main_process:
         if echo:
             print(summary_line(state, values), flush=True)
         else:
             logger.info("%s", summary_line(state, values))
     return state
-
-

@@ -31,11 +31,30 @@ from trainfold._src.distributed.interrupt import signal_name
 
 
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ..., normalize: str = ...) -> EpochFn: ...
+def evaluate(
+    ctx: Context,
+    loss_fn: LossFn,
+    loader: Iterable[Batch],
+    *,
+    prefix: str = ...,
+    model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...,
+    max_batches: int | None = ...,
+    normalize: str = ...,
+) -> EpochFn: ...
 
 
 @overload
-def evaluate(ctx: Context, loss_fn: LossFn, loader: Iterable[Batch], state: TrainState, *, prefix: str = ..., model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ..., max_batches: int | None = ..., normalize: str = ...) -> TrainState: ...
+def evaluate(
+    ctx: Context,
+    loss_fn: LossFn,
+    loader: Iterable[Batch],
+    state: TrainState,
+    *,
+    prefix: str = ...,
+    model: torch.nn.Module | Callable[[TrainState], torch.nn.Module] | None = ...,
+    max_batches: int | None = ...,
+    normalize: str = ...,
+) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
@@ -117,7 +136,10 @@ def evaluate(
     count = 0
     batches = 0
     interrupt = ctx.runtime.interrupt
-    with explaining_timeouts(ctx.accelerator.num_processes), eval_mode(net, state.optimizer if net is state.model else None):
+    with (
+        explaining_timeouts(ctx.accelerator.num_processes),
+        eval_mode(net, state.optimizer if net is state.model else None),
+    ):
         for batch in loader:
             batches += 1
             n = batch_size(batch)
@@ -126,7 +148,9 @@ def evaluate(
             # A batch of padding only (real == 0) still ran the model, so collective forwards stay
             # matched, and adds zeros under the same names, so every process reduces the same shape.
             # A tensor-parallel group's processes add the same sums and counts: the means are the same ratios.
-            recorded = {k: weighted(v, real, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)}  # a count: the loss's weight
+            recorded = {
+                k: weighted(v, real, precision) for k, v in aux.items() if not (by_tokens and k == TOKENS)
+            }  # a count: the loss's weight
             if by_tokens:  # the loss is a sum over the batch's tokens: a per-token mean weighted by them
                 tokens = weighted(_tokens_of(aux), 1 if real else 0, precision)
                 loss, recorded[LOSS_WEIGHT] = weighted(loss, 1 if real else 0, precision) / tokens.clamp(min=1), tokens

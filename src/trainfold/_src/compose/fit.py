@@ -124,14 +124,21 @@ def fit(
         expect_epoch_fn("fit(epoch_fns=[...])", fn)
     for transform in transforms:
         if not callable(transform):
-            raise TypeError(f"fit(transforms=[...]) takes step transformers (step -> step); got {transform!r}, a {type(transform).__name__}.")
-    if patience is not None and not (monitor.startswith("train_") or (eval_loader is not None and monitor.startswith(("eval_", "eval")))):
+            raise TypeError(
+                f"fit(transforms=[...]) takes step transformers (step -> step); got {transform!r}, a {type(transform).__name__}."
+            )
+    if patience is not None and not (
+        monitor.startswith("train_") or (eval_loader is not None and monitor.startswith(("eval_", "eval")))
+    ):
         raise ValueError(
             f"fit: patience={patience} watches {monitor!r}, which nothing in this fit records before early stopping: "
-            + ("pass eval_loader=... (evaluate records eval_loss and eval_<aux>), or monitor a train record such as "
-               "monitor='train_loss'." if eval_loader is None else
-               "the evaluation records 'eval_loss' and 'eval_<aux name>', the epoch 'train_loss' and 'train_<aux name>'; "
-               "epoch_fns run after early stopping, so what they record cannot be monitored here.")
+            + (
+                "pass eval_loader=... (evaluate records eval_loss and eval_<aux>), or monitor a train record such as "
+                "monitor='train_loss'."
+                if eval_loader is None
+                else "the evaluation records 'eval_loss' and 'eval_<aux name>', the epoch 'train_loss' and 'train_<aux name>'; "
+                "epoch_fns run after early stopping, so what they record cannot be monitored here."
+            )
         )
     step = make_step(ctx, loss_fn, clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, stages=stages)
     if transforms:
@@ -151,7 +158,10 @@ def fit(
         # last: the checkpoint holds everything the epoch did, and what the epoch functions
         # drew from the random generators is behind it, so a resumed run continues exactly
         epoch_stages.append(save_checkpoint(ctx, checkpoint_dir, keep_last=keep_last, storage_options=storage_options))
-    if checkpoint_dir is not None and resume and latest_checkpoint(checkpoint_dir, storage_options=storage_options) is not None:
+    if (
+        checkpoint_dir is not None
+        and resume
+        and latest_checkpoint(checkpoint_dir, storage_options=storage_options) is not None
+    ):
         state = load_checkpoint(ctx, checkpoint_dir, state, storage_options=storage_options)
     return loop(compose(*reversed(epoch_stages)), max_epochs=max_epochs)(state)
-

@@ -116,7 +116,9 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
             since = record.since + 1
             # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
             stopping = (new.should_stop and not state.should_stop) or (
-                several and new.micro_step >= interrupt.next_check and interrupt.check(new.micro_step, accelerator.sync_gradients) != 0
+                several
+                and new.micro_step >= interrupt.next_check
+                and interrupt.check(new.micro_step, accelerator.sync_gradients) != 0
             )
             if since < every and not stopping:
                 return new.with_extra(NAME, LocalSgdState(every, since, record.averages))
@@ -176,4 +178,3 @@ def average_parameters(ctx: Context, state: TrainState) -> TrainState:
     if ctx.accelerator.num_processes > 1:
         _average(ctx.accelerator, state.model)
     return state.with_extra(NAME, LocalSgdState(record.every, 0, record.averages + 1))
-

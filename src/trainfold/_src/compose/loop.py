@@ -73,8 +73,11 @@ def expect_epoch_fn(where: str, fn: Any) -> None:
     except (TypeError, ValueError):  # a builtin or a C callable: nothing to check
         return
     # toolz's curry shows the arguments it still needs with this default
-    required = [p.name for p in signature.parameters.values()
-                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and (p.default is p.empty or p.default == no_default)]
+    required = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and (p.default is p.empty or p.default == no_default)
+    ]
     if len(required) > 1 or any(signature.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in required):
         raise TypeError(
             f"{where} calls epoch_fn(state), with the state alone, and {name_of(fn)} still needs {', '.join(required)} "
@@ -90,7 +93,11 @@ def warn_if_recorded_before_training(where: str, epoch_fn: EpochFn, before: Trai
     (``every_steps``) are not that. Checked on a loop's first epoch (a few comparisons)."""
     if after.step <= before.step:
         return
-    early = [r for r in tuple(after.history)[len(before.history):] if not r.name.startswith("train_") and r.step == before.step]
+    early = [
+        r
+        for r in tuple(after.history)[len(before.history) :]
+        if not r.name.startswith("train_") and r.step == before.step
+    ]
     if early:
         r = early[0]
         warnings.warn(
@@ -144,8 +151,10 @@ def loop(epoch_fn: EpochFn, *by_position: Any, max_epochs: int | None = None) ->
         3
     """
     if by_position:
-        raise TypeError(f"loop(epoch_fn, max_epochs={by_position[0]!r}): max_epochs is a keyword argument "
-                        f"(loop was given {len(by_position) + 1} arguments by position).")
+        raise TypeError(
+            f"loop(epoch_fn, max_epochs={by_position[0]!r}): max_epochs is a keyword argument "
+            f"(loop was given {len(by_position) + 1} arguments by position)."
+        )
     expect_epoch_fn("loop", epoch_fn)
     if max_epochs is not None:
         positive_int("max_epochs", max_epochs)
@@ -282,4 +291,3 @@ def every_epochs(n: int, fn: EpochFn) -> EpochFn:
         return returned_state(fn, fn(state)) if state.epoch % n == 0 else state
 
     return named(run, f"every_epochs({n}, {name_of(fn)})")
-

@@ -23,18 +23,38 @@ from trainfold._src.distributed.control import explaining_timeouts
 
 
 @overload
-def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], *,
-                     prefix: str = ...) -> EpochFn: ...
+def evaluate_metrics(
+    ctx: Context,
+    metrics: Mapping[str, Any],
+    fn: Callable[[torch.nn.Module, Batch], Any],
+    loader: Iterable[Batch],
+    *,
+    prefix: str = ...,
+) -> EpochFn: ...
 
 
 @overload
-def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
-                     state: TrainState, *, prefix: str = ...) -> TrainState: ...
+def evaluate_metrics(
+    ctx: Context,
+    metrics: Mapping[str, Any],
+    fn: Callable[[torch.nn.Module, Batch], Any],
+    loader: Iterable[Batch],
+    state: TrainState,
+    *,
+    prefix: str = ...,
+) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch],
-                     state: TrainState, *, prefix: str = "eval") -> TrainState:
+def evaluate_metrics(
+    ctx: Context,
+    metrics: Mapping[str, Any],
+    fn: Callable[[torch.nn.Module, Batch], Any],
+    loader: Iterable[Batch],
+    state: TrainState,
+    *,
+    prefix: str = "eval",
+) -> TrainState:
     """Metrics that are not batch means (F1, AUROC, BLEU...): update metric objects over ``loader`` and record their values.
 
     A metric is a torchmetrics ``Metric``, any object with ``update(...)``,
@@ -103,7 +123,9 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
             try:
                 args = fn(state.model, batch)
             except Exception as exc:
-                add_note(exc, f"trainfold: raised by evaluate_metrics' fn on a batch of structure {describe_batch(batch)}")
+                add_note(
+                    exc, f"trainfold: raised by evaluate_metrics' fn on a batch of structure {describe_batch(batch)}"
+                )
                 raise
             args = args if isinstance(args, tuple) else (args,)
             check_per_sample("evaluate_metrics", args, batch_size(batch), batch)
@@ -115,10 +137,16 @@ def evaluate_metrics(ctx: Context, metrics: Mapping[str, Any], fn: Callable[[tor
     values: dict[str, float] = {}
     for name, metric in metrics.items():
         computed = _computed(name, metric)
-        named_values = {f"{prefix}_{name}": computed} if isinstance(computed, float) else {f"{prefix}_{k}": v for k, v in computed.items()}
+        named_values = (
+            {f"{prefix}_{name}": computed}
+            if isinstance(computed, float)
+            else {f"{prefix}_{k}": v for k, v in computed.items()}
+        )
         clash = sorted(values.keys() & named_values.keys())
         if clash:
-            raise ValueError(f"evaluate_metrics: two metrics record {clash[0]!r}; give them other names (a dict result's keys name its records).")
+            raise ValueError(
+                f"evaluate_metrics: two metrics record {clash[0]!r}; give them other names (a dict result's keys name its records)."
+            )
         values.update(named_values)
     return attrs.evolve(state, history=state.history.add(epoch=state.epoch, step=state.step, values=values))
 
@@ -133,7 +161,9 @@ def _feed(name: str, metric: Any, args: tuple[Any, ...]) -> None:
         metric.update(*args)
         return
     if len(args) != 2:
-        raise TypeError(f"evaluate_metrics: metric {name!r} takes add_batch(predictions=..., references=...): fn must return (predictions, references), not {len(args)} values.")
+        raise TypeError(
+            f"evaluate_metrics: metric {name!r} takes add_batch(predictions=..., references=...): fn must return (predictions, references), not {len(args)} values."
+        )
     metric.add_batch(predictions=args[0], references=args[1])
 
 
@@ -146,7 +176,9 @@ def _computed(name: str, metric: Any) -> float | dict[str, float]:
     A test counts the samples a metric saw on 2 processes, so a torchmetrics that
     decides otherwise fails it (100 samples instead of 50) rather than passing silently.
     """
-    saved = {a: getattr(metric, a) for a in ("sync_on_compute", "_to_sync") if isinstance(getattr(metric, a, None), bool)}
+    saved = {
+        a: getattr(metric, a) for a in ("sync_on_compute", "_to_sync") if isinstance(getattr(metric, a, None), bool)
+    }
     for attribute in saved:
         setattr(metric, attribute, False)
     try:
@@ -164,7 +196,9 @@ def _computed(name: str, metric: Any) -> float | dict[str, float]:
 def _number(name: str, value: Any) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"evaluate_metrics: metric {name} computed a tensor of shape {tuple(value.shape)}; the history holds numbers (average it, e.g. average='macro').")
+            raise TypeError(
+                f"evaluate_metrics: metric {name} computed a tensor of shape {tuple(value.shape)}; the history holds numbers (average it, e.g. average='macro')."
+            )
         return float(value)  # sync: once per metric per evaluation
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"evaluate_metrics: metric {name} computed a {type(value).__name__}, not a number.")

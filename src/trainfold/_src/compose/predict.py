@@ -20,15 +20,21 @@ from trainfold._src.core.state import TrainState
 
 
 @overload
-def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch]) -> Callable[[TrainState], Any]: ...
+def predict(
+    ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch]
+) -> Callable[[TrainState], Any]: ...
 
 
 @overload
-def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any: ...
+def predict(
+    ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState
+) -> Any: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
-def predict(ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState) -> Any:
+def predict(
+    ctx: Context, fn: Callable[[torch.nn.Module, Batch], Any], loader: Iterable[Batch], state: TrainState
+) -> Any:
     """Run ``fn(model, batch)`` over ``loader`` and return the outputs for every sample, in order.
 
     In eval mode under ``torch.no_grad()``. Outputs are gathered from every

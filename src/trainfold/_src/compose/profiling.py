@@ -115,10 +115,14 @@ def profile(
 
     accelerator = ctx.accelerator
     base = handler if handler is not None else getattr(accelerator, "profile_handler", None) or ProfileKwargs()
-    if trace_dir is None and getattr(base, "output_trace_dir", None):  # ProfileKwargs(output_trace_dir=...): Accelerate's own setting
+    if trace_dir is None and getattr(
+        base, "output_trace_dir", None
+    ):  # ProfileKwargs(output_trace_dir=...): Accelerate's own setting
         trace_dir = base.output_trace_dir
     folder = None if trace_dir is None else Path(trace_dir)
-    key = NAME if folder is None else f"{NAME}:{folder}"  # each window its record: a second one (another folder) profiles too
+    key = (
+        NAME if folder is None else f"{NAME}:{folder}"
+    )  # each window its record: a second one (another folder) profiles too
     path = None if folder is None else folder / f"profile_{accelerator.process_index}.json"
     window = wait + warmup + active
     written: list[str] = []

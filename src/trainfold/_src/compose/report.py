@@ -28,11 +28,20 @@ def report_text(values: Mapping[str, float]) -> str:
         rates.append(_si(named.pop("flops_per_s"), "FLOP/s"))
     if "mfu" in named:
         rates.append(f"MFU {100 * named.pop('mfu'):.1f}%")
-    shares = [f"{k.removeprefix('time_')} {100 * named.pop(k):.0f}%" for k in [k for k in named if k.startswith("time_")]]
-    memory = [f"{k.removeprefix('memory_').removesuffix('_gb')} {named.pop(k):.2f} GB" for k in [k for k in named if k.startswith("memory_")]]
+    shares = [
+        f"{k.removeprefix('time_')} {100 * named.pop(k):.0f}%" for k in [k for k in named if k.startswith("time_")]
+    ]
+    memory = [
+        f"{k.removeprefix('memory_').removesuffix('_gb')} {named.pop(k):.2f} GB"
+        for k in [k for k in named if k.startswith("memory_")]
+    ]
     values_ = [f"{k} {v:.4g}" for k, v in named.items() if k not in _UNSHOWN]
-    parts = ["  ".join(head + values_), "  ".join(rates), "time: " + "  ".join(s for s in shares if not s.endswith(" 0%")) if shares else "",
-             "memory " + "  ".join(memory) if memory else ""]
+    parts = [
+        "  ".join(head + values_),
+        "  ".join(rates),
+        "time: " + "  ".join(s for s in shares if not s.endswith(" 0%")) if shares else "",
+        "memory " + "  ".join(memory) if memory else "",
+    ]
     return "  |  ".join(p for p in parts if p)
 
 

@@ -15,14 +15,21 @@ import attrs
 
 def _finite_lr(name: str, lr: float) -> None:
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"{name} must be a finite, non-negative learning rate (got {lr!r}): a NaN or infinite one trains silently to NaN.")
+        raise ValueError(
+            f"{name} must be a finite, non-negative learning rate (got {lr!r}): a NaN or infinite one trains silently to NaN."
+        )
 
 
 def _check(peak_lr: float, warmup_steps: int, total_steps: int) -> None:
     _finite_lr("peak_lr", peak_lr)
     if not peak_lr > 0:
         raise ValueError(f"peak_lr must be positive (got {peak_lr!r}).")
-    if not (isinstance(warmup_steps, int) and isinstance(total_steps, int) and 0 <= warmup_steps <= total_steps and total_steps > 0):
+    if not (
+        isinstance(warmup_steps, int)
+        and isinstance(total_steps, int)
+        and 0 <= warmup_steps <= total_steps
+        and total_steps > 0
+    ):
         raise ValueError(
             f"need 0 <= warmup_steps <= total_steps and total_steps > 0 (got warmup_steps={warmup_steps!r}, "
             f"total_steps={total_steps!r}); count them in optimizer updates."

@@ -95,7 +95,9 @@ def stop_when(
         raise ValueError(f"stop_when: end must be 'run' or 'epoch' (got {end!r}).")
     positive_int("check_every", check_every)
     if not callable(predicate):
-        raise TypeError(f"stop_when(ctx, predicate): predicate must be a function of the state (got a {type(predicate).__name__}).")
+        raise TypeError(
+            f"stop_when(ctx, predicate): predicate must be a function of the state (got a {type(predicate).__name__})."
+        )
     acc = ctx.accelerator
     distributed = acc.num_processes > 1
     fresh = StopWhenState()
@@ -113,7 +115,9 @@ def stop_when(
                     return new  # nothing to record: no new state made
                 return new.with_extra(name, StopWhenState(raised, new.epoch))
             local = bool(raised)  # sync: a flag on the device is read here, once per check
-            agreed = bool(max_over_processes(ctx.runtime.control, int(local))) if distributed else local  # sync: none more: the processes' host int
+            agreed = (
+                bool(max_over_processes(ctx.runtime.control, int(local))) if distributed else local
+            )  # sync: none more: the processes' host int
             new = new.with_extra(name, attrs.evolve(fresh, epoch=new.epoch))
             if not agreed:
                 return new

@@ -34,7 +34,9 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
             _log_what_trackers_lack(ctx, values, step)
         else:
             ctx.accelerator.log(dict(values), step=step)
-        ctx.runtime.wrote_at(ctx.accelerator, step)  # at a checkpoint's update, after it: a resumed run would not log it again
+        ctx.runtime.wrote_at(
+            ctx.accelerator, step
+        )  # at a checkpoint's update, after it: a resumed run would not log it again
     elif getattr(ctx.accelerator, "log_with", None) and ctx.runtime.warn_once("trackers not started"):
         if ctx.is_main_process:
             warnings.warn(
@@ -52,10 +54,14 @@ def _warn_trackers_not_resumed(ctx: Context) -> None:
     """A resumed run's trackers started by ``accelerator.init_trackers``: nothing cuts their series back to the checkpoint."""
     if ctx.runtime.warn_once("trackers of a resumed run") and ctx.is_main_process:
         names = ", ".join(t.name for t in ctx.accelerator.trackers)
-        warnings.warn(f"the run resumed from update {ctx.runtime.resumed_from}, and its trackers ({names}) were started by "
-                      "accelerator.init_trackers, which starts them as a new run: what the run before logged after its checkpoint "
-                      "is logged again beside it. Start them with init_trackers(ctx, project_name, state), given the loaded "
-                      "state. Said once.", UserWarning, stacklevel=user_stacklevel())
+        warnings.warn(
+            f"the run resumed from update {ctx.runtime.resumed_from}, and its trackers ({names}) were started by "
+            "accelerator.init_trackers, which starts them as a new run: what the run before logged after its checkpoint "
+            "is logged again beside it. Start them with init_trackers(ctx, project_name, state), given the loaded "
+            "state. Said once.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int) -> None:
@@ -73,8 +79,14 @@ def _log_what_trackers_lack(ctx: Context, values: Mapping[str, float], step: int
             ctx.runtime.hold_tracker_steps(name, {})
 
 
-def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config: Mapping[str, Any] | None = None,
-                  init_kwargs: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+def init_trackers(
+    ctx: Context,
+    project_name: str,
+    state: TrainState,
+    *,
+    config: Mapping[str, Any] | None = None,
+    init_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
+) -> None:
     """Start the Accelerator's trackers (``Accelerator(log_with=...)``) for a run that goes on from ``state``.
 
     ``accelerator.init_trackers``, and for a resumed run (``state.step > 0``) TensorBoard's
@@ -130,9 +142,13 @@ def init_trackers(ctx: Context, project_name: str, state: TrainState, *, config:
     kwargs = {name: dict(values) for name, values in (init_kwargs or {}).items()}
     from accelerate.tracking import GeneralTracker
 
-    names = [t.name if isinstance(t, GeneralTracker) else str(t) for t in ctx.accelerator.log_with]  # (an enum's own name is its member's)
+    names = [
+        t.name if isinstance(t, GeneralTracker) else str(t) for t in ctx.accelerator.log_with
+    ]  # (an enum's own name is its member's)
     logging_dir = ctx.accelerator.logging_dir
-    run = GoingOn(project_name, state.run_id, state.step, ctx.is_main_process, None if logging_dir is None else str(logging_dir))
+    run = GoingOn(
+        project_name, state.run_id, state.step, ctx.is_main_process, None if logging_dir is None else str(logging_dir)
+    )
     vendors = {name: found for name in names if (found := vendor(name)) is not None}
     going_on = {name for name, found in vendors.items() if found.prepare(run, kwargs.setdefault(name, {}))}
     others = [n for n in names if n not in going_on]
@@ -191,7 +207,9 @@ class _BarState:
     epoch: int
 
 
-def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch", force: bool = False, **tqdm_kwargs: Any) -> StepTransformer:
+def progress_bar(
+    ctx: Context, total: int | None = None, *, desc: str = "epoch", force: bool = False, **tqdm_kwargs: Any
+) -> StepTransformer:
     """A step transformer that shows a tqdm bar of the batches of each epoch.
 
     Main process only; off when stderr is not a terminal unless ``force=True``
@@ -230,7 +248,9 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        raise ImportError("progress_bar needs tqdm to show a bar: pip install 'trainfold[progress]' (or pass progress=False to fit).") from None
+        raise ImportError(
+            "progress_bar needs tqdm to show a bar: pip install 'trainfold[progress]' (or pass progress=False to fit)."
+        ) from None
 
     def transform(step: Step) -> Step:
         bar = None
@@ -241,7 +261,13 @@ def progress_bar(ctx: Context, total: int | None = None, *, desc: str = "epoch",
             if bar is None or shown["epoch"] != state.epoch:
                 if bar is not None:
                     bar.close()
-                bar = tqdm(total=total, desc=f"{desc} {state.epoch + 1}", initial=state.batch_in_epoch, dynamic_ncols=True, **tqdm_kwargs)
+                bar = tqdm(
+                    total=total,
+                    desc=f"{desc} {state.epoch + 1}",
+                    initial=state.batch_in_epoch,
+                    dynamic_ncols=True,
+                    **tqdm_kwargs,
+                )
                 shown["epoch"] = state.epoch
             new = step(state, batch)
             bar.update(1)
@@ -264,4 +290,3 @@ def _identity(name: str) -> StepTransformer:
         return step
 
     return named(transform, name)
-

@@ -141,7 +141,9 @@ def _ema_copy(state: TrainState) -> torch.nn.Module:
 
 @torch.no_grad()
 def _ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    pairs = [(e, p.detach()) for e, p in zip(ema_model.parameters(), model.parameters()) if e is not p]  # not the shared frozen ones
+    pairs = [
+        (e, p.detach()) for e, p in zip(ema_model.parameters(), model.parameters()) if e is not p
+    ]  # not the shared frozen ones
     if pairs:
         torch._foreach_lerp_([e for e, _ in pairs], [p for _, p in pairs], 1.0 - decay)
     for eb, b in zip(ema_model.buffers(), model.buffers()):
@@ -256,10 +258,12 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
 
 def _composed_twice(n: int, step: Step) -> str:
     """Why a step with ``log_every`` inside ``log_every(n)`` is refused (the inner one's report came out of ``step``)."""
-    return (f"log_every({n}) is composed around another log_every, inside {name_of(step)!r}: both keep their last report "
-            "in state.extras['log_every'], so each would take the other's report as where its interval began and report "
-            "the means of the wrong updates (and, watched, count every batch's samples twice). Use one log_every per step, "
-            "with the period you want reports at.")
+    return (
+        f"log_every({n}) is composed around another log_every, inside {name_of(step)!r}: both keep their last report "
+        "in state.extras['log_every'], so each would take the other's report as where its interval began and report "
+        "the means of the wrong updates (and, watched, count every batch's samples twice). Use one log_every per step, "
+        "with the period you want reports at."
+    )
 
 
 def _reported_before(state: TrainState) -> int:
@@ -286,7 +290,12 @@ def _missed_report(ctx: Context, state: TrainState, n: int, meter: Meter | None)
     if (last.step if last is not None else 0) == state.step - n and due.sums.started_at <= began < due.batch_in_epoch:
         return state.with_extra("log_every", _report(ctx, due, meter, again=True))
     values = last.values if last is not None else MappingProxyType({})
-    return state.with_extra("log_every", LogState(state.step, state.epoch, state.batch_in_epoch, MappingProxyType(state.sums.folded().as_dict()), values))
+    return state.with_extra(
+        "log_every",
+        LogState(
+            state.step, state.epoch, state.batch_in_epoch, MappingProxyType(state.sums.folded().as_dict()), values
+        ),
+    )
 
 
 def _report(ctx: Context, state: TrainState, meter: Meter | None = None, *, again: bool = False) -> LogState:
@@ -298,11 +307,17 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None, *, agai
     folded = state.sums.folded()
     sums = folded.as_dict()
     since, base_batches = folded.interval(state.epoch, last)
-    totals = meter.totals() if meter is not None else None  # (again too: summed over processes in the precision they were)
-    means, summed = folded.means_and_totals(ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals)
+    totals = (
+        meter.totals() if meter is not None else None
+    )  # (again too: summed over processes in the precision they were)
+    means, summed = folded.means_and_totals(
+        ctx.accelerator, state.batch_in_epoch - base_batches, since=since, totals=totals
+    )
     values = {**means, "epoch": float(state.epoch)}  # sync: none: a host int
     if state.optimizer is not None:
-        values["lr"] = float(inner_optimizer(state.optimizer).param_groups[0]["lr"])  # sync: none: a number, or a compiled update's CPU tensor
+        values["lr"] = float(
+            inner_optimizer(state.optimizer).param_groups[0]["lr"]
+        )  # sync: none: a number, or a compiled update's CPU tensor
     if meter is not None and not again:
         values.update(meter.report(state, summed))
     emit(ctx, {step_key(k): v for k, v in values.items()}, state.step, log=not again)

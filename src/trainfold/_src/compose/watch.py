@@ -203,7 +203,9 @@ class Meter:
     def totals(self) -> dict[str, torch.Tensor | float]:
         """This process's counts since the last report, for the report's one all-reduce."""
         samples = float(self.clock.samples - self.from_samples)  # sync: none: host ints
-        flops = self.flops_per_sample * samples if self.flops_per_sample is not None else 0.0  # sync: none: host numbers
+        flops = (
+            self.flops_per_sample * samples if self.flops_per_sample is not None else 0.0
+        )  # sync: none: host numbers
         # sync: none here; the carried tokens a device tensor the report's one all-reduce reads
         return {"watch:samples": samples, "watch:flops": flops, "watch:tokens": self.carried}  # sync: none
 
@@ -214,8 +216,12 @@ class Meter:
         acc = self.ctx.accelerator
         copies = _copies(acc)
         samples = totals["watch:samples"] / copies
-        out = {"interval_s": seconds, "samples": samples, "samples_per_s": samples / seconds,
-               "updates_per_s": (state.step - self.from_update) / seconds}
+        out = {
+            "interval_s": seconds,
+            "samples": samples,
+            "samples_per_s": samples / seconds,
+            "updates_per_s": (state.step - self.from_update) / seconds,
+        }
         tokens = next((totals[f"sum:{name}"] for name in TOKEN_SUMS if f"sum:{name}" in totals), None)
         if tokens is not None:
             tokens = (tokens + totals["watch:tokens"]) / copies
@@ -231,7 +237,12 @@ class Meter:
         out.update(shares)
         if self.watch.memory:  # (the clock holds the Peaks this meter's __init__ gave it)
             out.update(self.clock.peaks.take(acc.device, "report"))
-        self.carried, self.started, self.from_update, self.from_samples = 0.0, time.perf_counter(), state.step, self.clock.samples
+        self.carried, self.started, self.from_update, self.from_samples = (
+            0.0,
+            time.perf_counter(),
+            state.step,
+            self.clock.samples,
+        )
         return out
 
     def _flops(self, totals: Mapping[str, float], tokens: float | None, copies: int) -> float | None:
@@ -246,7 +257,6 @@ class Meter:
         if self.watch.flops_per_sample is not None:
             return totals["watch:flops"] / copies
         return totals["watch:flops"] if self.flops_per_sample is not None else None
-
 
     def _warn_no_tokens(self) -> None:
         if self.ctx.is_main_process and self.ctx.runtime.warn_once("watch:flops_per_token"):
@@ -286,7 +296,11 @@ def epoch_figures(ctx: Context, seconds: float, totals: Mapping[str, float]) -> 
     if tokens is not None:
         out["tokens_per_s"] = tokens / copies / seconds
     processes = ctx.accelerator.num_processes
-    out.update((name.removeprefix("watch:"), value / processes) for name, value in totals.items() if name.startswith("watch:memory_"))
+    out.update(
+        (name.removeprefix("watch:"), value / processes)
+        for name, value in totals.items()
+        if name.startswith("watch:memory_")
+    )
     return out
 
 
@@ -327,10 +341,11 @@ def _memory(device: Any) -> dict[str, float]:
     folds each reading into a report's and an epoch's); elsewhere the process's peak resident memory so far
     (``getrusage``, which cannot be reset)."""
     if getattr(device, "type", None) == "cuda":
-        out = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-               "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+        out = {
+            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
         torch.cuda.reset_peak_memory_stats(device)
         return out
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"memory_rss_gb": peak * (1 if sys.platform == "darwin" else 1024) / 1e9}
-

@@ -82,7 +82,9 @@ def expect_context(where: str, signature: str, ctx: Any) -> Context:
     """
     if isinstance(ctx, Context):
         return ctx
-    raise TypeError(f"{where}: the first argument of {signature} must be the Context; got {describe(ctx)}. Check the order of the arguments.")
+    raise TypeError(
+        f"{where}: the first argument of {signature} must be the Context; got {describe(ctx)}. Check the order of the arguments."
+    )
 
 
 def expect_args(where: str, signature: str, ctx: Any, fn_name: str, fn: Any, loader: Any = _NO_LOADER) -> None:
@@ -97,8 +99,12 @@ def expect_args(where: str, signature: str, ctx: Any, fn_name: str, fn: Any, loa
     """
     expect_context(where, signature, ctx)
     if not callable(fn):
-        raise TypeError(f"{where}: {fn_name}, the second argument of {signature}, must be a function; got {describe(fn)}. Check the order of the arguments.")
-    if loader is not _NO_LOADER and (callable(loader) or not hasattr(loader, "__iter__") or isinstance(loader, (str, bytes, TrainState))):
+        raise TypeError(
+            f"{where}: {fn_name}, the second argument of {signature}, must be a function; got {describe(fn)}. Check the order of the arguments."
+        )
+    if loader is not _NO_LOADER and (
+        callable(loader) or not hasattr(loader, "__iter__") or isinstance(loader, (str, bytes, TrainState))
+    ):
         raise TypeError(
             f"{where}: loader, the third argument of {signature}, must be an iterable of batches (a DataLoader); got "
             f"{describe(loader)}. Check the order of the arguments."
@@ -139,9 +145,11 @@ def returned_state(fn: Any, value: Any) -> TrainState:
     """Check what an epoch function returned."""
     if isinstance(value, TrainState):
         return value
-    what = f"a curry, not a TrainState: it is missing arguments ({_missing_args(value)})" if isinstance(
-        value, curry
-    ) else f"{type(value).__name__}, not a TrainState"
+    what = (
+        f"a curry, not a TrainState: it is missing arguments ({_missing_args(value)})"
+        if isinstance(value, curry)
+        else f"{type(value).__name__}, not a TrainState"
+    )
     raise TypeError(
         f"epoch function {name_of(fn)!r} returned {what}. Epoch functions take the state last and "
         "return the new state (did you pass the state?)."

@@ -36,14 +36,18 @@ def _regions_value(value: Any) -> bool | tuple[type, ...]:
         return value
     classes = value if isinstance(value, tuple) else (value,)
     if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
-        raise TypeError(f"Compile(regions=...) takes True, False, or a module class (or a tuple of them) whose instances are the "
-                        f"repeated blocks (got {value!r}).")
+        raise TypeError(
+            f"Compile(regions=...) takes True, False, or a module class (or a tuple of them) whose instances are the "
+            f"repeated blocks (got {value!r})."
+        )
     return classes
 
 
 def _backend_value(instance: Any, attribute: Any, value: Any) -> None:
     if not (isinstance(value, str) or callable(value)):
-        raise TypeError(f"Compile(backend=...) takes a backend's name ('inductor', 'aot_eager', ...) or a callable (got {value!r}).")
+        raise TypeError(
+            f"Compile(backend=...) takes a backend's name ('inductor', 'aot_eager', ...) or a callable (got {value!r})."
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -100,8 +104,14 @@ class Compile:
 
     def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``torch.compile(fn)`` with these settings."""
-        return torch.compile(fn, backend=self.backend, mode=self.mode, options=dict(self.options) if self.options else None,
-                             dynamic=self.dynamic, fullgraph=self.fullgraph)
+        return torch.compile(
+            fn,
+            backend=self.backend,
+            mode=self.mode,
+            options=dict(self.options) if self.options else None,
+            dynamic=self.dynamic,
+            fullgraph=self.fullgraph,
+        )
 
 
 def compile_spec(ctx: Any, value: Any) -> Compile | None:
@@ -120,9 +130,11 @@ def compile_spec(ctx: Any, value: Any) -> Compile | None:
     from trainfold._src.backend.engine import is_deepspeed
 
     if is_deepspeed(ctx.accelerator):
-        raise ValueError("make_step(compile=...): under DeepSpeed the engine runs the model and the optimizer: compile with "
-                         "DeepSpeed's own setting (its config's \"compile\" section, or Accelerate's dynamo plugin, which hands "
-                         "the model to engine.compile), and leave make_step's compile unset.")
+        raise ValueError(
+            "make_step(compile=...): under DeepSpeed the engine runs the model and the optimizer: compile with "
+            "DeepSpeed's own setting (its config's \"compile\" section, or Accelerate's dynamo plugin, which hands "
+            "the model to engine.compile), and leave make_step's compile unset."
+        )
     return spec
 
 
@@ -131,13 +143,22 @@ def _from_accelerate(accelerator: Any) -> Compile:
     backend = getattr(getattr(plugin, "backend", None), "value", "NO")
     if plugin is None or backend == "NO":
         return Compile()
-    return Compile(backend=backend.lower(), mode=plugin.mode, options=plugin.options, dynamic=plugin.dynamic,
-                   fullgraph=bool(plugin.fullgraph))  # sync: none: a config flag
+    return Compile(
+        backend=backend.lower(),
+        mode=plugin.mode,
+        options=plugin.options,
+        dynamic=plugin.dynamic,
+        fullgraph=bool(plugin.fullgraph),
+    )  # sync: none: a config flag
 
 
 def own_code(fn: types.FunctionType, name: str) -> types.FunctionType:
     """A copy of ``fn`` with a code object of its own, named ``name`` (in dynamo's logs): see the module's docstring."""
-    code = fn.__code__.replace(co_name=name, co_qualname=name) if hasattr(fn.__code__, "co_qualname") else fn.__code__.replace(co_name=name)
+    code = (
+        fn.__code__.replace(co_name=name, co_qualname=name)
+        if hasattr(fn.__code__, "co_qualname")
+        else fn.__code__.replace(co_name=name)
+    )
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
@@ -154,7 +175,9 @@ def _limit() -> int:
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
 
-def checked(fn: Callable[..., Any], spec: Compile, codes: tuple[types.CodeType, ...], what: str, *, shared: bool = False) -> Callable[..., Any]:
+def checked(
+    fn: Callable[..., Any], spec: Compile, codes: tuple[types.CodeType, ...], what: str, *, shared: bool = False
+) -> Callable[..., Any]:
     """``fn`` compiled with ``spec``, which after its first call must have compiled code in dynamo.
 
     Under a dispatch mode (``Watch``'s ``FlopCounterMode`` on the first step) ``fn`` runs
@@ -176,14 +199,20 @@ def checked(fn: Callable[..., Any], spec: Compile, codes: tuple[types.CodeType, 
         if _counting():
             return fn(*args)  # the same computation; the check waits for the next call
         before = [compiled_versions(c) for c in codes]
-        log.info("make_step(compile=...): compiling %s at its first call (backend %s; this can take minutes)", what,
-                 getattr(spec.backend, "__name__", spec.backend))
+        log.info(
+            "make_step(compile=...): compiling %s at its first call (backend %s; this can take minutes)",
+            what,
+            getattr(spec.backend, "__name__", spec.backend),
+        )
         started = time.perf_counter()
         out = compiled(*args)
         first[0] = False
         _check(what, before, [compiled_versions(c) for c in codes], shared)
-        log.info("make_step(compile=...): %s compiled in %.1f s (checked: dynamo holds compiled code for it)", what,
-                 time.perf_counter() - started)
+        log.info(
+            "make_step(compile=...): %s compiled in %.1f s (checked: dynamo holds compiled code for it)",
+            what,
+            time.perf_counter() - started,
+        )
         return out
 
     return call
@@ -201,12 +230,14 @@ def _check(what: str, before: list[int], after: list[int], shared: bool) -> None
         raise RuntimeError(
             f"make_step(compile=...): {what} was to be compiled and dynamo compiled nothing for it, so it ran eagerly: "
             "dynamo is off (the TORCHDYNAMO_DISABLE variable, torch._dynamo.config.disable, or a torch.compiler.disable "
-            "around it) or skipped the function (TORCH_LOGS=dynamo says why). Turn dynamo on, or build the step without compile.")
+            "around it) or skipped the function (TORCH_LOGS=dynamo says why). Turn dynamo on, or build the step without compile."
+        )
     if shared and after == before and max(after) >= _limit():
         raise RuntimeError(
             f"make_step(compile=...): {what} ran eagerly: dynamo already holds {max(after)} compiled versions of it in this "
             f"process (other optimizers of the class, compiled earlier), its limit (torch._dynamo.config.recompile_limit). "
-            "Raise the limit, or call torch._dynamo.reset() between runs that build new optimizers.")
+            "Raise the limit, or call torch._dynamo.reset() between runs that build new optimizers."
+        )
 
 
 def loss_of(loss_fn: LossFn, spec: Compile) -> LossFn:
@@ -264,6 +295,7 @@ def step_and_zero_of(optimizer: torch.optim.Optimizer, spec: Compile) -> Callabl
     standard = update_of(optimizer, spec)
     body = lean_update_body(optimizer)
     if body is None:
+
         def step_then_zero() -> None:
             standard()
             optimizer.zero_grad()
@@ -278,9 +310,18 @@ def step_and_zero_of(optimizer: torch.optim.Optimizer, spec: Compile) -> Callabl
 
     def step_and_zero() -> None:
         own_step = optimizer.__dict__.get("step")
-        by_scheduler = own_step is not None and getattr(own_step, "__wrapped__", None) is class_step and hasattr(own_step, "_wrapped_by_lr_sched")
-        if (pre or post or optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-                or (own_step is not None and not by_scheduler)):
+        by_scheduler = (
+            own_step is not None
+            and getattr(own_step, "__wrapped__", None) is class_step
+            and hasattr(own_step, "_wrapped_by_lr_sched")
+        )
+        if (
+            pre
+            or post
+            or optimizer._optimizer_step_pre_hooks
+            or optimizer._optimizer_step_post_hooks
+            or (own_step is not None and not by_scheduler)
+        ):
             standard()
             optimizer.zero_grad()
             return
@@ -309,13 +350,20 @@ def lean_update_body(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.
     from torch.optim import optimizer as torch_optimizer
 
     cls, base = type(optimizer), torch.optim.Optimizer
-    if (cls.zero_grad is not base.zero_grad or cls._optimizer_step_code is not base._optimizer_step_code
-            or optimizer.defaults.get("fused") or optimizer.defaults.get("differentiable")):
+    if (
+        cls.zero_grad is not base.zero_grad
+        or cls._optimizer_step_code is not base._optimizer_step_code
+        or optimizer.defaults.get("fused")
+        or optimizer.defaults.get("differentiable")
+    ):
         return None
     profiled = getattr(cls.step, "__wrapped__", None)
     body = getattr(profiled, "__wrapped__", None)
-    if (body is None or getattr(cls.step, "__code__", None) not in _inner_codes(base.profile_hook_step)
-            or getattr(profiled, "__code__", None) not in _inner_codes(torch_optimizer._use_grad_for_differentiable)):
+    if (
+        body is None
+        or getattr(cls.step, "__code__", None) not in _inner_codes(base.profile_hook_step)
+        or getattr(profiled, "__code__", None) not in _inner_codes(torch_optimizer._use_grad_for_differentiable)
+    ):
         return None
 
     def update(optimizer: torch.optim.Optimizer) -> None:
@@ -329,7 +377,11 @@ def lean_update_body(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.
 
 def _inner_codes(fn: Any) -> tuple[types.CodeType, ...]:
     """The code objects of the functions defined inside ``fn`` (a decorator's wrapper)."""
-    return tuple(c for c in getattr(fn, "__code__", types.SimpleNamespace(co_consts=())).co_consts if isinstance(c, types.CodeType))
+    return tuple(
+        c
+        for c in getattr(fn, "__code__", types.SimpleNamespace(co_consts=())).co_consts
+        if isinstance(c, types.CodeType)
+    )
 
 
 def _wrapped_codes(fn: Any) -> tuple[types.CodeType, ...]:
@@ -373,9 +425,15 @@ def compile_regions(model: torch.nn.Module, spec: Compile) -> None:
         return
     blocks = repeated_blocks(model, spec.regions)
     if not blocks:
-        wanted = "ModuleList of two or more blocks of one class" if spec.regions is True else f"module of class {', '.join(c.__name__ for c in spec.regions)}"  # type: ignore[union-attr]
-        raise ValueError(f"make_step(compile=Compile(regions=...)): the model ({type(model).__name__}) has no {wanted} to compile; "
-                         "name the block class (Compile(regions=MyBlock)) or compile the whole loss (regions=False).")
+        wanted = (
+            "ModuleList of two or more blocks of one class"
+            if spec.regions is True
+            else f"module of class {', '.join(c.__name__ for c in spec.regions)}"  # type: ignore[union-attr]
+        )
+        raise ValueError(
+            f"make_step(compile=Compile(regions=...)): the model ({type(model).__name__}) has no {wanted} to compile; "
+            "name the block class (Compile(regions=MyBlock)) or compile the whole loss (regions=False)."
+        )
     by_class: dict[type, Callable[..., Any]] = {}
     for block in blocks:
         cls = type(block)

@@ -45,9 +45,13 @@ def signals_of(value: Any) -> tuple[int, ...]:
         try:
             sig = signal.Signals(s)
         except (ValueError, TypeError):
-            raise TypeError(f"'signals' must be signal numbers such as signal.SIGTERM (got {s!r}); pass signals=() to turn handling off.") from None
+            raise TypeError(
+                f"'signals' must be signal numbers such as signal.SIGTERM (got {s!r}); pass signals=() to turn handling off."
+            ) from None
         if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"{sig.name} cannot be caught by any process: it cannot be a stop request. Use SIGTERM or SIGUSR1.")
+            raise ValueError(
+                f"{sig.name} cannot be caught by any process: it cannot be a stop request. Use SIGTERM or SIGUSR1."
+            )
         out.append(int(sig))
     return tuple(out)
 
@@ -68,7 +72,9 @@ def timeout_of(value: Any) -> datetime.timedelta | None:
             raise ValueError(f"'timeout' must be positive (got {value}).")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
-        raise TypeError(f"'timeout' must be a datetime.timedelta or a positive, finite number of seconds (got {value!r}).")
+        raise TypeError(
+            f"'timeout' must be a datetime.timedelta or a positive, finite number of seconds (got {value!r})."
+        )
     return datetime.timedelta(seconds=value)
 
 
@@ -170,7 +176,9 @@ def _finish_saves_before_end_training(ctx: Context) -> None:
                 live.wait_for_checkpoints()
         finally:
             if live is not None:
-                live.runtime.interrupt.drain(5.0)  # the stop agreement's last round, on the control group destroyed next
+                live.runtime.interrupt.drain(
+                    5.0
+                )  # the stop agreement's last round, on the control group destroyed next
                 live.runtime.saver.forget()  # its group is destroyed next (the process group registry still holds it)
                 live.runtime.control.forget()
             settle_collectives()  # gloo's worker threads let go of finished collectives before the groups are destroyed
@@ -237,9 +245,7 @@ class Context:
     gradient_accumulation_steps: int = attrs.field(
         init=False, default=attrs.Factory(_accumulation_steps, takes_self=True)
     )
-    mixed_precision: str = attrs.field(
-        init=False, default=attrs.Factory(_mixed_precision, takes_self=True)
-    )
+    mixed_precision: str = attrs.field(init=False, default=attrs.Factory(_mixed_precision, takes_self=True))
     #: True on the process that should log, print and write shared files. Read once: Accelerate's
     #: own property builds a ``PartialState`` on every read (~2.5 us, 10 times that in a cold cache).
     is_main_process: bool = attrs.field(init=False, default=attrs.Factory(_is_main_process, takes_self=True))
@@ -264,8 +270,12 @@ class Context:
         except AttributeError:  # not made yet (inside __init__)
             runtime = None
         if runtime is not None and hasattr(runtime, name):
-            raise AttributeError(f"'Context' object has no attribute {name!r}: what a run holds and changes is the Context's "
-                                 f"runtime: ctx.runtime.{name}.", name=name, obj=self)
+            raise AttributeError(
+                f"'Context' object has no attribute {name!r}: what a run holds and changes is the Context's "
+                f"runtime: ctx.runtime.{name}.",
+                name=name,
+                obj=self,
+            )
         raise AttributeError(f"'Context' object has no attribute {name!r}", name=name, obj=self)
 
     def collective_timeout(self) -> datetime.timedelta | None:
@@ -345,10 +355,17 @@ class Context:
 
         positive_int("gradient_accumulation_steps", steps)
         if is_deepspeed(self.accelerator):
-            raise ValueError("under DeepSpeed the accumulation steps are the DeepSpeed config's (gradient_accumulation_steps there).")
+            raise ValueError(
+                "under DeepSpeed the accumulation steps are the DeepSpeed config's (gradient_accumulation_steps there)."
+            )
         self.accelerator.gradient_accumulation_steps = steps
-        return Context(accelerator=self.accelerator, signals=self.signals, stop_check_s=self.stop_check_s,
-                       stop_deadline_s=self.stop_deadline_s, timeout=self.timeout)
+        return Context(
+            accelerator=self.accelerator,
+            signals=self.signals,
+            stop_check_s=self.stop_check_s,
+            stop_deadline_s=self.stop_deadline_s,
+            timeout=self.timeout,
+        )
 
     def release(self, state: Any, *loaders: Any) -> None:
         """Let a finished run's model, optimizer, scheduler and loaders be freed: drop the Accelerator's references to them.
@@ -458,7 +475,9 @@ class Context:
         if not loaders:
             raise TypeError("prepare_loaders() needs at least one DataLoader.")
         self.check()
-        fill_deepspeed_micro_batch(self.accelerator, loaders)  # before TrainState.create, which prepares the model alone
+        fill_deepspeed_micro_batch(
+            self.accelerator, loaders
+        )  # before TrainState.create, which prepares the model alone
         prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         for given, ready in zip(loaders, prepared):

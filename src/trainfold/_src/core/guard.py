@@ -211,7 +211,9 @@ class NanGuard:
             guard, flag = guard.claim(device)
             if grads:
                 if device == target.device:  # the usual case: one kernel, no grouping
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, cast(torch.Tensor, target.one))  # set with device
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads, flag, cast(torch.Tensor, target.one)
+                    )  # set with device
                 else:
                     check_finite(grads, flag)
             mb.skip = flag
@@ -288,4 +290,3 @@ def nan_guard(max_consecutive: int = 3, *, check_every: int = 50) -> NanGuard:
     positive_int("max_consecutive", max_consecutive)
     positive_int("check_every", check_every)
     return NanGuard(max_consecutive, check_every)
-

@@ -19,7 +19,9 @@ from trainfold._src.base.types import Batch, LossFn
 _NO_AUX: Mapping[str, torch.Tensor] = MappingProxyType({})
 
 
-def compute_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, need_grad: bool = True) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
+def compute_loss(
+    loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, need_grad: bool = True
+) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]:
     """Call ``loss_fn(model, batch)`` and check what it returned.
 
     An exception from ``loss_fn`` is re-raised unchanged, with a note that shows
@@ -28,8 +30,11 @@ def compute_loss(loss_fn: LossFn, model: torch.nn.Module, batch: Batch, *, need_
     try:
         out = loss_fn(model, batch)
     except Exception as exc:
-        add_note(exc, f"trainfold: raised by loss_fn, which trainfold calls as loss_fn(model, batch): the model first (here a "
-                      f"{type(model).__name__}), then a batch of structure {describe_batch(batch)}")
+        add_note(
+            exc,
+            f"trainfold: raised by loss_fn, which trainfold calls as loss_fn(model, batch): the model first (here a "
+            f"{type(model).__name__}), then a batch of structure {describe_batch(batch)}",
+        )
         raise
     return split_loss_output(out, need_grad=need_grad)
 

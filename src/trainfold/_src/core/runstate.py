@@ -16,7 +16,13 @@ import attrs
 import torch
 
 from trainfold._src.backend.engine import like_param, local, unwrap
-from trainfold._src.backend.optim import accumulation_counter, inner_optimizer, loss_scaler, plain_lr, set_accumulation_counter
+from trainfold._src.backend.optim import (
+    accumulation_counter,
+    inner_optimizer,
+    loss_scaler,
+    plain_lr,
+    set_accumulation_counter,
+)
 from trainfold._src.base import rng as _rng
 from trainfold._src.core.state import TrainState
 
@@ -114,7 +120,9 @@ def detach(value: Any, keep: Mapping[int, Any] | None = None) -> Any:
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         return type(value)(detach(v, kept) for v in value)
     if attrs.has(type(value)):
-        return attrs.evolve(value, **{f.alias: detach(getattr(value, f.name), kept) for f in attrs.fields(type(value)) if f.init})
+        return attrs.evolve(
+            value, **{f.alias: detach(getattr(value, f.name), kept) for f in attrs.fields(type(value)) if f.init}
+        )
     return copy.deepcopy(value)
 
 
@@ -164,7 +172,9 @@ def capture(
         values=keep(values_of(state)),
         weights={k: keep(v) for k, v in weights.items()},
         grads={n: keep(local(p.grad)) for n, p in model.named_parameters() if p.grad is not None},
-        optimizer=dict(sharded_optimizer) if sharded_optimizer is not None else keep(plain_lr(inner_optimizer(state.optimizer).state_dict())),
+        optimizer=dict(sharded_optimizer)
+        if sharded_optimizer is not None
+        else keep(plain_lr(inner_optimizer(state.optimizer).state_dict())),
         scheduler=None if state.scheduler is None else keep(plain_lr(state.scheduler.state_dict())),
         scaler=None if scaler is None else keep(scaler.state_dict()),
         accelerate_step=accumulation_counter(acc),
@@ -184,7 +194,9 @@ def check_fits(run: RunState, state: TrainState) -> None:
     if (run.scheduler is None) != (state.scheduler is None):
         has = "has no" if run.scheduler is None else "has a"
         live_has = "has one" if state.scheduler is not None else "has none"
-        raise StateMismatch(f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had.")
+        raise StateMismatch(
+            f"{has} scheduler but the state {live_has}: build the state with the scheduler the run had."
+        )
     if not run.sharded:  # a sharded checkpoint's model and optimizer: _sharded.check_layout
         _check_model(unwrap(state.accelerator, state.model), run.weights, frozenset(f.name for f in run.frozen))
         optimizer = inner_optimizer(state.optimizer)
@@ -219,14 +231,18 @@ def _check_like(saved: Any, live: Mapping[str, Any], what: str) -> None:
         raise StateMismatch(f"does not fit: its {what} has keys {keys}, this run's has {sorted(map(str, live))}.")
     for key, value in live.items():
         if value is not None and saved[key] is not None and _kind(saved[key]) != _kind(value):
-            raise StateMismatch(f"does not fit: its {what} {key!r} is a {_kind(saved[key])}, this run's a {_kind(value)}.")
+            raise StateMismatch(
+                f"does not fit: its {what} {key!r} is a {_kind(saved[key])}, this run's a {_kind(value)}."
+            )
 
 
 def _same(value: Any) -> Any:
     return value
 
 
-def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_and_optimizer: bool = True) -> TrainState:
+def put_back(
+    run: RunState, state: TrainState, *, keep_run: bool = True, model_and_optimizer: bool = True
+) -> TrainState:
     """Put ``run`` into ``state``'s live objects (in place) and return its values with ``state``'s handles.
 
     The weights, gradients, optimizer, scheduler and scaler states, Accelerate's
@@ -240,7 +256,9 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_a
     acc = state.accelerator
     model = unwrap(acc, state.model)
     if not run.sharded and model_and_optimizer:  # a sharded checkpoint's are put back by its format (formats/dcp.py)
-        model.load_state_dict(run.weights, strict=not run.frozen)  # an adapter checkpoint's frozen tensors: checked, kept
+        model.load_state_dict(
+            run.weights, strict=not run.frozen
+        )  # an adapter checkpoint's frozen tensors: checked, kept
         inner_optimizer(state.optimizer).load_state_dict(own(run.optimizer))
     for name, p in model.named_parameters():
         grad = run.grads.get(name)
@@ -253,10 +271,14 @@ def put_back(run: RunState, state: TrainState, *, keep_run: bool = True, model_a
     set_accumulation_counter(acc, run.accelerate_step)
     _rng.restore(attrs.evolve(run.rng, generators=()))  # a loader's generators: run_epoch restores them
     values = detach(run.values, frozen_objects(model)) if keep_run else run.values
-    return attrs.evolve(values, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler, accelerator=acc, cursor=None)
+    return attrs.evolve(
+        values, model=state.model, optimizer=state.optimizer, scheduler=state.scheduler, accelerator=acc, cursor=None
+    )
 
 
-def _check_model(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], frozen: frozenset[str] = frozenset()) -> None:
+def _check_model(
+    model: torch.nn.Module, weights: Mapping[str, torch.Tensor], frozen: frozenset[str] = frozenset()
+) -> None:
     """The checkpoint's weights, and the frozen parameters it records by fingerprint, must be this model's tensors."""
     current = model.state_dict()
     for name, tensor in current.items():
@@ -277,7 +299,9 @@ def _check_model(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], fr
 def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
     groups = optimizer.param_groups
     saved_groups = saved["param_groups"]
-    if len(groups) != len(saved_groups) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+    if len(groups) != len(saved_groups) or any(
+        len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)
+    ):
         raise StateMismatch(
             "does not fit this optimizer: the optimizer layout differs: the checkpoint has parameter groups of sizes "
             f"{[len(s['params']) for s in saved_groups]}, this optimizer {[len(g['params']) for g in groups]}."
@@ -288,7 +312,12 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any])
     for pid, entry in saved["state"].items():
         param = by_id.get(pid)
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0 and param is not None and tuple(value.shape) != tuple(param.shape):
+            if (
+                isinstance(value, torch.Tensor)
+                and value.ndim > 0
+                and param is not None
+                and tuple(value.shape) != tuple(param.shape)
+            ):
                 raise StateMismatch(
                     f"does not fit this optimizer: the optimizer state {key!r} of parameter {ids.index(pid)} has shape "
                     f"{tuple(value.shape)} but the parameter has {tuple(param.shape)}: another optimizer layout."

@@ -62,7 +62,9 @@ class Runtime:
         (True, False, False)
     """
 
-    def __init__(self, processes: int, stop_check_s: float, signals: Sequence[int], stop_deadline_s: float | None = None) -> None:
+    def __init__(
+        self, processes: int, stop_check_s: float, signals: Sequence[int], stop_deadline_s: float | None = None
+    ) -> None:
         self.control = Control()
         self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))  # sync: none: a flag
         self.saver = Saver()

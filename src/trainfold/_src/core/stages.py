@@ -182,8 +182,11 @@ class _Clip:
     def bind(self, ctx: Context) -> Stage:
         accelerator = ctx.accelerator
         if owns_clipping(accelerator):
-            what = "the gradient norm is DeepSpeed's (engine.get_global_grad_norm())" if math.isinf(self.threshold) else (
-                "clipping comes from the DeepSpeed config: set 'gradient_clipping' there")
+            what = (
+                "the gradient norm is DeepSpeed's (engine.get_global_grad_norm())"
+                if math.isinf(self.threshold)
+                else ("clipping comes from the DeepSpeed config: set 'gradient_clipping' there")
+            )
             raise ValueError(
                 f"under DeepSpeed, {what}; leave clip_grad_norm/clip_grad_value/record_grad_norm (and clip_by_norm, "
                 "clip_by_value) out of make_step."
@@ -212,7 +215,11 @@ class _Clip:
 
         def on_update_recording(mb: MicroBatch) -> None:
             norm = clip(mb.model.parameters(), threshold)
-            mb.aux = {**mb.aux, GRAD_NORM: norm.detach().float().reshape(()), weight: one}  # sync: none: a cast on the device
+            mb.aux = {
+                **mb.aux,
+                GRAD_NORM: norm.detach().float().reshape(()),
+                weight: one,
+            }  # sync: none: a cast on the device
 
         return Stage(name, on_batch=on_batch, on_update=on_update_recording)
 

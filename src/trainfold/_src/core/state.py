@@ -11,7 +11,12 @@ import attrs
 import torch
 from accelerate import Accelerator
 
-from trainfold._src.backend.engine import convert_sync_batchnorm, engine_builds_optimizers, is_config_optimizer, is_config_scheduler
+from trainfold._src.backend.engine import (
+    convert_sync_batchnorm,
+    engine_builds_optimizers,
+    is_config_optimizer,
+    is_config_scheduler,
+)
 from trainfold._src.backend.loaders import deepspeed_micro_batch_unset
 from trainfold._src.backend.precision import drop_fp32_outputs
 from trainfold._src.base.history import History
@@ -45,8 +50,12 @@ def _check_optimizer_fits(model: torch.nn.Module, optimizer: Any, scheduler: Any
         )
     for i, group in enumerate(groups):
         lr = group.get("lr")
-        if lr is not None and not math.isfinite(float(lr)):  # sync: once, at TrainState.create (a CPU number or 0-d CPU tensor)
-            raise ValueError(f"'optimizer' parameter group {i} has lr={float(lr)}: a non-finite learning rate trains silently to NaN.")  # sync: none: refused
+        if lr is not None and not math.isfinite(
+            float(lr)
+        ):  # sync: once, at TrainState.create (a CPU number or 0-d CPU tensor)
+            raise ValueError(
+                f"'optimizer' parameter group {i} has lr={float(lr)}: a non-finite learning rate trains silently to NaN."
+            )  # sync: none: refused
     bound = getattr(scheduler, "optimizer", None)
     if scheduler is not None and bound is not None and bound is not optimizer:
         raise ValueError(
@@ -66,7 +75,9 @@ def _check_config_objects(ctx: Context, model: torch.nn.Module, optimizer: Any, 
         )
     optimizer.params = list(optimizer.params)
     groups = [item if isinstance(item, dict) else {"params": [item]} for item in optimizer.params]
-    lr = optimizer.lr if isinstance(optimizer.lr, (int, float)) else None  # DeepSpeed's "auto" and the like: its config's
+    lr = (
+        optimizer.lr if isinstance(optimizer.lr, (int, float)) else None
+    )  # DeepSpeed's "auto" and the like: its config's
     _check_optimizer_fits(model, optimizer, scheduler, [{"lr": lr, **g} for g in groups])
 
 
@@ -198,9 +209,7 @@ class TrainState:
             (0, 0)
         """
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"'model' must be a torch.nn.Module (got {model!r} that is a {type(model).__name__})."
-            )
+            raise TypeError(f"'model' must be a torch.nn.Module (got {model!r} that is a {type(model).__name__}).")
         config_optimizer = is_config_optimizer(optimizer)
         if config_optimizer:
             _check_config_objects(ctx, model, optimizer, scheduler)
@@ -220,7 +229,11 @@ class TrainState:
                 f"'scheduler' is the class {scheduler.__name__}, not a scheduler: build one over the optimizer, "
                 f"e.g. {scheduler.__name__}(optimizer, ...)."
             )
-        if scheduler is not None and not is_config_scheduler(scheduler) and not callable(getattr(scheduler, "step", None)):
+        if (
+            scheduler is not None
+            and not is_config_scheduler(scheduler)
+            and not callable(getattr(scheduler, "step", None))
+        ):
             raise TypeError(
                 f"'scheduler' must have a step() method, like torch.optim.lr_scheduler objects "
                 f"(got a {type(scheduler).__name__}); pass scheduler=None for none."
@@ -280,8 +293,7 @@ class TrainState:
 
     @property
     def last_aux(self) -> Mapping[str, torch.Tensor]:
-        """The aux values of the last batch the step consumed, detached, on the device (empty when :attr:`last_loss` is None).
-        """
+        """The aux values of the last batch the step consumed, detached, on the device (empty when :attr:`last_loss` is None)."""
         last = self.sums.last
         return _EMPTY if last is None else last[1]
 

@@ -16,7 +16,16 @@ from trainfold._src.core.compiling import Compile, compile_regions, compile_spec
 from trainfold._src.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.loss import compute_loss
-from trainfold._src.core.stages import MicroBatch, Stage, StageSpec, bind_all, clip_by_norm, clip_by_value, is_norm_clip, recording_norm
+from trainfold._src.core.stages import (
+    MicroBatch,
+    Stage,
+    StageSpec,
+    bind_all,
+    clip_by_norm,
+    clip_by_value,
+    is_norm_clip,
+    recording_norm,
+)
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.stop import Stop
 from trainfold._src.core.types import Step
@@ -45,8 +54,15 @@ def record(
         advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums")
         return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums)
     advance = copier(type(state), "step", "micro_step", "batch_in_epoch", "sums", "extras", "stop")
-    return advance(state, state.step + updated, state.micro_step + 1, state.batch_in_epoch + 1, sums, extras,
-                   state.stop if stop is None else stop)
+    return advance(
+        state,
+        state.step + updated,
+        state.micro_step + 1,
+        state.batch_in_epoch + 1,
+        sums,
+        extras,
+        state.stop if stop is None else stop,
+    )
 
 
 def normalize_mode(normalize: str, where: str = "make_step") -> str:
@@ -57,7 +73,11 @@ def normalize_mode(normalize: str, where: str = "make_step") -> str:
 
 
 def stages_of(
-    *, clip_grad_norm: float | None, clip_grad_value: float | None, normalize: str, stages: Sequence[StageSpec],
+    *,
+    clip_grad_norm: float | None,
+    clip_grad_value: float | None,
+    normalize: str,
+    stages: Sequence[StageSpec],
     record_grad_norm: bool = False,
 ) -> tuple[StageSpec, ...]:
     """The stages ``make_step``'s options stand for, in order: token scaling, clipping (or the norm), then ``stages``.
@@ -79,7 +99,9 @@ def stages_of(
     given = tuple(stages)
     clipping = [i for i, spec in enumerate(given) if is_norm_clip(spec)]
     if clip_grad_norm is not None:
-        chosen.append(recording_norm(clip_by_norm(clip_grad_norm)) if record_grad_norm else clip_by_norm(clip_grad_norm))
+        chosen.append(
+            recording_norm(clip_by_norm(clip_grad_norm)) if record_grad_norm else clip_by_norm(clip_grad_norm)
+        )
     elif record_grad_norm and clipping:  # the user's own clip_by_norm records the norm it computes
         given = tuple(recording_norm(spec) if i == clipping[0] else spec for i, spec in enumerate(given))
     elif record_grad_norm:
@@ -178,15 +200,29 @@ def make_step(
     expect_args("make_step", "make_step(ctx, loss_fn, ...)", ctx, "loss_fn", loss_fn)
     ctx.check()
     accelerator = ctx.accelerator
-    bound = bind_all(ctx, stages_of(clip_grad_norm=clip_grad_norm, clip_grad_value=clip_grad_value, normalize=normalize, stages=stages,
-                                    record_grad_norm=record_grad_norm))
+    bound = bind_all(
+        ctx,
+        stages_of(
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            normalize=normalize,
+            stages=stages,
+            record_grad_norm=record_grad_norm,
+        ),
+    )
     spec = compile_spec(ctx, compile)
     start = micro_batch_start(accelerator)
     backward = backward_fn(accelerator)
-    updates = Updates(accelerator, gate=any(s.gates_update for s in bound), compile=spec if spec is not None and spec.optimizer else None)
+    updates = Updates(
+        accelerator,
+        gate=any(s.gates_update for s in bound),
+        compile=spec if spec is not None and spec.optimizer else None,
+    )
     clock = ctx.runtime.clock
     step_loss = loss_of(loss_fn, spec) if spec is not None and not spec.regions else loss_fn
-    micro_batch = _staged(step_loss, backward, updates, bound, clock) if bound else _plain(step_loss, backward, updates, clock)
+    micro_batch = (
+        _staged(step_loss, backward, updates, bound, clock) if bound else _plain(step_loss, backward, updates, clock)
+    )
     if spec is not None and spec.regions:
         micro_batch = _compiling_regions(micro_batch, spec)
     sync = gradient_sync(accelerator)
@@ -208,7 +244,9 @@ def make_step(
 def _refuse_call(ctx: Context, state: Any, batch: Any) -> None:
     """Explain a call of a step with something else than ``(state, batch)`` of this Context (off the hot path)."""
     if isinstance(batch, TrainState) and not isinstance(state, TrainState):
-        raise TypeError(f"step(state, batch): the arguments are swapped: the TrainState comes first, the batch second (got {describe(state)} first).")
+        raise TypeError(
+            f"step(state, batch): the arguments are swapped: the TrainState comes first, the batch second (got {describe(state)} first)."
+        )
     expect_owned("step", ctx, expect_state("step", state))
 
 

@@ -118,9 +118,11 @@ def compiled(ops: OptimizerOps, spec: Compile, *, gated: bool = False) -> Optimi
             (fp16 loss scaling, XLA, an engine's wrapper): there is no plain update to compile.
     """
     if not ops.fast:
-        raise ValueError("make_step(compile=...): the optimizer's update cannot be compiled here: Accelerate's optimizer "
-                         "wrapper must run it (fp16 loss scaling, XLA, or a wrapper of another engine). Compile the rest "
-                         "with Compile(optimizer=False).")
+        raise ValueError(
+            "make_step(compile=...): the optimizer's update cannot be compiled here: Accelerate's optimizer "
+            "wrapper must run it (fp16 loss scaling, XLA, or a wrapper of another engine). Compile the rest "
+            "with Compile(optimizer=False)."
+        )
     if gated:
         return attrs.evolve(ops, step=update_of(ops.raw, spec))
     return attrs.evolve(ops, step=step_and_zero_of(ops.raw, spec), zero_grad=zeroed_by_step)
@@ -169,6 +171,3 @@ def left_to_scaler(step: Callable[[], Any]) -> Callable[[torch.Tensor], None]:
         step()
 
     return apply
-
-
-

@@ -144,7 +144,9 @@ def check_same_count(control: Control, batches: int, *, wait_s: float) -> None:
         )
     if len({n for (n,) in counts}) > 1:
         shown = ", ".join(f"rank {r}: {n}" for r, (n,) in enumerate(counts))
-        raise RuntimeError(f"run_epoch: the processes ran different numbers of batches this epoch ({shown}): give every process the same number.")
+        raise RuntimeError(
+            f"run_epoch: the processes ran different numbers of batches this epoch ({shown}): give every process the same number."
+        )
 
 
 @contextmanager

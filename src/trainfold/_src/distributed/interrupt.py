@@ -236,9 +236,12 @@ class Handlers:
         if not interrupt.requested:
             interrupt.request(signum)
             self._start_watch(interrupt, signum)
-            log.warning("%s received: stopping at the next step boundary (a final checkpoint is written where you "
-                        "save); %s again ends the process at once.", signal_name(signum),
-                        "Ctrl-C" if signum == signal.SIGINT else signal_name(signum))
+            log.warning(
+                "%s received: stopping at the next step boundary (a final checkpoint is written where you "
+                "save); %s again ends the process at once.",
+                signal_name(signum),
+                "Ctrl-C" if signum == signal.SIGINT else signal_name(signum),
+            )
             return
         if not interrupt.agreed and now - last >= ECHO_S:  # asked again, not a launcher's echo, before any stop: now
             log.warning("%s received again before the run could stop: acting on it now.", signal_name(signum))
@@ -261,14 +264,24 @@ class Handlers:
         interrupt = interrupt_ref()
         if interrupt is None or not self.installed or not interrupt.requested or interrupt.agreed:
             return  # honoured, cleared or closed meanwhile
-        log.error("%s was not acted on within %.0f s (no epoch, evaluation or loop reached a point to stop at; a step "
-                  "may be hung): acting on it as without trainfold. Context(stop_deadline_s=...) sets the wait.",
-                  signal_name(signum), self._deadline_s)
+        log.error(
+            "%s was not acted on within %.0f s (no epoch, evaluation or loop reached a point to stop at; a step "
+            "may be hung): acting on it as without trainfold. Context(stop_deadline_s=...) sets the wait.",
+            signal_name(signum),
+            self._deadline_s,
+        )
         self._expired = True
-        signal.pthread_kill(threading.main_thread().ident or 0, signum)  # the main thread runs the handler, which passes it on
-        if not self._acted.wait(_LAST_RESORT_S):  # its handler cannot run (the signal blocked, a C call that never returns)
-            log.error("%s: the main thread did not take the signal within %.0f s: the process exits now.",
-                      signal_name(signum), _LAST_RESORT_S)
+        signal.pthread_kill(
+            threading.main_thread().ident or 0, signum
+        )  # the main thread runs the handler, which passes it on
+        if not self._acted.wait(
+            _LAST_RESORT_S
+        ):  # its handler cannot run (the signal blocked, a C call that never returns)
+            log.error(
+                "%s: the main thread did not take the signal within %.0f s: the process exits now.",
+                signal_name(signum),
+                _LAST_RESORT_S,
+            )
             logging.shutdown()
             os._exit(128 + signum)  # what a shell reports for a process that the signal ended
 

@@ -56,8 +56,18 @@ def load_factor() -> float:
 #: constructor imports it), and ``datasets`` where it is installed (Accelerate's ``prepare_data_loader`` imports it then);
 #: DeepSpeed, transformers (Accelerate's DeepSpeed path imports it) and peft where they are installed, ~3 s more a process.
 #: A module that is not installed is passed over.
-PRELOAD = ("torch", "accelerate", "trainfold", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo", "datasets",
-           "deepspeed", "transformers", "peft")
+PRELOAD = (
+    "torch",
+    "accelerate",
+    "trainfold",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "datasets",
+    "deepspeed",
+    "transformers",
+    "peft",
+)
 
 
 def _context() -> Any:
@@ -101,19 +111,35 @@ def _take_environment(environ: dict[str, str]) -> None:
 
         torch.set_num_threads(int(threads))
     fsspec_config = sys.modules.get("fsspec.config")
-    if fsspec_config is not None:  # fsspec read its FSSPEC_* settings when the server imported it (under datasets): again
+    if (
+        fsspec_config is not None
+    ):  # fsspec read its FSSPEC_* settings when the server imported it (under datasets): again
         fsspec_config.conf.clear()
-        fsspec_config.set_conf_files(environ.get("FSSPEC_CONFIG_DIR", fsspec_config.default_conf_dir), fsspec_config.conf)
+        fsspec_config.set_conf_files(
+            environ.get("FSSPEC_CONFIG_DIR", fsspec_config.default_conf_dir), fsspec_config.conf
+        )
         fsspec_config.set_conf_env(fsspec_config.conf)
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-            environ: dict[str, str]) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    environ: dict[str, str],
+) -> None:
     _take_environment(environ)
     Path(out, f"ready-{rank}").touch()  # started: the function's module (and torch) imported
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
     )
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as accelerate's debug_launcher does
@@ -139,7 +165,9 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, 
         dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh processes wired for ``torch.distributed``.
 
     The processes are forked from multiprocessing's forkserver, which has imported
@@ -185,7 +213,10 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
     port = free_port()
     environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="trainfold-dist-") as out:
-        procs = [context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs, environ), daemon=False) for r in range(nprocs)]
+        procs = [
+            context.Process(target=_worker, args=(fn, r, nprocs, port, out, args, kwargs, environ), daemon=False)
+            for r in range(nprocs)
+        ]
         try:
             for p in procs:
                 p.start()
@@ -202,8 +233,11 @@ def run_distributed(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout
         raise RuntimeError("\n".join(f"{e['error']}\n{e['traceback']}" for e in errors))
     if any(r is None for r in results):
         missing = [i for i, r in enumerate(results) if r is None]
-        raise TimeoutError(f"ranks {missing} did not finish within {timeout * stretch:.0f}s of starting (killed)" if started else
-                           f"ranks {missing} did not start within {STARTUP_S * stretch:.0f}s (killed)")
+        raise TimeoutError(
+            f"ranks {missing} did not finish within {timeout * stretch:.0f}s of starting (killed)"
+            if started
+            else f"ranks {missing} did not start within {STARTUP_S * stretch:.0f}s (killed)"
+        )
     return [r["ok"] for r in results]  # type: ignore[index]
 
 

@@ -34,7 +34,9 @@ def _finish_at_exit(saver: weakref.ref[Saver]) -> None:
         live.wait()
     except BaseException as exc:  # every failure is reported, then the exit status says so
         message = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        sys.stderr.write(f"trainfold: the checkpoint being written in the background when the program ended failed; it was not committed:\n{message}")
+        sys.stderr.write(
+            f"trainfold: the checkpoint being written in the background when the program ended failed; it was not committed:\n{message}"
+        )
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)  # the interpreter is shutting down with status 0: only this can still say it failed
@@ -59,7 +61,9 @@ class Saver:
 
     def submit(self, work: Callable[[], None]) -> None:
         if self._pending is not None:
-            raise RuntimeError("a background save is already in flight: wait for it first")  # save_checkpoint waits: never here
+            raise RuntimeError(
+                "a background save is already in flight: wait for it first"
+            )  # save_checkpoint waits: never here
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainfold-save")
         if not self._at_exit:  # once per saver: a program that ends with the save in flight waits for it
@@ -82,4 +86,3 @@ class Saver:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         self._pool, self._pending, self._group = None, None, None
-

@@ -53,6 +53,9 @@ def flush_trackers(accelerator: Any) -> None:
         try:
             found.flush(tracker)
         except Exception as exc:  # (ClearML's or Trackio's own error, whatever it is)
-            warnings.warn(f"{name} could not be made to write what it was given before this checkpoint ({type(exc).__name__}: {exc}); "
-                          "the checkpoint goes on, and a kill now may lose the values it had not written.", UserWarning,
-                          stacklevel=user_stacklevel())
+            warnings.warn(
+                f"{name} could not be made to write what it was given before this checkpoint ({type(exc).__name__}: {exc}); "
+                "the checkpoint goes on, and a kill now may lose the values it had not written.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )

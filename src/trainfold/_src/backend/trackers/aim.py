@@ -18,7 +18,11 @@ def _run_of(repo: str, run_id: str) -> str | None:
     from aim.sdk.repo import Repo
 
     tag = f"{RUN_TAG}{run_id}"
-    found = [(run.creation_time or 0.0, run.hash) for run in Repo.from_path(repo).structured_db.runs() if tag in (run.tags or [])]
+    found = [
+        (run.creation_time or 0.0, run.hash)
+        for run in Repo.from_path(repo).structured_db.runs()
+        if tag in (run.tags or [])
+    ]
     return max(found)[1] if found else None
 
 

@@ -67,8 +67,12 @@ def _mend_session(task_id: str) -> None:
         if data and not data.endswith(b"\n"):
             with open(path, "r+b") as f:
                 f.truncate(data.rfind(b"\n") + 1)
-            warnings.warn(f"init_trackers: ClearML's {path} ended in a line a kill cut short: cut off (what it held came after "
-                          "the checkpoint, and the resumed run logs it again).", UserWarning, stacklevel=user_stacklevel())
+            warnings.warn(
+                f"init_trackers: ClearML's {path} ended in a line a kill cut short: cut off (what it held came after "
+                "the checkpoint, and the resumed run logs it again).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
 
 def holds(tracker: Any, at: int) -> dict[str, int]:
@@ -86,8 +90,12 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
     except FileNotFoundError:  # killed before ClearML wrote a value: it holds none
         return {}
     except OSError as exc:
-        warnings.warn(f"init_trackers: ClearML's {path} could not be read ({type(exc).__name__}: {exc}), so what the run before "
-                      f"logged at or after update {at} may appear twice there.", UserWarning, stacklevel=user_stacklevel())
+        warnings.warn(
+            f"init_trackers: ClearML's {path} could not be read ({type(exc).__name__}: {exc}), so what the run before "
+            f"logged at or after update {at} may appear twice there.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
         return {}
     for line in lines:
         try:
@@ -99,7 +107,7 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
                 title, series, step = event.get("metric"), event.get("variant"), event.get("iter")
                 if not (isinstance(title, str) and isinstance(series, str) and isinstance(step, int)):
                     continue
-                for key in ((title, f"train_{title}") if series == "train" else (f"{series}_{title}",)):
+                for key in (title, f"train_{title}") if series == "train" else (f"{series}_{title}",):
                     last[key] = max(last.get(key, step), step)
     return {key: step for key, step in last.items() if step >= at}
 

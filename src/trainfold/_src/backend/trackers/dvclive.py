@@ -25,8 +25,12 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
             with open(path, newline="", encoding="utf-8") as f:
                 steps = [int(row["step"]) for row in csv.DictReader(f, delimiter="\t") if row.get("step")]
         except (OSError, ValueError, csv.Error) as exc:  # a row cut short by a kill, a file of someone else's
-            warnings.warn(f"init_trackers: DVCLive's {path} could not be read ({type(exc).__name__}: {exc}), so what the run "
-                          f"before logged to it at or after update {at} may appear twice there.", UserWarning, stacklevel=user_stacklevel())
+            warnings.warn(
+                f"init_trackers: DVCLive's {path} could not be read ({type(exc).__name__}: {exc}), so what the run "
+                f"before logged to it at or after update {at} may appear twice there.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
             continue
         if steps and max(steps) >= at:
             holds[path.relative_to(folder).with_suffix("").as_posix()] = max(steps)
@@ -42,14 +46,20 @@ def prepare(run: GoingOn, mine: dict[str, Any]) -> bool:
     if not mine.setdefault("resume", True) or not run.main:
         return True
     folder = Path(mine.get("dir", "dvclive"))  # (Live's own default folder, and its file names)
-    for path, what, again in ((folder / "metrics.json", "summary", "DVCLive writes a new one as the run logs"),
-                              (folder / "params.yaml", "parameters", "the config given to init_trackers is written again")):
+    for path, what, again in (
+        (folder / "metrics.json", "summary", "DVCLive writes a new one as the run logs"),
+        (folder / "params.yaml", "parameters", "the config given to init_trackers is written again"),
+    ):
         if path.is_file() and not _whole_file(path):
             aside = path.with_name(path.name + ".damaged")
             os.replace(path, aside)
-            warnings.warn(f"init_trackers: DVCLive's {what} {path} is cut short (a kill while DVCLive wrote it), and DVCLive "
-                          f"would fail on it: set aside as {aside}; {again}. Its series, the .tsv files under plots/metrics, go "
-                          "on whole.", UserWarning, stacklevel=user_stacklevel())
+            warnings.warn(
+                f"init_trackers: DVCLive's {what} {path} is cut short (a kill while DVCLive wrote it), and DVCLive "
+                f"would fail on it: set aside as {aside}; {again}. Its series, the .tsv files under plots/metrics, go "
+                "on whole.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
     return True
 
 

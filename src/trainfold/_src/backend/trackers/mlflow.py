@@ -18,8 +18,13 @@ def _run_of(project_name: str, run_id: str) -> str | None:
     """The id of the newest MLflow run in experiment ``project_name`` tagged with trainfold's ``run_id``, or None."""
     import mlflow
 
-    runs = mlflow.search_runs(experiment_names=[project_name], filter_string=f"tags.`{RUN_TAG}` = '{run_id}'",
-                              order_by=["attributes.start_time DESC"], max_results=1, output_format="list")
+    runs = mlflow.search_runs(
+        experiment_names=[project_name],
+        filter_string=f"tags.`{RUN_TAG}` = '{run_id}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+        output_format="list",
+    )
     return runs[0].info.run_id if runs else None
 
 
@@ -29,7 +34,9 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
     from mlflow.tracking import MlflowClient
 
     client, run_id = MlflowClient(), tracker.active_run.info.run_id
-    last = {key: max(m.step for m in client.get_metric_history(run_id, key)) for key in client.get_run(run_id).data.metrics}
+    last = {
+        key: max(m.step for m in client.get_metric_history(run_id, key)) for key in client.get_run(run_id).data.metrics
+    }
     return {key: step for key, step in last.items() if step >= at}
 
 
@@ -41,7 +48,9 @@ def prepare(run: GoingOn, mine: dict[str, Any]) -> bool:
     if run.step > 0 and run.main and not mine.get("run_id") and not os.environ.get("MLFLOW_RUN_ID"):
         found = _run_of(run.project, run.run_id)
         if found is None:
-            warn_no_run("MLflow", f"experiment {run.project!r} tagged {RUN_TAG}={run.run_id}", run, "MLFLOW_TRACKING_URI")
+            warn_no_run(
+                "MLflow", f"experiment {run.project!r} tagged {RUN_TAG}={run.run_id}", run, "MLFLOW_TRACKING_URI"
+            )
         else:
             mine["run_id"] = found
     return True

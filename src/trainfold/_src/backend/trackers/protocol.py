@@ -56,5 +56,9 @@ class Vendor:
 
 def warn_no_run(tracker: str, which: str, run: GoingOn, store: str) -> None:
     """Say that ``tracker`` holds no run of this trainfold run's (``which``), so the resumed run starts a new one."""
-    warnings.warn(f"init_trackers: {tracker} holds no run of {which}, so this run, resumed at update {run.step}, starts a new one "
-                  f"(is {store} the run's store?).", UserWarning, stacklevel=user_stacklevel())
+    warnings.warn(
+        f"init_trackers: {tracker} holds no run of {which}, so this run, resumed at update {run.step}, starts a new one "
+        f"(is {store} the run's store?).",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )

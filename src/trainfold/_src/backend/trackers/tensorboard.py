@@ -31,9 +31,12 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
     try:
         events.Reload()
     except Exception as exc:  # a folder its reader cannot read: the run goes on, and says what it may log twice
-        warnings.warn(f"init_trackers: TensorBoard's events in {log_dir} could not be read ({type(exc).__name__}: {exc}), so "
-                      f"what the run before logged at update {at} after its checkpoint may appear twice there.",
-                      UserWarning, stacklevel=user_stacklevel())
+        warnings.warn(
+            f"init_trackers: TensorBoard's events in {log_dir} could not be read ({type(exc).__name__}: {exc}), so "
+            f"what the run before logged at update {at} after its checkpoint may appear twice there.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
         return {}
     finally:
         tb_logger.setLevel(level)

@@ -41,9 +41,12 @@ def holds(tracker: Any, at: int) -> dict[str, int]:
             for key in row.keys() - {"step", "timestamp"}:
                 last[key] = max(last.get(key, step), step)
     except Exception as exc:  # another trackio's store, a database it cannot open: the run goes on
-        warnings.warn(f"init_trackers: Trackio's run {run.name!r} of project {run.project!r} could not be read ({type(exc).__name__}: "
-                      f"{exc}), so what the run before logged at or after update {at} may appear twice there.",
-                      UserWarning, stacklevel=user_stacklevel())
+        warnings.warn(
+            f"init_trackers: Trackio's run {run.name!r} of project {run.project!r} could not be read ({type(exc).__name__}: "
+            f"{exc}), so what the run before logged at or after update {at} may appear twice there.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
         return {}
     return {key: step for key, step in last.items() if step >= at}
 

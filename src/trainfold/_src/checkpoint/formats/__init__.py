@@ -53,8 +53,9 @@ def for_load(ctx: Context, folder: Stored, manifest: Mapping[str, Any]) -> Forma
     if (code == DEEPSPEED) != is_deepspeed(ctx.accelerator):
         raise CheckpointError(
             f"{folder} was written by a run under DeepSpeed and this run does not use it: its model and optimizer are "
-            "DeepSpeed's engine files. Resume it under the same DeepSpeed config." if code == DEEPSPEED else
-            f"{folder} was written by a run without DeepSpeed and this run uses it: resume it without DeepSpeed (then "
+            "DeepSpeed's engine files. Resume it under the same DeepSpeed config."
+            if code == DEEPSPEED
+            else f"{folder} was written by a run without DeepSpeed and this run uses it: resume it without DeepSpeed (then "
             "save there under DeepSpeed to continue with it)."
         )
     return by_code(code)

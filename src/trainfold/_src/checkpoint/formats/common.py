@@ -47,12 +47,16 @@ class Format(Protocol):
     #: whether each process holds its own part of the weights (shards, ZeRO partitions), not a copy of the whole
     partitioned: bool
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+    def capture(
+        self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()
+    ) -> Captured:
         """Read what this process saves (every process calls it; ``copied`` for a background save). ``frozen``: the
         parameters an adapter checkpoint records by fingerprint instead of holding (``checkpoint/frozen.py``)."""
         ...
 
-    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+    def write_pieces(
+        self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any
+    ) -> dict[str, dict[str, Any]]:
         """Write the pieces :meth:`capture` put in ``Captured.shards`` (a collective); return their manifest entries."""
         ...
 
@@ -65,13 +69,17 @@ class Format(Protocol):
         ...
 
 
-def without(tensors: Mapping[str, torch.Tensor], frozen: tuple[FrozenTensor, ...], prefix: str = "") -> dict[str, torch.Tensor]:
+def without(
+    tensors: Mapping[str, torch.Tensor], frozen: tuple[FrozenTensor, ...], prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """``tensors`` but the frozen parameters an adapter checkpoint records by fingerprint (keyed ``prefix`` + name)."""
     dropped = {prefix + f.name for f in frozen}
     return {k: v for k, v in tensors.items() if k not in dropped}
 
 
-def parameters_of(tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
+def parameters_of(
+    tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """``tensors`` but ``model``'s buffers (keyed ``prefix`` + name): the trained values a save judges finite."""
     buffers = {prefix + name for name, _ in model.named_buffers()}
     return {k: v for k, v in tensors.items() if k not in buffers}
@@ -128,7 +136,9 @@ def loaded(state: TrainState, resume: Resume) -> TrainState:
     if modes is not None and state.model.training:
         modes.train()
     # A stop that ended only the saving invocation (a budget, a signal) is not carried on; a finished run stays stopped.
-    return attrs.evolve(state, cursor=resume, stop=state.stop if state.stop is not None and state.stop.finished else None)
+    return attrs.evolve(
+        state, cursor=resume, stop=state.stop if state.stop is not None and state.stop.finished else None
+    )
 
 
 def check_accumulation(ctx: Context, folder: Any, saved_steps: int) -> None:
@@ -144,15 +154,21 @@ def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
     """Whether a checkpoint was saved by another layout of the data than this run's: another number of processes, or
     as many grouped otherwise (tensor parallelism's processes share a data-parallel rank). Then the processes' own files
     do not map one to one onto this run's, and the epoch continues by its position in samples."""
-    return bool(manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size)  # sync: none: ints
+    return bool(
+        manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size
+    )  # sync: none: ints
 
 
 def layout_words(processes: int, ranks: int) -> str:
     """``"4 processes"`` (``"1 process"``), or ``"4 processes (2 data-parallel ranks)"`` where tensor parallelism groups them."""
-    return f"{processes} process{'es' if processes != 1 else ''}" + ("" if ranks == processes else f" ({ranks} data-parallel ranks)")
+    return f"{processes} process{'es' if processes != 1 else ''}" + (
+        "" if ranks == processes else f" ({ranks} data-parallel ranks)"
+    )
 
 
-def elastic_resume(folder: Any, run: RunState, resume: Resume, saved_steps: int, manifest: Mapping[str, Any], acc: Any) -> tuple[RunState, Resume]:
+def elastic_resume(
+    folder: Any, run: RunState, resume: Resume, saved_steps: int, manifest: Mapping[str, Any], acc: Any
+) -> tuple[RunState, Resume]:
     """A checkpoint of another layout (:func:`saved_elsewhere`), continued on this run's: checked, at a new accumulation
     group, by its position in samples.
 
@@ -194,7 +210,9 @@ def with_peers(folder: Stored, manifest: Mapping[str, Any], resume: Resume, elas
     return attrs.evolve(resume, peers=decode_positions(folder, files, world))
 
 
-def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str, grouped: bool) -> None:
+def _check_elastic(
+    folder: Any, run: Any, resume: Resume, saved_steps: int, saved: str, now: str, grouped: bool
+) -> None:
     """A checkpoint of the ``saved`` layout continues on the ``now`` one only at an optimizer update, and inside an epoch
     only with its position in samples, or over a stream whose every process's state says where its part stood (read in
     the process: not by a ``StatefulDataLoader``'s workers) and how it was dealt, or that process 0 dispatched."""
@@ -210,29 +228,45 @@ def _check_elastic(folder: Any, run: Any, resume: Resume, saved_steps: int, save
     if position is not None and position.dispatched and (position.stream is not None or not position.read_ahead[0]):
         return  # process 0's stream state is the whole stream's: it goes on from there, dealt to this run's processes
     stream = position.stream if position is not None else None
-    if stream is not None and stream.holder != "loader" and position is not None and position.dealt is not None and not grouped:
+    if (
+        stream is not None
+        and stream.holder != "loader"
+        and position is not None
+        and position.dealt is not None
+        and not grouped
+    ):
         return  # every saving process's state and batch read ahead are in the checkpoint: the rest is dealt anew (streams.Redealt)
     if position is not None and position.dispatched:
-        why = ("process 0 read it and dispatched it, but it cannot say where it stood (no state_dict()), and the part read "
-               f"again would be counted in batches of {saved}: give the dataset state_dict() and load_state_dict() for a "
-               "stream that resumes on any number of processes")
+        why = (
+            "process 0 read it and dispatched it, but it cannot say where it stood (no state_dict()), and the part read "
+            f"again would be counted in batches of {saved}: give the dataset state_dict() and load_state_dict() for a "
+            "stream that resumes on any number of processes"
+        )
     elif stream is not None and stream.holder == "loader":
-        why = (f"each process's loader ({stream.kind}, {stream.workers} worker(s)) saved a state of its own, which "
-               "covers that process's part as its workers read it: such states cannot be dealt out anew. A stream read by "
-               "a plain DataLoader with num_workers=0, or one that process 0 reads and dispatches "
-               "(DataLoaderConfiguration(dispatch_batches=True)), resumes on any number of processes")
+        why = (
+            f"each process's loader ({stream.kind}, {stream.workers} worker(s)) saved a state of its own, which "
+            "covers that process's part as its workers read it: such states cannot be dealt out anew. A stream read by "
+            "a plain DataLoader with num_workers=0, or one that process 0 reads and dispatches "
+            "(DataLoaderConfiguration(dispatch_batches=True)), resumes on any number of processes"
+        )
     elif stream is not None and position is not None and position.dealt is None:
-        why = ("each process read a part of the stream, and the checkpoint does not say how the stream was split (the "
-               "loader was prepared without ctx.prepare_loaders, which keeps the dataset you gave, or the checkpoint is an "
-               "older trainfold's): prepare the loader with ctx.prepare_loaders for a stream that resumes on any number "
-               "of processes")
+        why = (
+            "each process read a part of the stream, and the checkpoint does not say how the stream was split (the "
+            "loader was prepared without ctx.prepare_loaders, which keeps the dataset you gave, or the checkpoint is an "
+            "older trainfold's): prepare the loader with ctx.prepare_loaders for a stream that resumes on any number "
+            "of processes"
+        )
     elif stream is not None:
-        why = ("tensor parallelism grouped the saving processes, and trainfold deals a stream anew only where each process "
-               "is a data-parallel rank of its own")
+        why = (
+            "tensor parallelism grouped the saving processes, and trainfold deals a stream anew only where each process "
+            "is a data-parallel rank of its own"
+        )
     else:
-        why = ("its position in samples is unknown: the stream had no state that says where it stood (no state_dict(), "
-               "or a state that leaves something out, such as a datasets shuffle buffer), so it is read again, which "
-               "only the same number of processes can do")
+        why = (
+            "its position in samples is unknown: the stream had no state that says where it stood (no state_dict(), "
+            "or a state that leaves something out, such as a datasets shuffle buffer), so it is read again, which "
+            "only the same number of processes can do"
+        )
     raise CheckpointError(
         f"{folder} was saved by {saved} in the middle of an epoch over a stream, and this run has {now}: {why}. "
         f"Resume it on {saved}, or from a checkpoint between epochs."

@@ -28,7 +28,14 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -75,7 +82,9 @@ def _one_process_quiet() -> Iterator[None]:
         yield
 
 
-def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The model's and optimizer's tensors, flat (``model.<name>``, ``optim.state.<name>.<key>``), and the optimizer's other values.
 
     The tensors are the live ones (an FSDP model's are its DTensor shards), not
@@ -90,7 +99,9 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     rest: dict[str, Any] = {}
     for key, item in get_optimizer_state_dict(model, optimizer, options=_OPTIONS).items():
         if key.startswith(GROUPS):
-            item = cpu_number(item)  # a compiled update's learning rate is a 0-d tensor; the checkpoint keeps the number
+            item = cpu_number(
+                item
+            )  # a compiled update's learning rate is a 0-d tensor; the checkpoint keeps the number
         if isinstance(item, torch.Tensor):
             tensors[OPTIM + key] = item
         else:
@@ -98,7 +109,9 @@ def split_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     return tensors, rest
 
 
-def own_share(tensors: Mapping[str, torch.Tensor], rank: int, world: int, buffers: Collection[str] = ()) -> dict[str, torch.Tensor]:
+def own_share(
+    tensors: Mapping[str, torch.Tensor], rank: int, world: int, buffers: Collection[str] = ()
+) -> dict[str, torch.Tensor]:
     """The tensors process ``rank`` writes: every DTensor (its own shard; DCP writes each replicated piece once), and of
     the plain tensors, which every process holds whole (DDP's replicas, FSDP's unsharded buffers), those dealt to it.
 
@@ -134,7 +147,9 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, value in get_model_state_dict(model).items():
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"a sharded checkpoint holds tensors only, but the model's state dict has {name!r}, a {type(value).__name__}.")
+            raise TypeError(
+                f"a sharded checkpoint holds tensors only, but the model's state dict has {name!r}, a {type(value).__name__}."
+            )
         out[name] = value
     return out
 
@@ -171,7 +186,9 @@ class _Writer(StorageWriter):
             t = t.detach()
             key = _key(item.index)
             tensors[key] = t
-            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=(name, key)))
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=(name, key))
+            )
         self.entries[name] = self.staging.write(name, _safetensors.encode(tensors))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
@@ -191,7 +208,9 @@ def _key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{offset}"
 
 
-def write_shards(staging: Staging, tensors: Mapping[str, torch.Tensor], rank: int, group: Any = None) -> dict[str, dict[str, Any]]:
+def write_shards(
+    staging: Staging, tensors: Mapping[str, torch.Tensor], rank: int, group: Any = None
+) -> dict[str, dict[str, Any]]:
     """Write this process's pieces of ``tensors`` (a collective over ``group``: every process calls it) and return their manifest entries.
 
     The coordinator's entries include ``tensors.json``.
@@ -251,7 +270,9 @@ class _Reader(StorageReader):
 
         for item in plan.items:
             if item.type != LoadItemType.TENSOR:
-                raise CheckpointError(f"{item.dest_index.fqn!r} is not stored as a tensor: refused (a sharded checkpoint holds tensors only).")
+                raise CheckpointError(
+                    f"{item.dest_index.fqn!r} is not stored as a tensor: refused (a sharded checkpoint holds tensors only)."
+                )
             file, key = self.metadata.storage_data[item.storage_index]
             if file not in self.files:
                 self.files[file] = self.read_file(file)
@@ -269,8 +290,13 @@ class _Reader(StorageReader):
         return True
 
 
-def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rest: Mapping[str, Any],
-                 frozen: frozenset[str] = frozenset()) -> None:
+def check_layout(
+    metadata: Metadata,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rest: Mapping[str, Any],
+    frozen: frozenset[str] = frozenset(),
+) -> None:
     """Raise unless the saved tensors fit this model and optimizer (names, global shapes), before anything changes.
 
     ``frozen``: the parameters an adapter checkpoint records by fingerprint and holds no piece of.
@@ -289,15 +315,19 @@ def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.op
         if md is None:
             raise ValueError(f"is from another model: it has no parameter {name!r} (shape {tuple(value.shape)}).")
         if tuple(md.size) != tuple(value.shape):  # type: ignore[union-attr]
-            raise ValueError(f"is from another model: parameter {name!r} has shape {tuple(md.size)} in the checkpoint and {tuple(value.shape)} in this model.")  # type: ignore[union-attr]
-    extra = sorted(k[len(MODEL):] for k in saved if k.startswith(MODEL) and k[len(MODEL):] not in live)
+            raise ValueError(
+                f"is from another model: parameter {name!r} has shape {tuple(md.size)} in the checkpoint and {tuple(value.shape)} in this model."  # type: ignore[union-attr]
+            )
+    extra = sorted(k[len(MODEL) :] for k in saved if k.startswith(MODEL) and k[len(MODEL) :] not in live)
     if extra:
         raise ValueError(f"is from another model: it has parameters this model lacks, first {extra[0]!r}.")
     names = _optimizer_names(model, optimizer)
-    saved_names = {_param_of(k[len(GROUPS):], live) for k in rest if k.startswith(GROUPS)}
+    saved_names = {_param_of(k[len(GROUPS) :], live) for k in rest if k.startswith(GROUPS)}
     if saved_names != set(names.values()):
         only = sorted(map(str, saved_names ^ set(names.values())))
-        raise ValueError(f"does not fit this optimizer: the checkpoint's optimizer is over other parameters (first differing: {only[0]!r}).")
+        raise ValueError(
+            f"does not fit this optimizer: the checkpoint's optimizer is over other parameters (first differing: {only[0]!r})."
+        )
     for group in optimizer.param_groups:
         for p in group["params"]:
             for hp, value in group.items():
@@ -305,17 +335,21 @@ def check_layout(metadata: Metadata, model: torch.nn.Module, optimizer: torch.op
                     continue
                 key = f"param_groups.{names[id(p)]}.{hp}"
                 if key not in rest:
-                    raise ValueError(f"does not fit this optimizer: its optimizer has no setting {hp!r}: another optimizer.")
+                    raise ValueError(
+                        f"does not fit this optimizer: its optimizer has no setting {hp!r}: another optimizer."
+                    )
     for key, md in saved.items():
         if not key.startswith(OPTIM + "state."):
             continue
-        owner = _param_of(key[len(OPTIM + "state."):], live)
+        owner = _param_of(key[len(OPTIM + "state.") :], live)
         if owner is None:
-            raise ValueError(f"does not fit this optimizer: its optimizer state {key[len(OPTIM):]!r} belongs to no parameter of this model.")
+            raise ValueError(
+                f"does not fit this optimizer: its optimizer state {key[len(OPTIM) :]!r} belongs to no parameter of this model."
+            )
         shape, allowed = tuple(md.size), _state_shapes(tuple(live[owner].shape))  # type: ignore[union-attr]
         if shape not in allowed:
             raise ValueError(
-                f"does not fit this optimizer: its optimizer state {key[len(OPTIM):]!r} has shape {shape}, which no optimizer keeps "
+                f"does not fit this optimizer: its optimizer state {key[len(OPTIM) :]!r} has shape {shape}, which no optimizer keeps "
                 f"for the parameter {owner!r} of shape {tuple(live[owner].shape)} (a number, the parameter's shape, or a factored moment)."
             )
 
@@ -345,8 +379,13 @@ def _param_of(rest: str, names: Mapping[str, Any]) -> str | None:
     return best
 
 
-def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torch.Tensor]], model: torch.nn.Module,
-                optimizer: torch.optim.Optimizer, frozen: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+def load_shards(
+    metadata: Metadata,
+    read_file: Callable[[str], Mapping[str, torch.Tensor]],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    frozen: frozenset[str] = frozenset(),
+) -> dict[str, torch.Tensor]:
     """Read the saved tensors into new tensors laid out as this run's (a collective) and return them, flat.
 
     Nothing live is changed: the model's tensors are read into empty copies of
@@ -361,7 +400,7 @@ def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torc
     for key, md in metadata.state_dict_metadata.items():
         if not key.startswith(OPTIM):
             continue
-        name = _param_of(key[len(OPTIM + "state."):], live)
+        name = _param_of(key[len(OPTIM + "state.") :], live)
         assert isinstance(md, TensorStorageMetadata) and name is not None  # check_layout ran
         param = live[name]
         if tuple(md.size) == tuple(param.shape) and len(md.size) > 0:
@@ -376,18 +415,28 @@ def load_shards(metadata: Metadata, read_file: Callable[[str], Mapping[str, torc
     return dest
 
 
-def apply(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], rest: Mapping[str, Any],
-          strict: bool = True) -> None:
+def apply(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: Mapping[str, torch.Tensor],
+    rest: Mapping[str, Any],
+    strict: bool = True,
+) -> None:
     """Put the loaded tensors and the optimizer's other values into the live model and optimizer (``strict=False``: an
     adapter checkpoint's, which lack the frozen parameters; check_layout checked every other name)."""
-    weights = {k[len(MODEL):]: v for k, v in tensors.items() if k.startswith(MODEL)}
-    optim = {**rest, **{k[len(OPTIM):]: v for k, v in tensors.items() if k.startswith(OPTIM)}}
+    weights = {k[len(MODEL) :]: v for k, v in tensors.items() if k.startswith(MODEL)}
+    optim = {**rest, **{k[len(OPTIM) :]: v for k, v in tensors.items() if k.startswith(OPTIM)}}
     options = _OPTIONS if strict else StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
     set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim, options=options)  # type: ignore[arg-type]
 
 
-def deal_out(model: torch.nn.Module, optimizer: torch.optim.Optimizer, weights: Mapping[str, torch.Tensor], optimizer_state: Mapping[str, Any],
-             strict: bool = True) -> None:
+def deal_out(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    weights: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[str, Any],
+    strict: bool = True,
+) -> None:
     """Put whole tensors (a gathered checkpoint's, which every process holds) into this run's shards (FSDP's DTensors).
 
     The optimizer's state is keyed by parameter index as torch's ``state_dict`` keys it;

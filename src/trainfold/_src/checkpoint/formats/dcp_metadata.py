@@ -13,7 +13,13 @@ import re
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold._src.checkpoint.manifest import json_bytes, parse_json
@@ -52,11 +58,20 @@ def parse_metadata(folder: object, data: Any, world_size: int) -> Metadata:
         for fqn, entry in doc["tensors"].items():
             dtype = _safetensors._BY_NAME[entry["dtype"]]
             size = _dims(entry["size"])
-            if not isinstance(entry["chunks"], list) or len(entry["chunks"]) > world_size:  # one piece per process at most
-                raise ValueError(f"{fqn!r} is declared in {len(entry['chunks'])} pieces, more than the {world_size} processes that wrote it")
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(_dims(o)), sizes=torch.Size(_dims(s))) for o, s in entry["chunks"]]
+            if (
+                not isinstance(entry["chunks"], list) or len(entry["chunks"]) > world_size
+            ):  # one piece per process at most
+                raise ValueError(
+                    f"{fqn!r} is declared in {len(entry['chunks'])} pieces, more than the {world_size} processes that wrote it"
+                )
+            chunks = [
+                ChunkStorageMetadata(offsets=torch.Size(_dims(o)), sizes=torch.Size(_dims(s)))
+                for o, s in entry["chunks"]
+            ]
             _check_tiling(fqn, size, chunks)
-            tensors[fqn] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks)
+            tensors[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype), size=torch.Size(size), chunks=chunks
+            )
         storage = {}
         for fqn, offset, file, key in doc["storage"]:
             match = _SHARD.fullmatch(file) if isinstance(file, str) else None
@@ -68,7 +83,9 @@ def parse_metadata(folder: object, data: Any, world_size: int) -> Metadata:
                 if MetadataIndex(fqn, c.offsets) not in storage:
                     raise ValueError(f"the piece of {fqn!r} at {list(c.offsets)} is stored nowhere")
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, OverflowError) as exc:
-        raise CheckpointError(f"{folder}: file {METADATA} does not describe the checkpoint's shards ({type(exc).__name__}: {exc}): refused, nothing changed.") from None
+        raise CheckpointError(
+            f"{folder}: file {METADATA} does not describe the checkpoint's shards ({type(exc).__name__}: {exc}): refused, nothing changed."
+        ) from None
     return Metadata(state_dict_metadata=dict(tensors), storage_data=storage)
 
 
@@ -77,7 +94,9 @@ MAX_ELEMENTS = 1 << 62
 
 
 def _dims(value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_ELEMENTS for v in value):
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_ELEMENTS for v in value
+    ):
         raise ValueError(f"{str(value)[:80]} is not a list of non-negative ints below 2**62")
     if math.prod(value) >= MAX_ELEMENTS:
         raise ValueError(f"{value!r} declares {math.prod(value)} elements, more than any tensor can hold")
@@ -97,7 +116,11 @@ def _check_tiling(fqn: str, size: list[int], chunks: list[ChunkStorageMetadata])
     cells = set()
     axes: list[set[tuple[int, int]]] = [set() for _ in range(rank)]
     for c in chunks:
-        if len(c.offsets) != rank or len(c.sizes) != rank or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size)):
+        if (
+            len(c.offsets) != rank
+            or len(c.sizes) != rank
+            or any(o + s > d for o, s, d in zip(c.offsets, c.sizes, size))
+        ):
             raise ValueError(f"a piece of {fqn!r} lies outside its shape {size}")
         if math.prod(c.sizes) == 0:
             continue
@@ -115,12 +138,16 @@ def _check_tiling(fqn: str, size: list[int], chunks: list[ChunkStorageMetadata])
         at = 0
         for offset, extent in sorted(axis):
             if offset != at:  # a gap (offset > at) or two intervals that overlap (offset < at)
-                raise ValueError(f"the pieces of {fqn!r} do not tile it: along dimension {d}, a piece starts at {offset}, not at {at}")
+                raise ValueError(
+                    f"the pieces of {fqn!r} do not tile it: along dimension {d}, a piece starts at {offset}, not at {at}"
+                )
             at = offset + extent
         if at != length:
             raise ValueError(f"the pieces of {fqn!r} cover {at} of the {length} places along its dimension {d}")
     if len(cells) != math.prod(len(axis) for axis in axes):
-        raise ValueError(f"the pieces of {fqn!r} do not tile it: {len(cells)} pieces for a grid of {math.prod(len(a) for a in axes)}")
+        raise ValueError(
+            f"the pieces of {fqn!r} do not tile it: {len(cells)} pieces for a grid of {math.prod(len(a) for a in axes)}"
+        )
 
 
 def check_piece(metadata: Metadata, index: MetadataIndex, file: str, piece: torch.Tensor | None) -> torch.Tensor:
@@ -138,6 +165,8 @@ def check_piece(metadata: Metadata, index: MetadataIndex, file: str, piece: torc
     if piece is None or chunk is None or tuple(piece.shape) != tuple(chunk.sizes) or piece.dtype != md.properties.dtype:  # type: ignore[union-attr]
         held = "nothing" if piece is None else f"a {piece.dtype} piece of shape {tuple(piece.shape)}"
         want = "no such piece" if chunk is None else f"{md.properties.dtype} of shape {tuple(chunk.sizes)}"  # type: ignore[union-attr]
-        raise CheckpointError(f"file {file} does not hold the piece of {index.fqn!r} that {METADATA} says it does ({held}; "
-                              f"declared: {want}): damaged, refused.")
+        raise CheckpointError(
+            f"file {file} does not hold the piece of {index.fqn!r} that {METADATA} says it does ({held}; "
+            f"declared: {want}): damaged, refused."
+        )
     return piece

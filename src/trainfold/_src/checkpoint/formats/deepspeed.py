@@ -1,5 +1,4 @@
-"""Format 3, DeepSpeed: the engine's own files (each process its ZeRO partition), read back safely (``engine_files.py``).
-"""
+"""Format 3, DeepSpeed: the engine's own files (each process its ZeRO partition), read back safely (``engine_files.py``)."""
 
 from __future__ import annotations
 
@@ -30,7 +29,9 @@ class DeepSpeedFormat:
     code = DEEPSPEED
     partitioned = True
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+    def capture(
+        self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()
+    ) -> Captured:
         del frozen  # the engine's files hold every parameter (save.py asks for no fingerprint under DeepSpeed)
         from trainfold._src.checkpoint.formats import engine_files as _deepspeed  # imports deepspeed
 
@@ -40,7 +41,9 @@ class DeepSpeedFormat:
         weights = _deepspeed.local_weights(state.model)
         return Captured(run, to_host(weights) if copied else weights, files=files)
 
-    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+    def write_pieces(
+        self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any
+    ) -> dict[str, dict[str, Any]]:
         return {}  # the engine's files are captured as bytes and written with the others
 
     def load(self, ctx: Context, folder: Stored, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
@@ -67,7 +70,9 @@ class DeepSpeedFormat:
 
         def read_and_check() -> tuple[Any, Resume, Any]:
             engine_names = _deepspeed.files_to_read(manifest, rank)
-            files = read_verified(folder, manifest, ["state.json", "state.safetensors", *rank_files(rank), *engine_names])
+            files = read_verified(
+                folder, manifest, ["state.json", "state.safetensors", *rank_files(rank), *engine_names]
+            )
             run, resume, saved_steps = decode(folder, files, state, rank)
             check_accumulation(ctx, folder, saved_steps)
             try:
@@ -98,10 +103,27 @@ class DeepSpeedFormat:
         files = read_verified(folder, manifest, sorted(n for n in manifest["files"] if is_engine_file(n)))
         try:
             return _deepspeed.merged_weights(_deepspeed.parse(files))
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError, OverflowError) as exc:  # parsed, does not add up
-            hint = "" if importlib.util.find_spec("deepspeed") else (
-                " DeepSpeed is not installed here, and its files hold its record classes, admitted only with it: pip install deepspeed.")
-            reason = str(exc) if isinstance(exc, ValueError) else f"has DeepSpeed files that do not fit together ({type(exc).__name__}: {exc}), refused."
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            RuntimeError,
+            IndexError,
+            OverflowError,
+        ) as exc:  # parsed, does not add up
+            hint = (
+                ""
+                if importlib.util.find_spec("deepspeed")
+                else (
+                    " DeepSpeed is not installed here, and its files hold its record classes, admitted only with it: pip install deepspeed."
+                )
+            )
+            reason = (
+                str(exc)
+                if isinstance(exc, ValueError)
+                else f"has DeepSpeed files that do not fit together ({type(exc).__name__}: {exc}), refused."
+            )
             raise CheckpointError(f"{folder} {reason}{hint}") from None
 
 

@@ -103,7 +103,9 @@ def capture(engine: Any) -> dict[str, bytes]:
     A collective: every process calls it. DeepSpeed's files name the process that wrote them.
     """
     writer = _capturing()
-    with tempfile.TemporaryDirectory(prefix="trainfold-deepspeed-") as scratch:  # DeepSpeed copies its recovery scripts here
+    with tempfile.TemporaryDirectory(
+        prefix="trainfold-deepspeed-"
+    ) as scratch:  # DeepSpeed copies its recovery scripts here
         _swapped(engine, writer, lambda: engine.save_checkpoint(scratch, tag=_TAG, client_state={}, save_latest=False))
     return cast("dict[str, bytes]", writer.files)
 
@@ -168,9 +170,13 @@ def check(parsed: Mapping[str, Any], engine: Any, world: int) -> None:
         saved_stage = saved.get("zero_stage") if isinstance(saved, Mapping) else None
         saved_stage = None if saved_stage is None else int(saved_stage)  # DeepSpeed's ZeroStageEnum is an int
         if saved_stage != stage:
-            raise ValueError(f"holds ZeRO stage {saved_stage} optimizer states and this run uses stage {stage}: resume with the same DeepSpeed config.")
+            raise ValueError(
+                f"holds ZeRO stage {saved_stage} optimizer states and this run uses stage {stage}: resume with the same DeepSpeed config."
+            )
     if len(optim_files) != (world if stage else 0):
-        raise ValueError(f"holds {len(optim_files)} ZeRO optimizer partitions for {world} processes: incomplete, refused.")
+        raise ValueError(
+            f"holds {len(optim_files)} ZeRO optimizer partitions for {world} processes: incomplete, refused."
+        )
     _check_shapes(model_files[0], engine)
 
 
@@ -191,8 +197,13 @@ def _check_shapes(states: Mapping[str, Any], engine: Any) -> None:
 
 def load(engine: Any, folder: str, parsed: Mapping[str, Any]) -> None:
     """Give the engine its saved states (a collective: every process calls it). Call :func:`check` first."""
-    _swapped(engine, _serving(parsed), lambda: engine.load_checkpoint(
-        folder, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True))
+    _swapped(
+        engine,
+        _serving(parsed),
+        lambda: engine.load_checkpoint(
+            folder, tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=True
+        ),
+    )
 
 
 _RANK = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_states\.pt")
@@ -200,7 +211,9 @@ _RANK = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_(model|optim)_state
 
 def _by_rank(parsed: Mapping[str, Any], kind: str) -> list[Any]:
     """The parsed ``kind`` ("model" or "optim") files of every ZeRO rank, in rank order."""
-    found = {int(m.group(1)): value for name, value in parsed.items() if (m := _RANK.fullmatch(name)) and m.group(2) == kind}
+    found = {
+        int(m.group(1)): value for name, value in parsed.items() if (m := _RANK.fullmatch(name)) and m.group(2) == kind
+    }
     if sorted(found) != list(range(len(found))):
         raise ValueError(f"has ZeRO {kind} files for ranks {sorted(found)}: one is missing, refused.")
     return [found[r] for r in range(len(found))]
@@ -231,15 +244,20 @@ def merged_weights(parsed: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     first = ranked[0]
     module = first.get("module") or {}
     _tensors_only(module, (first.get("buffer_names") or ()))
-    weights: dict[str, torch.Tensor] = {k: v.float() if v.is_floating_point() else v  # sync: none: casts of loaded CPU tensors
-                                        for k, v in module.items() if k in set(first.get("buffer_names") or ())}
+    weights: dict[str, torch.Tensor] = {
+        k: v.float() if v.is_floating_point() else v  # sync: none: casts of loaded CPU tensors
+        for k, v in module.items()
+        if k in set(first.get("buffer_names") or ())
+    }
     optim = [states["optimizer_state_dict"] for states in _by_rank(parsed, "optim")]
     if not optim:  # no ZeRO partitions (stage 0): the module's states are the whole model
         weights.update({k: v for k, v in module.items() if isinstance(v, torch.Tensor)})
         return weights
     stages: list[Any] = [o.get("zero_stage") if isinstance(o, Mapping) else None for o in optim]
     if any(not isinstance(s, int) or isinstance(s, bool) for s in stages) or len(set(stages)) != 1:
-        raise ValueError(f"has ZeRO optimizer files whose stages are {stages} (one int, the same on every rank): refused.")
+        raise ValueError(
+            f"has ZeRO optimizer files whose stages are {stages} (one int, the same on every rank): refused."
+        )
     world, stage = len(optim), int(stages[0])
     if stage <= 2:
         _merge_zero2(weights, first, optim, world)
@@ -255,7 +273,9 @@ def _tensors_only(values: Mapping[str, Any], names: Any) -> None:
     """Refuse a value among ``names`` of ``values`` (a parsed engine file's) that is not a tensor: a weight it would be."""
     odd = next((k for k in names if k in values and not isinstance(values[k], torch.Tensor)), None)
     if odd is not None:
-        raise ValueError(f"holds {odd!r} as a {type(values[odd]).__name__}, not a tensor, in its DeepSpeed model states: refused.")
+        raise ValueError(
+            f"holds {odd!r} as a {type(values[odd]).__name__}, not a tensor, in its DeepSpeed model states: refused."
+        )
 
 
 def _merge_zero2(weights: dict[str, torch.Tensor], states: Mapping[str, Any], optim: list[Any], world: int) -> None:
@@ -269,17 +289,23 @@ def _merge_zero2(weights: dict[str, torch.Tensor], states: Mapping[str, Any], op
         for i, (name, shape) in enumerate(shapes.items()):
             size = _numel(shape)
             if offset + size > flat.numel():
-                raise ValueError(f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, too few for {name!r}: refused.")
+                raise ValueError(
+                    f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, too few for {name!r}: refused."
+                )
             weights[name] = flat.narrow(0, offset, size).view(torch.Size(shape)).clone()
             offset += size + (paddings[group][i] if paddings is not None else 0)
         align = 2 * world  # DeepSpeed pads each group's flat buffer to a multiple of 2 × world
         if -(-offset // align) != -(-flat.numel() // align):
-            raise ValueError(f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, and its shapes take {offset}: refused.")
+            raise ValueError(
+                f"has ZeRO partitions of {flat.numel()} elements for parameter group {group}, and its shapes take {offset}: refused."
+            )
 
 
 def _merge_zero3(weights: dict[str, torch.Tensor], ranked: list[Any], optim: list[Any], world: int) -> None:
     if len(ranked) != world:
-        raise ValueError(f"has ZeRO-3 model states of {len(ranked)} processes and optimizer partitions of {world}: refused.")
+        raise ValueError(
+            f"has ZeRO-3 model states of {len(ranked)} processes and optimizer partitions of {world}: refused."
+        )
     for name, shape in (ranked[0].get("frozen_param_shapes") or {}).items():
         pieces = torch.cat([states["frozen_param_fragments"][name] for states in ranked])
         weights[name] = pieces.narrow(0, 0, _numel(shape)).view(torch.Size(shape)).clone()
@@ -290,7 +316,9 @@ def _merge_zero3(weights: dict[str, torch.Tensor], ranked: list[Any], optim: lis
             size = _numel(shape)
             part = -(-size // world)
             if offset + part > flats[0].numel():
-                raise ValueError(f"has ZeRO-3 partitions of {flats[0].numel()} elements, too few for {name!r}: refused.")
+                raise ValueError(
+                    f"has ZeRO-3 partitions of {flats[0].numel()} elements, too few for {name!r}: refused."
+                )
             whole = torch.cat([flat.narrow(0, offset, part) for flat in flats])
             weights[name] = whole.narrow(0, 0, size).view(torch.Size(shape)).clone()
             offset += part

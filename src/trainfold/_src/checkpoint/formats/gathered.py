@@ -17,8 +17,17 @@ from trainfold._src.base import rng as _rng
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, parameters_of, saved_elsewhere, to_host,
-    with_peers, without,
+    Captured,
+    check_accumulation,
+    check_adapters,
+    elastic_resume,
+    live_fingerprint,
+    loaded,
+    parameters_of,
+    saved_elsewhere,
+    to_host,
+    with_peers,
+    without,
 )
 from trainfold._src.checkpoint.manifest import FORMAT, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -34,7 +43,9 @@ class Gathered:
     code = FORMAT
     partitioned = False
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+    def capture(
+        self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()
+    ) -> Captured:
         weights = ctx.accelerator.get_state_dict(state.model)  # every process takes part (sharded engines gather)
         weights = without(weights, frozen)
         if copied:
@@ -42,7 +53,9 @@ class Gathered:
         run = attrs.evolve(capture(state, copied=copied, weights={}, rng=rng), weights=weights, frozen=frozen)
         return Captured(run, parameters_of(weights, unwrap(ctx.accelerator, state.model)))
 
-    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+    def write_pieces(
+        self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any
+    ) -> dict[str, dict[str, Any]]:
         return {}  # every tensor is in the shared files
 
     def load(self, ctx: Context, folder: Stored, manifest: Mapping[str, Any], state: TrainState) -> TrainState:
@@ -52,9 +65,15 @@ class Gathered:
         acc = ctx.accelerator
         elastic = saved_elsewhere(manifest, acc)
         into_shards = shards_parameters(acc)
-        source = 0 if elastic else acc.process_index  # another number of processes: every process continues from the first one's states
-        live_frozen = live_fingerprint(ctx, state)  # before anything is read: every process hashes (a sharded base is gathered)
-        files = read_verified(folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)])
+        source = (
+            0 if elastic else acc.process_index
+        )  # another number of processes: every process continues from the first one's states
+        live_frozen = live_fingerprint(
+            ctx, state
+        )  # before anything is read: every process hashes (a sharded base is gathered)
+        files = read_verified(
+            folder, manifest, ["state.json", "state.safetensors", "model.safetensors", *rank_files(source)]
+        )
         run, resume, saved_steps = decode(folder, files, state, source)
         del files
         if elastic:
@@ -78,7 +97,13 @@ class Gathered:
         if into_shards:
             from trainfold._src.checkpoint.formats import dcp
 
-            dcp.deal_out(unwrap(acc, state.model), inner_optimizer(state.optimizer), run.weights, run.optimizer, strict=not run.frozen)
+            dcp.deal_out(
+                unwrap(acc, state.model),
+                inner_optimizer(state.optimizer),
+                run.weights,
+                run.optimizer,
+                strict=not run.frozen,
+            )
         return loaded(put_back(run, state, keep_run=False, model_and_optimizer=not into_shards), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -17,8 +17,17 @@ from trainfold._src.checkpoint.commit import agreed
 from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
-    Captured, check_accumulation, check_adapters, elastic_resume, live_fingerprint, loaded, parameters_of, saved_elsewhere, to_host,
-    with_peers, without,
+    Captured,
+    check_accumulation,
+    check_adapters,
+    elastic_resume,
+    live_fingerprint,
+    loaded,
+    parameters_of,
+    saved_elsewhere,
+    to_host,
+    with_peers,
+    without,
 )
 from trainfold._src.checkpoint.manifest import SHARDED, rank_files, read_verified
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -35,13 +44,19 @@ class Sharded:
     code = SHARDED
     partitioned = True
 
-    def capture(self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()) -> Captured:
+    def capture(
+        self, ctx: Context, state: TrainState, rng: _rng.RngStates, copied: bool, frozen: tuple[FrozenTensor, ...] = ()
+    ) -> Captured:
         from trainfold._src.checkpoint.formats import (
             dcp,  # torch.distributed.checkpoint: imported by the first sharded save, not with trainfold
         )
 
         acc = ctx.accelerator
-        shards, rest = agreed(ctx, lambda: dcp.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)), "reading the state to save")
+        shards, rest = agreed(
+            ctx,
+            lambda: dcp.split_state(unwrap(acc, state.model), inner_optimizer(state.optimizer)),
+            "reading the state to save",
+        )
         model = unwrap(acc, state.model)
         buffers = [dcp.MODEL + name for name, _ in model.named_buffers()]
         shards = dcp.own_share(without(shards, frozen, prefix=dcp.MODEL), acc.process_index, acc.num_processes, buffers)
@@ -51,7 +66,9 @@ class Sharded:
         weights = {k: local(v) for k, v in shards.items() if k.startswith(dcp.MODEL)}
         return Captured(run, parameters_of(weights, model, prefix=dcp.MODEL), shards=shards)
 
-    def write_pieces(self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any) -> dict[str, dict[str, Any]]:
+    def write_pieces(
+        self, staging: Staging, shards: Mapping[str, torch.Tensor], rank: int, group: Any
+    ) -> dict[str, dict[str, Any]]:
         from trainfold._src.checkpoint.formats import dcp
 
         return dcp.write_shards(staging, shards, rank, group)
@@ -66,11 +83,17 @@ class Sharded:
 
         world = manifest["world_size"]
         elastic = saved_elsewhere(manifest, acc)
-        source = 0 if elastic else rank  # another number of processes: every process continues from the first one's states
-        live_frozen = live_fingerprint(ctx, state)  # before anything is read: every process hashes (a sharded base is gathered)
+        source = (
+            0 if elastic else rank
+        )  # another number of processes: every process continues from the first one's states
+        live_frozen = live_fingerprint(
+            ctx, state
+        )  # before anything is read: every process hashes (a sharded base is gathered)
 
         def read_and_check() -> tuple[Any, Resume, Any]:
-            files = read_verified(folder, manifest, ["state.json", "state.safetensors", dcp_metadata.METADATA, *rank_files(source)])
+            files = read_verified(
+                folder, manifest, ["state.json", "state.safetensors", dcp_metadata.METADATA, *rank_files(source)]
+            )
             run, resume, saved_steps = decode(folder, files, state, source)
             if elastic:
                 run, resume = elastic_resume(folder, run, resume, saved_steps, manifest, acc)
@@ -79,7 +102,9 @@ class Sharded:
             resume = with_peers(folder, manifest, resume, elastic)
             metadata = dcp_metadata.parse_metadata(folder, files[dcp_metadata.METADATA], world)
             frozen = frozenset(f.name for f in run.frozen)
-            check_adapters(folder, run, state, live_frozen)  # first: other adapters are named as such, not as another model
+            check_adapters(
+                folder, run, state, live_frozen
+            )  # first: other adapters are named as such, not as another model
             try:
                 check_fits(run, state)
                 dcp.check_layout(metadata, model, optimizer, run.optimizer, frozen)
@@ -121,4 +146,4 @@ class Sharded:
                 raise CheckpointError(f"{folder}: {exc}") from None
             offsets = tuple(index.offset or ())
             whole[tuple(slice(o, o + s) for o, s in zip(offsets, piece.shape))].copy_(piece)
-        return {k[len(dcp.MODEL):]: v for k, v in out.items()}
+        return {k[len(dcp.MODEL) :]: v for k, v in out.items()}

@@ -28,7 +28,17 @@ from typing import Any, Mapping
 from trainfold._src.checkpoint.storage.local import LocalCheckpoint, LocalRoot
 from trainfold._src.checkpoint.storage.protocol import Lock, Staging, Storage, Stored
 
-__all__ = ["Lock", "Staging", "Storage", "Stored", "checkpoint_at", "is_url", "open_root", "read_object", "write_object"]
+__all__ = [
+    "Lock",
+    "Staging",
+    "Storage",
+    "Stored",
+    "checkpoint_at",
+    "is_url",
+    "open_root",
+    "read_object",
+    "write_object",
+]
 
 #: options trainfold gives an ``s3://`` store unless ``storage_options`` says otherwise: botocore's connect and read
 #: timeouts and few retries (a whole request is bounded by ``requests.REQUEST_TIMEOUT_S``), no cached listings
@@ -46,7 +56,7 @@ def is_url(path: Any) -> bool:
 
 def _local(path: str | os.PathLike[str]) -> Path:
     text = os.fspath(path)
-    return Path(text[len("file://"):] if isinstance(text, str) and text.startswith("file://") else text)
+    return Path(text[len("file://") :] if isinstance(text, str) and text.startswith("file://") else text)
 
 
 def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
@@ -61,15 +71,23 @@ def _filesystem(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
         import fsspec
         from fsspec.registry import registry
     except ImportError:
-        raise ImportError(f"{url}: checkpoints on object storage need fsspec and the store's package: pip install 'trainfold[s3]' "
-                          "for s3://, 'trainfold[azure]' for az:// (gcsfs for gs://).") from None
-    if protocol not in fsspec.available_protocols() and protocol not in registry:  # known to fsspec, or registered with it
-        raise ValueError(f"{url}: {protocol!r} is not a protocol fsspec knows (s3, gs, az, memory, ...): check the root's URL.")
+        raise ImportError(
+            f"{url}: checkpoints on object storage need fsspec and the store's package: pip install 'trainfold[s3]' "
+            "for s3://, 'trainfold[azure]' for az:// (gcsfs for gs://)."
+        ) from None
+    if (
+        protocol not in fsspec.available_protocols() and protocol not in registry
+    ):  # known to fsspec, or registered with it
+        raise ValueError(
+            f"{url}: {protocol!r} is not a protocol fsspec knows (s3, gs, az, memory, ...): check the root's URL."
+        )
     try:
         fsspec.get_filesystem_class(protocol)
     except ImportError as exc:
-        raise ImportError(f"{url}: the {protocol}:// store needs a package that is not installed ({exc}); for s3:// pip install "
-                          "'trainfold[s3]', for az:// 'trainfold[azure]'.") from None
+        raise ImportError(
+            f"{url}: the {protocol}:// store needs a package that is not installed ({exc}); for s3:// pip install "
+            "'trainfold[s3]', for az:// 'trainfold[azure]'."
+        ) from None
     options = dict(storage_options or {})
     if protocol in ("s3", "s3a"):
         options = {**S3_DEFAULTS, **options}
@@ -85,7 +103,9 @@ def open_root(root: str | os.PathLike[str], storage_options: Mapping[str, Any] |
     """
     if not is_url(root):
         if storage_options:
-            raise ValueError(f"storage_options are for a root on object storage (s3://...); {os.fspath(root)!r} is a local folder.")
+            raise ValueError(
+                f"storage_options are for a root on object storage (s3://...); {os.fspath(root)!r} is a local folder."
+            )
         return LocalRoot(_local(root))
     from trainfold._src.checkpoint.storage.remote import RemoteRoot
 

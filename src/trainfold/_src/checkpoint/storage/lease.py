@@ -77,8 +77,10 @@ def lease_s() -> float:
     except ValueError:
         value = float("nan")  # sync: none: a host number
     if not 0 < value <= MAX_LEASE_S:
-        raise ValueError(f"TRAINFOLD_LOCK_LEASE_S={text!r}: the lease of a checkpoint root's lock must be a number of seconds "
-                         f"above 0 and at most {MAX_LEASE_S:.0f}.")
+        raise ValueError(
+            f"TRAINFOLD_LOCK_LEASE_S={text!r}: the lease of a checkpoint root's lock must be a number of seconds "
+            f"above 0 and at most {MAX_LEASE_S:.0f}."
+        )
     return value
 
 
@@ -104,8 +106,15 @@ class LeaseLock:
         """The lock's next bytes: never the same twice (``write`` counts them), since a watcher tells a renewal by
         the ETag changing, and ``expires`` alone repeats when this host's wall clock stands still."""
         self.writes += 1
-        owner: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id, "token": self.token,
-                                 "write": self.writes, "expires": time.time() + self.lease_s, "lease_s": self.lease_s}
+        owner: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "run_id": self.run_id,
+            "token": self.token,
+            "write": self.writes,
+            "expires": time.time() + self.lease_s,
+            "lease_s": self.lease_s,
+        }
         if self.committing is not None:
             owner["committing"] = self.committing
         return json.dumps(owner).encode()
@@ -117,8 +126,11 @@ class LeaseLock:
             CheckpointError: a live owner holds it (named).
         """
         if protocol_of(self.fs) not in conditional.CONDITIONAL:
-            warnings.warn(f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
-                          "started on this root are not kept apart (see trainfold's object storage guide).", stacklevel=user_stacklevel())
+            warnings.warn(
+                f"trainfold: {self.url} is on a store for which trainfold issues no conditional writes: two jobs "
+                "started on this root are not kept apart (see trainfold's object storage guide).",
+                stacklevel=user_stacklevel(),
+            )
         try:
             conditional.create(self.fs, self.path, self.body())
             self.etag = conditional.tag(self.fs, self.path)
@@ -137,10 +149,17 @@ class LeaseLock:
         """
         etag, owner = conditional.tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
         declared = owner.get("lease_s")
-        watch_s = min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S  # sync: none: JSON
+        watch_s = (
+            min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
+        )  # sync: none: JSON
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
-        logger.warning("%s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
-                       "killed leaves its lock behind).", self.url, _describe(owner), watch_s + 2 * POLL_S)
+        logger.warning(
+            "%s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
+            "killed leaves its lock behind).",
+            self.url,
+            _describe(owner),
+            watch_s + 2 * POLL_S,
+        )
         deadline = time.monotonic() + watch_s + 2 * POLL_S
         while time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -160,11 +179,17 @@ class LeaseLock:
         # the body read before watching is the one replaced (any write since would have changed the ETag)
         committing = owner.get("committing")
         self.inherited = committing if isinstance(committing, dict) else None
-        logger.warning("took over the lock of %s, whose owner did not renew it for its whole lease (%s).", self.url, _describe(owner))
+        logger.warning(
+            "took over the lock of %s, whose owner did not renew it for its whole lease (%s).",
+            self.url,
+            _describe(owner),
+        )
 
     def _refusal(self, owner: dict[str, Any]) -> str:
-        return (f"{self.url} is being written by another job ({_describe(owner)}, which renews its lease): two writers would "
-                "overwrite each other's checkpoints. Stop the other job (a requeued copy of this one?) or give this one another root.")
+        return (
+            f"{self.url} is being written by another job ({_describe(owner)}, which renews its lease): two writers would "
+            "overwrite each other's checkpoints. Stop the other job (a requeued copy of this one?) or give this one another root."
+        )
 
     def renew(self) -> None:
         """Extend the lease (a write conditional on the ETag this process wrote last)."""
@@ -185,8 +210,11 @@ class LeaseLock:
             try:
                 conditional.create(self.fs, self.path, self.body())
                 self.etag = conditional.tag(self.fs, self.path)
-                logger.warning("%s (the lock of the run's checkpoint root) was removed while this job held it, "
-                               "and no other job had taken it; taking it again.", self.path)
+                logger.warning(
+                    "%s (the lock of the run's checkpoint root) was removed while this job held it, "
+                    "and no other job had taken it; taking it again.",
+                    self.path,
+                )
                 return
             except conditional.Lost:
                 pass
@@ -233,7 +261,9 @@ class LeaseLock:
                     logger.warning("renewing the lock of %s failed (%s); retrying.", live.url, exc)
                 del live
 
-        self._thread = threading.Thread(target=renewing, args=(self._stop, self.lease_s / 3), name="trainfold-lease", daemon=True)
+        self._thread = threading.Thread(
+            target=renewing, args=(self._stop, self.lease_s / 3), name="trainfold-lease", daemon=True
+        )
         self._thread.start()
 
     def confirm(self) -> None:
@@ -242,9 +272,11 @@ class LeaseLock:
             raise CheckpointError(self._lost_message())
 
     def _lost_message(self, what: str = "") -> str:
-        return (f"{self.url}: {what}this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
-                f"job stalled for over {self.lease_s:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
-                "there, and nothing of the other job's is removed; stop this job, or give it another root.")
+        return (
+            f"{self.url}: {what}this job no longer holds the root's lock: its lease ran out (the store unreachable, or the "
+            f"job stalled for over {self.lease_s:.0f} s) and another job took it over ({self.lost}). Nothing more is written "
+            "there, and nothing of the other job's is removed; stop this job, or give it another root."
+        )
 
     def release_now(self) -> None:
         self._stop.set()
@@ -317,7 +349,9 @@ def fenced_commit(url: str, name: str, manifest: bytes, write: Callable[[], None
     """
     held = _HELD.get(url)
     if held is None:
-        raise CheckpointError(f"{url}: this process no longer holds the root's lock (its Context was closed): {name} was not committed.")
+        raise CheckpointError(
+            f"{url}: this process no longer holds the root's lock (its Context was closed): {name} was not committed."
+        )
     held[0].fenced_commit(name, manifest, write)
 
 

@@ -70,9 +70,13 @@ class LocalCheckpoint:
                 "a .tmp-* folder). Pass a checkpoint folder or the root that holds them."
             ) from None
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{folder}: {MANIFEST} is not a regular file (a link or a special file): refused, not followed.")
+            raise CheckpointError(
+                f"{folder}: {MANIFEST} is not a regular file (a link or a special file): refused, not followed."
+            )
         if st.st_size > limit:
-            raise CheckpointError(f"{path} is damaged: {st.st_size} bytes, more than a manifest can be; refused unread.")
+            raise CheckpointError(
+                f"{path} is damaged: {st.st_size} bytes, more than a manifest can be; refused unread."
+            )
         return _read_all(path, limit)
 
     def size(self, name: str) -> int:
@@ -82,7 +86,9 @@ class LocalCheckpoint:
         except FileNotFoundError:
             raise DamagedCheckpoint(f"{self.path}: file {name} is missing; the checkpoint is damaged.") from None
         if stat.S_ISLNK(st.st_mode):
-            raise CheckpointError(f"{self.path}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed.")
+            raise CheckpointError(
+                f"{self.path}: file {name} is a symbolic link; a checkpoint holds regular files only: refused, not followed."
+            )
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"{self.path}: file {name} is not a regular file: refused.")
         return st.st_size
@@ -186,7 +192,9 @@ class LocalRoot:
 
     def unusable(self) -> str | None:
         place = self.folder
-        while not place.exists() and place != place.parent:  # the folder is made at the first save: its nearest existing ancestor
+        while (
+            not place.exists() and place != place.parent
+        ):  # the folder is made at the first save: its nearest existing ancestor
             place = place.parent
         if not place.is_dir():
             return f"{place} is a file, not a folder"
@@ -203,8 +211,11 @@ class LocalRoot:
     def checkpoints(self) -> list[LocalCheckpoint]:
         if not self.folder.is_dir():
             return []
-        return [LocalCheckpoint(p) for p in self.folder.iterdir()
-                if NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir() and (p / MANIFEST).exists()]
+        return [
+            LocalCheckpoint(p)
+            for p in self.folder.iterdir()
+            if NAME.fullmatch(p.name) and not p.is_symlink() and p.is_dir() and (p / MANIFEST).exists()
+        ]
 
     def unfinished(self) -> list[str]:
         if not self.folder.is_dir():

@@ -121,8 +121,10 @@ def confirm(key: str, root: Path) -> None:
     if _same_file(fd, root / LOCK_NAME):
         _lock(fd, root)  # one syscall: still ours
         return
-    logger.warning("%s (the lock of the run's checkpoint folder) was removed while this run held it; taking it again.",
-                   root / LOCK_NAME)
+    logger.warning(
+        "%s (the lock of the run's checkpoint folder) was removed while this run held it; taking it again.",
+        root / LOCK_NAME,
+    )
     os.close(fd)
     try:
         held[0] = _take(root, str(held[2]))

@@ -32,7 +32,14 @@ from typing import Any, Iterable, Iterator
 import attrs
 
 from trainfold._src.checkpoint import digest as _digest
-from trainfold._src.checkpoint.manifest import DEBRIS, MANIFEST, MAX_MANIFEST_BYTES, NAME, removed_while_read, wrong_size
+from trainfold._src.checkpoint.manifest import (
+    DEBRIS,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    NAME,
+    removed_while_read,
+    wrong_size,
+)
 from trainfold._src.checkpoint.storage import conditional
 from trainfold._src.checkpoint.storage import lease as _lease
 from trainfold._src.checkpoint.storage import upload
@@ -90,7 +97,9 @@ class RemoteCheckpoint:
                 "without one). Pass a checkpoint or the root that holds them."
             )
         if len(data) > limit:
-            raise CheckpointError(f"{self.url}/{MANIFEST} is damaged: more than {limit} bytes, more than a manifest can be; refused.")
+            raise CheckpointError(
+                f"{self.url}/{MANIFEST} is damaged: more than {limit} bytes, more than a manifest can be; refused."
+            )
         return data
 
     def _manifest(self, limit: int) -> bytes | None:
@@ -233,8 +242,10 @@ def _create_manifest(ckpt: RemoteCheckpoint, manifest: bytes) -> None:
             call(ckpt.fs, what, "pipe_file", path, manifest)
     except conditional.Lost:
         if bytes(call(ckpt.fs, what, "cat_file", path)) != manifest:
-            raise CheckpointError(f"{ckpt.url} was committed by another job meanwhile (its manifest is not this save's): this save "
-                                  "committed nothing and removed nothing.") from None
+            raise CheckpointError(
+                f"{ckpt.url} was committed by another job meanwhile (its manifest is not this save's): this save "
+                "committed nothing and removed nothing."
+            ) from None
     ckpt.forget()
 
 
@@ -276,7 +287,9 @@ class RemoteRoot:
         bucket = self.where.split("/", 1)[0]
         if call(self.fs, f"looking for the bucket of {self.url}", "exists", bucket):
             return None
-        return f"the bucket (or container) {bucket!r} does not exist on this store: check its name (a typo?), or create it"
+        return (
+            f"the bucket (or container) {bucket!r} does not exist on this store: check its name (a typo?), or create it"
+        )
 
     def lock(self, run_id: str) -> _lease.Held:
         return _lease.acquire(self.fs, posixpath.join(self.where, _lease.LOCK_NAME), self.url, run_id, self._taken)
@@ -292,8 +305,15 @@ class RemoteRoot:
     def _finish(self, inherited: dict[str, Any]) -> None:
         """Write the manifest of a commit its owner fenced and may not have written, if its files are all there."""
         name, manifest = inherited.get("name"), inherited.get("manifest")
-        if not (isinstance(name, str) and NAME.fullmatch(name) and isinstance(manifest, str) and len(manifest) <= MAX_MANIFEST_BYTES):
-            logger.warning("%s: the lock taken over records a commit that is not one trainfold makes; ignored.", self.url)
+        if not (
+            isinstance(name, str)
+            and NAME.fullmatch(name)
+            and isinstance(manifest, str)
+            and len(manifest) <= MAX_MANIFEST_BYTES
+        ):
+            logger.warning(
+                "%s: the lock taken over records a commit that is not one trainfold makes; ignored.", self.url
+            )
             return
         ckpt = self.checkpoint(name)
         try:
@@ -302,12 +322,18 @@ class RemoteRoot:
         except (ValueError, AttributeError, RecursionError):
             missing = ["(a manifest that is not JSON)"]
         if missing:
-            logger.warning("%s: the previous owner's commit of %s lacks %s; it stays uncommitted (and is removed).",
-                           self.url, name, ", ".join(missing[:3]))
+            logger.warning(
+                "%s: the previous owner's commit of %s lacks %s; it stays uncommitted (and is removed).",
+                self.url,
+                name,
+                ", ".join(missing[:3]),
+            )
             return
         try:
             _create_manifest(ckpt, manifest.encode())
-            logger.warning("%s: finished the commit of %s, which the previous owner of the lock had begun.", self.url, name)
+            logger.warning(
+                "%s: finished the commit of %s, which the previous owner of the lock had begun.", self.url, name
+            )
         except CheckpointError:
             pass  # another manifest is there: that commit was made
 
@@ -333,7 +359,9 @@ class RemoteRoot:
 
     def stage(self, name: str, *, fresh: bool) -> RemoteStaging:
         ckpt = self.checkpoint(name)
-        if fresh and name in self._listing():  # the same position saved again: it stops being a checkpoint first, then its objects go
+        if (
+            fresh and name in self._listing()
+        ):  # the same position saved again: it stops being a checkpoint first, then its objects go
             if ckpt.committed():
                 call(ckpt.fs, f"replacing {ckpt.url}", "rm", ckpt._object(MANIFEST))
                 ckpt.forget()

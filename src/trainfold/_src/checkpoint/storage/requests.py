@@ -26,7 +26,9 @@ def guarded(what: str, fn: Callable[[], _T]) -> _T:
     try:
         return fn()
     except TimeoutError:  # fsspec's FSTimeoutError: the request was cancelled
-        raise OSError(errno.ETIMEDOUT, f"{what} failed: the store did not answer within {REQUEST_TIMEOUT_S:.0f} s") from None
+        raise OSError(
+            errno.ETIMEDOUT, f"{what} failed: the store did not answer within {REQUEST_TIMEOUT_S:.0f} s"
+        ) from None
     except (CheckpointError, OSError):
         raise
     except Exception as exc:  # botocore's and the other stores' own errors, fsspec's timeout: a failed request
@@ -49,8 +51,10 @@ def protocol_of(fs: Any) -> str:
 def _advice(exc: Exception) -> str:
     name = type(exc).__name__
     if "Credentials" in name:
-        return (" (no credentials found: set the provider's usual variables, such as AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY, a profile, or pass storage_options={'key': ..., 'secret': ...})")
+        return (
+            " (no credentials found: set the provider's usual variables, such as AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, a profile, or pass storage_options={'key': ..., 'secret': ...})"
+        )
     if "Timeout" in name:
         return f" (the store did not answer within {REQUEST_TIMEOUT_S:.0f} s)"
     if "Endpoint" in name or "Connect" in name:

@@ -62,7 +62,17 @@ def upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
     size, done, inflight = 0, [], []
 
     def send(number: int, body: Any) -> dict[str, Any]:
-        out = call(fs, what, "call_s3", "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=bytes(body))
+        out = call(
+            fs,
+            what,
+            "call_s3",
+            "upload_part",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload,
+            PartNumber=number,
+            Body=bytes(body),
+        )
         return {"PartNumber": number, "ETag": out["ETag"]}
 
     try:
@@ -73,7 +83,16 @@ def upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
                 if len(inflight) >= 2 * WRITE_THREADS:
                     done.append(inflight.pop(0).result())
             done += [f.result() for f in inflight]
-        call(fs, what, "call_s3", "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+        call(
+            fs,
+            what,
+            "call_s3",
+            "complete_multipart_upload",
+            Bucket=bucket,
+            Key=key,
+            UploadId=upload,
+            MultipartUpload={"Parts": done},
+        )
     except BaseException:
         _abort(fs, bucket, key, upload, inflight)
         raise
@@ -91,5 +110,7 @@ def _abort(fs: Any, bucket: str, key: str, upload: str, inflight: list[Future[An
         f.cancel()
     try:
         call(fs, "aborting an upload", "call_s3", "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-    except OSError:  # the store unreachable: an unfinished upload is dropped by the bucket's lifecycle rules, never listed
+    except (
+        OSError
+    ):  # the store unreachable: an unfinished upload is dropped by the bucket's lifecycle rules, never listed
         pass
