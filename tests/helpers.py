@@ -770,3 +770,48 @@ def poisoned(bad_micro_steps):
         return loss * float("nan") if calls["n"] in bad_micro_steps else loss
 
     return loss_fn
+
+
+def sgd_momentum(params):
+    """SGD with momentum 0.9 at lr 0.1: the tests' usual optimizer."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def setup(
+    *,
+    seed=0,
+    ga=1,
+    n=48,
+    batch_size=4,
+    shuffle=True,
+    dropout=0.0,
+    dataset=None,
+    collate_fn=None,
+    optimizer=sgd_momentum,
+    scheduler=None,
+):
+    """A fresh Context (Accelerate's state reset, ``ga`` accumulation steps), the seeded MLP with ``optimizer(params)``
+    and ``scheduler(optimizer)``, and a prepared loader of ``dataset`` (``n`` classification samples): the one set-up
+    most tests start from, each file giving its own defaults (``functools.partial``)."""
+    from trainfold import Context, TrainState
+
+    testing.reset_accelerate_state()
+    torch.manual_seed(seed)
+    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
+    model = mlp(dropout=dropout)
+    opt = optimizer(model.parameters())
+    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=None if scheduler is None else scheduler(opt))
+    data = classification_data(n) if dataset is None else dataset
+    (dl,) = ctx.prepare_loaders(
+        torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_fn)
+    )
+    return ctx, state, dl
+
+
+def train(ctx, state, dl, wrap=lambda step: step, *, epochs, clip_grad_norm=None):
+    """``epochs`` epochs of ``wrap(make_step(ctx, ce_loss))`` over ``dl`` from ``state``."""
+    from trainfold import loop, make_step, run_epoch
+
+    return loop(run_epoch(ctx, wrap(make_step(ctx, ce_loss, clip_grad_norm=clip_grad_norm)), dl), max_epochs=epochs)(
+        state
+    )

@@ -25,7 +25,7 @@ EPOCHS = 3  # 8 batches an epoch
 
 
 def _train(ctx, state, dl, wrap=lambda step: step):
-    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=EPOCHS)(state)
+    return helpers.train(ctx, state, dl, wrap, epochs=EPOCHS)
 
 
 def _frozen(state):

@@ -2,6 +2,7 @@
 debris of crashes, batches of every container type, save-best on several processes."""
 
 import collections
+import functools
 import dataclasses
 import os
 import shutil
@@ -40,17 +41,7 @@ import helpers
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _setup(ga=1, n=24, batch_size=4, dataset=None, collate_fn=None):
-    testing.reset_accelerate_state()
-    torch.manual_seed(0)
-    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
-    model = helpers.mlp()
-    state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    data = dataset if dataset is not None else helpers.classification_data(n)
-    (dl,) = ctx.prepare_loaders(
-        torch.utils.data.DataLoader(data, batch_size=batch_size, shuffle=True, collate_fn=collate_fn)
-    )
-    return ctx, state, dl
+_setup = functools.partial(helpers.setup, n=24)
 
 
 # --- names and order -------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from trainfold import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    loop,
     make_step,
     restore_best,
     run_epoch,
@@ -62,9 +61,7 @@ _setup = helpers.noisy_setup
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=3):
     """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
     end = getattr(wrap, "at_end", lambda s: s)
-    return end(
-        loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
-    )
+    return end(helpers.train(ctx, state, dl, wrap, epochs=epochs, clip_grad_norm=1.0))
 
 
 # --- one process: resume bit for bit -------------------------------------------------------------

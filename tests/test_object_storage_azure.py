@@ -19,7 +19,6 @@ from trainfold import (
     checkpoint_every,
     list_checkpoints,
     load_checkpoint,
-    loop,
     make_step,
     run_epoch,
     save_checkpoint,
@@ -45,9 +44,7 @@ def az(azurite, request):
 def _train(ctx, state, dl, wrap=lambda s: s, epochs=2):
     """``wrap``: a step transformer; a checkpoint_every saves the loop's end too (its at_end)."""
     end = getattr(wrap, "at_end", lambda s: s)
-    return end(
-        loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss, clip_grad_norm=1.0)), dl), max_epochs=epochs)(state)
-    )
+    return end(helpers.train(ctx, state, dl, wrap, epochs=epochs, clip_grad_norm=1.0))
 
 
 def test_a_run_checkpointed_on_azure_resumes_bit_for_bit(az):

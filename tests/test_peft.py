@@ -21,7 +21,6 @@ from trainfold import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    loop,
     make_step,
     run_epoch,
     save_checkpoint,
@@ -68,7 +67,7 @@ def _setup(model):
 
 
 def _train(ctx, state, dl, wrap=lambda step: step, epochs=2):
-    return loop(run_epoch(ctx, wrap(make_step(ctx, helpers.ce_loss)), dl), max_epochs=epochs)(state)
+    return helpers.train(ctx, state, dl, wrap, epochs=epochs)
 
 
 def test_a_peft_checkpoint_is_small_and_exact(tmp_path, isolated):

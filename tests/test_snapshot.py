@@ -1,27 +1,24 @@
 """snapshot/restore: a state as a true value; branches from one snapshot equal fresh runs."""
 
+import functools
 import attrs
 import pytest
 import torch
-from accelerate import Accelerator
 from hypothesis import given, settings, strategies as st
 
-from trainfold import Context, TrainState, make_step, restore, run_epoch, snapshot, testing
+from trainfold import make_step, restore, run_epoch, snapshot, testing
 
 import helpers
 
 
-def _setup(seed=0, ga=2):
-    testing.reset_accelerate_state()
-    torch.manual_seed(seed)
-    ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
-    model = helpers.mlp(dropout=0.3)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
-    (dl,) = ctx.prepare_loaders(
-        torch.utils.data.DataLoader(helpers.classification_data(40), batch_size=4, shuffle=True)
-    )
-    return ctx, state, dl
+_setup = functools.partial(
+    helpers.setup,
+    ga=2,
+    n=40,
+    dropout=0.3,
+    optimizer=lambda params: torch.optim.AdamW(params, lr=0.01),
+    scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
+)
 
 
 def _set_lr(state, lr):
