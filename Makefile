@@ -98,7 +98,7 @@ XDIST_MP ?= -n 2
 test: $(STAMP)
 	MAKE="$(MAKE)" bash tests/suite.sh
 
-# The type check and the in-process tests: what to run after a change, in about a minute.
+# The type check and the in-process tests: what to run after a change, in about two minutes.
 test-quick: test-types test-inprocess
 
 test-types: $(STAMP)
