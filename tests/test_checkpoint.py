@@ -798,3 +798,20 @@ def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(
 
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(ctx, tmp_path, state)
+
+
+@pytest.mark.parametrize("size", [1, 4096, 4097, 3 * 4096 + 5])
+def test_a_file_read_in_parts_is_read_whole(size, tmp_path, monkeypatch):
+    """A file larger than ``READ_PART`` is read in parts on two threads: every byte in its place, and a file that is
+    not the size it was measured at is refused (parts of 4 KiB here, of 64 MiB in a run)."""
+    import os
+
+    from trainfold._src.base import io
+
+    monkeypatch.setattr(io, "READ_PART", 4096)
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+
+    assert bytes(io.read_into(tmp_path / "f", size)) == data
+    with pytest.raises(ValueError, match="another size"):
+        io.read_into(tmp_path / "f", size + 1)

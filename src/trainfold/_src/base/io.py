@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -121,20 +122,35 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
         if size == 0:
             return bytearray()
         buf = mmap.mmap(-1, size)
-        view, done = memoryview(buf), 0
+        view = memoryview(buf)
         try:
-            while done < size:
-                n = os.readv(fd, [view[done:]])
-                if n == 0:
-                    raise ValueError(f"{path} ended after {done} of {size} bytes")
-                done += n
-            if os.read(fd, 1):
+            parts = [(start, min(start + READ_PART, size)) for start in range(0, size, READ_PART)]
+            if len(parts) == 1:
+                _read_part(fd, view, 0, size, path)
+            else:  # a large file in parts, two at a time: its pages are faulted in and filled on both cores
+                with ThreadPoolExecutor(max_workers=2) as pool:
+                    list(pool.map(lambda part: _read_part(fd, view, part[0], part[1], path), parts))
+            if os.pread(fd, 1, size):
                 raise ValueError(f"{path} grew past {size} bytes while it was read")
         finally:
             view.release()
         return buf
     finally:
         os.close(fd)
+
+
+#: how much of a file one thread of :func:`read_into` reads at a time (a file larger than this is read in parts, in parallel)
+READ_PART = 64 << 20
+
+
+def _read_part(fd: int, view: memoryview, start: int, end: int, path: object) -> None:
+    """Read bytes ``start:end`` of the file ``fd`` into the same bytes of ``view``."""
+    done = start
+    while done < end:
+        n = os.preadv(fd, [view[done:end]], done)
+        if n == 0:
+            raise ValueError(f"{path} ended after {done} bytes, before {end}")
+        done += n
 
 
 #: where torch's CPU allocator puts every tensor (c10's alignment, for AVX-512)
