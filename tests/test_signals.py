@@ -5,6 +5,7 @@ with hard timeouts, so a regression fails instead of hanging CI.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -730,7 +731,38 @@ def test_a_hung_rank_fails_after_the_timeout():
         testing.run_distributed(_hung_rank, 2, nprocs=2, timeout=60)
     assert "Timed out" in str(info.value)
     assert "the process group's timeout (0:00:02)" in str(info.value)
+    assert re.search(
+        r"process 1 was last seen \d+ s ago, at update 2 \(micro-batch 2\), in training: it is the one", str(info.value)
+    )
     assert "Context(accelerator, timeout=" in str(info.value)
+
+
+def _stopped_rank(seconds):
+    import datetime
+
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), timeout=datetime.timedelta(seconds=seconds)))
+    inner = make_step(ctx, helpers.ce_loss)
+    rank = ctx.accelerator.process_index
+
+    def step(s, b):
+        if rank == 1 and s.step == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # stopped whole, as a frozen node or a debugger stops it
+        return inner(s, b)
+
+    run_epoch(ctx, step, dl, state)
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_rank_is_named():
+    """SIGSTOP to one process in the middle of an epoch: the other's collective times out, and its error names the
+    stopped process, the update it was last seen at and what it was doing."""
+    with pytest.raises(RuntimeError) as info:
+        testing.run_distributed(_stopped_rank, 2, nprocs=2, timeout=60)
+    found = re.search(
+        r"process 1 was last seen \d+ s ago, at update (\d+) \(micro-batch \d+\), in training: it is the one",
+        str(info.value),
+    )
+    assert found and int(found.group(1)) in (1, 2)  # its last round's line, or the one before if it stopped first
 
 
 # --- signals to a real torchrun job -----------------------------------------------------------

@@ -85,7 +85,7 @@ class CheckpointEvery:
             # a signal agreed at this micro-batch (run_epoch then stops here: the same answer)
             stopping = (new.should_stop and not state.should_stop) or (
                 new.micro_step >= interrupt.next_check
-                and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients) != 0
+                and interrupt.check(new.micro_step, ctx.accelerator.sync_gradients, new.step) != 0
             )
             if stopping:  # the run ends here: its last checkpoint is committed before the step returns
                 saved = self._save(new)

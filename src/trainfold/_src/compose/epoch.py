@@ -124,7 +124,7 @@ def run_epoch(
             state = step(state, batch)
             seen += 1
             if state.micro_step >= interrupt.next_check and (
-                signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients)
+                signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients, state.step)
             ):
                 state = state.with_stop(f"signal {signal_name(signum)}")
                 interrupt.clear()  # honoured: the next run on this Context is not stopped by it
@@ -152,11 +152,11 @@ def run_epoch(
     return end_epoch(ctx, state)
 
 
-def _stop_requested(interrupt: Any, clock: Clock, micro_step: int, synced: bool) -> int:
+def _stop_requested(interrupt: Any, clock: Clock, micro_step: int, synced: bool, update: int) -> int:
     """The stop agreement's round (``interrupt.check``), its time counted to the clock's ``stop``."""
     start = time.perf_counter()
     try:
-        return int(interrupt.check(micro_step, synced) or 0)
+        return int(interrupt.check(micro_step, synced, update) or 0)
     finally:
         clock.add("stop", time.perf_counter() - start)
 

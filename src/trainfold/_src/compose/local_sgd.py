@@ -118,7 +118,7 @@ def local_sgd(ctx: Context, every: int) -> StepTransformer:
             stopping = (new.should_stop and not state.should_stop) or (
                 several
                 and new.micro_step >= interrupt.next_check
-                and interrupt.check(new.micro_step, accelerator.sync_gradients) != 0
+                and interrupt.check(new.micro_step, accelerator.sync_gradients, new.step) != 0
             )
             if since < every and not stopping:
                 return new.with_extra(NAME, LocalSgdState(every, since, record.averages))

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import torch
 
 from trainfold._src.base.checks import add_note
+from trainfold._src.distributed.last_seen import who_is_missing
 
 
 class Control:
@@ -156,10 +157,14 @@ def explaining_timeouts(processes: int) -> Iterator[None]:
         yield
     except RuntimeError as exc:
         if processes > 1 and looks_like_timeout(exc):
+            import torch.distributed as dist
+
+            missing = who_is_missing(processes, dist.get_rank()) if dist.is_initialized() else None
+            who = missing or "read the other processes' output."
             add_note(
                 exc,
                 f"trainfold: a collective waited for the process group's timeout ({current_timeout()}) for another "
-                "process, which is hung or has died: read the other processes' output. Set the timeout with "
+                f"process, which is hung or has died: {who} Set the timeout with "
                 "Context(accelerator, timeout=datetime.timedelta(minutes=5)) to notice sooner.",
             )
         raise

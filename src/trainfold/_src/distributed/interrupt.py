@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import torch
 
 from trainfold._src.distributed.control import Control, max_over_processes
+from trainfold._src.distributed.last_seen import LastSeen
 
 log = logging.getLogger("trainfold")
 
@@ -76,6 +77,8 @@ class Interrupt:
         self._speed = 0.0
         #: a stop was agreed since the request: it is being acted on (a final checkpoint, the end of the run)
         self.agreed = False
+        #: where this process was at its last round, for a timeout to name a process that stopped coming
+        self.last_seen = LastSeen()
 
     def request(self, signum: int) -> None:
         """Ask the run to stop (what the signal handler does)."""
@@ -83,7 +86,7 @@ class Interrupt:
         if not self.distributed:
             self.next_check = 0
 
-    def check(self, micro_step: int, synced: bool) -> int:
+    def check(self, micro_step: int, synced: bool, update: int = 0) -> int:
         """The signal every process agreed to stop at after this micro-batch, or 0 (the same on every process).
 
         Called when ``micro_step >= next_check``, with ``synced``: this
@@ -91,13 +94,14 @@ class Interrupt:
         A round falls due only at the end of a group, so a run stops at an
         optimizer update, never holding half a group's gradients; the rounds are
         the same micro-batches on every process. A second call at the same
-        micro-batch returns the first's answer.
+        micro-batch returns the first's answer. Each round also says where this
+        process is (``update``), for a timeout to name a process that stopped coming.
         """
         if not synced:
             return 0
         if self._decided[0] == micro_step:
             return self._decided[1]
-        agreed = self._round(micro_step) if self.distributed else self.requested
+        agreed = self._round(micro_step, update) if self.distributed else self.requested
         self._decided = (micro_step, agreed)
         self.agreed = self.agreed or bool(agreed)  # sync: none: a host int
         return agreed
@@ -148,8 +152,10 @@ class Interrupt:
         """The slowest process's seconds per micro-batch, as the last round measured it (0.0 before any)."""
         return self._speed
 
-    def _round(self, micro_step: int) -> int:
+    def _round(self, micro_step: int, update: int) -> int:
         import torch.distributed as dist
+
+        self.last_seen.seen(dist.get_rank(), micro_step, update, "training")
 
         if self._pending is not None:
             work, result = self._pending
