@@ -58,8 +58,18 @@ class LastSeen:
                 return
 
 
-def who_is_missing(world: int, me: int) -> str | None:
-    """A sentence naming the process seen longest ago (or never) by the store, with where it was; None if unknown."""
+def who_is_missing(world: int, me: int, *, wait_s: float = 5.0) -> str | None:
+    """A sentence naming the process seen longest ago (or never) by the store, with where it was; None if unknown,
+    or if the store did not answer within ``wait_s`` (its host may be the process gone: the error is not held up)."""
+    found: list[str | None] = []
+    reader = threading.Thread(target=lambda: found.append(_who_is_missing(world, me)), daemon=True)
+    reader.start()
+    reader.join(wait_s)
+    return found[0] if found else None
+
+
+def _who_is_missing(world: int, me: int) -> str | None:
+    """:func:`who_is_missing`, unbounded in time."""
     store = _store()
     if store is None or world < 2:
         return None
