@@ -503,9 +503,8 @@ def diff(a: str, b: str) -> dict[str, Any]:
         if tuple(x.shape) != tuple(y.shape):
             rows.append({"name": name, "shapes": [list(x.shape), list(y.shape)], "max_abs_diff": None})
         elif not torch.equal(x, y):
-            rows.append(
-                {"name": name, "max_abs_diff": float((x.double() - y.double()).abs().max())}
-            )  # sync: none, CPU tensors
+            diff = float((x.double() - y.double()).abs().max())  # sync: none, CPU tensors
+            rows.append({"name": name, "max_abs_diff": diff})
     only = {"a": sorted(left.keys() - right.keys()), "b": sorted(right.keys() - left.keys())}
     return {
         "a": str(a),

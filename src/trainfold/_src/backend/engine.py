@@ -63,9 +63,8 @@ def engine_name(accelerator: Accelerator) -> str:
 
 def shards_parameters(accelerator: Accelerator) -> bool:
     """True under FSDP or tensor parallelism: each process holds a shard of every parameter (a DTensor), never the whole model."""
-    return bool(accelerator.distributed_type == DistributedType.FSDP) or is_tensor_parallel(
-        accelerator
-    )  # sync: none: an enum
+    fsdp = bool(accelerator.distributed_type == DistributedType.FSDP)  # sync: none: an enum
+    return fsdp or is_tensor_parallel(accelerator)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -135,9 +134,8 @@ def is_config_scheduler(scheduler: Any) -> bool:
 
 def engine_builds_optimizers(accelerator: Accelerator) -> bool:
     """True where the engine builds the optimizer and scheduler from its config (DeepSpeed, Megatron-LM)."""
-    return bool(
-        accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
-    )  # sync: none: an enum
+    engines = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+    return bool(accelerator.distributed_type in engines)  # sync: none: an enum
 
 
 def release_prepared(accelerator: Accelerator, state: Any, loaders: tuple[Any, ...]) -> None:

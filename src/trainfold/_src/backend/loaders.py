@@ -311,9 +311,9 @@ def dropped_samples(loader: Any) -> int:
     """How many samples of the dataset a loader never yields in an epoch (``drop_last=True``), 0 if none or unknown."""
     base = getattr(loader, "base_dataloader", loader)
     sampler = getattr(base, "batch_sampler", None)
-    drop = bool(
-        getattr(sampler, "drop_last", False) or getattr(getattr(sampler, "batch_sampler", None), "drop_last", False)
-    )  # sync: none: loader settings
+    inner = getattr(sampler, "batch_sampler", None)
+    drop = getattr(sampler, "drop_last", False) or getattr(inner, "drop_last", False)
+    drop = bool(drop)  # sync: none: loader settings
     per_batch = samples_per_batch(loader)
     if per_batch is None:  # a plain DataLoader: its own batch size
         per_batch = getattr(sampler, "batch_size", None) if type(sampler) is torch.utils.data.BatchSampler else None

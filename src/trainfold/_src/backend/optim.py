@@ -75,9 +75,8 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     """
     if _needs_accelerate_optimizer(accelerator, optimizer):
         skipped = getattr(optimizer, "step_was_skipped", None)
-        was_skipped = (
-            (lambda: bool(optimizer.step_was_skipped)) if skipped is not None else _never_skipped
-        )  # sync: none: a host flag Accelerate's scaler sets
+        flag = lambda: bool(optimizer.step_was_skipped)  # noqa: E731  # sync: none: a host flag Accelerate's scaler sets
+        was_skipped = flag if skipped is not None else _never_skipped
         scaled = getattr(optimizer, "scaler", None) is not None
         return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
     inner = optimizer.optimizer
@@ -93,9 +92,8 @@ def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 def set_lr(group: dict[str, Any], value: Any) -> None:
     """Set a parameter group's learning rate, in place where it is a tensor (a compiled update's: see :func:`lr_as_tensor`)."""
     if isinstance(group["lr"], torch.Tensor):
-        group["lr"].fill_(
-            float(value)
-        )  # sync: none for a number (a schedule's); the tensor is the update's, on the CPU
+        number = float(value)  # sync: none for a number (a schedule's); the tensor is the update's, on the CPU
+        group["lr"].fill_(number)
     else:
         group["lr"] = value
 

@@ -229,7 +229,7 @@ def resume_in_epoch(
             ),
             resumed_at=(position.samples_done, consumed),
         )
-    replayed = is_streamed(loader) and bool(position.read_ahead[0])
+    replayed = is_streamed(loader) and bool(position.read_ahead[0])  # sync: none: a host flag
     if is_dispatcher(loader):
         return Resumed(
             resumed_dispatch(

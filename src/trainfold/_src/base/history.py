@@ -53,9 +53,8 @@ class History:
 
     def add(self, *, epoch: int, step: int, values: Mapping[str, float]) -> History:
         """Return a History with one record per item of ``values`` appended."""
-        new = tuple(
-            Record(epoch, step, name, float(v)) for name, v in values.items()
-        )  # sync: none for floats; per record (never per step) for a tensor
+        # sync: none for floats; per record (never per step) for a tensor
+        new = tuple(Record(epoch, step, name, float(v)) for name, v in values.items())  # sync: as above
         return History(self.records + new)
 
     def __getitem__(self, name: str) -> tuple[float, ...]:
@@ -156,9 +155,8 @@ def _record(r: Any) -> Record:
     epoch, step, name, value = r
     if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"history record {r!r} is not [epoch, step, name, value]")
-    return Record(
-        counter("history epoch", epoch), counter("history step", step), name, float(value)
-    )  # sync: none: a JSON number
+    number = float(value)  # sync: none: a JSON number
+    return Record(counter("history epoch", epoch), counter("history step", step), name, number)
 
 
 class _AtStep(Mapping[str, float]):

@@ -70,11 +70,11 @@ def to_record(states: RngStates) -> tuple[dict[str, torch.Tensor], dict[str, Any
         "python": [version, list(internal), gauss],
         "numpy": [
             name,
-            keys.tolist(),
+            keys.tolist(),  # sync: none: numpy's state, on the host
             int(pos),
             int(has_gauss),
-            float(cached),
-        ],  # sync: none: numpy's state, on the host
+            float(cached),  # sync: none: as above
+        ],
         "cuda_devices": len(states.torch_cuda),
         "generators": len(states.generators),
     }

@@ -328,8 +328,8 @@ def finite_loss_mean(means: dict[str, float], nonfinite: str = NONFINITE) -> dic
         finite_share = 1.0 - means[nonfinite]
         means = {
             **means,
-            "loss": means["loss"] / finite_share if finite_share > 0 else float("nan"),
-        }  # sync: none: host numbers
+            "loss": means["loss"] / finite_share if finite_share > 0 else float("nan"),  # sync: none: host numbers
+        }
     return means
 
 
@@ -350,7 +350,6 @@ def weighted_means(means: dict[str, float], suffix: str = WEIGHT) -> dict[str, f
         if name.endswith(suffix):
             continue
         weight = means.get(name + suffix)
-        out[name] = (
-            value if weight is None else (value / weight if weight else float("nan"))
-        )  # sync: none: host numbers
+        mean = value if weight is None else (value / weight if weight else float("nan"))  # sync: none: host numbers
+        out[name] = mean
     return out

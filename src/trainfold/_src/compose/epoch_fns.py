@@ -441,9 +441,8 @@ def reduce_lr_on_plateau(
     if tracker.bad_epochs < patience:
         return state.with_extra(key, tracker)
     for group in inner_optimizer(state.optimizer).param_groups:
-        set_lr(
-            group, max(float(group["lr"]) * factor, min_lr)
-        )  # sync: once per epoch; a compiled update's lr is a CPU tensor
+        lr = float(group["lr"])  # sync: once per epoch; a compiled update's lr is a CPU tensor
+        set_lr(group, max(lr * factor, min_lr))
     return state.with_extra(key, attrs.evolve(tracker, bad_epochs=0)).with_extra(
         LR_SCALE, state.extras.get(LR_SCALE, 1.0) * factor
     )
@@ -516,9 +515,8 @@ def log_epoch(ctx: Context, state: TrainState, *, echo: bool = True, axis: str =
             print(line, flush=True) if echo else logger.info("%s", line)
         return state
     values = {r.name: r.value for r in state.history if r.epoch == state.epoch}
-    emit(
-        ctx, {epoch_key(k): v for k, v in {**values, "epoch": float(state.epoch)}.items()}, at, log=False
-    )  # sync: none: a host int
+    done = float(state.epoch)  # sync: none: a host int
+    emit(ctx, {epoch_key(k): v for k, v in {**values, "epoch": done}.items()}, at, log=False)
     if ctx.is_main_process:
         if echo:
             print(summary_line(state, values), flush=True)

@@ -115,9 +115,9 @@ def stop_when(
                     return new  # nothing to record: no new state made
                 return new.with_extra(name, StopWhenState(raised, new.epoch))
             local = bool(raised)  # sync: a flag on the device is read here, once per check
-            agreed = (
-                bool(max_over_processes(ctx.runtime.control, int(local))) if distributed else local
-            )  # sync: none more: the processes' host int
+            if distributed:
+                local = bool(max_over_processes(ctx.runtime.control, int(local)))  # sync: none more: a host int
+            agreed = local
             new = new.with_extra(name, attrs.evolve(fresh, epoch=new.epoch))
             if not agreed:
                 return new

@@ -315,9 +315,8 @@ def _report(ctx: Context, state: TrainState, meter: Meter | None = None, *, agai
     )
     values = {**means, "epoch": float(state.epoch)}  # sync: none: a host int
     if state.optimizer is not None:
-        values["lr"] = float(
-            inner_optimizer(state.optimizer).param_groups[0]["lr"]
-        )  # sync: none: a number, or a compiled update's CPU tensor
+        lr = inner_optimizer(state.optimizer).param_groups[0]["lr"]
+        values["lr"] = float(lr)  # sync: none: a number, or a compiled update's CPU tensor
     if meter is not None and not again:
         values.update(meter.report(state, summed))
     emit(ctx, {step_key(k): v for k, v in values.items()}, state.step, log=not again)

@@ -203,9 +203,8 @@ class Meter:
     def totals(self) -> dict[str, torch.Tensor | float]:
         """This process's counts since the last report, for the report's one all-reduce."""
         samples = float(self.clock.samples - self.from_samples)  # sync: none: host ints
-        flops = (
-            self.flops_per_sample * samples if self.flops_per_sample is not None else 0.0
-        )  # sync: none: host numbers
+        per_sample = self.flops_per_sample
+        flops = per_sample * samples if per_sample is not None else 0.0  # sync: none: host numbers
         # sync: none here; the carried tokens a device tensor the report's one all-reduce reads
         return {"watch:samples": samples, "watch:flops": flops, "watch:tokens": self.carried}  # sync: none
 

@@ -148,8 +148,8 @@ def _from_accelerate(accelerator: Any) -> Compile:
         mode=plugin.mode,
         options=plugin.options,
         dynamic=plugin.dynamic,
-        fullgraph=bool(plugin.fullgraph),
-    )  # sync: none: a config flag
+        fullgraph=bool(plugin.fullgraph),  # sync: none: a config flag
+    )
 
 
 def own_code(fn: types.FunctionType, name: str) -> types.FunctionType:

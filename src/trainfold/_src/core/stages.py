@@ -217,9 +217,9 @@ class _Clip:
             norm = clip(mb.model.parameters(), threshold)
             mb.aux = {
                 **mb.aux,
-                GRAD_NORM: norm.detach().float().reshape(()),
+                GRAD_NORM: norm.detach().float().reshape(()),  # sync: none: a cast on the device
                 weight: one,
-            }  # sync: none: a cast on the device
+            }
 
         return Stage(name, on_batch=on_batch, on_update=on_update_recording)
 

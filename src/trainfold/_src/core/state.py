@@ -50,12 +50,11 @@ def _check_optimizer_fits(model: torch.nn.Module, optimizer: Any, scheduler: Any
         )
     for i, group in enumerate(groups):
         lr = group.get("lr")
-        if lr is not None and not math.isfinite(
-            float(lr)
-        ):  # sync: once, at TrainState.create (a CPU number or 0-d CPU tensor)
+        value = None if lr is None else float(lr)  # sync: once, at TrainState.create (a CPU number or 0-d CPU tensor)
+        if value is not None and not math.isfinite(value):
             raise ValueError(
-                f"'optimizer' parameter group {i} has lr={float(lr)}: a non-finite learning rate trains silently to NaN."
-            )  # sync: none: refused
+                f"'optimizer' parameter group {i} has lr={value}: a non-finite learning rate trains silently to NaN."
+            )
     bound = getattr(scheduler, "optimizer", None)
     if scheduler is not None and bound is not None and bound is not optimizer:
         raise ValueError(

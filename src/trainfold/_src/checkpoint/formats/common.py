@@ -154,9 +154,8 @@ def saved_elsewhere(manifest: Mapping[str, Any], acc: Any) -> bool:
     """Whether a checkpoint was saved by another layout of the data than this run's: another number of processes, or
     as many grouped otherwise (tensor parallelism's processes share a data-parallel rank). Then the processes' own files
     do not map one to one onto this run's, and the epoch continues by its position in samples."""
-    return bool(
-        manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size
-    )  # sync: none: ints
+    elastic = manifest["world_size"] != acc.num_processes or data_ranks(manifest) != data_layout(acc).size
+    return bool(elastic)  # sync: none: ints
 
 
 def layout_words(processes: int, ranks: int) -> str:

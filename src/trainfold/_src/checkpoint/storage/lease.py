@@ -149,9 +149,9 @@ class LeaseLock:
         """
         etag, owner = conditional.tag(self.fs, self.path), _read_owner(self.fs, self.path, MAX_LOCK_BYTES)
         declared = owner.get("lease_s")
-        watch_s = (
-            min(float(declared), MAX_LEASE_S) if isinstance(declared, (int, float)) and declared > 0 else LEASE_S
-        )  # sync: none: JSON
+        watch_s = LEASE_S
+        if isinstance(declared, (int, float)) and declared > 0:
+            watch_s = min(float(declared), MAX_LEASE_S)  # sync: none: JSON
         # every takeover watches one lease: a stale lock costs a restart that long, never a second writer
         logger.warning(
             "%s is locked by %s; waiting up to %.0f s for its lease to run out (a job that was "
