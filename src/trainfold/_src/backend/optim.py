@@ -74,9 +74,12 @@ def optimizer_ops(accelerator: Accelerator, optimizer: Any) -> OptimizerOps:
     (an uncached ``is_lomo_available()`` twice and ``inspect.signature``).
     """
     if _needs_accelerate_optimizer(accelerator, optimizer):
-        skipped = getattr(optimizer, "step_was_skipped", None)
-        flag = lambda: bool(optimizer.step_was_skipped)  # noqa: E731  # sync: none: a host flag Accelerate's scaler sets
-        was_skipped = flag if skipped is not None else _never_skipped
+
+        def scaler_skipped() -> bool:
+            return bool(optimizer.step_was_skipped)  # sync: none: a host flag Accelerate's scaler sets
+
+        has_flag = getattr(optimizer, "step_was_skipped", None) is not None
+        was_skipped = scaler_skipped if has_flag else _never_skipped
         scaled = getattr(optimizer, "scaler", None) is not None
         return OptimizerOps(optimizer.step, optimizer.zero_grad, was_skipped, fast=False, scaled=scaled)
     inner = optimizer.optimizer

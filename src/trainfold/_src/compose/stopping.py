@@ -115,9 +115,9 @@ def stop_when(
                     return new  # nothing to record: no new state made
                 return new.with_extra(name, StopWhenState(raised, new.epoch))
             local = bool(raised)  # sync: a flag on the device is read here, once per check
-            if distributed:
-                local = bool(max_over_processes(ctx.runtime.control, int(local)))  # sync: none more: a host int
             agreed = local
+            if distributed:
+                agreed = bool(max_over_processes(ctx.runtime.control, int(local)))  # sync: none more: a host int
             new = new.with_extra(name, attrs.evolve(fresh, epoch=new.epoch))
             if not agreed:
                 return new
