@@ -88,6 +88,29 @@ def _trackio_series(logs):
     }
 
 
+def test_aim_keeps_the_epoch_record_at_a_resumed_epoch_end(tmp_path, monkeypatch):
+    """Resumed from the checkpoint of an epoch's last update (12), the run closes the epoch (its record: ``epoch`` 1)
+    before ``log_every`` makes update 12's report again (``epoch`` 0). Aim keeps one value per step: it keeps the
+    record's, as the uninterrupted run left it, not the report made again after it."""
+    import shutil
+
+    from trainfold import list_checkpoints
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    _run(tmp_path / "clean-root", tmp_path / "clean-logs")
+    ((_, clean),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(tmp_path / "clean-logs").values()]
+    root, logs = tmp_path / "root", tmp_path / "logs"
+    _run(root, logs)
+    for folder in list_checkpoints(root):
+        if verify_checkpoint(folder)["step"] > 12:
+            shutil.rmtree(folder)
+    assert 12 == verify_checkpoint(latest_checkpoint(root))["step"]
+    _run(root, logs)  # resumed at update 12, an epoch's last
+
+    ((_, series),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(logs).values()]
+    assert (12, 1.0) in clean["epoch"] and clean == series
+
+
 def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
     """After kill -9 and a resume, TensorBoard, MLflow, DVCLive, ClearML, Trackio and Aim hold every update once with the uninterrupted values."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")

@@ -34,6 +34,8 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
             _log_what_trackers_lack(ctx, values, step)
         else:
             ctx.accelerator.log(dict(values), step=step)
+        if step == ctx.runtime.resumed_from:
+            _hold_what_replacing_trackers_got(ctx, values, step)
         ctx.runtime.wrote_at(
             ctx.accelerator, step
         )  # at a checkpoint's update, after it: a resumed run would not log it again
@@ -48,6 +50,17 @@ def emit(ctx: Context, values: Mapping[str, float], step: int, *, log: bool = Tr
             )
     if log and ctx.is_main_process and logger.isEnabledFor(logging.INFO):
         logger.info("step %d: %s", step, report_text(values))
+
+
+def _hold_what_replacing_trackers_got(ctx: Context, values: Mapping[str, float], step: int) -> None:
+    """A resumed run sends values at its checkpoint's update out of the uninterrupted run's order: the epoch that update
+    ended is closed (its record sent) before ``log_every`` makes the update's report again. A tracker that keeps one
+    value per step (Aim) keeps the first value this run sends it there, as the uninterrupted run's last one was."""
+    for tracker in ctx.accelerator.trackers:
+        found = vendor(tracker.name)
+        if found is not None and found.replaces:
+            held = ctx.runtime.tracker_holds.get(tracker.name, {})
+            ctx.runtime.hold_tracker_steps(tracker.name, {**held, **{key: step for key in values if key not in held}})
 
 
 def _warn_trackers_not_resumed(ctx: Context) -> None:
