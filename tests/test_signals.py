@@ -765,6 +765,36 @@ def test_a_stopped_rank_is_named():
     assert found and int(found.group(1)) in (1, 2)  # its last round's line, or the one before if it stopped first
 
 
+def _named_before_any_round():
+    from trainfold._src.distributed.last_seen import LastSeen, who_is_missing
+
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    rank = ctx.accelerator.process_index
+    try:
+        nobody = who_is_missing(2, rank)  # no process has written its line yet
+        if rank == 0:
+            LastSeen().seen(0, 7, 3, "training")
+        ctx.accelerator.wait_for_everyone()
+        deadline = time.monotonic() + 30  # the writer thread's line: waited for, not slept on
+        while rank == 1 and "last seen" not in (who_is_missing(2, 1) or "") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        then = who_is_missing(2, rank)
+        ctx.accelerator.wait_for_everyone()  # process 1 has read before process 0's group goes
+        return nobody, then
+    finally:
+        ctx.close()
+
+
+@pytest.mark.multiprocess
+def test_a_process_never_seen_is_named_first():
+    """Before any round, each process names the other as never seen; once process 0 wrote its line, process 1 names
+    where it was, and process 0 still names process 1 as never seen."""
+    (nobody_0, then_0), (nobody_1, then_1) = testing.run_distributed(_named_before_any_round, nprocs=2, timeout=60)
+    assert nobody_0.startswith("process 1 was never seen") and nobody_1.startswith("process 0 was never seen")
+    assert then_0.startswith("process 1 was never seen")
+    assert re.match(r"process 0 was last seen \d+ s ago, at update 3 \(micro-batch 7\), in training", then_1)
+
+
 # --- signals to a real torchrun job -----------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ An epoch is resumed one of five ways, by what its position says:
   ``streams.resumed_dispatch`` where process 0 dispatches).
 
 Each draws the epoch's order under the random state the epoch began with and what follows under the
-checkpoint's: the two moments of :class:`Moments`.
+checkpoint's: the two moments ``_restorers`` puts back.
 """
 
 from __future__ import annotations
@@ -121,25 +121,17 @@ def position_at_save(
     )
 
 
-@attrs.frozen
-class Moments:
-    """The two random states an interrupted epoch is resumed with: the epoch's start (under which its order is drawn
-    again) and the checkpoint's moment (under which what follows is drawn). ``loosely``: restored onto a loader that may
-    hold other generators (another number of processes), as far as they match."""
-
-    start: RngStates = attrs.field(repr=False)
-    now: RngStates = attrs.field(repr=False)
-    start_loosely: bool = False
-    now_loosely: bool = False
-
-    def restorers(self, loader: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-        """Two functions that restore the epoch's start and the checkpoint's moment into the process and ``loader``."""
-        generators = loader_generators(loader)
-        start, now = (
-            (rng.restore_loosely if self.start_loosely else rng.restore),
-            (rng.restore_loosely if self.now_loosely else rng.restore),
-        )
-        return (lambda: start(self.start, generators)), (lambda: now(self.now, generators))
+def _restorers(
+    loader: Any, start: RngStates, now: RngStates, elastic: bool, by_samples: bool
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Two functions that restore the epoch's start and the checkpoint's moment into the process and ``loader``; loosely
+    (as far as the generators match) onto another layout's loader. An epoch dealt by samples may have begun on another
+    layout (a checkpoint inside an epoch that was itself resumed on another number of processes), whose loader had other
+    generators: its order is drawn with the saved ones."""
+    generators = loader_generators(loader)
+    restore_start = rng.restore_loosely if elastic or by_samples else rng.restore
+    restore_now = rng.restore_loosely if elastic else rng.restore
+    return (lambda: restore_start(start, generators)), (lambda: restore_now(now, generators))
 
 
 @attrs.frozen
@@ -177,10 +169,7 @@ def resume_in_epoch(
     """
     _check_dealing(loader, position, saved_processes, elastic)
     check_source(position.source, source_identity(loader, processes) if is_streamed(loader) else None)
-    # an epoch dealt by samples may have begun on another layout (a checkpoint inside an epoch that was itself resumed on
-    # another number of processes), whose loader had other generators: its order is drawn with the saved ones
-    moments = Moments(position.epoch_start, now, start_loosely=elastic or position.by_samples, now_loosely=elastic)
-    restore_start, restore_now = moments.restorers(loader)
+    restore_start, restore_now = _restorers(loader, position.epoch_start, now, elastic, position.by_samples)
     if position.stream is not None and (
         position.stream.holder == "redealt" or elastic and not (position.dispatched and is_dispatcher(loader))
     ):
