@@ -27,7 +27,6 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
-    latest_checkpoint,
     load_checkpoint,
     log_every,
     loop,
@@ -139,9 +138,9 @@ def main() -> None:
         ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     )
     (train_dl,) = ctx.prepare_loaders(DataLoader(data, batch_size=16, shuffle=True, collate_fn=collate))
-    if latest_checkpoint(root) is not None:
-        state = load_checkpoint(ctx, root, state)
-        ctx.accelerator.print(f"resumed from {latest_checkpoint(root).name} at update {state.step}")
+    state = load_checkpoint(ctx, root, state, missing_ok=True)  # resumes by itself, wherever a save completed
+    if state.step:
+        ctx.accelerator.print(f"resumed at update {state.step}")
 
     saving = checkpoint_every(
         ctx, 2 if args.smoke else 50, root, keep_last=2

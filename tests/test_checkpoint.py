@@ -249,6 +249,27 @@ def test_a_root_with_only_an_unfinished_save(tmp_path):
         load_checkpoint(ctx, tmp_path, state)
 
 
+def test_missing_ok_starts_where_no_save_completed(tmp_path, caplog):
+    """A script that resumes by itself: the same line starts a fresh run (no root, an empty one, one whose only save
+    was cut short) and resumes one, and the log says which."""
+    ctx, state, dl = _setup(ga=1)
+    (tmp_path / "cut" / ".tmp-ckpt-0000000004").mkdir(parents=True)
+    caplog.set_level("INFO", logger="trainfold")
+    for root in (tmp_path / "absent", tmp_path / "cut"):
+        assert load_checkpoint(ctx, root, state, missing_ok=True) is state
+        assert f"no checkpoint under {root} yet: starting at update 0" in caplog.text
+    trained = save_checkpoint(ctx, tmp_path / "run", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state))
+
+    resumed = load_checkpoint(ctx, tmp_path / "run", missing_ok=True)(state)  # curried: an epoch function too
+
+    assert (resumed.step, resumed.epoch) == (trained.step, 1)
+    assert (
+        f"resumed from ckpt-{trained.step:010d} at update {trained.step} (epoch 1, batch 0) on 1 process" in caplog.text
+    )
+    with pytest.raises(CheckpointError, match="neither a trainfold checkpoint nor a folder"):
+        load_checkpoint(ctx, tmp_path / "absent", state)  # without it, a root with no checkpoint is an error
+
+
 def test_a_trainstate_subclass_through_a_checkpoint(tmp_path):
     """Snapshots and checkpoints share one description of a run's state: a subclass's fields are part of it."""
     import attrs

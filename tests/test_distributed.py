@@ -113,6 +113,35 @@ def test_an_error_on_one_rank_ends_the_run_with_that_error():
         testing.run_distributed(_raise_on_rank_one, nprocs=2, timeout=60)
 
 
+def _resume_by_itself_on_this_rank(root):
+    from trainfold import CheckpointError, load_checkpoint, save_checkpoint
+
+    ctx, state, dl = helpers.setup()
+    fresh = load_checkpoint(ctx, f"{root}/shared", state, missing_ok=True)
+    saved = save_checkpoint(ctx, f"{root}/shared", run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, fresh))
+    resumed = load_checkpoint(ctx, f"{root}/shared", state, missing_ok=True)
+    mine = f"{root}/shared" if ctx.accelerator.process_index == 0 else f"{root}/local-{ctx.accelerator.process_index}"
+    try:
+        load_checkpoint(ctx, mine, state, missing_ok=True)
+        refused = None
+    except CheckpointError as exc:
+        refused = str(exc)
+    ctx.close()
+    return fresh is state, saved.step, resumed.step, refused
+
+
+def test_missing_ok_agrees_on_what_every_process_sees(tmp_path):
+    """A shared root: a fresh start, then a resume, alike on both processes. A root that is a local folder on each
+    node (here: another folder on process 1) is refused on both, naming what each saw, instead of one process
+    loading while the other starts fresh."""
+    ranks = testing.run_distributed(_resume_by_itself_on_this_rank, str(tmp_path), nprocs=2, timeout=120)
+
+    for fresh, saved, resumed, refused in ranks:
+        assert fresh and resumed == saved == 6
+        assert "process 0 ckpt-0000000006, process 1 none" in refused
+        assert "every node must see the same root" in refused
+
+
 def test_digits_example_under_torchrun_on_two_cpu_processes():
     """The same script runs unchanged under torchrun and ends cleanly."""
     cmd = [

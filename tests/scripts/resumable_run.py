@@ -23,7 +23,6 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
-    latest_checkpoint,
     load_checkpoint,
     loop,
     make_step,
@@ -71,8 +70,7 @@ def main(argv=None):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     state = TrainState.create(ctx, model=model, optimizer=opt)
     (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(NoisyData(), batch_size=4, shuffle=True))
-    if latest_checkpoint(root) is not None:
-        state = load_checkpoint(ctx, root, state)
+    state = load_checkpoint(ctx, root, state, missing_ok=True)
     saving = checkpoint_every(ctx, 1, root, keep_last=3, async_save="--async-saves" in argv)
     step = saving(make_step(ctx, loss_fn, clip_grad_norm=1.0))
     if "--slow-saves" in argv:  # widen the window in which a kill lands during a save

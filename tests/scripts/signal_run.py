@@ -24,7 +24,6 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
-    latest_checkpoint,
     load_checkpoint,
     loop,
     make_step,
@@ -65,8 +64,7 @@ def main(argv=None):
         n = 242 if args.uneven else 240  # 121 batches of 2: one more on rank 0
         data = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
         (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True))
-        if latest_checkpoint(args.root) is not None:
-            state = load_checkpoint(ctx, args.root, state)
+        state = load_checkpoint(ctx, args.root, state, missing_ok=True)
         inner = make_step(ctx, lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1]))
         rank = ctx.accelerator.process_index
 

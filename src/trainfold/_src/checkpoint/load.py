@@ -6,6 +6,7 @@ puts it back; nothing here branches on the engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any, Callable, Mapping, overload
@@ -22,24 +23,41 @@ from trainfold._src.checkpoint.storage import Stored, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
+from trainfold._src.distributed.control import gather_objects
 from trainfold.errors import CheckpointError, DamagedCheckpoint
+
+logger = logging.getLogger("trainfold")
 
 
 @overload
 def load_checkpoint(
-    ctx: Context, path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = ...
+    ctx: Context,
+    path: str | os.PathLike[str],
+    *,
+    missing_ok: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
 ) -> Any: ...
 
 
 @overload
 def load_checkpoint(
-    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = ...
+    ctx: Context,
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    missing_ok: bool = ...,
+    storage_options: Mapping[str, Any] | None = ...,
 ) -> TrainState: ...
 
 
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def load_checkpoint(
-    ctx: Context, path: str | os.PathLike[str], state: TrainState, *, storage_options: Mapping[str, Any] | None = None
+    ctx: Context,
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    missing_ok: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> TrainState:
     """Load a checkpoint into ``state``'s model, optimizer and scheduler and return the saved state.
 
@@ -64,11 +82,20 @@ def load_checkpoint(
     same order. Call ``run_epoch`` next: anything that draws random numbers in
     between changes what follows.
 
+    With ``missing_ok=True`` a root where no save has completed yet (none there, or only
+    one cut short) gives ``state`` back unchanged: the one line with which a script resumes
+    by itself whenever it is started again, by hand or by an engine (torchrun elastic,
+    Kubernetes, SLURM), on any number of processes. The ``trainfold`` logger says which
+    happened (``resumed from ckpt-... at update N``, or ``starting at update 0``). On
+    several processes they agree first on the newest checkpoint they see, and a root that
+    is not the same on every node (a local folder on each) is refused, naming what each saw.
+
     Args:
         ctx: the run's Context.
         path: a checkpoint folder, or a root of them (its newest complete checkpoint); a local path or a URL.
         state: the state to load into (made with ``TrainState.create`` for the same model and optimizer;
             curried: ``load_checkpoint(ctx, path)`` is an epoch function).
+        missing_ok: give ``state`` back where ``path`` holds no complete checkpoint, instead of raising.
         storage_options: options for the store's fsspec filesystem (a URL only).
 
     Returns:
@@ -78,7 +105,8 @@ def load_checkpoint(
         DamagedCheckpoint: the checkpoint ``path`` names, or every checkpoint of the root, is damaged (naming the file).
         CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
-            another world size, another accumulation setting, DeepSpeed on one side only.
+            another world size, another accumulation setting, DeepSpeed on one side only,
+            processes that see different newest checkpoints; no checkpoint (unless ``missing_ok``).
             Nothing is changed.
 
     Examples:
@@ -94,7 +122,11 @@ def load_checkpoint(
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    found = newest_first(expect_path("load_checkpoint", path), storage_options)
+    found = _newest_alike(ctx, expect_path("load_checkpoint", path), storage_options, missing_ok)
+    if not found:
+        if ctx.is_main_process:
+            logger.info("no checkpoint under %s yet: starting at update %d", os.fspath(path), state.step)
+        return state
     for n, folder in enumerate(found):
         try:
             loaded = _agreed(ctx, lambda: _load(ctx, folder, state))
@@ -109,7 +141,44 @@ def load_checkpoint(
     ctx.runtime.note_held(open_root(os.path.dirname(os.fspath(folder.path)), storage_options).key, position_of(loaded))
     _warn_trackers_started(ctx, loaded)
     ctx.runtime.resumed_from = loaded.step or None
+    if ctx.is_main_process:
+        processes = ctx.accelerator.num_processes
+        logger.info(
+            "resumed from %s at update %d (epoch %d, batch %d) on %d process%s",
+            folder.name,
+            loaded.step,
+            loaded.epoch,
+            loaded.batch_in_epoch,
+            processes,
+            "" if processes == 1 else "es",
+        )
     return loaded
+
+
+def _newest_alike(
+    ctx: Context, path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None, missing_ok: bool
+) -> list[Stored]:
+    """The checkpoints at ``path``, the newest first, the same on every process (or none, with ``missing_ok``).
+
+    Raises:
+        CheckpointError: none there (without ``missing_ok``), or processes that see different newest checkpoints.
+    """
+    try:
+        found, error = newest_first(path, storage_options), None
+    except CheckpointError as exc:
+        found, error = [], exc
+    if ctx.accelerator.num_processes > 1:
+        seen = gather_objects(ctx.runtime.control.group(), found[0].name if found else None)
+        if len(set(seen)) > 1:
+            said = ", ".join(f"process {rank} {name or 'none'}" for rank, name in enumerate(seen))
+            raise CheckpointError(
+                f"the processes see different newest checkpoints under {os.fspath(path)} ({said}): every node must "
+                "see the same root, a shared filesystem or an object store, not a local folder on each."
+            )
+    if found or missing_ok:
+        return found
+    assert error is not None
+    raise error
 
 
 def _warn_trackers_started(ctx: Context, loaded: TrainState) -> None:
