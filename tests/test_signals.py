@@ -270,6 +270,22 @@ def test_with_accumulation_keeps_the_stop_settings():
     ctx.close()
 
 
+def test_the_launcher_is_watched_where_torchrun_started_the_process(monkeypatch):
+    """From the Context's creation to its close, where torchrun's agent started the process (the variable it sets);
+    never elsewhere, nor with exit_with_launcher=False. (Its exit: test_engines, with a real launcher killed.)"""
+    assert Context(accelerator=Accelerator(cpu=True)).runtime.launcher is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    watch = ctx.runtime.launcher
+    assert watch.watching and ctx.with_accumulation(1).exit_with_launcher
+    ctx.close()
+
+    assert not watch.watching
+    assert Context(accelerator=Accelerator(cpu=True), exit_with_launcher=False).runtime.launcher is None
+    with pytest.raises(TypeError, match="exit_with_launcher"):
+        Context(accelerator=Accelerator(cpu=True), exit_with_launcher="no")
+
+
 def test_a_signal_during_a_save(tmp_path):
     """Without the save catching it, Ctrl-C would raise KeyboardInterrupt in the middle of the save."""
     ctx, state, dl = _setup()

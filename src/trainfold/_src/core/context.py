@@ -139,7 +139,13 @@ def _is_main_process(ctx: Context) -> bool:
 
 
 def _runtime(ctx: Context) -> Runtime:
-    return Runtime(ctx.accelerator.num_processes, ctx.stop_check_s, ctx.signals, ctx.stop_deadline_s)
+    return Runtime(
+        ctx.accelerator.num_processes,
+        ctx.stop_check_s,
+        ctx.signals,
+        ctx.stop_deadline_s,
+        exit_with_launcher=ctx.exit_with_launcher,
+    )
 
 
 def context_of(accelerator: Any) -> Context | None:
@@ -222,6 +228,10 @@ class Context:
             (a ``datetime.timedelta`` or seconds), set on the process group now. By
             default the group keeps what it was made with: torch's 30 minutes for
             gloo, 10 for NCCL, or Accelerate's ``InitProcessGroupKwargs(timeout=...)``.
+        exit_with_launcher: in a process started by torchrun (or ``accelerate launch``), exit
+            within a second once the launcher is gone (killed with ``kill -9``, its node lost),
+            saying so on stderr, instead of training on beside the job started in its place
+            (True by default; ``False`` for a host application that watches its processes itself).
         runtime: what the runs on this Context hold and change (locks, the background saver, the
             processes' control channel, the signal handlers, warnings given): a :class:`~trainfold.Runtime`,
             the one mutable part, made with the Context. Made, the Context also wraps its Accelerator's
@@ -253,6 +263,7 @@ class Context:
     stop_check_s: float = attrs.field(kw_only=True, default=1.0, validator=positive_seconds)
     stop_deadline_s: float | None = attrs.field(kw_only=True, default=300.0, validator=positive_seconds_or_none)
     timeout: datetime.timedelta | None = attrs.field(kw_only=True, default=None, converter=timeout_of)
+    exit_with_launcher: bool = attrs.field(kw_only=True, default=True, validator=attrs.validators.instance_of(bool))
     runtime: Runtime = attrs.field(init=False, default=attrs.Factory(_runtime, takes_self=True), repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -365,6 +376,7 @@ class Context:
             stop_check_s=self.stop_check_s,
             stop_deadline_s=self.stop_deadline_s,
             timeout=self.timeout,
+            exit_with_launcher=self.exit_with_launcher,
         )
 
     def release(self, state: Any, *loaders: Any) -> None:

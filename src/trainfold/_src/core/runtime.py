@@ -18,6 +18,7 @@ from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.core.clock import Clock
 from trainfold._src.distributed.control import Control
 from trainfold._src.distributed.interrupt import Handlers, Interrupt
+from trainfold._src.distributed.launcher import LauncherWatch, started_by_launcher
 from trainfold._src.distributed.saver import Saver
 
 
@@ -33,6 +34,9 @@ class Runtime:
         interrupt: the stop request a signal sets, agreed at step boundaries.
         saver: the thread that writes ``async_save`` checkpoints (one in flight at most).
         handlers: the signal handlers installed from the Context's creation to :meth:`close`.
+        launcher: the watch that ends this process when the launcher that started it is gone (``LauncherWatch``;
+            None where no torchrun started it, or ``Context(exit_with_launcher=False)``), from the Context's creation to
+            :meth:`close`.
         clock: the host time of a run's parts (the loader, the update, a save, a stop's agreement), kept while
             ``log_every(..., watch=True)`` watches.
 
@@ -53,6 +57,7 @@ class Runtime:
         stop_check_s: the length of a stop-agreement round, in seconds.
         signals: the signals that request a stop (none: no handler is installed).
         stop_deadline_s: how long a request may wait to be acted on before the signal acts as without trainfold.
+        exit_with_launcher: watch the launcher (where torchrun started this process).
 
     Examples:
         >>> from accelerate import Accelerator
@@ -63,9 +68,16 @@ class Runtime:
     """
 
     def __init__(
-        self, processes: int, stop_check_s: float, signals: Sequence[int], stop_deadline_s: float | None = None
+        self,
+        processes: int,
+        stop_check_s: float,
+        signals: Sequence[int],
+        stop_deadline_s: float | None = None,
+        *,
+        exit_with_launcher: bool = False,
     ) -> None:
         self.control = Control()
+        self.launcher = LauncherWatch() if exit_with_launcher and started_by_launcher() else None
         self.interrupt = Interrupt(processes, stop_check_s, self.control, enabled=bool(signals))  # sync: none: a flag
         self.saver = Saver()
         self.handlers = Handlers(self.interrupt, signals, stop_deadline_s)
@@ -201,4 +213,6 @@ class Runtime:
         self._locks.clear()
         self.control.forget()
         self.handlers.uninstall()
+        if self.launcher is not None:
+            self.launcher.stop()
         self._closed = True
