@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 import helpers
 
@@ -81,3 +82,146 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path):
     assert said.count("the launcher that started this process") == 2, said[-3000:]
     assert "exiting: an engine that starts the job again resumes it from its newest checkpoint" in said
     assert not (tmp_path / "out.st").exists()  # they stopped, not finished
+
+
+ELASTIC = SCRIPTS / "elastic_run.py"
+sys.path.insert(0, str(SCRIPTS))
+import elastic_run  # noqa: E402  (its main(argv), run by testing.run_distributed for the replay)
+
+#: what torch 2.13's elastic agents need to grow a job (the guide says why), and quick rendezvous rounds for a test
+ELASTIC_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+
+
+def _agent(tmp, k, port, root, out):
+    """One torchrun elastic agent (a node of one process), in a working directory of its own, its output in a log.
+
+    Node 0's agent is told its settings by flags; node 1's by the ``PET_*`` variables alone, as Kubeflow's torch
+    runtime sets them in a pod (torchrun reads ``PET_<FLAG>`` for each flag it is not given)."""
+    cwd = tmp / f"node{k}"
+    cwd.mkdir(exist_ok=True)
+    settings = {
+        "nnodes": "1:2",
+        "nproc_per_node": "1",
+        "max_restarts": "3",
+        "monitor_interval": "0.2",
+        "rdzv_backend": "c10d",
+        "rdzv_endpoint": f"127.0.0.1:{port}",
+        "rdzv_id": f"elastic-{port}",
+        "rdzv_conf": RDZV_CONF,
+    }
+    flags = [part for name, value in settings.items() for part in ("--" + name.replace("_", "-"), value)]
+    pets = {f"PET_{name.upper()}": value for name, value in settings.items()}
+    script = [str(ELASTIC), str(root), str(out), "--step-s", "0.1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *(flags if k == 0 else []), *script]
+    env = {**ELASTIC_ENV, **(pets if k == 1 else {})}
+    log = open(tmp / f"node{k}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+    return proc, log
+
+
+def _lines(tmp, k):
+    path = tmp / f"node{k}.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait_for(what, found, agents, tmp, timeout=helpers.scaled(240)):
+    """Wait until ``found()`` is true, failing with the agents' output if one ended first or it took too long."""
+    deadline = time.monotonic() + timeout
+    while not found():
+        ended = [k for k, (proc, _) in enumerate(agents) if proc.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            said = "\n".join(f"--- node {k}:\n" + "\n".join(_lines(tmp, k)[-60:]) for k in range(len(agents)))
+            pytest.fail(f"waiting for {what}: {'agents ' + str(ended) + ' ended' if ended else 'timed out'}\n{said}")
+        time.sleep(0.05)
+
+
+def _starts(tmp, k):
+    """The incarnations node ``k``'s worker took part in, in order: (world, update resumed from, rank, pid)."""
+    return [tuple(int(w) for w in line.split()[1:5]) for line in _lines(tmp, k) if line.startswith("start ")]
+
+
+def _updates(tmp, k):
+    return [int(line.split()[1]) for line in _lines(tmp, k) if line.startswith("update ")]
+
+
+def _lineage(out, starts):
+    """Per epoch, the ids of the samples trained on by the updates that made it into the final state (an
+    incarnation's updates after the checkpoint the next one resumed from were lost with it, and made again), and the
+    incarnations those came from."""
+    records = [line.split() for path in sorted(out.glob("records-*.txt")) for line in path.read_text().splitlines()]
+    resumed = {pid: update for _, update, rank, pid in starts if rank == 0}
+    order = list(resumed)
+    kept: dict[int, list[int]] = {}
+    by: dict[int, set[int]] = {}
+    for incarnation, update, epoch, _world, *ids in records:
+        at = order.index(int(incarnation))
+        end = resumed[order[at + 1]] if at + 1 < len(order) else None
+        if int(update) > resumed[int(incarnation)] and (end is None or int(update) <= end):
+            kept.setdefault(int(epoch), []).extend(int(i) for i in ids)
+            by.setdefault(int(epoch), set()).add(at)
+    return kept, by
+
+
+def test_torchrun_elastic_grows_and_shrinks_and_resumes_exactly(tmp_path):
+    """Two elastic agents on 127.0.0.1 (``--nnodes 1:2``, c10d; the second set up by ``PET_*`` variables): the job starts on one process, grows to two when the
+    second agent joins (the first restarts its worker, whose stop saves), shrinks to one when that agent is SIGKILLed
+    (its worker exits with it; the other's next collective fails and its agent restarts it) and finishes. Every sample
+    is trained on once per epoch; the parameters equal, bit for bit, a replay of the same world sizes from the same
+    updates; the kill loses at most one checkpoint interval and the update in progress. (An epoch resumed on two
+    processes may train a few samples twice: Accelerate completes a last round that is not whole.)"""
+    root, out, port = tmp_path / "ckpt", tmp_path / "out", testing.free_port()
+    out.mkdir()
+    agents = [_agent(tmp_path, 0, port, root, out)]
+    everyone = list(agents)
+    try:
+        _wait_for("a checkpoint on one process", lambda: 4 in _updates(tmp_path, 0), agents, tmp_path)
+        agents.append(_agent(tmp_path, 1, port, root, out))
+        everyone.append(agents[1])
+        _wait_for("the job on two processes", lambda: any(s[0] == 2 for s in _starts(tmp_path, 0)), agents, tmp_path)
+        grown = next(s[1] for s in _starts(tmp_path, 0) if s[0] == 2)
+        _wait_for(
+            "a checkpoint on two processes",
+            lambda: any(u >= grown + 3 for u in _updates(tmp_path, 0) + _updates(tmp_path, 1)),
+            agents,
+            tmp_path,
+        )
+        os.kill(agents[1][0].pid, signal.SIGKILL)  # the node is lost: its agent first, its worker follows
+        agents[1][0].wait()
+        agents = agents[:1]
+        agents[0][0].wait(timeout=helpers.scaled(300))
+    finally:
+        for proc, log in everyone:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    said = "\n".join(_lines(tmp_path, 0))
+    assert agents[0][0].returncode == 0, said[-4000:]
+    assert any(line.startswith("done ") for line in _lines(tmp_path, 0)), said[-4000:]
+
+    starts = _starts(tmp_path, 0)
+    assert [world for world, *_ in starts] == [1, 2, 1], starts
+    (_, first, *_), (_, grown, *_), (_, shrunk, *_) = starts
+    assert first == 0 and 4 <= grown < shrunk
+    before_kill = max(
+        int(line.split()[1])
+        for path in out.glob("records-*.txt")
+        for line in path.read_text().splitlines()
+        if line.split()[3] == "2"
+    )
+    assert before_kill - shrunk <= 2 + 1  # one checkpoint interval, and the update in progress
+    kept, by = _lineage(out, starts)
+    assert sorted(kept) == [0, 1, 2, 3]
+    for epoch, ids in kept.items():
+        if len(by[epoch]) == 1:  # an epoch on one world size: every sample once
+            assert sorted(ids) == list(range(24)), (epoch, sorted(ids))
+        else:  # resumed on another: the rest dealt as Accelerate deals a loader, its last round completed if not whole
+            assert set(ids) == set(range(24)) and len(ids) - 24 < 2 * 2, (epoch, sorted(ids))
+
+    replay, replayed = tmp_path / "replay", tmp_path / "replayed"
+    replayed.mkdir()
+    for world, until in ((1, grown), (2, shrunk), (1, None)):
+        argv = [str(replay), str(replayed), *(["--until", str(until)] if until is not None else [])]
+        testing.run_distributed(elastic_run.main, argv, nprocs=world, timeout=300)
+    expected, got = (load_file(str(folder / "final.st")) for folder in (replayed, out))
+    testing.assert_params_equal(expected, got)
