@@ -8,10 +8,13 @@ prints "start <world> <update> <rank> <pid>" once set up, and rank 0 "update <n>
 sample ids go to ``OUT/records-<pid>.txt`` as "<incarnation> <update> <epoch> <world> <ids...>" (the incarnation: its
 rank 0's pid). At the end rank 0 writes the parameters to ``OUT/final.st`` and prints "done". ``--until N`` ends the
 run after update N (a budget): a replay of the world-size schedule an elastic run followed, one launch per world size.
+Under SLURM (``SLURM_JOB_ID`` set) a run stopped before its end (a signal: the time limit's, a preemption's) requeues
+its job, once its final checkpoint is written.
 """
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -87,6 +90,8 @@ def main(argv=None):
         records.close()
         if state.should_stop:
             say(f"stopped {state.step} {state.stop.reason}")
+            if not state.stop.final and ctx.is_main_process and "SLURM_JOB_ID" in os.environ:
+                subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]], check=True)  # stopped, not done
             return
         if rank == 0:
             save_file(testing.parameters(state), os.path.join(args.out, "final.st"))
