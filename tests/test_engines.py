@@ -297,6 +297,11 @@ def _node(engine, tmp, name, k, nodes, port, root, out):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True), log
 
 
+def test_the_guide_gives_the_launch_line_tested_here():
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "scale.md").read_text()
+    assert f"srun {SLURM_LINE}" in guide
+
+
 def _said(tmp, name):
     path = tmp / f"{name}.log"
     return path.read_text().splitlines() if path.exists() else []

@@ -23,7 +23,17 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 from safetensors.torch import save_file
 
-from trainfold import Context, TrainState, checkpoint_every, load_checkpoint, loop, make_step, max_steps, run_epoch, testing
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    load_checkpoint,
+    loop,
+    make_step,
+    max_steps,
+    run_epoch,
+    testing,
+)
 
 
 class Numbered(torch.utils.data.Dataset):
