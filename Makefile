@@ -26,6 +26,11 @@ DS_STAMP := $(DS_SITE)/.trainfold-installed
 # processes only (tests/helpers.py, TP_SITE).
 TP_SITE := .tp-site
 TP_STAMP := $(TP_SITE)/.trainfold-installed
+# Ray Train, for its engine test (tests/test_engines.py): ray and what it needs live apart, on the path of the Ray
+# driver's processes only (its workers inherit it): its numpy, pandas and pyarrow never meet .venv's other tests.
+RAY_SITE := .ray-site
+RAY_STAMP := $(RAY_SITE)/.trainfold-installed
+RAY ?= ray[train]==2.60.0
 # Azurite, Microsoft's Azure Storage emulator (Node.js, from the npm registry): the az:// tests run against it on 127.0.0.1
 AZURITE ?= azurite@3.37.0
 AZ_STAMP := .azurite/.installed
@@ -62,6 +67,11 @@ $(TP_STAMP): $(STAMP) Makefile
 	$(PY) -m pip install --quiet --no-deps --target $(TP_SITE) "transformers==4.57.6" "huggingface_hub>=0.34,<1.0" "tokenizers>=0.22,<0.23" \
 		"datasets==4.4.1" httpx httpcore h11
 	touch $(TP_STAMP)
+
+$(RAY_STAMP): $(STAMP) Makefile
+	rm -rf $(RAY_SITE)
+	$(PY) -m pip install --quiet --target $(RAY_SITE) "$(RAY)"
+	touch $(RAY_STAMP)
 
 $(AZ_STAMP):
 	@command -v npm > /dev/null || { echo "make: the az:// tests need Azurite, installed with npm (Node.js): install Node.js and npm"; exit 1; }
@@ -109,7 +119,7 @@ test-types: $(STAMP)
 test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
-test-multiprocess: $(STAMP) $(TP_STAMP)
+test-multiprocess: $(STAMP) $(TP_STAMP) $(RAY_STAMP)
 	$(PY) -m pytest $(XDIST_MP) -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)
@@ -138,4 +148,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py --processes 5 --rounds 6
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(TP_SITE) $(WHEEL_VENV) dist site .azurite
+	rm -rf $(VENV) $(FLOOR_VENV) $(DS_SITE) $(TP_SITE) $(RAY_SITE) $(WHEEL_VENV) dist site .azurite

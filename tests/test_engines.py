@@ -372,3 +372,36 @@ def _workers(tmp, *names):
         for line in _said(tmp, name)
         if line.startswith("start ")
     ]
+
+
+RAY_SITE = Path(__file__).resolve().parents[1] / ".ray-site"
+needs_ray = pytest.mark.skipif(
+    not (RAY_SITE / ".trainfold-installed").exists(), reason="needs .ray-site (make .ray-site/.trainfold-installed)"
+)
+
+
+@needs_ray
+def test_ray_train_restarts_a_lost_worker_and_it_resumes_exactly(tmp_path):
+    """Ray Train's TorchTrainer on a local Ray cluster runs the same training, Accelerate inside the training function:
+    the root lies inside the run's storage path and each committed checkpoint is reported where it lies (no copy, rank
+    0's metrics). A worker SIGKILLed at update 7 makes Ray (FailureConfig) restart the group, which resumes from the
+    root's newest checkpoint; the run ends with the parameters of the same training under testing.run_distributed,
+    uninterrupted, bit for bit, and Ray's result names the root's last checkpoint."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    env = {**ENV, "PYTHONPATH": str(RAY_SITE), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, str(SCRIPTS / "ray_run.py"), str(storage), str(out), "--kill-at", "7", "--max-failures", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=helpers.scaled(400))
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-5000:]
+
+    root = storage / "run" / "trainfold"
+    assert (out / "killed").exists()
+    assert "resumed from ckpt-0000000006 at update 6" in said  # the restarted group, from the root's newest
+    assert f"result 24 {root / 'ckpt-0000000024'}" in said
+    copies = [p for p in (storage / "run").rglob("*.safetensors") if root not in p.parents]
+    assert not copies  # reported where it lies: Ray copied no checkpoint
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    testing.run_distributed(elastic_run.main, [str(tmp_path / "uninterrupted"), str(reference)], nprocs=2, timeout=300)
+    testing.assert_params_equal(load_file(str(reference / "final.st")), load_file(str(out / "final.st")))

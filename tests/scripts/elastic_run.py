@@ -27,6 +27,7 @@ from trainfold import (
     Context,
     TrainState,
     checkpoint_every,
+    latest_checkpoint,
     load_checkpoint,
     loop,
     make_step,
@@ -60,7 +61,9 @@ def say(line):
     sys.stdout.flush()
 
 
-def main(argv=None):
+def main(argv=None, *, on_update=None, on_commit=None):
+    """The run. ``on_update(state)`` is called after each update, ``on_commit(state, path)`` after each checkpoint is
+    committed, on every process (Ray Train's training function reports them with these)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
     parser.add_argument("out")
@@ -95,8 +98,28 @@ def main(argv=None):
         saving = checkpoint_every(ctx, 2, args.root)  # every checkpoint kept: the test replays from them
         if args.until is not None:
             step = max_steps(args.until)(step)
+
+        told = []  # the checkpoints on_commit was told of
+
+        def tell(s):
+            newest = latest_checkpoint(args.root)
+            if on_commit is not None and newest is not None and newest.name not in told:
+                told.append(newest.name)
+                on_commit(s, newest)
+
+        def step_and_tell(s, batch):  # outside the saving: a save at this update is committed when it returns
+            new = saved(s, batch)
+            if new.step != s.step:
+                if on_update is not None:
+                    on_update(new)
+                if new.step % saving.n == 0 or new.should_stop:
+                    tell(new)
+            return new
+
+        saved = saving(step)
         say(f"start {world} {state.step} {rank} {os.getpid()}")
-        state = saving.at_end(loop(run_epoch(ctx, saving(step), dl), max_epochs=4)(state))
+        state = saving.at_end(loop(run_epoch(ctx, step_and_tell, dl), max_epochs=4)(state))
+        tell(state)  # the end, where at_end saved it
         records.close()
         if state.should_stop:
             say(f"stopped {state.step} {state.stop.reason}")
