@@ -31,6 +31,9 @@ TP_STAMP := $(TP_SITE)/.trainfold-installed
 RAY_SITE := .ray-site
 RAY_STAMP := $(RAY_SITE)/.trainfold-installed
 RAY ?= ray[train]==2.60.0
+# etcd, for the test of torchrun's etcd rendezvous: Debian's etcd-server, installed where make may (as root, with
+# apt-get); elsewhere that test is skipped, and says why. (Its client, python-etcd, is a dev dependency.)
+ETCD_STAMP := $(VENV)/.etcd-tried
 # Azurite, Microsoft's Azure Storage emulator (Node.js, from the npm registry): the az:// tests run against it on 127.0.0.1
 AZURITE ?= azurite@3.37.0
 AZ_STAMP := .azurite/.installed
@@ -72,6 +75,12 @@ $(RAY_STAMP): $(STAMP) Makefile
 	rm -rf $(RAY_SITE)
 	$(PY) -m pip install --quiet --target $(RAY_SITE) "$(RAY)"
 	touch $(RAY_STAMP)
+
+$(ETCD_STAMP): $(STAMP)
+	@command -v etcd > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && \
+		{ apt-get install -y -q etcd-server > /dev/null 2>&1 || { apt-get update -q > /dev/null && apt-get install -y -q etcd-server > /dev/null; }; }; } || \
+		echo "make: no etcd (Debian's etcd-server): the etcd rendezvous test is skipped"
+	touch $(ETCD_STAMP)
 
 $(AZ_STAMP):
 	@command -v npm > /dev/null || { echo "make: the az:// tests need Azurite, installed with npm (Node.js): install Node.js and npm"; exit 1; }
@@ -119,7 +128,7 @@ test-types: $(STAMP)
 test-inprocess: $(STAMP) $(AZ_STAMP)
 	$(PY) -m pytest $(XDIST) -m "not multiprocess"
 
-test-multiprocess: $(STAMP) $(TP_STAMP) $(RAY_STAMP)
+test-multiprocess: $(STAMP) $(TP_STAMP) $(RAY_STAMP) $(ETCD_STAMP)
 	$(PY) -m pytest $(XDIST_MP) -m multiprocess --durations=15
 
 test-deepspeed: $(DS_STAMP)

@@ -286,7 +286,7 @@ def each_fresh(*runs):
     return tuple(results)
 
 
-def _wait_until_listening(proc, port: int, what: str) -> None:
+def wait_until_listening(proc, port: int, what: str) -> None:
     """Wait for the event: the server ``proc`` accepts a connection on 127.0.0.1:``port`` (at most 120 s, or until it exits)."""
     deadline = time.monotonic() + scaled(120)
     while True:
@@ -341,7 +341,7 @@ def moto_server(env: dict[str, str] | None = None, log: Path | None = None):
     )
     server = S3Server(f"http://127.0.0.1:{port}", proc)
     try:
-        _wait_until_listening(proc, port, "moto's S3 server")
+        wait_until_listening(proc, port, "moto's S3 server")
         yield server
     finally:
         proc.kill()
@@ -448,7 +448,7 @@ def azurite_server(folder):
         stderr=subprocess.DEVNULL,
     )
     try:
-        _wait_until_listening(proc, port, "Azurite")
+        wait_until_listening(proc, port, "Azurite")
         yield AzureServer(
             f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
             f"BlobEndpoint=http://127.0.0.1:{port}/devstoreaccount1;"

@@ -4,6 +4,8 @@ Each launch here is a real one: torchrun agents on 127.0.0.1 (c10d rendezvous), 
 engine meets (an agent lost with its node, a launcher killed by hand).
 """
 
+import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -95,7 +97,7 @@ ELASTIC_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 RDZV_CONF = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
 
 
-def _agent(tmp, k, port, root, out):
+def _agent(tmp, k, port, root, out, backend="c10d"):
     """One torchrun elastic agent (a node of one process), in a working directory of its own, its output in a log.
 
     Node 0's agent is told its settings by flags; node 1's by the ``PET_*`` variables alone, as Kubeflow's torch
@@ -107,7 +109,7 @@ def _agent(tmp, k, port, root, out):
         "nproc_per_node": "1",
         "max_restarts": "3",
         "monitor_interval": "0.2",
-        "rdzv_backend": "c10d",
+        "rdzv_backend": backend,
         "rdzv_endpoint": f"127.0.0.1:{port}",
         "rdzv_id": f"elastic-{port}",
         "rdzv_conf": RDZV_CONF,
@@ -191,20 +193,72 @@ def _replay(tmp, root, out, segments):
             testing.assert_params_equal(expected, got)
 
 
-def test_torchrun_elastic_grows_and_shrinks_and_resumes_exactly(tmp_path):
+@contextlib.contextmanager
+def _etcd(tmp):
+    """An etcd server on 127.0.0.1 (Debian's etcd-server, with the v2 API torch's etcd rendezvous speaks); its port."""
+    client, peer = testing.free_port(), testing.free_port()
+    cmd = [
+        shutil.which("etcd"),
+        "--enable-v2",
+        "--data-dir",
+        str(tmp / "etcd"),
+        "--listen-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--advertise-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-cluster",
+        f"default=http://127.0.0.1:{peer}",
+    ]
+    with open(tmp / "etcd.log", "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            helpers.wait_until_listening(server, client, "etcd")
+            yield client
+        finally:
+            server.kill()
+            server.wait()
+
+
+def _etcd_missing():
+    if shutil.which("etcd") is None:
+        return "needs etcd (Debian's etcd-server)"
+    if importlib.util.find_spec("etcd") is None:
+        return "needs python-etcd (torch's etcd rendezvous client)"
+    return None
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "c10d",
+        pytest.param("etcd-v2", marks=pytest.mark.skipif(_etcd_missing() is not None, reason=str(_etcd_missing()))),
+    ],
+)
+def test_torchrun_elastic_grows_and_shrinks_and_resumes_exactly(tmp_path, backend):
     """Two elastic agents on 127.0.0.1 (``--nnodes 1:2``, c10d; the second set up by ``PET_*`` variables): the job starts on one process, grows to two when the
     second agent joins (the first restarts its worker, whose stop saves), shrinks to one when that agent is SIGKILLed
     (its worker exits with it; the other's next collective fails and its agent restarts it) and finishes. Every sample
     is trained on once per epoch; the parameters equal, bit for bit, a replay of the same world sizes from the same
     checkpoints; the kill loses at most one checkpoint interval and the update in progress. (An epoch resumed on two
     processes may train a few samples twice: Accelerate completes a last round that is not whole.)"""
-    root, out, port = tmp_path / "ckpt", tmp_path / "out", testing.free_port()
+    root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    agents = [_agent(tmp_path, 0, port, root, out)]
+    with contextlib.ExitStack() as servers:
+        port = servers.enter_context(_etcd(tmp_path)) if backend == "etcd-v2" else testing.free_port()
+        _grow_and_shrink(tmp_path, root, out, port, backend)
+    _check_elastic_run(tmp_path, root, out)
+
+
+def _grow_and_shrink(tmp_path, root, out, port, backend):
+    agents = [_agent(tmp_path, 0, port, root, out, backend)]
     everyone = list(agents)
     try:
         _wait_for("a checkpoint on one process", lambda: 4 in _updates(tmp_path, 0), agents, tmp_path)
-        agents.append(_agent(tmp_path, 1, port, root, out))
+        agents.append(_agent(tmp_path, 1, port, root, out, backend))
         everyone.append(agents[1])
         _wait_for("the job on two processes", lambda: any(s[0] == 2 for s in _starts(tmp_path, 0)), agents, tmp_path)
         grown = next(s[1] for s in _starts(tmp_path, 0) if s[0] == 2)
@@ -225,6 +279,10 @@ def test_torchrun_elastic_grows_and_shrinks_and_resumes_exactly(tmp_path):
             log.close()
     said = "\n".join(_lines(tmp_path, 0))
     assert agents[0][0].returncode == 0, said[-4000:]
+
+
+def _check_elastic_run(tmp_path, root, out):
+    said = "\n".join(_lines(tmp_path, 0))
     assert any(line.startswith("done ") for line in _lines(tmp_path, 0)), said[-4000:]
 
     starts = _starts(tmp_path, 0)
