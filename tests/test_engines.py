@@ -463,3 +463,50 @@ def test_ray_train_restarts_a_lost_worker_and_it_resumes_exactly(tmp_path):
     reference.mkdir()
     testing.run_distributed(elastic_run.main, [str(tmp_path / "uninterrupted"), str(reference)], nprocs=2, timeout=300)
     testing.assert_params_equal(load_file(str(reference / "final.st")), load_file(str(out / "final.st")))
+
+
+def _incarnations(out):
+    """(world, update resumed from, 0, incarnation) of each incarnation that trained, in order, from the records."""
+    first: dict[int, tuple[int, int]] = {}
+    for path in out.glob("records-*.txt"):
+        for line in path.read_text().splitlines():
+            incarnation, update, _, world = (int(w) for w in line.split()[:4])
+            if incarnation not in first or update - 1 < first[incarnation][1]:
+                first[incarnation] = (world, update - 1)
+    return sorted(((w, u, 0, i) for i, (w, u) in first.items()), key=lambda s: s[1])
+
+
+@needs_ray
+def test_ray_train_grows_and_shrinks_the_group_and_it_resumes_exactly(tmp_path):
+    """``ScalingConfig(num_workers=(1, 2))`` on a local Ray cluster (``ray.cluster_utils.Cluster``): one worker on the
+    head's one CPU; a node of one CPU joins and Ray grows the group to two (it restarts the training function, which
+    resumes from the root); the node leaves and the group goes on with one, resumed again. Every sample once per epoch
+    of one world size; the parameters equal a replay of the same world sizes from the same checkpoints, bit for bit."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    env = {
+        **ENV,
+        "PYTHONPATH": str(RAY_SITE),
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_DEDUP_LOGS": "0",
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",  # a group asked of a node that left: given up on sooner
+    }
+    cmd = [sys.executable, str(SCRIPTS / "ray_run.py"), str(storage), str(out), "--elastic", "--max-failures", "3"]
+    done = subprocess.run(
+        [*cmd, "--step-s", "0.3"], capture_output=True, text=True, env=env, timeout=helpers.scaled(500)
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-5000:]
+
+    starts = _incarnations(out)
+    assert [world for world, *_ in starts] == [1, 2, 1], (starts, said[-3000:])
+    kept, by = _lineage(out, starts)
+    assert sorted(kept) == [0, 1, 2, 3]
+    for epoch, ids in kept.items():
+        if len(by[epoch]) == 1:
+            assert sorted(ids) == list(range(24)), (epoch, sorted(ids))
+        else:
+            assert set(ids) == set(range(24)) and len(ids) - 24 < 2 * 2, (epoch, sorted(ids))
+    (_, _, *_), (_, grown, *_), (_, shrunk, *_) = starts
+    _replay(tmp_path, storage / "run" / "trainfold", out, [(1, 0, grown), (2, grown, shrunk), (1, shrunk, None)])

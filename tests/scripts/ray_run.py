@@ -13,6 +13,8 @@ import argparse
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -43,7 +45,29 @@ def train_func(config):
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # it is in the run's storage already: no copy
         )
 
-    elastic_run.main([root, config["out"], "--step-s", "0.05"], on_update=on_update, on_commit=on_commit)
+    elastic_run.main([root, config["out"], "--step-s", str(config["step_s"])], on_update=on_update, on_commit=on_commit)
+
+
+def _worlds(out):
+    """(update, world) of every micro-batch the workers recorded so far."""
+    return [
+        (int(line.split()[1]), int(line.split()[3]))
+        for path in out.glob("records-*.txt")
+        for line in path.read_text().splitlines()
+    ]
+
+
+def _grow_then_shrink(cluster, out):
+    """A second node of one CPU joins once the job trains on one worker; it leaves once the job has made two updates on
+    two (Ray's autoscaling coordinator sees a new node within about 20 s)."""
+    while not _worlds(out):
+        time.sleep(0.1)
+    node = cluster.add_node(num_cpus=1)
+    print("node added", flush=True)
+    while len({u for u, w in _worlds(out) if w == 2}) < 3:
+        time.sleep(0.1)
+    cluster.remove_node(node)
+    print("node removed", flush=True)
 
 
 def main():
@@ -53,12 +77,22 @@ def main():
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--max-failures", type=int, default=0)
+    parser.add_argument("--elastic", action="store_true")
+    parser.add_argument("--step-s", type=float, default=0.05)
     args = parser.parse_args()
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=True)
+    if args.elastic:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        ray.init(address=cluster.address, log_to_driver=True)
+        workers = (1, 2)
+    else:
+        ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=True)
+        workers = args.workers
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"out": args.out, "kill_at": args.kill_at},
-        scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
+        train_loop_config={"out": args.out, "kill_at": args.kill_at, "step_s": args.step_s},
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, elastic_resize_monitor_interval_s=1.0),
         run_config=RunConfig(
             name="run",
             storage_path=args.storage,
@@ -66,7 +100,15 @@ def main():
             checkpoint_config=CheckpointConfig(num_to_keep=None),  # trainfold's keep_last prunes, if asked
         ),
     )
-    result = trainer.fit()
+    if args.elastic:  # the cluster changes from the main thread (Ray's nodes install signal handlers): fit in another
+        results = []
+        fitting = threading.Thread(target=lambda: results.append(trainer.fit()))
+        fitting.start()
+        _grow_then_shrink(cluster, Path(args.out))
+        fitting.join()
+        (result,) = results
+    else:
+        result = trainer.fit()
     print("result", result.metrics.get("update"), result.checkpoint.path if result.checkpoint else None, flush=True)
     ray.shutdown()
 
