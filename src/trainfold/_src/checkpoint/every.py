@@ -186,7 +186,7 @@ def checkpoint_every(
 
         saving = checkpoint_every(ctx, 100, root)
         train = loop(compose(log_epoch(ctx), run_epoch(ctx, saving(step), train_dl)), max_epochs=10)
-        state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state) if latest_checkpoint(root) else state)
+        state = compose(saving.at_end, train)(load_checkpoint(ctx, root, state, missing_ok=True))
 
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
