@@ -206,7 +206,9 @@ def _ids_data(n=48):
     return torch.utils.data.TensorDataset(x, y, torch.arange(n))
 
 
-def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, ga=1, sharded=True, elastic=True):
+def _elastic_run(
+    engine, root, *, stop_after=None, resume=False, batch_size=4, ga=1, sharded=True, elastic=True, samples=48
+):
     """One epoch over 48 numbered samples; returns the ids this process trained on, and the model at the start and end.
     ``resume``: from ``root``'s checkpoint, saved on another number of processes (``elastic``) or this one."""
     import contextlib
@@ -218,7 +220,7 @@ def _elastic_run(engine, root, *, stop_after=None, resume=False, batch_size=4, g
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_ids_data(), batch_size=batch_size, shuffle=True))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(_ids_data(samples), batch_size=batch_size, shuffle=True))
     seen = []
 
     def loss_fn(model, batch):
@@ -300,6 +302,20 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_processes(engine, sav
         and f"global batch of {4 * saved} samples per update" in warned[0]
         and f"this run's is {4 * resumed}" in warned[0]
     )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("resumed", [1, 3])
+def test_an_epoch_whose_last_round_was_completed_resumes_elsewhere(resumed, tmp_path):
+    """46 samples on 2 processes in batches of 4: Accelerate completes the epoch's sixth and last round with 2 samples
+    from its start. Saved at that update, the epoch is done: resumed on another number of processes it has nothing
+    left (its position counted the repeats, 48 of 46 samples, and was refused as belonging to other data)."""
+    first = _run("ddp", 2, str(tmp_path), stop_after=6, samples=46)
+    second = _run("ddp", resumed, str(tmp_path), resume=True, samples=46)
+
+    trained = sorted(i for seen, *_ in first for i in seen)
+    assert sorted(set(trained)) == list(range(46)) and len(trained) == 48
+    assert all(seen == [] and epoch == 1 for seen, *_, epoch, _ in second)
 
 
 @pytest.mark.multiprocess

@@ -104,6 +104,8 @@ def position_at_save(
     per_batch = samples_per_batch(loader)
     samples_before, batches_before = resumed_at or (0, 0)
     done = None if per_batch is None else samples_before + (consumed - batches_before) * per_batch
+    if done is not None and (total := _epoch_length(loader)) is not None:
+        done = min(done, total)  # a last round completed with the epoch's first samples (even_batches) repeats them
     streamed = (
         is_streamed(loader) and read_ahead[0]
     )  # a stream that can say where it is: its state after the batch read ahead
@@ -238,6 +240,15 @@ def resume_in_epoch(
         ),
         replayed=replayed,
     )
+
+
+def _epoch_length(loader: Any) -> int | None:
+    """The samples of one epoch's order: its sampler's (a subset's), else its dataset's; None for a stream."""
+    base = getattr(loader, "base_dataloader", loader)
+    inner = getattr(base, "batch_sampler", None)
+    inner = getattr(inner, "batch_sampler", inner)  # Accelerate's BatchSamplerShard holds the loader's own
+    sampler = getattr(inner, "sampler", None)
+    return length_or_none(sampler) if sampler is not None else length_or_none(getattr(base, "dataset", None))
 
 
 def _check_dealing(loader: Any, position: EpochPosition, saved_processes: int, elastic: bool) -> None:
