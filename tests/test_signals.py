@@ -788,6 +788,7 @@ def _named_before_any_round():
     rank = ctx.accelerator.process_index
     try:
         nobody = who_is_missing(2, rank)  # no process has written its line yet
+        ctx.accelerator.wait_for_everyone()  # every process has read before process 0 writes
         if rank == 0:
             LastSeen().seen(0, 7, 3, "training")
         ctx.accelerator.wait_for_everyone()

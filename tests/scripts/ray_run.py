@@ -17,17 +17,13 @@ import threading
 import time
 from pathlib import Path
 
-import ray
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def train_func(config):
     import elastic_run
     import ray.train
-    from ray.train import CheckpointUploadMode
+    from ray.train import Checkpoint, CheckpointUploadMode
 
     root = os.path.join(ray.train.get_context().get_storage().experiment_fs_path, "trainfold")
     rank = ray.train.get_context().get_world_rank()
@@ -71,6 +67,10 @@ def _grow_then_shrink(cluster, out):
 
 
 def main():
+    import ray  # here: the test suite imports this module, where ray may not be
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     parser = argparse.ArgumentParser()
     parser.add_argument("storage")
     parser.add_argument("out")
@@ -87,7 +87,9 @@ def main():
         ray.init(address=cluster.address, log_to_driver=True)
         workers = (1, 2)
     else:
-        ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=True)
+        ray.init(
+            address="local", num_cpus=args.workers, include_dashboard=False, log_to_driver=True
+        )  # a cluster of its own
         workers = args.workers
     trainer = TorchTrainer(
         train_func,
