@@ -289,6 +289,7 @@ def _check_elastic_run(tmp_path, root, out):
     assert [world for world, *_ in starts] == [1, 2, 1], starts
     (_, first, *_), (_, grown, *_), (_, shrunk, *_) = starts
     assert first == 0 and 4 <= grown < shrunk
+    assert f"stopped {grown} signal SIGTERM" in said  # the agent's SIGTERM to grow: the stop was saved, nothing lost
     before_kill = max(
         int(line.split()[1])
         for path in out.glob("records-*.txt")
