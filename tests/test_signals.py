@@ -774,11 +774,39 @@ def test_a_stopped_rank_is_named():
     stopped process, the update it was last seen at and what it was doing."""
     with pytest.raises(RuntimeError) as info:
         testing.run_distributed(_stopped_rank, 2, nprocs=2, timeout=60)
-    found = re.search(
-        r"process 1 was last seen \d+ s ago, at update (\d+) \(micro-batch \d+\), in training: it is the one",
+    found = re.search(  # (not heard from: the timeout came more than a few heartbeats after it stopped)
+        r"process 1 (?:was last seen \d+ s ago, at|has not been heard from for \d+ s \(stopped or dead\); it was last seen "
+        r"at) update (\d+) \(micro-batch \d+\), in training: it is the one",
         str(info.value),
     )
     assert found and int(found.group(1)) in (1, 2)  # its last round's line, or the one before if it stopped first
+
+
+def _one_of_three_stopped():
+    import datetime
+
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), timeout=datetime.timedelta(seconds=8)))
+    inner = make_step(ctx, helpers.ce_loss)
+    rank = ctx.accelerator.process_index
+
+    def step(s, b):
+        if rank == 2 and s.step == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)  # after its round of update 2: its line is as new as the others'
+        return inner(s, b)
+
+    run_epoch(ctx, step, dl, state)  # the others' collective times out; their errors carry trainfold's note
+
+
+@pytest.mark.multiprocess
+def test_a_stopped_process_of_three_is_named_by_the_others():
+    """SIGSTOP to one of three processes: the two others wait in the same collective, their notes as old as its own,
+    but they still write that they are there (a heartbeat from the writer thread), and it does not: it is named, and
+    no other."""
+    with pytest.raises(RuntimeError) as info:
+        testing.run_distributed(_one_of_three_stopped, nprocs=3, timeout=90)
+    said = str(info.value)
+    assert re.search(r"process 2 has not been heard from for \d+ s \(stopped or dead\)", said), said
+    assert not re.search(r"process [01] (was last seen|has not been heard from)", said)  # nobody else is named
 
 
 def _named_before_any_round():

@@ -213,6 +213,7 @@ class Runtime:
         self._locks.clear()
         self.control.forget()
         self.handlers.uninstall()
+        self.interrupt.last_seen.stop()
         if self.launcher is not None:
             self.launcher.stop()
         self._closed = True

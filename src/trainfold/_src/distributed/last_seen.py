@@ -1,10 +1,13 @@
 """Where each process was last seen, so that a collective that times out can name the process that did not arrive.
 
-At each stop-agreement round (about once per ``Context(stop_check_s=...)``), each process writes one line to its
-process group's store: when, at which micro-batch and update, in which phase. It is written from a thread of its own,
-so a store that does not answer never holds up a step, and a round's line replaces the one before: one small write
-a second, whatever the run's size. When a collective times out, the processes that are still there read every
-process's line (:func:`who_is_missing`): the one seen longest ago, or never, is the one the others waited for.
+At each stop-agreement round (about once per ``Context(stop_check_s=...)``), each process notes where it is: at which
+micro-batch and update, in which phase. A thread of its own writes the note to the process group's store, with the
+time it was made and the time of the write, at once and then every :data:`HEARTBEAT_S` seconds: a store that does not
+answer never holds up a step, and each line replaces the one before (one small write a second, whatever the run's
+size). When a collective times out, the processes that are still there read every process's line
+(:func:`who_is_missing`). Those waiting in the collective still write (their thread runs), so one whose line has not
+been written for :data:`SILENT_S` seconds is stopped or dead: the oldest such is named. Where every process still
+writes, the one whose note is oldest (hung in a step), or that never wrote, is named.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from typing import Any
 
 #: the store key of each process's line, followed by its rank
 PREFIX = "trainfold/last_seen/"
+#: seconds between two writes of a process's line while it lives (its heartbeat)
+HEARTBEAT_S = 1.0
+#: a line not written for this long: its process is stopped or dead (three heartbeats missed, with room for a slow store)
+SILENT_S = 3.5
 
 
 def _store() -> Any:
@@ -29,33 +36,40 @@ def _store() -> Any:
 
 
 class LastSeen:
-    """This process's line in the store, written by a thread of its own (started at the first :meth:`seen`)."""
+    """This process's line in the store, written by a thread of its own (started at the first :meth:`seen`, ended by
+    :meth:`stop`)."""
 
     def __init__(self) -> None:
-        self._line: tuple[int, str] | None = None  # (rank, the line) not written yet
+        self._note: tuple[int, float, int, int, str] | None = None  # (rank, when, micro-batch, update, phase)
         self._wake = threading.Event()
+        self._stopped = False
         self._thread: threading.Thread | None = None
 
     def seen(self, rank: int, micro_step: int, update: int, phase: str) -> None:
         """Note that this process (``rank``) is at ``micro_step`` (``update``), in ``phase``; written soon after."""
-        self._line = (rank, json.dumps([time.time(), micro_step, update, phase]))
+        self._note = (rank, time.time(), micro_step, update, phase)
         self._wake.set()
-        if self._thread is None:
+        if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._write, name="trainfold-last-seen", daemon=True)
             self._thread.start()
 
+    def stop(self) -> None:
+        """End the writes (the Context closes: its process group goes)."""
+        self._stopped = True
+        self._wake.set()
+
     def _write(self) -> None:
         store = _store()
-        while store is not None:
-            self._wake.wait()
+        while store is not None and not self._stopped:
+            note = self._note
+            if note is not None:
+                rank, *where = note
+                try:
+                    store.set(f"{PREFIX}{rank}", json.dumps([time.time(), *where]))
+                except Exception:  # the store is gone (its host died, the group was destroyed): nothing more to say
+                    return
+            self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
-            line = self._line
-            if line is None:
-                continue
-            try:
-                store.set(f"{PREFIX}{line[0]}", line[1])
-            except Exception:  # the store is gone (its host died, the group was destroyed): nothing more to say
-                return
 
 
 def who_is_missing(world: int, me: int, *, wait_s: float = 5.0) -> str | None:
@@ -87,9 +101,19 @@ def _who_is_missing(world: int, me: int) -> str | None:
     if never:
         return f"process {never[0]} was never seen at an agreement round: it is the one the others waited for."
     heard = {rank: line for rank, line in others.items() if line is not None}
-    rank = min(heard, key=lambda r: heard[r][0])
-    at, micro_step, update, phase = heard[rank]
+    now = time.time()
+    silent = [rank for rank, line in heard.items() if now - line[0] > SILENT_S]
+    if silent:  # its writer thread stopped too: the process is stopped (SIGSTOP, a frozen node) or dead
+        rank = min(silent, key=lambda r: heard[r][0])
+        written, _, micro_step, update, phase = heard[rank]
+        return (
+            f"process {rank} has not been heard from for {now - written:.0f} s (stopped or dead); it was last seen at "
+            f"update {update} (micro-batch {micro_step}), in {phase}: it is the one the others waited for; read its "
+            "output, or its node's."
+        )
+    rank = min(heard, key=lambda r: heard[r][1])
+    _, at, micro_step, update, phase = heard[rank]
     return (
-        f"process {rank} was last seen {time.time() - at:.0f} s ago, at update {update} (micro-batch {micro_step}), in "
+        f"process {rank} was last seen {now - at:.0f} s ago, at update {update} (micro-batch {micro_step}), in "
         f"{phase}: it is the one the others waited for (hung, stopped or dead); read its output."
     )
