@@ -231,6 +231,30 @@ def _etcd_missing():
     return None
 
 
+def _incarnations(out):
+    """(world, update resumed from, 0, incarnation) of each incarnation that trained, in order, from the records."""
+    first: dict[int, tuple[int, int]] = {}
+    for path in out.glob("records-*.txt"):
+        for line in path.read_text().splitlines():
+            incarnation, update, _, world = (int(w) for w in line.split()[:4])
+            if incarnation not in first or update - 1 < first[incarnation][1]:
+                first[incarnation] = (world, update - 1)
+    return sorted(((w, u, 0, i) for i, (w, u) in first.items()), key=lambda s: s[1])
+
+
+def _assert_every_sample_once(out, starts):
+    """Every sample once in each of the four epochs that made it into the final state, where an epoch ran on one world
+    size; where it was resumed on another, the rest was dealt as Accelerate deals a loader, its last round completed
+    (if not whole) with samples from the rest's start: every sample, and fewer than 2 processes x 2 more."""
+    kept, by = _lineage(out, starts)
+    assert sorted(kept) == [0, 1, 2, 3]
+    for epoch, ids in kept.items():
+        if len(by[epoch]) == 1:
+            assert sorted(ids) == list(range(24)), (epoch, sorted(ids))
+        else:
+            assert set(ids) == set(range(24)) and len(ids) - 24 < 2 * 2, (epoch, sorted(ids))
+
+
 @pytest.mark.parametrize(
     "backend",
     [
@@ -297,13 +321,7 @@ def _check_elastic_run(tmp_path, root, out):
         if line.split()[3] == "2"
     )
     assert before_kill - shrunk <= 2 + 1  # one checkpoint interval, and the update in progress
-    kept, by = _lineage(out, starts)
-    assert sorted(kept) == [0, 1, 2, 3]
-    for epoch, ids in kept.items():
-        if len(by[epoch]) == 1:  # an epoch on one world size: every sample once
-            assert sorted(ids) == list(range(24)), (epoch, sorted(ids))
-        else:  # resumed on another: the rest dealt as Accelerate deals a loader, its last round completed if not whole
-            assert set(ids) == set(range(24)) and len(ids) - 24 < 2 * 2, (epoch, sorted(ids))
+    _assert_every_sample_once(out, starts)
 
     _replay(tmp_path, root, out, [(1, 0, grown), (2, grown, shrunk), (1, shrunk, None)])
 
@@ -416,6 +434,7 @@ def test_a_job_stopped_by_its_scheduler_goes_on_on_another_node_count(tmp_path, 
     assert [line for line in resumed if line.startswith("start ")][0].split()[1:3] == ["1", str(stop)]
     assert any(line.startswith("done ") for line in resumed)
     assert requeued == ((tmp_path / "scontrol.log").read_text() if requeued else "")  # a finished run: no requeue
+    _assert_every_sample_once(out, _incarnations(out))
 
     _replay(tmp_path, root, out, [(2, 0, stop), (1, stop, None)])
 
@@ -435,6 +454,14 @@ def _workers(tmp, *names):
 
 
 RAY_SITE = Path(__file__).resolve().parents[1] / ".ray-site"
+#: the Ray driver's processes (its workers inherit them): ray from its own folder, a local cluster that asks nothing
+RAY_ENV = {
+    **ENV,
+    "PYTHONPATH": str(RAY_SITE),
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
 needs_ray = pytest.mark.skipif(
     not (RAY_SITE / ".trainfold-installed").exists(), reason="needs .ray-site (make .ray-site/.trainfold-installed)"
 )
@@ -449,7 +476,7 @@ def test_ray_train_restarts_a_lost_worker_and_it_resumes_exactly(tmp_path):
     uninterrupted, bit for bit, and Ray's result names the root's last checkpoint."""
     storage, out = tmp_path / "storage", tmp_path / "out"
     out.mkdir()
-    env = {**ENV, "PYTHONPATH": str(RAY_SITE), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = RAY_ENV
     cmd = [sys.executable, str(SCRIPTS / "ray_run.py"), str(storage), str(out), "--kill-at", "7", "--max-failures", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=helpers.scaled(400))
     said = done.stdout + done.stderr
@@ -461,21 +488,11 @@ def test_ray_train_restarts_a_lost_worker_and_it_resumes_exactly(tmp_path):
     assert f"result 24 {root / 'ckpt-0000000024'}" in said
     copies = [p for p in (storage / "run").rglob("*.safetensors") if root not in p.parents]
     assert not copies  # reported where it lies: Ray copied no checkpoint
+    _assert_every_sample_once(out, _incarnations(out))
     reference = tmp_path / "reference"
     reference.mkdir()
     testing.run_distributed(elastic_run.main, [str(tmp_path / "uninterrupted"), str(reference)], nprocs=2, timeout=300)
     testing.assert_params_equal(load_file(str(reference / "final.st")), load_file(str(out / "final.st")))
-
-
-def _incarnations(out):
-    """(world, update resumed from, 0, incarnation) of each incarnation that trained, in order, from the records."""
-    first: dict[int, tuple[int, int]] = {}
-    for path in out.glob("records-*.txt"):
-        for line in path.read_text().splitlines():
-            incarnation, update, _, world = (int(w) for w in line.split()[:4])
-            if incarnation not in first or update - 1 < first[incarnation][1]:
-                first[incarnation] = (world, update - 1)
-    return sorted(((w, u, 0, i) for i, (w, u) in first.items()), key=lambda s: s[1])
 
 
 @needs_ray
@@ -487,13 +504,9 @@ def test_ray_train_grows_and_shrinks_the_group_and_it_resumes_exactly(tmp_path):
     storage, out = tmp_path / "storage", tmp_path / "out"
     out.mkdir()
     env = {
-        **ENV,
-        "PYTHONPATH": str(RAY_SITE),
-        "RAY_AUTH_MODE": "disabled",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "RAY_DEDUP_LOGS": "0",
-        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",  # a group asked of a node that left: given up on sooner
-    }
+        **RAY_ENV,
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10",
+    }  # a group asked of a node that left: given up sooner
     cmd = [sys.executable, str(SCRIPTS / "ray_run.py"), str(storage), str(out), "--elastic", "--max-failures", "3"]
     done = subprocess.run(
         [*cmd, "--step-s", "0.3"], capture_output=True, text=True, env=env, timeout=helpers.scaled(500)
@@ -503,12 +516,6 @@ def test_ray_train_grows_and_shrinks_the_group_and_it_resumes_exactly(tmp_path):
 
     starts = _incarnations(out)
     assert [world for world, *_ in starts] == [1, 2, 1], (starts, said[-3000:])
-    kept, by = _lineage(out, starts)
-    assert sorted(kept) == [0, 1, 2, 3]
-    for epoch, ids in kept.items():
-        if len(by[epoch]) == 1:
-            assert sorted(ids) == list(range(24)), (epoch, sorted(ids))
-        else:
-            assert set(ids) == set(range(24)) and len(ids) - 24 < 2 * 2, (epoch, sorted(ids))
+    _assert_every_sample_once(out, starts)
     (_, _, *_), (_, grown, *_), (_, shrunk, *_) = starts
     _replay(tmp_path, storage / "run" / "trainfold", out, [(1, 0, grown), (2, grown, shrunk), (1, shrunk, None)])

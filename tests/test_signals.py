@@ -809,6 +809,27 @@ def test_a_stopped_process_of_three_is_named_by_the_others():
     assert not re.search(r"process [01] (was last seen|has not been heard from)", said)  # nobody else is named
 
 
+def _writer_after_close():
+    import threading
+
+    ctx, state, dl = _setup()
+    run_epoch(ctx, make_step(ctx, helpers.ce_loss), dl, state)  # agreement rounds: the writer thread started
+    started = any(t.name == "trainfold-last-seen" for t in threading.enumerate())
+    ctx.accelerator.wait_for_everyone()
+    ctx.close()
+    deadline = time.monotonic() + 10  # the thread's next wake (a heartbeat) sees the stop: waited for, not slept on
+    while any(t.name == "trainfold-last-seen" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return started, any(t.name == "trainfold-last-seen" for t in threading.enumerate())
+
+
+@pytest.mark.multiprocess
+def test_the_last_seen_writer_ends_with_the_context():
+    """Its heartbeat would otherwise write to the store for as long as the process lives, after the run is closed."""
+    for started, alive in testing.run_distributed(_writer_after_close, nprocs=2, timeout=60):
+        assert started and not alive
+
+
 def _named_before_any_round():
     from trainfold._src.distributed.last_seen import LastSeen, who_is_missing
 
