@@ -510,6 +510,32 @@ def kill_after_a_new_checkpoint(cmd, env, newest, delay: float, processes: int =
     return proc.returncode
 
 
+def kill_at_line(cmd, env, wanted) -> int:
+    """Start the one-process job ``cmd`` (it prints "ready <pid>", then lines of its progress), SIGKILL its process group
+    once it prints a line for which ``wanted(line)`` holds, and return its exit status (a job that ended first is not
+    killed: its status says so). The event is the job's own word, not a time after another event: on a busy machine the
+    time between two updates was longer than any fixed delay a test can choose.
+    """
+    import signal
+
+    with subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as proc:
+        line = proc.stdout.readline()
+        if not line.startswith("ready"):
+            proc.kill()
+            _, err = proc.communicate(timeout=scaled(30))
+            raise AssertionError(f"the job did not start: {line!r}\n{err[-3000:]}")
+        while (line := proc.stdout.readline()) and not wanted(line):
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it had ended already
+            pass
+        proc.communicate(timeout=scaled(30))
+    return proc.returncode
+
+
 def dvclive_series(folder) -> dict[str, list[tuple[int, float]]]:
     """Every metric in DVCLive's files under ``folder`` (a ``.tsv`` per key under ``plots/metrics``, rows in the order
     written): ``{key: [(step, value), ...]}``."""

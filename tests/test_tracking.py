@@ -122,11 +122,13 @@ def test_every_tracker_holds_each_update_once(tmp_path, monkeypatch):
     ((_, clean_aim),) = [(run["tags"], run["series"]) for run in helpers.aim_runs(tmp_path / "clean-logs").values()]
 
     root, logs = tmp_path / "root", tmp_path / "logs"
-    newest = lambda: latest_checkpoint(root) if root.exists() else None  # noqa: E731
     cmd = [sys.executable, str(SCRIPT), str(root), str(logs), "--slow"]
     rng = random.Random(3)
-    for _ in range(4):  # a kill that lands between a checkpoint and the next update's log proves less: again, resumed
-        killed = helpers.kill_after_a_new_checkpoint(cmd, ENV, newest, rng.uniform(0.15, 0.4), processes=1)
+    for _ in range(4):  # a kill that lands after the next checkpoint proves less (it logged nothing past it): again
+        newest = latest_checkpoint(root) if root.exists() else None
+        start = verify_checkpoint(newest)["step"] if newest else 3  # (the first kill: once a checkpoint is there)
+        target = rng.choice([n for n in range(start + 1, UPDATES) if n % 3])  # between two checkpoints (every 3)
+        killed = helpers.kill_at_line(cmd, ENV, lambda line, target=target: line == f"logged {target}\n")
         resumed_from = verify_checkpoint(latest_checkpoint(root))["step"]
         before = _series(logs)  # what the killed run left
         if max(step for step, _ in before["train/loss"]) > resumed_from:

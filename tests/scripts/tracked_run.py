@@ -3,7 +3,7 @@ latest checkpoint: killed and restarted by test_tracking.py.
 
     python tracked_run.py ROOT LOGS [--slow]
 
-Prints "ready <pid>" once set up; saves a checkpoint every 3 updates; logs train/loss (and lr, epoch) at every update with
+Prints "ready <pid>" once set up and "logged <update>" once each update's report is written; saves a checkpoint every 3 updates; logs train/loss (and lr, epoch) at every update with
 log_every and the epoch's records with log_epoch, to TensorBoard under LOGS, to an MLflow store in LOGS/mlruns (its
 file store, which needs no server), to DVCLive's files in LOGS/dvclive and to an offline ClearML session under
 LOGS/clearml (HOME is LOGS/home: ClearML keeps a file there), to Trackio's store in LOGS/trackio and to an Aim repository
@@ -98,11 +98,14 @@ def main():
         return torch.nn.functional.mse_loss(model(x), y)
 
     saving = checkpoint_every(ctx, 3, args.root)
-    epoch = compose(
-        log_epoch(ctx),
-        evaluate(ctx, loss_fn, held_out),
-        run_epoch(ctx, log_every(ctx, 1)(saving(make_step(ctx, loss_fn))), train),
-    )
+    logged = log_every(ctx, 1)(saving(make_step(ctx, loss_fn)))
+
+    def step(state, batch):  # says when the trackers hold an update: the event the test's kill waits for
+        state = logged(state, batch)
+        os.write(1, f"logged {state.step}\n".encode())
+        return state
+
+    epoch = compose(log_epoch(ctx), evaluate(ctx, loss_fn, held_out), run_epoch(ctx, step, train))
     os.write(1, f"ready {os.getpid()}\n".encode())
     with ctx:
         state = saving.at_end(loop(epoch, max_epochs=3)(state))
