@@ -4,7 +4,8 @@ Each process builds the raw PyTorch loop and both trainfold configurations (benc
 epoch), then times an epoch of each per round in a shuffled order. Per round, the watched epoch's time over the
 logged one's; the median over every round of every process, and the ratio of each configuration's fastest epoch in a
 process (noise only adds time; their median over processes), are the figures (the issue's guard: at most 1.01). The
-host work watching adds per step is also timed alone (the meter and the loader's timing), which noise cannot hide.
+host work watching adds per step is also timed alone (the meter, the loader's timing and, on several processes, the
+per-process timing that names stragglers), which noise cannot hide.
 
     python benchmarks/bench_watch.py --processes 4 --rounds 15 [--out benchmarks/results_watch.json]
 """
@@ -54,7 +55,7 @@ def overhead(calls: int = 200_000) -> dict[str, float]:
 
     from trainfold import Watch, testing
     from trainfold._src.compose.watch import Meter
-    from trainfold._src.core.clock import Clock
+    from trainfold._src.core.clock import Clock, Compute
 
     ctx, state, _, _ = testing.tiny_setup(seed=0)
     batch = (torch.zeros(BATCH, SIZES[0]), torch.zeros(BATCH, dtype=torch.long))
@@ -77,9 +78,13 @@ def overhead(calls: int = 200_000) -> dict[str, float]:
         pass
     plain = (time.perf_counter() - start) / calls * 1e6
     ctx.close()
+    compute, model = Compute(), torch.nn.Linear(2, 1)  # the per-process timing of a watch on several processes
+    noted = compute._noted(0)  # the one gradient hook it keeps, called once a backward
     return {
         "meter_us": per_call(lambda: meter.step(noop, state, batch)) - per_call(lambda: noop(state, batch)),
         "timed_loader_us": timed - plain,
+        "per_process_us": per_call(lambda: compute.end(compute.begin(model), synced=False))
+        + per_call(lambda: noted(None)),
     }
 
 

@@ -275,6 +275,7 @@ def inspect(path: str) -> dict[str, Any]:
         ],
         "last_report": _last_report(state),
         "throughput": _throughput(history),
+        "stragglers": _stragglers(history),
         "gradient_accumulation_steps": acc.get("gradient_accumulation_steps"),
         "mixed_precision": acc.get("mixed_precision"),
         "layout": doc.get("layout", {}),
@@ -341,6 +342,27 @@ def _throughput(history: Any) -> list[dict[str, Any]]:
         if r.name.startswith("train_") and r.name[len("train_") :] in EPOCH_FIGURES:
             rows.setdefault(r.epoch, {"epoch": r.epoch, "update": r.step})[r.name[len("train_") :]] = r.value
     return [rows[e] for e in sorted(rows)]
+
+
+def _stragglers(history: Any) -> list[dict[str, Any]]:
+    """Each epoch's straggler counts, where the watch named stragglers (several processes): ``{"epoch", "update",
+    "input", "compute"[, "input_process"][, "compute_process"]}`` (the reports that named one, the process named most)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for r in history:
+        for kind in ("input", "compute"):
+            if r.name in (f"train_stragglers_{kind}", f"train_straggler_{kind}_process"):
+                key = kind if r.name.startswith("train_stragglers_") else f"{kind}_process"
+                rows.setdefault(r.epoch, {"epoch": r.epoch, "update": r.step})[key] = r.value
+    return [rows[e] for e in sorted(rows)]
+
+
+def _straggler_text(row: dict[str, Any]) -> str:
+    """One epoch's counts as ``inspect`` prints them: ``input 1 (process 1), compute 0``."""
+    return ", ".join(
+        f"{kind} {int(row.get(kind, 0))}"
+        + (f" (process {int(row[f'{kind}_process'])})" if f"{kind}_process" in row else "")
+        for kind in ("input", "compute")
+    )
 
 
 #: What ``inspect`` prints of a watched run's last report, in this order (a share of time as a percentage).
@@ -427,6 +449,11 @@ def inspect_text(d: dict[str, Any]) -> str:
                 f"{t['epoch']}: " + ", ".join(_epoch_figure(k, t[k]) for k in EPOCH_FIGURES if k in t)
                 for t in d["throughput"][-8:]
             )
+        )
+    if d.get("stragglers"):
+        lines.append(
+            "  stragglers by epoch: "
+            + "; ".join(f"{row['epoch']}: {_straggler_text(row)}" for row in d["stragglers"][-8:])
         )
     report = d.get("last_report")
     shown = [k for k in REPORTED if k in report["values"]] if report is not None else []

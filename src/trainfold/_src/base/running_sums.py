@@ -171,7 +171,7 @@ class RunningSums:
         *,
         since: Mapping[str, torch.Tensor] | None = None,
         totals: Mapping[str, torch.Tensor | float] | None = None,
-    ) -> tuple[dict[str, float], dict[str, float]]:
+    ) -> tuple[dict[str, float], dict[str, Any]]:
         """:meth:`means`, and ``totals`` (counts of this process: samples, FLOPs) summed over every process, from the
         same one all-reduce; with totals, the sums (minus ``since``) themselves too, summed, under ``"sum:<name>"``."""
         sums = self.as_dict()
@@ -289,23 +289,36 @@ def reduce_with_totals(
     sums: Mapping[str, torch.Tensor],
     count: torch.Tensor | int,
     totals: Mapping[str, torch.Tensor | float],
-) -> tuple[dict[str, float], dict[str, float]]:
-    """:func:`reduce_means`, and ``totals`` summed over processes, in the same one all-reduce and host transfer."""
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """:func:`reduce_means`, and ``totals`` summed over processes, in the same one all-reduce and host transfer.
+
+    A total is a number (its sum comes back as a float) or a 1-D tensor of the same length on every process (its sum
+    comes back as a tuple of floats): a vector of one slot per process, each process writing its own slot and zeros
+    elsewhere, carries every process's figure in the one sum."""
     names, extra = list(sums), list(totals)
     dtype = torch.float64 if any(v.dtype is torch.float64 for v in sums.values()) or extra else torch.float32
     device = accelerator.device
-    local = torch.stack(
-        [sums[n].to(dtype) for n in names]
-        + [torch.as_tensor(totals[n], dtype=dtype, device=device) for n in extra]
-        + [torch.as_tensor(count, dtype=dtype, device=device)]
-    )
+    pieces = [torch.as_tensor(totals[n], dtype=dtype, device=device).reshape(-1) for n in extra]
+    scalars = [sums[n].to(dtype) for n in names] + [torch.as_tensor(count, dtype=dtype, device=device)]
+    vectors = {n: p.numel() for n, p in zip(extra, pieces) if _is_vector(totals[n])}
+    local = torch.cat([torch.stack(scalars), *pieces]) if pieces else torch.stack(scalars)
     if accelerator.num_processes > 1:
-        _check_same_names(accelerator, names + extra)
+        _check_same_names(accelerator, names + extra + [f"{n}[{k}]" for n, k in vectors.items()])
         local = accelerator.reduce(local, reduction="sum")
     values = local.tolist()  # sync: once per epoch / log interval
-    n = values[-1]
+    n = values[len(names)]
     means = {name: (v / n if n else float("nan")) for name, v in zip(names, values)}  # sync: none: host numbers
-    return means, dict(zip(extra, values[len(names) : -1]))
+    summed: dict[str, Any] = {}
+    at = len(names) + 1
+    for name, piece in zip(extra, pieces):
+        width = piece.numel()
+        summed[name] = tuple(values[at : at + width]) if name in vectors else values[at]
+        at += width
+    return means, summed
+
+
+def _is_vector(total: torch.Tensor | float) -> bool:
+    return isinstance(total, torch.Tensor) and total.ndim == 1
 
 
 def _check_same_names(accelerator: Accelerator, names: list[str]) -> None:

@@ -25,6 +25,7 @@ from trainfold._src.base.checks import length_or_none, name_of, user_stacklevel
 from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.base.types import Batch
 from trainfold._src.compose.loader_checks import checked, empty_loader
+from trainfold._src.compose.stragglers import epoch_stragglers
 from trainfold._src.compose.watch import epoch_figures, epoch_totals
 from trainfold._src.core.clock import Clock
 from trainfold._src.core.context import Context
@@ -329,7 +330,7 @@ def end_epoch(ctx: Context, state: TrainState) -> TrainState:
     else:  # watched: the samples ride in the same one all-reduce (as the reports', in float64)
         seconds, samples = timed
         means, totals = averaged.means_and_totals(ctx.accelerator, held, totals=epoch_totals(ctx, samples))
-        means = {**means, **epoch_figures(ctx, seconds, totals)}
+        means = {**means, **epoch_figures(ctx, seconds, totals), **epoch_stragglers(ctx.runtime.clock)}
     _warn_if_diverged(ctx, state, means.get("loss"))
     history = state.history.add(
         epoch=state.epoch + 1, step=state.step, values={f"train_{k}": v for k, v in means.items()}

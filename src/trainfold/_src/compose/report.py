@@ -35,14 +35,39 @@ def report_text(values: Mapping[str, float]) -> str:
         f"{k.removeprefix('memory_').removesuffix('_gb')} {named.pop(k):.2f} GB"
         for k in [k for k in named if k.startswith("memory_")]
     ]
+    processes = _processes(named)
     values_ = [f"{k} {v:.4g}" for k, v in named.items() if k not in _UNSHOWN]
     parts = [
         "  ".join(head + values_),
         "  ".join(rates),
         "time: " + "  ".join(s for s in shares if not s.endswith(" 0%")) if shares else "",
         "memory " + "  ".join(memory) if memory else "",
+        processes,
     ]
     return "  |  ".join(p for p in parts if p)
+
+
+def _processes(named: dict[str, float]) -> str:
+    """The per-process part of a line (``Watch(stragglers=...)``), taken out of ``named``: each figure's slowest process
+    and the median, per update, and the stragglers named.
+
+    Examples:
+        >>> _processes({"data_s_max": 0.151, "data_s_max_process": 1.0, "data_s_median": 0.002, "compute_s_max": 0.02,
+        ...             "compute_s_max_process": 0.0, "compute_s_median": 0.019, "straggler_input": 1.0})
+        'slowest per update: data 0.151 s (process 1; median 0.002)  compute 0.02 s (process 0; median 0.019)  |  straggler: process 1 (input)'
+    """
+    parts = []
+    for figure in ("data", "compute", "collective"):
+        top, at, median = (named.pop(f"{figure}_s_{k}", None) for k in ("max", "max_process", "median"))
+        if top is not None and figure != "collective":
+            parts.append(f"{figure} {top:.3g} s (process {int(at or 0)}; median {median:.3g})")
+    named_ = [
+        f"process {int(named.pop(f'straggler_{kind}'))} ({kind})"
+        for kind in ("input", "compute")
+        if f"straggler_{kind}" in named
+    ]
+    line = "slowest per update: " + "  ".join(parts) if parts else ""
+    return line + ("  |  straggler: " + ", ".join(named_) if named_ else "")
 
 
 def _si(value: float, unit: str) -> str:

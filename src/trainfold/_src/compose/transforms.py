@@ -209,7 +209,10 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
     ``mfu`` (where FLOPs and a peak are known), the shares of its wall time spent
     waiting for data, in the step, updating, checkpointing and agreeing on a stop
     (``time_data`` ...), and peak memory, from the same one reduction: no other
-    sync. The guide "Watching a run" defines each.
+    sync. On several processes it also gives each process's data wait, compute and
+    collective wait (their median, max and the process that holds it) and names a
+    straggler (``straggler_input``, ``straggler_compute``), from that reduction too.
+    The guide "Watching a run" defines each.
 
     Args:
         ctx: the run's Context.

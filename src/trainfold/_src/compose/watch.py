@@ -21,6 +21,8 @@ from trainfold._src.backend.mesh import data_layout
 from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.base.running_sums import WEIGHT
 from trainfold._src.base.types import Batch
+from trainfold._src.compose.stragglers import Named, per_process, say, slots
+from trainfold._src.core.clock import Compute
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step
@@ -62,6 +64,12 @@ class Watch:
             CUDA device's name and the mixed precision (none on a CPU: MFU is then not reported).
         memory: report peak memory (CUDA: allocated and reserved since the last report; elsewhere the
             process's peak resident memory so far), and record each epoch's (``train_memory_*_gb``).
+        stragglers: on several processes, report each process's data wait, compute and collective wait (their
+            median, max and the process that holds it), and name a process whose data wait or compute exceeds the
+            median process's by more than this share of an update's time (``straggler_input``,
+            ``straggler_compute``); None: no per-process figures.
+        straggler_min_s: the least excess, in seconds per update, that names a straggler (the noise of a busy host
+            stays below it).
 
     Examples:
         >>> from trainfold import log_every, make_step, run_epoch, testing
@@ -77,6 +85,26 @@ class Watch:
     measure_flops: bool = True
     peak_flops: float | None = None
     memory: bool = True
+    stragglers: float | None = attrs.field(default=0.25, validator=lambda _, __, v: _share(v))
+    straggler_min_s: float = attrs.field(default=0.01, validator=lambda _, __, v: _seconds(v))
+
+
+def _share(value: Any) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+    ):
+        raise ValueError(
+            f"Watch(stragglers={value!r}): give the share of an update's time by which a process may exceed the median "
+            "process before it is named (a positive number, such as 0.25), or None for no per-process figures."
+        )
+
+
+def _seconds(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(
+            f"Watch(straggler_min_s={value!r}): give the least excess that names a straggler, in seconds per update (a "
+            "number >= 0, such as 0.01)."
+        )
 
 
 def as_watch(watch: bool | Watch) -> Watch | None:
@@ -163,6 +191,11 @@ class Meter:
         self.clock.on = True
         if watch.memory and self.clock.peaks is None:
             self.clock.peaks = Peaks()
+        acc = ctx.accelerator
+        self.processes, self.rank = acc.num_processes, acc.process_index
+        self.compute = None if watch.stragglers is None or self.processes < 2 else self.clock.compute or Compute()
+        if self.compute is not None:
+            self.clock.compute, self.clock.named = self.compute, self.clock.named or Named()
 
     def step(self, step: Step, state: TrainState, batch: Batch) -> TrainState:
         """Run ``step``, counting its batch's samples (and, the first time, its FLOPs)."""
@@ -206,9 +239,13 @@ class Meter:
         per_sample = self.flops_per_sample
         flops = per_sample * samples if per_sample is not None else 0.0  # sync: none: host numbers
         # sync: none here; the carried tokens a device tensor the report's one all-reduce reads
-        return {"watch:samples": samples, "watch:flops": flops, "watch:tokens": self.carried}  # sync: none
+        out = {"watch:samples": samples, "watch:flops": flops, "watch:tokens": self.carried}  # sync: none
+        if self.compute is not None:  # every process's figures, each in its own slots of one summed vector
+            compute, collective = self.compute.seconds, self.compute.collective
+            out["watch:processes"] = slots(self.rank, self.processes, (self.clock.spent("data"), compute, collective))
+        return out
 
-    def report(self, state: TrainState, totals: Mapping[str, float]) -> dict[str, float]:
+    def report(self, state: TrainState, totals: Mapping[str, Any]) -> dict[str, float]:
         """The interval's figures (at a report, after its all-reduce), and a new interval."""
         now = time.perf_counter()
         seconds = max(now - (self.started or now), 1e-9)
@@ -236,6 +273,16 @@ class Meter:
         out.update(shares)
         if self.watch.memory:  # (the clock holds the Peaks this meter's __init__ gave it)
             out.update(self.clock.peaks.take(acc.device, "report"))
+        if self.compute is not None and "watch:processes" in totals:
+            self.compute.take()
+            share, floor = float(self.watch.stragglers or 0.0), self.watch.straggler_min_s
+            figures = per_process(
+                totals["watch:processes"], self.processes, state.step - self.from_update, seconds, share, floor
+            )
+            out.update(figures)
+            self.clock.named.note(figures)
+            if self.ctx.is_main_process:
+                say(figures, state.step, share)
         self.carried, self.started, self.from_update, self.from_samples = (
             0.0,
             time.perf_counter(),

@@ -268,8 +268,12 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _M
     """The pipeline with no stages: loss, backward, update, scheduler, record."""
 
     def micro_batch(state: TrainState, batch: Batch, synced: bool) -> TrainState:
+        compute = clock.compute  # (a watcher's, naming stragglers: None otherwise)
+        began = compute.begin(state.model) if compute is not None else 0.0
         loss, aux = compute_loss(loss_fn, state.model, batch)
         backward(loss)
+        if compute is not None:
+            compute.end(began, synced=synced)
         ops = updates.of(state.optimizer).ops
         if synced or ops.every_batch:
             start = time.perf_counter() if clock.on else 0.0  # (the update's host time, while a watcher looks)
@@ -293,8 +297,12 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
 
     def micro_batch(state: TrainState, batch: Batch, synced: bool) -> TrainState:
         model = state.model
+        compute = clock.compute
+        began = compute.begin(model) if compute is not None else 0.0
         loss, aux = compute_loss(loss_fn, model, batch)
         backward(loss)
+        if compute is not None:
+            compute.end(began, synced=synced)
         mb = MicroBatch(state, model, loss, aux, synced, state.extras, None, state.stop)
         for hook in on_batch:
             hook(mb)
