@@ -748,9 +748,74 @@ def test_a_hung_rank_fails_after_the_timeout():
     assert "Timed out" in str(info.value)
     assert "the process group's timeout (0:00:02)" in str(info.value)
     assert re.search(
-        r"process 1 was last seen \d+ s ago, at update 2 \(micro-batch 2\), in training: it is the one", str(info.value)
+        r"process 1 was last seen \d+ s ago, at update 2 \(micro-batch 2\), in forward/backward: it is the one",
+        str(info.value),
     )
     assert "Context(accelerator, timeout=" in str(info.value)
+
+
+def _hung_in(phase, seconds=3):
+    """Process 1 hangs (sleeps past the timeout) in ``phase`` at update 3 (the evaluation and the checkpoint after it);
+    process 0's next collective times out."""
+    import datetime
+
+    from trainfold import every_steps, evaluate, save_checkpoint
+
+    ctx, state, dl = _setup(ctx=Context(accelerator=Accelerator(cpu=True), timeout=datetime.timedelta(seconds=seconds)))
+    rank = ctx.accelerator.process_index
+    hang = lambda: time.sleep(seconds + 6) if rank == 1 else None  # noqa: E731
+    root = os.environ["HUNG_ROOT"]
+    now = {"update": 0}
+
+    def loss_fn(model, batch):
+        if now["update"] == 2 and phase == ("forward/backward" if torch.is_grad_enabled() else "evaluation"):
+            hang()
+        return helpers.ce_loss(model, batch)
+
+    class Hanging(torch.utils.data.Dataset):
+        def __init__(self, data):
+            self.data = data
+
+        def __len__(self):
+            return len(self.data)
+
+        def __getitem__(self, i):
+            if now["update"] == 2 and phase == "data":
+                hang()
+            return self.data[i]
+
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Hanging(helpers.classification_data(48)), batch_size=4))
+    state.optimizer.optimizer.register_step_pre_hook(
+        lambda *_: hang() if now["update"] == 2 and phase == "update" else None
+    )
+    state.model.module.register_state_dict_pre_hook(
+        lambda *_: hang() if now["update"] == 2 and phase == "checkpoint" else None
+    )
+
+    def step(s, b):
+        now["update"] = s.step  # (the step of update 3, and what runs after it in that step)
+        return inner(s, b)
+
+    inner = make_step(ctx, loss_fn)
+    if phase == "checkpoint":  # (each phase's machinery alone: the others' collectives would come first)
+        step = every_steps(3, lambda s: save_checkpoint(ctx, root, s))(step)
+    if phase == "evaluation":
+        step = every_steps(3, evaluate(ctx, loss_fn, dl))(step)
+    run_epoch(ctx, step, dl, state)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("phase", ["data", "forward/backward", "update", "checkpoint", "evaluation"])
+def test_a_hung_process_is_named_with_the_phase_it_hangs_in(phase, tmp_path, monkeypatch):
+    """A process hung while waiting for its data, in its forward and backward, in its update, in a checkpoint or in an
+    evaluation: the other's timed-out collective names it and the phase it is in (its last-seen line, written every
+    second by its thread, says what it is doing now)."""
+    monkeypatch.setenv("HUNG_ROOT", str(tmp_path))
+    with pytest.raises(RuntimeError) as info:
+        testing.run_distributed(_hung_in, phase, nprocs=2, timeout=90)
+    assert re.search(
+        rf"process 1 was last seen \d+ s ago, at update \d+ \(micro-batch \d+\), in {phase}:", str(info.value)
+    ), str(info.value)[-2000:]
 
 
 def _stopped_rank(seconds):
@@ -776,10 +841,11 @@ def test_a_stopped_rank_is_named():
         testing.run_distributed(_stopped_rank, 2, nprocs=2, timeout=60)
     found = re.search(  # (not heard from: the timeout came more than a few heartbeats after it stopped)
         r"process 1 (?:was last seen \d+ s ago, at|has not been heard from for \d+ s \(stopped or dead\); it was last seen "
-        r"at) update (\d+) \(micro-batch \d+\), in training: it is the one",
+        r"at) update (\d+) \(micro-batch \d+\), in (?:data|forward/backward|update|stop agreement): it is the one",
         str(info.value),
     )
     assert found and int(found.group(1)) in (1, 2)  # its last round's line, or the one before if it stopped first
+    # (in a phase of a step: what it did at its last write, up to a second before the stop)
 
 
 def _one_of_three_stopped():
@@ -839,7 +905,7 @@ def _named_before_any_round():
         nobody = who_is_missing(2, rank)  # no process has written its line yet
         ctx.accelerator.wait_for_everyone()  # every process has read before process 0 writes
         if rank == 0:
-            LastSeen().seen(0, 7, 3, "training")
+            LastSeen().seen(0, 7, 3)  # (outside run_epoch: its phase is "training")
         ctx.accelerator.wait_for_everyone()
         deadline = time.monotonic() + 30  # the writer thread's line: waited for, not slept on
         while rank == 1 and "last seen" not in (who_is_missing(2, 1) or "") and time.monotonic() < deadline:

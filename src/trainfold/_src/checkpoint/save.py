@@ -168,7 +168,7 @@ def save_checkpoint(
     # a schedule-free optimizer saves its eval weights
     start = time.perf_counter()
     try:
-        with eval_mode(state.model, state.optimizer, no_grad=False):
+        with eval_mode(state.model, state.optimizer, no_grad=False), ctx.runtime.in_phase("checkpoint"):
             return _save(
                 ctx,
                 _storage(ctx, root, storage_options),

@@ -120,9 +120,12 @@ def run_epoch(
     clock = ctx.runtime.clock
     clock.begin_epoch()
     acc = ctx.accelerator
-    with explaining_timeouts(ctx.accelerator.num_processes):
+    phase = ctx.runtime.phase  # (what this process is doing, for a timeout to name: one attribute write each)
+    with explaining_timeouts(ctx.accelerator.num_processes), ctx.runtime.in_phase("data"):
         for batch in clock.timed(iterator) if clock.on else iterator:  # (the cursor keeps the loader's own iterator)
+            phase.now = "forward/backward"
             state = step(state, batch)
+            phase.now = "data"
             seen += 1
             if state.micro_step >= interrupt.next_check and (
                 signum := _stop_requested(interrupt, clock, state.micro_step, acc.sync_gradients, state.step)

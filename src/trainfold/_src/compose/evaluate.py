@@ -139,6 +139,7 @@ def evaluate(
     with (
         explaining_timeouts(ctx.accelerator.num_processes),
         eval_mode(net, state.optimizer if net is state.model else None),
+        ctx.runtime.in_phase("evaluation"),
     ):
         for batch in loader:
             batches += 1

@@ -252,7 +252,8 @@ def log_every(ctx: Context, n: int, *, watch: bool | Watch = False) -> StepTrans
                 raise ValueError(_composed_twice(n, step))
             if new.step == state.step or new.step % n:
                 return new
-            return new.with_extra("log_every", _report(ctx, new, meter))
+            with ctx.runtime.in_phase("report"):
+                return new.with_extra("log_every", _report(ctx, new, meter))
 
         return named(logged, f"log_every({n}{', watch' if watching else ''})({name_of(step)})")
 

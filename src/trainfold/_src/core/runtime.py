@@ -11,8 +11,9 @@ what it does.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from trainfold._src.backend.trackers import flush_trackers
 from trainfold._src.core.clock import Clock
@@ -39,6 +40,8 @@ class Runtime:
             :meth:`close`.
         clock: the host time of a run's parts (the loader, the update, a save, a stop's agreement), kept while
             ``log_every(..., watch=True)`` watches.
+        phase: what this process is doing, in a word, set where it changes (:meth:`in_phase`), for a timeout to say
+            where a process that did not arrive was.
 
     What happened, changed only by the named methods:
         the checkpoint roots locked (:meth:`keep_lock`, by ``save_checkpoint``'s first save to a root;
@@ -82,6 +85,8 @@ class Runtime:
         self.saver = Saver()
         self.handlers = Handlers(self.interrupt, signals, stop_deadline_s)
         self.clock = Clock()
+        #: what this process is doing, in a word (``last_seen.Phase``): set where it changes, sent with its last-seen line
+        self.phase = self.interrupt.last_seen.phase
         self._locks: dict[str, Any] = {}
         self._held: dict[str, Any] = {}
         self._warned: set[str] = set()
@@ -99,6 +104,16 @@ class Runtime:
         self._ended_unstepped: set[str] = set()
         self._at_close: list[Callable[[], None]] = []
         self._closed = False
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        """Say this process is in ``name`` (``"checkpoint"``, ``"evaluation"``...) until the block ends, then in what it
+        was in before."""
+        before, self.phase.now = self.phase.now, name
+        try:
+            yield
+        finally:
+            self.phase.now = before
 
     @property
     def closed(self) -> bool:

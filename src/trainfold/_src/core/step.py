@@ -12,6 +12,7 @@ from trainfold._src.base.copier import copier
 from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.base.types import Batch, LossFn
 from trainfold._src.core.clock import Clock
+from trainfold._src.distributed.last_seen import Phase
 from trainfold._src.core.compiling import Compile, compile_regions, compile_spec, loss_of
 from trainfold._src.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold._src.core.context import Context
@@ -218,10 +219,12 @@ def make_step(
         gate=any(s.gates_update for s in bound),
         compile=spec if spec is not None and spec.optimizer else None,
     )
-    clock = ctx.runtime.clock
+    clock, phase = ctx.runtime.clock, ctx.runtime.phase
     step_loss = loss_of(loss_fn, spec) if spec is not None and not spec.regions else loss_fn
     micro_batch = (
-        _staged(step_loss, backward, updates, bound, clock) if bound else _plain(step_loss, backward, updates, clock)
+        _staged(step_loss, backward, updates, bound, clock, phase)
+        if bound
+        else _plain(step_loss, backward, updates, clock, phase)
     )
     if spec is not None and spec.regions:
         micro_batch = _compiling_regions(micro_batch, spec)
@@ -264,7 +267,7 @@ def _compiling_regions(micro_batch: _MicroBatch, spec: Compile) -> _MicroBatch:
     return compiling
 
 
-def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _MicroBatch:
+def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock, phase: Phase) -> _MicroBatch:
     """The pipeline with no stages: loss, backward, update, scheduler, record."""
 
     def micro_batch(state: TrainState, batch: Batch, synced: bool) -> TrainState:
@@ -277,8 +280,10 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _M
         ops = updates.of(state.optimizer).ops
         if synced or ops.every_batch:
             start = time.perf_counter() if clock.on else 0.0  # (the update's host time, while a watcher looks)
+            before, phase.now = phase.now, "update"
             ops.step()
             ops.zero_grad()
+            phase.now = before
             if start:
                 clock.add("update", time.perf_counter() - start)
         if state.scheduler is not None:
@@ -288,7 +293,9 @@ def _plain(loss_fn: LossFn, backward: Any, updates: Updates, clock: Clock) -> _M
     return micro_batch
 
 
-def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...], clock: Clock) -> _MicroBatch:
+def _staged(
+    loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stage, ...], clock: Clock, phase: Phase
+) -> _MicroBatch:
     """The pipeline with stages: their hooks run in order, each kind only where it is given."""
     on_batch = tuple(s.on_batch for s in stages if s.on_batch is not None)
     on_update = tuple(s.on_update for s in stages if s.on_update is not None)
@@ -311,7 +318,9 @@ def _staged(loss_fn: LossFn, backward: Any, updates: Updates, stages: tuple[Stag
             for hook in on_update:
                 hook(mb)
             start = time.perf_counter() if clock.on else 0.0
+            before, phase.now = phase.now, "update"
             update.apply(mb.skip)
+            phase.now = before
             if start:
                 clock.add("update", time.perf_counter() - start)
             for hook in after_update:

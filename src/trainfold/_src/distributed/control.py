@@ -31,10 +31,12 @@ class Control:
         self._group: Any = None
 
     def group(self) -> Any:
+        """The gloo group, with the default group's timeout (the Context's): a process that waits here for one that
+        hangs gives up when it would in any other collective (a new group's own default is 30 minutes)."""
         if self._group is None:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            self._group = dist.new_group(backend="gloo", timeout=current_timeout())
         return self._group
 
     def forget(self) -> None:

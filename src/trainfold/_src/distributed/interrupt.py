@@ -101,7 +101,15 @@ class Interrupt:
             return 0
         if self._decided[0] == micro_step:
             return self._decided[1]
-        agreed = self._round(micro_step, update) if self.distributed else self.requested
+        if self.distributed:
+            phase = self.last_seen.phase
+            before, phase.now = phase.now, "stop agreement"
+            try:
+                agreed = self._round(micro_step, update)
+            finally:
+                phase.now = before
+        else:
+            agreed = self.requested
         self._decided = (micro_step, agreed)
         self.agreed = self.agreed or bool(agreed)  # sync: none: a host int
         return agreed
@@ -155,7 +163,7 @@ class Interrupt:
     def _round(self, micro_step: int, update: int) -> int:
         import torch.distributed as dist
 
-        self.last_seen.seen(dist.get_rank(), micro_step, update, "training")
+        self.last_seen.seen(dist.get_rank(), micro_step, update)
 
         if self._pending is not None:
             work, result = self._pending

@@ -1,7 +1,9 @@
 """Where each process was last seen, so that a collective that times out can name the process that did not arrive.
 
 At each stop-agreement round (about once per ``Context(stop_check_s=...)``), each process notes where it is: at which
-micro-batch and update, in which phase. A thread of its own writes the note to the process group's store, with the
+micro-batch and update. What it is doing, in a word (its :class:`Phase`: waiting for data, in the forward and backward,
+the update, a checkpoint, an evaluation), is set where it changes, by one attribute write, and sent with each write of
+the line, so a stopped process's line says the phase it stopped in. A thread of its own writes the note to the process group's store, with the
 time it was made and the time of the write, at once and then every :data:`HEARTBEAT_S` seconds: a store that does not
 answer never holds up a step, and each line replaces the one before (one small write a second, whatever the run's
 size). When a collective times out, the processes that are still there read every process's line
@@ -35,19 +37,32 @@ def _store() -> Any:
         return None
 
 
-class LastSeen:
-    """This process's line in the store, written by a thread of its own (started at the first :meth:`seen`, ended by
-    :meth:`stop`)."""
+class Phase:
+    """What this process is doing, in a word (``now``), set where that changes: ``"data"`` (waiting for the loader's
+    next batch, in ``run_epoch``), ``"forward/backward"`` (in a step, outside its update), ``"update"`` (the optimizer's
+    step), ``"report"`` (``log_every``'s reduction), ``"checkpoint"``, ``"evaluation"``, ``"stop agreement"``; else
+    ``"training"`` (between epochs, or in the user's own code)."""
+
+    __slots__ = ("now",)
 
     def __init__(self) -> None:
-        self._note: tuple[int, float, int, int, str] | None = None  # (rank, when, micro-batch, update, phase)
+        self.now = "training"
+
+
+class LastSeen:
+    """This process's line in the store, written by a thread of its own (started at the first :meth:`seen`, ended by
+    :meth:`stop`), with the process's :class:`Phase` at each write."""
+
+    def __init__(self) -> None:
+        self.phase = Phase()
+        self._note: tuple[int, float, int, int] | None = None  # (rank, when, micro-batch, update)
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def seen(self, rank: int, micro_step: int, update: int, phase: str) -> None:
-        """Note that this process (``rank``) is at ``micro_step`` (``update``), in ``phase``; written soon after."""
-        self._note = (rank, time.time(), micro_step, update, phase)
+    def seen(self, rank: int, micro_step: int, update: int) -> None:
+        """Note that this process (``rank``) is at ``micro_step`` (``update``); written soon after, with its phase."""
+        self._note = (rank, time.time(), micro_step, update)
         self._wake.set()
         if self._thread is None and not self._stopped:
             self._thread = threading.Thread(target=self._write, name="trainfold-last-seen", daemon=True)
@@ -65,7 +80,7 @@ class LastSeen:
             if note is not None:
                 rank, *where = note
                 try:
-                    store.set(f"{PREFIX}{rank}", json.dumps([time.time(), *where]))
+                    store.set(f"{PREFIX}{rank}", json.dumps([time.time(), *where, self.phase.now]))
                 except Exception:  # the store is gone (its host died, the group was destroyed): nothing more to say
                     return
             self._wake.wait(HEARTBEAT_S)

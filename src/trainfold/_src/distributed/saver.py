@@ -52,11 +52,14 @@ class Saver:
         self._at_exit = False
 
     def group(self, world: int) -> Any:
-        """The group background saves agree on (made at the first one, a collective: every process saves there)."""
+        """The group background saves agree on (made at the first one, a collective: every process saves there), with
+        the default group's timeout (the Context's)."""
         if world > 1 and self._group is None:
             import torch.distributed as dist
 
-            self._group = dist.new_group(backend="gloo")
+            from trainfold._src.distributed.control import current_timeout
+
+            self._group = dist.new_group(backend="gloo", timeout=current_timeout())
         return self._group
 
     def submit(self, work: Callable[[], None]) -> None:
