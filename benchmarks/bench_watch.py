@@ -8,6 +8,7 @@ host work watching adds per step is also timed alone (the meter, the loader's ti
 per-process timing that names stragglers), which noise cannot hide.
 
     python benchmarks/bench_watch.py --processes 4 --rounds 15 [--out benchmarks/results_watch.json]
+    python benchmarks/bench_watch.py --model compute --rounds 10 --out benchmarks/results_watch_compute.json
 """
 
 from __future__ import annotations
@@ -25,26 +26,28 @@ HERE = Path(__file__).resolve().parent
 SIZES, BATCH, BATCHES = (32, 64, 10), 32, 256
 
 
-def child(rounds: int, seed: int) -> dict[str, list[float]]:
+def child(rounds: int, seed: int, model: str = "tiny") -> dict[str, list[float]]:
     import torch
 
     sys.path.insert(0, str(HERE))
     torch.set_num_threads(1)
     import bench
 
+    sizes, batch, batches = bench.MODELS[model]
+
     rng = random.Random(seed)
     epochs = {}
     bench.reset_accelerate()
     for key in rng.sample(["raw", "logged", "watched"], 3):
-        data = bench.make_data(SIZES, BATCH, BATCHES)
-        epochs[key] = bench.raw(SIZES, data, BATCH) if key == "raw" else bench.trainfold_loop(SIZES, data, BATCH, key)
+        data = bench.make_data(sizes, batch, batches)
+        epochs[key] = bench.raw(sizes, data, batch) if key == "raw" else bench.trainfold_loop(sizes, data, batch, key)
         epochs[key]()  # warm-up (and the first step's FLOPs counted)
     times: dict[str, list[float]] = {key: [] for key in epochs}
     for _ in range(rounds):
         for key in rng.sample(list(epochs), len(epochs)):
             start = time.perf_counter()
             epochs[key]()
-            times[key].append((time.perf_counter() - start) / BATCHES * 1e6)
+            times[key].append((time.perf_counter() - start) / batches * 1e6)
     return times
 
 
@@ -93,16 +96,29 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--model", default="tiny", help="bench.py's model: tiny (the guard's), or compute (a step 100x longer)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.rounds, args.seed)))
+        print(json.dumps(child(args.rounds, args.seed, args.model)))
         return
     runs = []
     for seed in range(args.processes):
         out = subprocess.run(
-            [sys.executable, __file__, "--child", "--rounds", str(args.rounds), "--seed", str(seed)],
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                "--rounds",
+                str(args.rounds),
+                "--seed",
+                str(seed),
+                "--model",
+                args.model,
+            ],
             capture_output=True,
             text=True,
             check=True,
@@ -124,6 +140,7 @@ def main() -> None:
         "over_raw_median": over_raw,
         "raw_us_per_step_median": statistics.median(t for run in runs for t in run["raw"]),
         "added_host_work_us": overhead(),
+        "model": args.model,
         "rounds": len(paired),
         "date": time.strftime("%Y-%m-%d"),
     }
