@@ -519,3 +519,63 @@ def test_ray_train_grows_and_shrinks_the_group_and_it_resumes_exactly(tmp_path):
     _assert_every_sample_once(out, starts)
     (_, _, *_), (_, grown, *_), (_, shrunk, *_) = starts
     _replay(tmp_path, storage / "run" / "trainfold", out, [(1, 0, grown), (2, grown, shrunk), (1, shrunk, None)])
+
+
+def test_a_killed_worker_costs_one_update_with_a_memory_tier(tmp_path):
+    """Two workers under ``torchrun --max-restarts 3`` save to a memory tier (a root in /dev/shm) every update and to
+    the durable root every 8; SIGKILL to one worker at update 11: torchrun restarts both, which resume from the
+    memory tier's newest checkpoint (at most one update lost, not the three since the durable root's update 8),
+    train every sample once, and end with the parameters of an uninterrupted run, bit for bit."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    memory = Path("/dev/shm") / f"trainfold-test-{os.getpid()}-{testing.free_port()}"
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.2",
+        str(ELASTIC),
+        str(root),
+        str(out),
+        "--step-s",
+        "0.05",
+        "--every",
+        "8",
+        "--memory",
+        str(memory),
+    ]
+    log = open(tmp_path / "node0.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ELASTIC_ENV, start_new_session=True)
+    agents = [(proc, log)]
+    try:
+        _wait_for("update 11", lambda: 11 in _updates(tmp_path, 0), agents, tmp_path)
+        ((_, _, _, victim),) = [s for s in _starts(tmp_path, 0) if s[2] == 1]
+        killed_after = max(_updates(tmp_path, 0))
+        os.kill(victim, signal.SIGKILL)
+        proc.wait(timeout=helpers.scaled(300))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        shutil.rmtree(memory, ignore_errors=True)
+    said = "\n".join(_lines(tmp_path, 0))
+    assert proc.returncode == 0 and "done 24" in said, said[-4000:]
+
+    starts = sorted({(w, u, r, p) for w, u, r, p in _starts(tmp_path, 0) if r == 0}, key=lambda s: s[1])
+    assert [(2, 0), (2, starts[1][1])] == [(w, u) for w, u, *_ in starts], starts
+    resumed = starts[1][1]
+    assert 8 < resumed and killed_after - resumed <= 1, (killed_after, resumed)  # the memory tier's, not update 8
+    _assert_every_sample_once(out, starts)
+    clean, clean_out = tmp_path / "clean", tmp_path / "clean-out"
+    clean_out.mkdir()
+    testing.run_distributed(elastic_run.main, [str(clean), str(clean_out), "--every", "8"], nprocs=2, timeout=300)
+    testing.assert_params_equal(load_file(str(clean_out / "final.st")), load_file(str(out / "final.st")))

@@ -1,9 +1,11 @@
 """A training script written from the guide "Running at scale": it resumes by itself, on any number of processes.
 
     torchrun --nnodes 1:2 --nproc_per_node 1 --rdzv-backend c10d ... elastic_run.py ROOT OUT [--step-s S] [--until N]
+        [--every K] [--memory MEM]
 
 Resumes from ROOT's newest checkpoint at start (``missing_ok``), whatever the world size; saves a checkpoint every two
-updates and at a stop (a SIGTERM: the agent restarting its workers); trains four epochs of 24 samples. Each process
+updates (``--every``) and at a stop; with ``--memory`` also every update into MEM (a memory tier, the newest two kept),
+and resumes from the newest of either (a SIGTERM: the agent restarting its workers); trains four epochs of 24 samples. Each process
 prints "start <world> <update> <rank> <pid>" once set up, and rank 0 "update <n>" after each update; every micro-batch's
 sample ids go to ``OUT/records-<pid>.txt`` as "<incarnation> <update> <epoch> <world> <ids...>" (the incarnation: its
 rank 0's pid). At the end rank 0 writes the parameters to ``OUT/final.st`` and prints "done". ``--until N`` ends the
@@ -69,6 +71,8 @@ def main(argv=None, *, on_update=None, on_commit=None):
     parser.add_argument("out")
     parser.add_argument("--step-s", type=float, default=0.0)
     parser.add_argument("--until", type=int, default=None)
+    parser.add_argument("--every", type=int, default=2, help="updates between two checkpoints in ROOT")
+    parser.add_argument("--memory", default=None, help="a memory tier (a root in /dev/shm), saved every update")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -78,7 +82,8 @@ def main(argv=None, *, on_update=None, on_commit=None):
         )
         state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
         (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(Numbered(), batch_size=2, shuffle=True))
-        state = load_checkpoint(ctx, args.root, state, missing_ok=True)
+        roots = [args.memory, args.root] if args.memory else args.root  # the newest of either, the memory tier's first
+        state = load_checkpoint(ctx, roots, state, missing_ok=True)
 
         world, rank = ctx.accelerator.num_processes, ctx.accelerator.process_index
         incarnation = broadcast_object_list([os.getpid()])[0]
@@ -95,7 +100,9 @@ def main(argv=None, *, on_update=None, on_commit=None):
                 say(f"update {new.step}")
             return new
 
-        saving = checkpoint_every(ctx, 2, args.root)  # every checkpoint kept: the test replays from them
+        saving = checkpoint_every(ctx, args.every, args.root)  # every checkpoint kept: the test replays from them
+        if args.memory:  # the fast tier: every update, the newest two kept
+            step = checkpoint_every(ctx, 1, args.memory, keep_last=2)(step)
         if args.until is not None:
             step = max_steps(args.until)(step)
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any, Callable, Mapping, overload
+from typing import Any, Callable, Mapping, Sequence, overload
 
 from toolz import curry
 
 from trainfold._version import __version__
 from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.formats import for_load
-from trainfold._src.checkpoint.manifest import read_manifest
+from trainfold._src.checkpoint.manifest import read_manifest, read_manifest_json
 from trainfold._src.checkpoint.root import expect_path, newest_first
 from trainfold._src.checkpoint.save import position_of
 from trainfold._src.checkpoint.storage import Stored, open_root
@@ -32,7 +32,7 @@ logger = logging.getLogger("trainfold")
 @overload
 def load_checkpoint(
     ctx: Context,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
     missing_ok: bool = ...,
     storage_options: Mapping[str, Any] | None = ...,
@@ -42,7 +42,7 @@ def load_checkpoint(
 @overload
 def load_checkpoint(
     ctx: Context,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     state: TrainState,
     *,
     missing_ok: bool = ...,
@@ -53,7 +53,7 @@ def load_checkpoint(
 @curry  # type: ignore[untyped-decorator]  # toolz ships no type hints
 def load_checkpoint(
     ctx: Context,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     state: TrainState,
     *,
     missing_ok: bool = False,
@@ -90,9 +90,17 @@ def load_checkpoint(
     several processes they agree first on the newest checkpoint they see, and a root that
     is not the same on every node (a local folder on each) is refused, naming what each saw.
 
+    Given a list of roots (a memory tier saved every few updates, then the durable root), the
+    newest complete checkpoint of any of them is loaded, by the position each records (the
+    root listed first at the same position); a damaged one falls back to the next newest of
+    any root. The last root says which run this is: another root's checkpoints of another run
+    (a memory folder an earlier job left) are passed over with a warning, as is a root that is
+    not the same on every process. See the guide "Checkpoints that cannot lie".
+
     Args:
         ctx: the run's Context.
-        path: a checkpoint folder, or a root of them (its newest complete checkpoint); a local path or a URL.
+        path: a checkpoint folder, or a root of them (its newest complete checkpoint); a local path or a URL. Or a
+            list of roots, a memory tier first and the durable root last: the newest complete checkpoint of any.
         state: the state to load into (made with ``TrainState.create`` for the same model and optimizer;
             curried: ``load_checkpoint(ctx, path)`` is an epoch function).
         missing_ok: give ``state`` back where ``path`` holds no complete checkpoint, instead of raising.
@@ -102,7 +110,9 @@ def load_checkpoint(
         The saved state, with ``state``'s handles (the model, optimizer and scheduler, loaded in place).
 
     Raises:
-        DamagedCheckpoint: the checkpoint ``path`` names, or every checkpoint of the root, is damaged (naming the file).
+        DamagedCheckpoint: the checkpoint ``path`` names, or every checkpoint of the root (or roots), is damaged
+            (naming the file).
+        ValueError: an empty list of roots.
         CheckpointError: a damaged or hostile checkpoint (naming the file), another model
             (naming the first parameter that differs), another optimizer layout,
             another world size, another accumulation setting, DeepSpeed on one side only,
@@ -122,10 +132,16 @@ def load_checkpoint(
     expect_context("load_checkpoint", "load_checkpoint(ctx, path, state)", ctx)
     state = expect_owned("load_checkpoint", ctx, expect_state("load_checkpoint", state))
     ctx.wait_for_checkpoints()  # a background save of this run is committed before anything is read
-    found = _newest_alike(ctx, expect_path("load_checkpoint", path), storage_options, missing_ok)
+    roots = _roots(path)
+    found = (
+        _newest_alike(ctx, roots[0], storage_options, missing_ok)
+        if len(roots) == 1
+        else _newest_across(ctx, roots, storage_options, missing_ok)
+    )
     if not found:
         if ctx.is_main_process:
-            logger.info("no checkpoint under %s yet: starting at update %d", os.fspath(path), state.step)
+            where = " or ".join(os.fspath(r) for r in roots)
+            logger.info("no checkpoint under %s yet: starting at update %d", where, state.step)
         return state
     for n, folder in enumerate(found):
         try:
@@ -145,7 +161,7 @@ def load_checkpoint(
         processes = ctx.accelerator.num_processes
         logger.info(
             "resumed from %s at update %d (epoch %d, batch %d) on %d process%s",
-            folder.name,
+            folder.name if len(roots) == 1 else folder,
             loaded.step,
             loaded.epoch,
             loaded.batch_in_epoch,
@@ -153,6 +169,76 @@ def load_checkpoint(
             "" if processes == 1 else "es",
         )
     return loaded
+
+
+def _roots(path: Any) -> list[str | os.PathLike[str]]:
+    """``path`` as a list of roots: one path, or a list or tuple of them (the fast tier first, the durable one last)."""
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError(
+                "load_checkpoint got an empty list of roots: give a checkpoint folder or root, or several roots "
+                "(the memory tier first, the durable root last)."
+            )
+        return [expect_path("load_checkpoint", p) for p in path]
+    return [expect_path("load_checkpoint", path)]
+
+
+def _newest_across(
+    ctx: Context, roots: list[str | os.PathLike[str]], storage_options: Mapping[str, Any] | None, missing_ok: bool
+) -> list[Stored]:
+    """The complete checkpoints of every root, the newest first by the position each records (at the same position,
+    the root listed first), the same on every process; none, with ``missing_ok``.
+
+    A root that is not the same on every process (a node's own memory, after a restart on other nodes) is passed over
+    with a warning, as is a checkpoint of another run than the last root's newest (a memory root left by an earlier
+    job): the last root, the durable one, says which run this is, where it holds a checkpoint.
+
+    Raises:
+        CheckpointError: no root holds a complete checkpoint (unless ``missing_ok``).
+    """
+    per_root: list[list[Stored]] = []
+    for root in roots:
+        try:
+            per_root.append(newest_first(root, storage_options))
+        except CheckpointError:
+            per_root.append([])
+    if ctx.accelerator.num_processes > 1:
+        seen = gather_objects(ctx.runtime.control.group(), [found[0].name if found else None for found in per_root])
+        for i, root in enumerate(roots):
+            names = [views[i] for views in seen]
+            if len(set(names)) > 1:
+                said = ", ".join(f"process {rank} {name or 'none'}" for rank, name in enumerate(names))
+                _warn_passed_over(root, f"the processes see different newest checkpoints there ({said})")
+                per_root[i] = []
+    run = _run_of(per_root[-1][0]) if per_root[-1] else None
+    candidates = []
+    for i, found in enumerate(per_root):
+        manifests = [(stored, read_manifest_json(stored)) for stored in found]
+        others = [m.get("run_id") for _, m in manifests if run is not None and m.get("run_id") != run]
+        if others:
+            _warn_passed_over(
+                roots[i], f"its checkpoints of run {others[0]} are not of {os.fspath(roots[-1])}'s run {run}"
+            )
+        candidates += [
+            ((m.get("micro_step", 0), m.get("step", 0)), -i, stored)
+            for stored, m in manifests
+            if run is None or m.get("run_id") == run
+        ]
+    if not candidates and not missing_ok:
+        raise CheckpointError(f"no complete checkpoint under {' or '.join(os.fspath(r) for r in roots)}.")
+    return [stored for *_, stored in sorted(candidates, key=lambda c: c[:2], reverse=True)]
+
+
+def _run_of(stored: Stored) -> Any:
+    return read_manifest_json(stored).get("run_id")
+
+
+def _warn_passed_over(where: object, why: str) -> None:
+    warnings.warn(
+        f"load_checkpoint: {where} is passed over: {why}. Loading from the other roots.",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def _newest_alike(
