@@ -4,11 +4,14 @@ root; a memory root left by another run is passed over for the durable root's ru
 
 import warnings
 
+import helpers
 import pytest
 
 from trainfold import (
     CheckpointError,
+    checkpoint_every,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     make_step,
     run_epoch,
@@ -106,4 +109,47 @@ def test_roots_without_a_checkpoint(tmp_path):
         load_checkpoint(ctx, [memory, durable], fresh)
     with pytest.raises(ValueError, match="an empty list of roots"):
         load_checkpoint(ctx, [], fresh)
+    ctx.close()
+
+
+@pytest.fixture
+def full_memory(tmp_path):
+    """A tmpfs of 512 KiB (a memory tier, for real), filled but for 4 KiB: no checkpoint fits."""
+    for folder in helpers.small_disk(tmp_path / "shm", "512k"):
+        filler = folder / "filler"
+        with open(filler, "wb") as f:
+            try:
+                f.write(b"\0" * (512 << 10))
+            except OSError:
+                pass  # full
+        filler.write_bytes(b"\0" * ((512 - 4) << 10))
+        yield folder
+
+
+def test_a_full_memory_tier_is_logged_and_training_goes_on(full_memory, tmp_path, caplog):
+    """A best-effort tier whose every save fails for want of space: each failure is logged, nothing is committed or
+    left behind there, training and the durable tier go on; once there is room, the tier saves again."""
+    memory, durable = full_memory / "run", tmp_path / "durable"
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    fast = checkpoint_every(ctx, 1, memory, keep_last=2, best_effort=True)
+    slow = checkpoint_every(ctx, 4, durable)
+    step = slow(fast(make_step(ctx, loss_fn)))
+
+    with caplog.at_level("ERROR", logger="trainfold"):
+        state = run_epoch(ctx, step, loader, state)
+    failed = [r.message for r in caplog.records if "best_effort=True" in r.message]
+    assert 4 == state.step and 4 == len(failed) and "No space left on device" in failed[0]
+    assert ["ckpt-0000000004"] == [p.name for p in list_checkpoints(durable)]
+    assert [] == list_checkpoints(memory) and [] == [p.name for p in memory.iterdir() if p.name.startswith(".tmp")]
+
+    (full_memory / "filler").unlink()  # room again: the next update's save is committed
+    state = run_epoch(ctx, step, loader, state)
+    ctx.close()
+    assert ["ckpt-0000000007", "ckpt-0000000008"] == [p.name for p in list_checkpoints(memory)]
+
+
+def test_a_best_effort_tier_saves_blocking(tmp_path):
+    ctx, _, _, _ = testing.tiny_setup(seed=0)
+    with pytest.raises(ValueError, match="best_effort=True saves blocking"):
+        checkpoint_every(ctx, 1, tmp_path, best_effort=True, async_save=True)
     ctx.close()

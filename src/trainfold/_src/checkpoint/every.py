@@ -66,6 +66,7 @@ class CheckpointEvery:
     async_save: bool = False
     storage_options: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     save_frozen: bool = False
+    best_effort: bool = False
 
     def __call__(self, step: Step) -> Step:
         """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
@@ -130,7 +131,7 @@ class CheckpointEvery:
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )
-        if runtime.warn_once(f"unsaved end:{key}"):
+        if not self.best_effort and runtime.warn_once(f"unsaved end:{key}"):  # (a memory tier's end is not the point)
             runtime.at_close(lambda: self._say_unsaved(key))
 
     def _say_unsaved(self, key: str) -> None:
@@ -149,6 +150,23 @@ class CheckpointEvery:
         )
 
     def _save(self, state: TrainState) -> TrainState:
+        if not self.best_effort:
+            return self._save_now(state)
+        self.ctx.wait_for_checkpoints()  # another root's background save: its error is its own, raised here
+        try:
+            return self._save_now(state)
+        except OSError as exc:  # every process alike (a save agrees on its outcome): nothing committed, the run goes on
+            if self.ctx.is_main_process:
+                logger.error(
+                    "checkpoint_every(%r, best_effort=True): the save at update %d failed and training goes on (the "
+                    "checkpoints before it are intact): %s",
+                    self.root,
+                    state.step,
+                    exc,
+                )
+            return state
+
+    def _save_now(self, state: TrainState) -> TrainState:
         return save_checkpoint(
             self.ctx,
             self.root,
@@ -171,6 +189,7 @@ def checkpoint_every(
     async_save: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     save_frozen: bool = False,
+    best_effort: bool = False,
 ) -> CheckpointEvery:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
@@ -209,12 +228,16 @@ def checkpoint_every(
         async_save: write in the background while training goes on (:func:`save_checkpoint`).
         storage_options: options for the store's fsspec filesystem (a URL root only).
         save_frozen: write a model's frozen parameters too, instead of their fingerprint (:func:`save_checkpoint`).
+        best_effort: a tier beside a durable one (a memory tier, ``/dev/shm``): a save that fails with an
+            ``OSError`` (the tier full) is logged as an error, nothing of it committed, and training goes on;
+            closing the Context does not warn that the run's end is not in this root.
 
     Returns:
         The step transformer, a :class:`CheckpointEvery`, with :meth:`~CheckpointEvery.at_end` for the run's end.
 
     Raises:
-        ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root.
+        ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root;
+            ``best_effort`` with ``async_save``.
         CheckpointError: a root that cannot be used (an unknown protocol, the store's package not
             installed, a bucket that does not exist, a folder that cannot be written), or another run's lock on it.
 
@@ -235,13 +258,21 @@ def checkpoint_every(
     sharded_layout(ctx, sharded)  # wrong values refused now, not at the first save
     flag("async_save", async_save)
     flag("save_frozen", save_frozen)
+    flag("best_effort", best_effort)
+    if best_effort and async_save:
+        raise ValueError(
+            "checkpoint_every: best_effort=True saves blocking (async_save=False): a memory tier's writes are quick, and "
+            "a failure of its save must be told apart from another root's background save."
+        )
     # an unknown protocol, the store's package missing, a bucket that does not exist (one request): refused now, not at the first save
     reason = open_root(root, storage_options).unusable()
     if reason is not None:
         raise CheckpointError(
             f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet."
         )
-    return CheckpointEvery(ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen)
+    return CheckpointEvery(
+        ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen, best_effort
+    )
 
 
 def _period_first(n: Any, root: Any) -> tuple[Any, Any]:
