@@ -13,7 +13,9 @@ a 512 MB checkpoint. Each round, in turn:
   verified, decoded, checked, copied into the live model);
 - s3fs's ``get`` of the same objects to a local folder (the download alone);
 - the step's blocked time under a background save (``async_save=True``: the call returns once
-  the state is copied to host memory) against the blocking save.
+  the state is copied to host memory) against the blocking save;
+- a verified load of the same state from a memory tier (a root in ``/dev/shm``, saved there the same
+  round): what a restart that finds the memory tier costs against one that reads the store.
 
 Reported: medians, and throughput ratios (s3fs's time / trainfold's: at least 0.9 is the target).
 The server runs on the same two cores as the client: the figures compare the two clients on
@@ -126,6 +128,13 @@ def main() -> None:
             save_checkpoint(ctx, f"s3://bench/async-{r}", state, storage_options=options, async_save=True)
             times.setdefault("step blocked by a background save", []).append(time.perf_counter() - t)
             ctx.wait_for_checkpoints()
+
+            memory = Path(tempfile.mkdtemp(dir="/dev/shm"))
+            save_checkpoint(ctx, memory, state)
+            t = time.perf_counter()
+            load_checkpoint(ctx, memory, state)
+            times.setdefault("trainfold load from a memory tier (/dev/shm)", []).append(time.perf_counter() - t)
+            shutil.rmtree(memory)
             for prefix in (f"bench/run-{r}", f"bench/put-{r}", f"bench/async-{r}"):
                 fs.rm(prefix, recursive=True)
             shutil.rmtree(copy)
@@ -147,6 +156,8 @@ def main() -> None:
         "verified load throughput / s3fs get": med["s3fs get (same objects)"] / med["trainfold load (verified)"],
         "background save's blocked time / blocking save": med["step blocked by a background save"]
         / med["trainfold save"],
+        "memory tier load / S3 verified load": med["trainfold load from a memory tier (/dev/shm)"]
+        / med["trainfold load (verified)"],
     }
     print()
     for k, v in ratios.items():

@@ -102,7 +102,7 @@ def main(argv=None, *, on_update=None, on_commit=None):
 
         saving = checkpoint_every(ctx, args.every, args.root)  # every checkpoint kept: the test replays from them
         if args.memory:  # the fast tier: every update, the newest two kept
-            step = checkpoint_every(ctx, 1, args.memory, keep_last=2)(step)
+            step = checkpoint_every(ctx, 1, args.memory, keep_last=2, best_effort=True)(step)
         if args.until is not None:
             step = max_steps(args.until)(step)
 
