@@ -153,3 +153,29 @@ def test_a_best_effort_tier_saves_blocking(tmp_path):
     with pytest.raises(ValueError, match="best_effort=True saves blocking"):
         checkpoint_every(ctx, 1, tmp_path, best_effort=True, async_save=True)
     ctx.close()
+
+
+def _load_from_own_memory(folder):
+    """Each process's memory tier is its own folder (a node's own /dev/shm); the durable root is shared."""
+    ctx, fresh = _fresh()
+    rank = ctx.accelerator.process_index
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loaded = load_checkpoint(ctx, [f"{folder}/memory-{rank}", f"{folder}/durable"], fresh)
+    ctx.close()
+    return loaded.step, [str(w.message) for w in said if "passed over" in str(w.message)]
+
+
+@pytest.mark.multiprocess
+def test_a_memory_tier_not_alike_on_every_process_is_passed_over(tmp_path):
+    """Restarted on other nodes, the processes do not see the same memory tier (process 0's holds update 8, process
+    1's nothing): it is passed over on both with a warning naming what each saw, and both load the durable root's."""
+    ctx, state, step, loader = _trained(1)
+    save_checkpoint(ctx, tmp_path / "durable", state)  # update 4
+    state = run_epoch(ctx, step, loader, state)
+    save_checkpoint(ctx, tmp_path / "memory-0", state)  # update 8, on process 0's node only
+    ctx.close()
+
+    for step_loaded, passed_over in testing.run_distributed(_load_from_own_memory, str(tmp_path), nprocs=2):
+        assert 4 == step_loaded
+        assert len(passed_over) == 1 and "process 0 ckpt-0000000008, process 1 none" in passed_over[0], passed_over
