@@ -12,7 +12,6 @@ from trainfold._src.base.copier import copier
 from trainfold._src.base.running_sums import RunningSums
 from trainfold._src.base.types import Batch, LossFn
 from trainfold._src.core.clock import Clock
-from trainfold._src.distributed.last_seen import Phase
 from trainfold._src.core.compiling import Compile, compile_regions, compile_spec, loss_of
 from trainfold._src.core.checks import describe, expect_args, expect_owned, expect_state
 from trainfold._src.core.context import Context
@@ -31,6 +30,7 @@ from trainfold._src.core.state import TrainState
 from trainfold._src.core.stop import Stop
 from trainfold._src.core.types import Step
 from trainfold._src.core.update import Updates
+from trainfold._src.distributed.last_seen import Phase
 
 
 def record(
