@@ -64,9 +64,9 @@ def per_process(
         top = max(range(processes), key=values.__getitem__)
         median = statistics.median(values)
         out[f"{figure}_s_median"], out[f"{figure}_s_max"] = median, values[top]
-        out[f"{figure}_s_max_process"] = float(top)
+        out[f"{figure}_s_max_process"] = float(top)  # sync: none: host numbers (after the report's reduction)
         if figure in KINDS and values[top] - median > limit:
-            out[f"straggler_{KINDS[figure]}"] = float(top)
+            out[f"straggler_{KINDS[figure]}"] = float(top)  # sync: none: a host int
     return out
 
 
@@ -106,9 +106,9 @@ class Named:
         process named most often); and start the next epoch from zero."""
         out: dict[str, float] = {}
         for kind, counts in self.counts.items():
-            out[f"stragglers_{kind}"] = float(sum(counts.values()))
+            out[f"stragglers_{kind}"] = float(sum(counts.values()))  # sync: none: host counts
             if counts:
-                out[f"straggler_{kind}_process"] = float(counts.most_common(1)[0][0])
+                out[f"straggler_{kind}_process"] = float(counts.most_common(1)[0][0])  # sync: none: a host int
             counts.clear()
         return out
 

@@ -8,6 +8,7 @@ and the FLOPs, are summed over processes in the report's one all-reduce.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -91,7 +92,7 @@ class Watch:
 
 def _share(value: Any) -> None:
     if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf")
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
     ):
         raise ValueError(
             f"Watch(stragglers={value!r}): give the share of an update's time by which a process may exceed the median "
@@ -100,7 +101,7 @@ def _share(value: Any) -> None:
 
 
 def _seconds(value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(
             f"Watch(straggler_min_s={value!r}): give the least excess that names a straggler, in seconds per update (a "
             "number >= 0, such as 0.01)."
@@ -275,7 +276,7 @@ class Meter:
             out.update(self.clock.peaks.take(acc.device, "report"))
         if self.compute is not None and "watch:processes" in totals:
             self.compute.take()
-            share, floor = float(self.watch.stragglers or 0.0), self.watch.straggler_min_s
+            share, floor = float(self.watch.stragglers or 0.0), self.watch.straggler_min_s  # sync: none: settings
             figures = per_process(
                 totals["watch:processes"], self.processes, state.step - self.from_update, seconds, share, floor
             )
