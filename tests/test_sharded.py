@@ -720,3 +720,45 @@ def test_resumed_at_the_last_update_elsewhere(tmp_path):
     ((losses, reports, train_loss),) = helpers.on_processes(1, _elastic_means, str(tmp_path), resume=True)
 
     assert [] == losses and [] == reports and train_loss is None
+
+
+def _commit_reports(root, layers):
+    """A sharded save of ``layers`` Linear(8, 8) layers on this process: the bytes it sent in each of torch's
+    gather_object calls (watched: the object pickled; DCP's own planning gathers first, trainfold's commit report is the
+    last), and whether it received each call's objects."""
+    import pickle
+
+    import torch.distributed as dist
+
+    sent, received = [], []
+    gather = dist.gather_object
+
+    def watched(obj, object_gather_list=None, dst=None, group=None, **kwargs):
+        sent.append(len(pickle.dumps(obj)))
+        gather(obj, object_gather_list, dst=dst, group=group, **kwargs)
+        received.append(object_gather_list is not None)
+
+    ctx = Context(accelerator=Accelerator(cpu=True), signals=())
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(layers)])
+    state = TrainState.create(ctx, model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    state = make_step(ctx, lambda m, b: m(b).pow(2).mean())(state, torch.randn(2, 8))
+    dist.gather_object = watched
+    try:
+        save_checkpoint(ctx, root, state)
+    finally:
+        dist.gather_object = gather
+    ctx.close()
+    return sent, received
+
+
+@pytest.mark.multiprocess
+def test_what_a_process_sends_to_commit_does_not_grow_with_the_model_or_the_processes(tmp_path):
+    """Each process reports its own files' entries to the main process alone: a few hundred bytes for 2 layers or for
+    64 (its one shard file), and only the main process receives the reports."""
+    few = testing.run_distributed(_commit_reports, str(tmp_path / "few"), 2, nprocs=2)
+    many = testing.run_distributed(_commit_reports, str(tmp_path / "many"), 64, nprocs=2)
+
+    for rank, ((sent_few, received), (sent_many, _)) in enumerate(zip(few, many)):
+        assert sent_few[-1] < 1024 and abs(sent_many[-1] - sent_few[-1]) < 16, (sent_few, sent_many)  # (sizes' digits)
+        assert received[-1] == (rank == 0)

@@ -21,7 +21,7 @@ import torch
 from trainfold._src.checkpoint.content import Content, write_files
 from trainfold._src.checkpoint.commit import agreed, commit
 from trainfold._src.checkpoint.storage.protocol import Storage
-from trainfold._src.distributed.control import gather_objects
+from trainfold._src.distributed.control import gather_to_main
 
 if TYPE_CHECKING:
     from trainfold._src.checkpoint.formats.common import Format
@@ -78,10 +78,12 @@ def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
         )
     if job.format.partitioned:  # each process holds its own part of the weights (shards, DeepSpeed partitions)
         finite = _finite(job.weights)
-        if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite
-            reports = gather_objects(ctx.runtime.control.group() if group is None else group, (entries, finite))
-            entries = {k: v for files_of, _ in reports for k, v in files_of.items()}
-            finite = all(f for _, f in reports)
+        if world > 1:  # every process reports its files' digests (nothing is read back) and whether its part is finite,
+            # to the main process alone, which commits: each sends its own few entries, whatever the world size
+            reports = gather_to_main(ctx.runtime.control.group() if group is None else group, (entries, finite))
+            if reports is not None:
+                entries = {k: v for files_of, _ in reports for k, v in files_of.items()}
+                finite = all(f for _, f in reports)
     else:
         finite = _finite(job.weights) if main else True
     if main and not finite:

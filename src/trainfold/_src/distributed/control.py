@@ -172,6 +172,18 @@ def explaining_timeouts(processes: int) -> Iterator[None]:
         raise
 
 
+def gather_to_main(group: Any, value: Any) -> list[Any] | None:
+    """Every process's ``value`` over ``group`` in rank order, on the group's first process (None on the others): each
+    process sends its own value, and only the first receives them all (an all-gather would send every value to every
+    process: a world size's worth to each)."""
+    import torch.distributed as dist
+
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    out: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(value, out, dst=first, group=group)
+    return out
+
+
 def gather_objects(group: Any, value: Any) -> list[Any]:
     """Every process's ``value`` over ``group`` (small, picklable: it travels between this run's own processes), in rank order."""
     import torch.distributed as dist
