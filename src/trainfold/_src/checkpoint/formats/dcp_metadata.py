@@ -31,17 +31,25 @@ _SHARD = re.compile(r"shard-(0|[1-9][0-9]{0,5})\.safetensors")
 
 
 def metadata_json(metadata: Metadata, stored: Mapping[MetadataIndex, Any]) -> bytes:
+    """``tensors.json``: each tensor's dtype, size and chunks, and where each piece is stored (sorted by name and offset).
+
+    The sizes and offsets are ``torch.Size`` values, tuples, which JSON writes as lists as they are: converting each
+    (hundreds of thousands at thousands of processes) took most of the time."""
     tensors = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             raise TypeError(f"a sharded checkpoint holds tensors only; {fqn!r} is not one.")
         tensors[fqn] = {
             "dtype": _safetensors.DTYPES[md.properties.dtype],
-            "size": list(md.size),
-            "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+            "size": md.size,
+            "chunks": [[c.offsets, c.sizes] for c in md.chunks],
         }
-    storage = [[i.fqn, None if i.offset is None else list(i.offset), file, key] for i, (file, key) in stored.items()]
-    return json_bytes({"tensors": tensors, "storage": sorted(storage, key=lambda s: (s[0], s[1] or []))})
+    storage = sorted(([i.fqn, i.offset, file, key] for i, (file, key) in stored.items()), key=_by_name_and_offset)
+    return json_bytes({"tensors": tensors, "storage": storage})
+
+
+def _by_name_and_offset(entry: list[Any]) -> tuple[str, tuple[int, ...]]:
+    return entry[0], tuple(entry[1]) if entry[1] is not None else ()
 
 
 def parse_metadata(folder: object, data: Any, world_size: int) -> Metadata:
