@@ -496,6 +496,39 @@ def test_ray_train_restarts_a_lost_worker_and_it_resumes_exactly(tmp_path):
 
 
 @needs_ray
+def test_ray_train_restarts_a_lost_worker_from_a_memory_tier(tmp_path):
+    """The same training with a memory tier (a root in /dev/shm, saved every update) beside a root saved every 8: the
+    worker SIGKILLed at update 7 makes Ray restart the group, which resumes from the memory tier's update 7 (the root
+    has none yet), and ends with the parameters of the same training uninterrupted, bit for bit."""
+    storage, out = tmp_path / "storage", tmp_path / "out"
+    out.mkdir()
+    memory = Path("/dev/shm") / f"trainfold-test-{os.getpid()}-{testing.free_port()}"
+    cmd = [sys.executable, str(SCRIPTS / "ray_run.py"), str(storage), str(out), "--kill-at", "7", "--max-failures", "1"]
+    try:
+        done = subprocess.run(
+            [*cmd, "--memory", str(memory), "--every", "8"],
+            capture_output=True,
+            text=True,
+            env=RAY_ENV,
+            timeout=helpers.scaled(400),
+        )
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-5000:]
+
+    assert (out / "killed").exists()
+    assert f"resumed from {memory / 'ckpt-0000000007'} at update 7" in said  # the memory tier's, not the root's
+    _assert_every_sample_once(out, _incarnations(out))
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    testing.run_distributed(
+        elastic_run.main, [str(tmp_path / "uninterrupted"), str(reference), "--every", "8"], nprocs=2, timeout=300
+    )
+    testing.assert_params_equal(load_file(str(reference / "final.st")), load_file(str(out / "final.st")))
+
+
+@needs_ray
 def test_ray_train_grows_and_shrinks_the_group_and_it_resumes_exactly(tmp_path):
     """``ScalingConfig(num_workers=(1, 2))`` on a local Ray cluster (``ray.cluster_utils.Cluster``): one worker on the
     head's one CPU; a node of one CPU joins and Ray grows the group to two (it restarts the training function, which

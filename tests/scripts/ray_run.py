@@ -1,12 +1,13 @@
 """elastic_run.py's training, inside Ray Train's ``TorchTrainer``, on a local Ray cluster of CPU workers.
 
-    python ray_run.py STORAGE OUT --workers N [--kill-at UPDATE] [--max-failures K]
+    python ray_run.py STORAGE OUT --workers N [--kill-at UPDATE] [--max-failures K] [--memory MEM --every K]
 
 The training function is the guide's: the checkpoint root lies inside the run's storage path
 (``<STORAGE>/run/trainfold``), every committed checkpoint is reported to Ray where it lies (no copy), and a worker
 restarted by Ray resumes from the root. ``--kill-at N`` SIGKILLs the worker of rank 1 at update N of the first attempt
 (a marker file in OUT says it happened), so that Ray's ``FailureConfig`` restarts the group. Prints "result <update>
-<checkpoint path>" with the run's last reported checkpoint.
+<checkpoint path>" with the run's last reported checkpoint. ``--memory`` and ``--every`` are elastic_run.py's (a memory
+tier saved every update; the root every K updates).
 """
 
 import argparse
@@ -41,7 +42,9 @@ def train_func(config):
             checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD,  # it is in the run's storage already: no copy
         )
 
-    elastic_run.main([root, config["out"], "--step-s", str(config["step_s"])], on_update=on_update, on_commit=on_commit)
+    tiers = ["--memory", config["memory"], "--every", str(config["every"])] if config["memory"] else []
+    argv = [root, config["out"], "--step-s", str(config["step_s"]), *tiers]
+    elastic_run.main(argv, on_update=on_update, on_commit=on_commit)
 
 
 def _worlds(out):
@@ -79,6 +82,8 @@ def main():
     parser.add_argument("--max-failures", type=int, default=0)
     parser.add_argument("--elastic", action="store_true")
     parser.add_argument("--step-s", type=float, default=0.05)
+    parser.add_argument("--memory", default=None)
+    parser.add_argument("--every", type=int, default=2)
     args = parser.parse_args()
     if args.elastic:
         from ray.cluster_utils import Cluster
@@ -93,7 +98,13 @@ def main():
         workers = args.workers
     trainer = TorchTrainer(
         train_func,
-        train_loop_config={"out": args.out, "kill_at": args.kill_at, "step_s": args.step_s},
+        train_loop_config={
+            "out": args.out,
+            "kill_at": args.kill_at,
+            "step_s": args.step_s,
+            "memory": args.memory,
+            "every": args.every,
+        },
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, elastic_resize_monitor_interval_s=1.0),
         run_config=RunConfig(
             name="run",
