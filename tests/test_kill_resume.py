@@ -54,14 +54,29 @@ def _run_and_kill(root, out, delay, *extra):
     return proc.returncode
 
 
-@pytest.mark.parametrize("extra", [(), ("--lora",)], ids=["full", "lora"])
-def test_kill_and_resume(tmp_path, extra, monkeypatch):
+@pytest.fixture
+def memory_root(tmp_path):
+    """A checkpoint root in /dev/shm (a memory tier's), removed after."""
+    import shutil
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    root = Path("/dev/shm") / f"trainfold-test-{os.getpid()}-{testing.free_port()}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "extra, where", [((), "disk"), (("--lora",), "disk"), ((), "memory")], ids=["full", "lora", "memory"]
+)
+def test_kill_and_resume(tmp_path, extra, where, request, monkeypatch):
     """One process, a checkpoint after every update; with --lora a frozen base under LoRA adapters (adapter checkpoints:
-    the base by fingerprint, checked at each resume), whose base must come out untouched."""
+    the base by fingerprint, checked at each resume), whose base must come out untouched; in /dev/shm, as a memory tier
+    is (kills inside its writes leave the checkpoint before them)."""
     expected = _run_to_end(tmp_path / "clean", tmp_path / "clean.safetensors", *extra, monkeypatch=monkeypatch)
 
     rng = random.Random(1234)
-    root = tmp_path / "killed"
+    root = request.getfixturevalue("memory_root") if where == "memory" else tmp_path / "killed"
     kills = 0
     for _ in range(5):
         code = _run_and_kill(root, tmp_path / "killed.safetensors", rng.uniform(0.02, 0.4), *extra)
