@@ -179,3 +179,27 @@ def test_a_memory_tier_not_alike_on_every_process_is_passed_over(tmp_path):
     for step_loaded, passed_over in testing.run_distributed(_load_from_own_memory, str(tmp_path), nprocs=2):
         assert 4 == step_loaded
         assert len(passed_over) == 1 and "process 0 ckpt-0000000008, process 1 none" in passed_over[0], passed_over
+
+
+def _save_to_own_folder(folder):
+    """Each process saves to "the same root", which is a folder of its own (a node's own /dev/shm on several nodes)."""
+    ctx, state, _, _ = testing.tiny_setup(seed=0)
+    rank = ctx.accelerator.process_index
+    try:
+        save_checkpoint(ctx, f"{folder}/node-{rank}", state)
+    except (OSError, CheckpointError) as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        ctx.close()
+    return None
+
+
+@pytest.mark.multiprocess
+def test_a_root_that_is_a_folder_of_each_node_is_refused_at_the_first_save(tmp_path):
+    """Process 1 does not find the staging folder the main process made: it says the root is not shared, the main
+    process that another failed, and nothing is committed (a memory tier on several nodes is such a root)."""
+    (kind_0, said_0), (kind_1, said_1) = testing.run_distributed(_save_to_own_folder, str(tmp_path), nprocs=2)
+
+    assert kind_1 == "FileNotFoundError" and "the root is not shared by every process" in said_1, said_1
+    assert kind_0 == "CheckpointError" and "failed on another process" in said_0, said_0
+    assert [] == list_checkpoints(tmp_path / "node-0")

@@ -14,6 +14,7 @@ the folder, and is read once, as one private map of it.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import shutil
@@ -144,6 +145,13 @@ class LocalStaging:
         return str(self.tmp)
 
     def write(self, name: str, chunks: Iterable[Any]) -> dict[str, Any]:
+        if not self.tmp.is_dir():  # the main process made it before any process writes: this one sees another folder
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{self.tmp} is not there, though the main process made it: this process sees another folder under the "
+                "same name, so the root is not shared by every process (a node's own disk or /dev/shm on several "
+                "nodes?); give every process a root they all see",
+            )
         return _write(self.tmp / name, chunks)
 
     def digest(self, name: str) -> dict[str, Any]:
