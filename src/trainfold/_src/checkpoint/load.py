@@ -16,8 +16,8 @@ from toolz import curry
 from trainfold._version import __version__
 from trainfold._src.base.checks import user_stacklevel
 from trainfold._src.checkpoint.formats import for_load
-from trainfold._src.checkpoint.manifest import read_manifest, read_manifest_json
-from trainfold._src.checkpoint.root import expect_path, newest_first
+from trainfold._src.checkpoint.manifest import read_manifest
+from trainfold._src.checkpoint.root import expect_path, newest_first, newest_first_with_manifests
 from trainfold._src.checkpoint.save import position_of
 from trainfold._src.checkpoint.storage import Stored, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
@@ -196,24 +196,24 @@ def _newest_across(
     Raises:
         CheckpointError: no root holds a complete checkpoint (unless ``missing_ok``).
     """
-    per_root: list[list[Stored]] = []
+    per_root: list[list[tuple[Stored, dict[str, Any]]]] = []
     for root in roots:
         try:
-            per_root.append(newest_first(root, storage_options))
+            per_root.append(newest_first_with_manifests(root, storage_options))
         except CheckpointError:
             per_root.append([])
     if ctx.accelerator.num_processes > 1:
-        seen = gather_objects(ctx.runtime.control.group(), [found[0].name if found else None for found in per_root])
+        newest = [found[0][0].name if found else None for found in per_root]
+        seen = gather_objects(ctx.runtime.control.group(), newest)
         for i, root in enumerate(roots):
             names = [views[i] for views in seen]
             if len(set(names)) > 1:
                 said = ", ".join(f"process {rank} {name or 'none'}" for rank, name in enumerate(names))
                 _warn_passed_over(root, f"the processes see different newest checkpoints there ({said})")
                 per_root[i] = []
-    run = _run_of(per_root[-1][0]) if per_root[-1] else None
+    run = per_root[-1][0][1].get("run_id") if per_root[-1] else None
     candidates = []
-    for i, found in enumerate(per_root):
-        manifests = [(stored, read_manifest_json(stored)) for stored in found]
+    for i, manifests in enumerate(per_root):
         others = [m.get("run_id") for _, m in manifests if run is not None and m.get("run_id") != run]
         if others:
             _warn_passed_over(
@@ -227,10 +227,6 @@ def _newest_across(
     if not candidates and not missing_ok:
         raise CheckpointError(f"no complete checkpoint under {' or '.join(os.fspath(r) for r in roots)}.")
     return [stored for *_, stored in sorted(candidates, key=lambda c: c[:2], reverse=True)]
-
-
-def _run_of(stored: Stored) -> Any:
-    return read_manifest_json(stored).get("run_id")
 
 
 def _warn_passed_over(where: object, why: str) -> None:

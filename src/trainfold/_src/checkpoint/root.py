@@ -30,6 +30,11 @@ CheckpointPath = Union[Path, str]
 
 def ordered(storage: Storage) -> list[Stored]:
     """The committed checkpoints of ``storage``, oldest first by the position their manifests record; damaged ones left out."""
+    return [stored for stored, _ in ordered_with_manifests(storage)]
+
+
+def ordered_with_manifests(storage: Storage) -> list[tuple[Stored, dict[str, Any]]]:
+    """:func:`ordered`, each with its manifest as read (parsed JSON, its position checked)."""
     found = []
     for stored in storage.checkpoints():
         try:
@@ -40,8 +45,8 @@ def ordered(storage: Storage) -> list[Stored]:
         except (CheckpointError, KeyError) as exc:
             logger.warning("skipping %s: %s", stored, exc)
             continue
-        found.append((position, stored.name, stored))
-    return [c for *_, c in sorted(found, key=lambda f: f[:2])]
+        found.append((position, stored.name, stored, manifest))
+    return [(stored, manifest) for *_, stored, manifest in sorted(found, key=lambda f: f[:2])]
 
 
 def list_checkpoints(
@@ -116,8 +121,25 @@ def newest_first(path: str | os.PathLike[str], storage_options: Mapping[str, Any
     stored = checkpoint_at(path, storage_options)
     if stored.committed():
         return [stored]
-    storage = open_root(path, storage_options)
-    found = ordered(storage)
+    return [stored for stored, _ in _newest_under(open_root(path, storage_options))]
+
+
+def newest_first_with_manifests(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> list[tuple[Stored, dict[str, Any]]]:
+    """:func:`newest_first`, each with its manifest as read (once: a root's listing reads every one).
+
+    Raises:
+        CheckpointError: neither a checkpoint nor a root of them.
+    """
+    stored = checkpoint_at(path, storage_options)
+    if stored.committed():
+        return [(stored, read_manifest_json(stored))]
+    return _newest_under(open_root(path, storage_options))
+
+
+def _newest_under(storage: Storage) -> list[tuple[Stored, dict[str, Any]]]:
+    found = ordered_with_manifests(storage)
     if not found:
         if any(name.startswith(f".tmp-{PREFIX}") for name in storage.unfinished()):
             raise CheckpointError(f"{storage} holds only unfinished checkpoints (.tmp-*): no save completed.")
