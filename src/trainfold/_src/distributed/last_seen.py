@@ -3,7 +3,8 @@
 At each stop-agreement round (about once per ``Context(stop_check_s=...)``), each process notes where it is: at which
 micro-batch and update. What it is doing, in a word (its :class:`Phase`: waiting for data, in the forward and backward,
 the update, a checkpoint, an evaluation), is set where it changes, by one attribute write, and sent with each write of
-the line, so a stopped process's line says the phase it stopped in. A thread of its own writes the note to the process group's store, with the
+the line: a hung process's line says what it is doing, a stopped one's what it did at its last write (at most a
+heartbeat before it stopped). A thread of its own writes the note to the process group's store, with the
 time it was made and the time of the write, at once and then every :data:`HEARTBEAT_S` seconds: a store that does not
 answer never holds up a step, and each line replaces the one before (one small write a second, whatever the run's
 size). When a collective times out, the processes that are still there read every process's line
