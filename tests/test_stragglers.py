@@ -247,3 +247,17 @@ def test_the_gradient_hooks_observe_and_change_nothing():
     watched, compute = epoch(True)
     assert all(torch.equal(a, b) for a, b in zip(plain, watched))
     assert 1 == len(compute.handles) and compute.seconds > 0  # one hook kept: the last gradient's
+
+
+def test_each_straggler_of_a_report_is_named_on_the_logger(caplog):
+    """The report's warning names the process, its kind and both figures; a report that names nobody logs nothing."""
+    from trainfold._src.compose.stragglers import say
+
+    figures = per_process([0.0, 0.0, 0.3] + [0.1] * 3 + [0.3, 0.3, 0.0], 3, 1, 0.4, 0.25, 0.01)
+    with caplog.at_level("WARNING", logger="trainfold"):
+        say(figures, 40, 0.25)
+        say(per_process([0.0] * 3 + [0.1] * 3 + [0.0] * 3, 3, 1, 0.1, 0.25, 0.01), 50, 0.25)
+    (record,) = caplog.records
+    assert record.getMessage().startswith(
+        "update 40: process 2 holds the others up (input): it waited for its data 0.3 s per update, the median process 0 s"
+    )

@@ -203,3 +203,15 @@ def test_a_root_that_is_a_folder_of_each_node_is_refused_at_the_first_save(tmp_p
     assert kind_1 == "FileNotFoundError" and "the root is not shared by every process" in said_1, said_1
     assert kind_0 == "CheckpointError" and "failed on another process" in said_0, said_0
     assert [] == list_checkpoints(tmp_path / "node-0")
+
+
+@pytest.mark.parametrize("best_effort", [True, False])
+def test_a_best_effort_tier_does_not_warn_of_an_unsaved_end(tmp_path, caplog, best_effort):
+    """Closing the Context warns that the run's last updates are in no checkpoint of a root, unless that root is a
+    best-effort tier (a memory tier's end is not what it is for: the durable root's at_end saves it)."""
+    ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)
+    step = checkpoint_every(ctx, 3, tmp_path / "memory", keep_last=2, best_effort=best_effort)(make_step(ctx, loss_fn))
+    run_epoch(ctx, step, loader, state)  # 4 updates: the 4th is in no checkpoint there
+    with caplog.at_level("WARNING", logger="trainfold"):
+        ctx.close()
+    assert ("are not in a checkpoint" in caplog.text) is not best_effort
