@@ -544,22 +544,22 @@ def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
     """A 2-D mesh's pieces (a grid, the layout DTensor writes): 40,000 pieces checked in one pass, not 8*10^8 pairs."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    from trainfold._src.checkpoint.formats.dcp_metadata import _check_tiling
+    from trainfold._src.checkpoint.formats.dcp_metadata import check_tiling
 
     chunks = _grid(400, 300, 2, 3)
-    _check_tiling("w", [400, 300], chunks)  # a quadratic check would not end within the suite's time
+    check_tiling("w", [400, 300], chunks)  # a quadratic check would not end within the suite's time
 
     shifted = chunks[:-1] + [ChunkStorageMetadata(offsets=torch.Size([398, 296]), sizes=torch.Size([2, 3]))]
     with pytest.raises(ValueError, match="do not tile it"):
-        _check_tiling("w", [400, 300], shifted)  # overlaps its neighbour, leaves a gap
+        check_tiling("w", [400, 300], shifted)  # overlaps its neighbour, leaves a gap
     with pytest.raises(ValueError, match="cover 399 of the 400 places"):
-        _check_tiling("w", [400, 300], _grid(399, 300, 2, 3))
+        check_tiling("w", [400, 300], _grid(399, 300, 2, 3))
     with pytest.raises(ValueError, match="overlap"):
-        _check_tiling("w", [400, 300], chunks + chunks[:1])
+        check_tiling("w", [400, 300], chunks + chunks[:1])
     with pytest.raises(
         ValueError, match="do not tile it: 2 pieces for a grid of 4"
     ):  # a diagonal: each axis covered, two cells empty
-        _check_tiling(
+        check_tiling(
             "w",
             [2, 2],
             [
@@ -568,7 +568,7 @@ def test_the_tiling_check_takes_a_large_grid_and_finds_each_fault_in_it():
             ],
         )
     with pytest.raises(ValueError, match="do not tile it"):  # an L of two pieces
-        _check_tiling(
+        check_tiling(
             "w",
             [2, 2],
             [

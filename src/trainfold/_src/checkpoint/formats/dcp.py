@@ -53,6 +53,7 @@ from trainfold._src.backend.engine import is_dtensor, local
 from trainfold._src.backend.optim import cpu_number
 from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold._src.checkpoint.formats.dcp_metadata import METADATA, check_piece, metadata_json
+from trainfold._src.checkpoint.formats.dcp_plan import MergingPlanner
 from trainfold._src.checkpoint.storage.protocol import Staging
 from trainfold.errors import CheckpointError
 
@@ -196,7 +197,7 @@ class _Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         stored = {r.index: r.storage_data for per_rank in results for r in per_rank}
-        self.entries[METADATA] = self.staging.write(METADATA, [metadata_json(metadata, stored)])
+        self.entries[METADATA] = self.staging.write(METADATA, metadata_json(metadata, stored))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -218,7 +219,13 @@ def write_shards(
     writer = _Writer(staging, rank)
     try:
         with _one_process_quiet():
-            dcp_save(dict(tensors), storage_writer=writer, process_group=group, no_dist=not _distributed())
+            dcp_save(
+                dict(tensors),
+                storage_writer=writer,
+                planner=MergingPlanner(),
+                process_group=group,
+                no_dist=not _distributed(),
+            )
     except CheckpointException as exc:
         raise _unwrapped(exc) from None
     return writer.entries
