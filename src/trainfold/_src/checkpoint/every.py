@@ -13,7 +13,7 @@ from trainfold._src.backend.loaders import not_resumable
 from trainfold._src.base.checks import name_of, named, positive_int, user_stacklevel
 from trainfold._src.base.types import Batch
 from trainfold._src.checkpoint import codec as _codec
-from trainfold._src.checkpoint.save import flag, position_of, save_checkpoint, sharded_layout
+from trainfold._src.checkpoint.save import check_staging_budget, flag, position_of, save_checkpoint, sharded_layout
 from trainfold._src.checkpoint.storage import open_root
 from trainfold._src.core.context import Context
 from trainfold._src.core.cursor import EpochCursor
@@ -67,6 +67,7 @@ class CheckpointEvery:
     storage_options: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
     save_frozen: bool = False
     best_effort: bool = False
+    staging_budget: int | None = None
 
     def __call__(self, step: Step) -> Step:
         """The step that saves after every ``n``-th update and at a stop (see :func:`checkpoint_every`)."""
@@ -174,6 +175,7 @@ class CheckpointEvery:
             keep_last=self.keep_last,
             sharded=self.sharded,
             async_save=self.async_save,
+            staging_budget=self.staging_budget,
             storage_options=self.storage_options,
             save_frozen=self.save_frozen,
         )
@@ -190,6 +192,7 @@ def checkpoint_every(
     storage_options: Mapping[str, Any] | None = None,
     save_frozen: bool = False,
     best_effort: bool = False,
+    staging_budget: int | None = None,
 ) -> CheckpointEvery:
     """A step transformer that saves a checkpoint after every ``n``-th optimizer update and when the run stops; ``.at_end`` saves the end.
 
@@ -209,7 +212,7 @@ def checkpoint_every(
 
     For checkpoints per epoch, compose ``save_checkpoint(ctx, root, keep_last=...)``
     after ``run_epoch`` instead (or ``every_epochs(k, save_checkpoint(...))``).
-    ``sharded``, ``async_save``, ``storage_options`` and ``save_frozen`` are ``save_checkpoint``'s (``root``
+    ``sharded``, ``async_save``, ``staging_budget``, ``storage_options`` and ``save_frozen`` are ``save_checkpoint``'s (``root``
     may be a URL: ``s3://bucket/run``); with ``async_save`` the final checkpoint at a
     stop is committed before the step returns. A root that cannot be used (an unknown
     protocol, the store's package not installed) is refused here, not at the first save.
@@ -231,13 +234,15 @@ def checkpoint_every(
         best_effort: a tier beside a durable one (a memory tier, ``/dev/shm``): a save that fails with an
             ``OSError`` (the tier full) is logged as an error, nothing of it committed, and training goes on;
             closing the Context does not warn that the run's end is not in this root.
+        staging_budget: with ``async_save``, the most host memory a background save's copy may take on a process
+            (:func:`save_checkpoint`).
 
     Returns:
         The step transformer, a :class:`CheckpointEvery`, with :meth:`~CheckpointEvery.at_end` for the run's end.
 
     Raises:
-        ValueError: ``n`` or ``keep_last`` is not a positive int; ``storage_options`` for a local root;
-            ``best_effort`` with ``async_save``.
+        ValueError: ``n``, ``keep_last`` or ``staging_budget`` is not a positive int; ``storage_options`` for a
+            local root; ``best_effort`` with ``async_save``; ``staging_budget`` without it.
         CheckpointError: a root that cannot be used (an unknown protocol, the store's package not
             installed, a bucket that does not exist, a folder that cannot be written), or another run's lock on it.
 
@@ -259,6 +264,7 @@ def checkpoint_every(
     flag("async_save", async_save)
     flag("save_frozen", save_frozen)
     flag("best_effort", best_effort)
+    check_staging_budget(staging_budget, async_save, "checkpoint_every")
     if best_effort and async_save:
         raise ValueError(
             "checkpoint_every: best_effort=True saves blocking (async_save=False): a memory tier's writes are quick, and "
@@ -271,7 +277,16 @@ def checkpoint_every(
             f"checkpoint_every: {os.fspath(root)} cannot hold checkpoints: {reason}. Nothing was trained yet."
         )
     return CheckpointEvery(
-        ctx, os.fspath(root), n, keep_last, sharded, async_save, storage_options, save_frozen, best_effort
+        ctx,
+        os.fspath(root),
+        n,
+        keep_last,
+        sharded,
+        async_save,
+        storage_options,
+        save_frozen,
+        best_effort,
+        staging_budget,
     )
 
 

@@ -33,6 +33,7 @@ from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
 from trainfold._src.checkpoint.adapters import peft_record
 from trainfold._src.checkpoint.frozen import model_fingerprint
+from trainfold._src.checkpoint.staging_budget import within_budget
 from trainfold._src.checkpoint.storage import Storage, open_root
 from trainfold._src.core.checks import expect_context, expect_owned, expect_state
 from trainfold._src.core.context import Context
@@ -52,6 +53,7 @@ def save_checkpoint(
     keep_last: int | None = ...,
     sharded: bool | None = ...,
     async_save: bool = ...,
+    staging_budget: int | None = ...,
     storage_options: Mapping[str, Any] | None = ...,
     save_frozen: bool = ...,
 ) -> Any: ...
@@ -66,6 +68,7 @@ def save_checkpoint(
     keep_last: int | None = ...,
     sharded: bool | None = ...,
     async_save: bool = ...,
+    staging_budget: int | None = ...,
     storage_options: Mapping[str, Any] | None = ...,
     save_frozen: bool = ...,
 ) -> TrainState: ...
@@ -80,6 +83,7 @@ def save_checkpoint(
     keep_last: int | None = None,
     sharded: bool | None = None,
     async_save: bool = False,
+    staging_budget: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     save_frozen: bool = False,
 ) -> TrainState:
@@ -128,6 +132,9 @@ def save_checkpoint(
             writes and commits the checkpoint while training goes on (at most one
             in flight; ``ctx.wait_for_checkpoints()``, the next save, a load and
             ``ctx.close()`` wait for it and raise its error).
+        staging_budget: with ``async_save``, the most bytes of host memory the background save's copy of the state
+            may take on a process; a save whose copy would be larger is written before it returns instead, from the
+            live tensors, with no copy (every process alike; said once). None: no bound (the state once).
         storage_options: options of the store's fsspec filesystem when ``root`` is a URL
             (``s3://bucket/run``: ``endpoint_url``, ``key``, ``secret``...); fsspec's own
             configuration and the provider's credential chain apply too.
@@ -163,6 +170,8 @@ def save_checkpoint(
     state = expect_owned("save_checkpoint", ctx, expect_state("save_checkpoint", state))
     if keep_last is not None:
         positive_int("keep_last", keep_last)
+    check_staging_budget(staging_budget, flag("async_save", async_save), "save_checkpoint")
+    background = async_save and _background(ctx, state, staging_budget)
     _check_replicas_equal(state)
     # a signal now is honoured after the save, not in its middle (the Context's handlers only record it);
     # a schedule-free optimizer saves its eval weights
@@ -175,7 +184,7 @@ def save_checkpoint(
                 state,
                 keep_last,
                 sharded_layout(ctx, sharded),
-                flag("async_save", async_save),
+                background,
                 flag("save_frozen", save_frozen),
             )
     finally:
@@ -192,6 +201,25 @@ def _check_replicas_equal(state: TrainState) -> None:
                 "copy of the model. Save where they were just averaged: at an epoch's end, with save_checkpoint composed "
                 "after average_parameters(ctx), or at a stop (local_sgd averages there)."
             )
+
+
+def _background(ctx: Context, state: TrainState, staging_budget: int | None) -> bool:
+    """Whether a save asked to run in the background does: always without a budget, else where every process's copy fits."""
+    if staging_budget is None:
+        return True
+    return within_budget(ctx, state, positive_int("staging_budget", staging_budget))
+
+
+def check_staging_budget(staging_budget: int | None, async_save: bool, where: str) -> None:
+    """A staging budget bounds a background save's copy: refused without ``async_save``, or where it is not a count."""
+    if staging_budget is None:
+        return
+    positive_int("staging_budget", staging_budget)
+    if not async_save:
+        raise ValueError(
+            f"{where}: staging_budget bounds the copy a background save makes, and this save is blocking (it copies "
+            "nothing): pass async_save=True with it, or leave staging_budget unset."
+        )
 
 
 def flag(name: str, value: Any) -> bool:
