@@ -12,7 +12,16 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from trainfold import Context, TrainState, checkpoint_every, load_checkpoint, make_step, save_checkpoint, testing
+from trainfold import (
+    Context,
+    TrainState,
+    checkpoint_every,
+    latest_checkpoint,
+    load_checkpoint,
+    make_step,
+    save_checkpoint,
+    testing,
+)
 
 MiB = 1 << 20
 
@@ -162,7 +171,6 @@ def test_a_background_save_within_its_staging_budget_runs_in_the_background(ctx,
 def test_a_background_save_over_its_staging_budget_is_written_before_it_returns_with_no_copy(ctx, tmp_path, caplog):
     """A 96 MiB state with a 32 MiB budget: saved as a blocking save (committed at return), growing the process by less
     than max(64 MiB, twice its largest tensor); said once."""
-    from trainfold import latest_checkpoint
 
     state, state_bytes, largest = _state(ctx)
     save_checkpoint(ctx, tmp_path, state)
@@ -198,7 +206,6 @@ def test_a_staging_budget_is_refused_where_it_bounds_nothing(ctx, tmp_path, call
 
 def _budget_of_its_own(root):
     """Process 0 gives a budget that fits its state, process 1 one that does not: both save blocking, alike."""
-    from trainfold import latest_checkpoint
 
     ctx = Context(accelerator=Accelerator(cpu=True), signals=())
     state, state_bytes, _ = _state(ctx, width=256, layers=2)
@@ -212,3 +219,46 @@ def _budget_of_its_own(root):
 @pytest.mark.multiprocess
 def test_processes_with_budgets_of_their_own_agree_to_save_blocking(tmp_path):
     assert testing.run_distributed(_budget_of_its_own, str(tmp_path), nprocs=2, timeout=120) == ["ckpt-0000000001"] * 2
+
+
+def _sharded_load(root, engine):
+    """A sharded checkpoint of 8 x Linear(1024, 1024) + AdamW loaded twice into the live model on this process: the
+    first load's growth of resident memory (what stays, beside the live state), then the second's peak, and the
+    state this process holds, in bytes; and the checkpoint's files with their sizes."""
+    import helpers
+
+    ctx = Context(accelerator=helpers.fsdp2_accelerator() if engine == "fsdp2" else Accelerator(cpu=True), signals=())
+    state, _, _ = _state(ctx)
+    held = sum(
+        t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+        for t in [*state.model.state_dict().values(), *_optimizer_tensors(state)]
+    )
+    save_checkpoint(ctx, root, state, sharded=True)
+    before = _resident_in_use()
+    load_checkpoint(ctx, root, state)
+    stays = _resident_in_use() - before
+    peak = _grown_by(lambda: load_checkpoint(ctx, root, state))
+    ctx.close()
+    files = {p.name: p.stat().st_size for p in latest_checkpoint(root).iterdir()}
+    return stays, peak, held, files
+
+
+def _optimizer_tensors(state):
+    return [v for s in state.optimizer.optimizer.state.values() for v in s.values() if v.dim()]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_a_sharded_load_stages_the_state_once_and_keeps_nothing(tmp_path, engine):
+    """On the topology that saved, every piece a process reads is the whole of one of its tensors: the verified
+    buffers become the loaded tensors (no second copy, which made a load grow by twice the state), and the model's
+    part of them is handed back once copied into the live model (the optimizer's, its state now, stays)."""
+    for stays, peak, held, files in testing.run_distributed(
+        _sharded_load, str(tmp_path), engine, nprocs=2, timeout=300
+    ):
+        assert peak < held + 16 * MiB and stays < 16 * MiB, (peak / MiB, stays / MiB, held / MiB)
+    if engine == "fsdp2":  # each process's shards apart from its share of what all hold whole (AdamW's steps)
+        assert files["shard-0.safetensors"] > 40 * MiB and files["shard-1.safetensors"] > 40 * MiB
+        assert 0 < files["whole-0.safetensors"] < 4096 and 0 < files["whole-1.safetensors"] < 4096, files
+    else:
+        assert not [name for name in files if name.startswith("whole-")], files

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import mmap
 import os
 import secrets
 import shutil
 import stat
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -137,6 +140,32 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
         return buf
     finally:
         os.close(fd)
+
+
+def release_pages(address: int, size: int, keep: Iterable[tuple[int, int]] = ()) -> None:
+    """Hand back to the system the whole pages of ``size`` bytes at ``address`` (Linux's ``MADV_DONTNEED``): their
+    memory is freed, and reads of it see zeros. For the caller's own anonymous memory whose bytes it will not read
+    again. Pages that overlap a span of ``keep`` (address, size) are kept; elsewhere than Linux nothing is done.
+    """
+    if not sys.platform.startswith("linux") or size <= 0:
+        return
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + size) // page * page
+    for other, length in keep:
+        if other < end and start < other + length:
+            return
+    if end > start:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4  # Linux's value on every architecture
+
+
+@functools.cache
+def _libc() -> Any:
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
 
 
 #: how much of a file one thread of :func:`read_into` reads at a time (a file larger than this is read in parts, in parallel)

@@ -45,6 +45,7 @@ SHARED = {
 #: The only names a checkpoint's manifest may list: plain names inside the folder, no separators.
 _NAME = re.compile(
     r"(?:model|state)\.safetensors|(?:state|tensors)\.json|(?:rank|shard)-(?:0|[1-9][0-9]{0,5})\.(?:json|safetensors)"
+    r"|whole-(?:0|[1-9][0-9]{0,5})\.safetensors"
 )
 #: And in format 3, the names DeepSpeed gives its files (read by ``formats/engine_files.py``; here, so that no deepspeed import is needed).
 _ENGINE_NAME = re.compile(r"(?:bf16_)?(?:zero_pp_rank_(?:0|[1-9][0-9]{0,5})_)?mp_rank_00_(?:model|optim)_states\.pt")

@@ -5,7 +5,9 @@ holds of an FSDP model; one copy of a tensor every DDP process holds) and, on
 load, which pieces each process reads to fill its own layout, whatever layout
 wrote them: that is what lets a checkpoint of N processes resume on M.
 trainfold supplies the storage: each process writes its pieces into one
-safetensors file, ``shard-<rank>.safetensors``, and the main process writes
+safetensors file, ``shard-<rank>.safetensors`` (of a sharded model, what every
+process holds whole into a small ``whole-<rank>.safetensors`` beside it, so that
+a load reads its own shards and not every process's), and the main process writes
 DCP's metadata (every tensor's global shape and dtype, and where each piece
 lies) as JSON, ``tensors.json``, instead of DCP's pickle. A load reads only
 JSON and safetensors, each verified against the manifest before it is parsed:
@@ -67,6 +69,13 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def shard_file(rank: int) -> str:
     return f"shard-{rank}.safetensors"
+
+
+def whole_file(rank: int) -> str:
+    """Where process ``rank`` writes, beside its shards of a sharded model, its share of the tensors every process
+    holds whole (an optimizer's steps, the buffers): a small file, which every process reads at a load, where read
+    with the shards they would make each process read every process's shard file."""
+    return f"whole-{rank}.safetensors"
 
 
 def _distributed() -> bool:
@@ -156,11 +165,12 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _Writer(StorageWriter):
-    """Writes this process's pieces into ``shard-<rank>.safetensors``; the coordinator writes ``tensors.json``."""
+    """Writes this process's pieces into ``shard-<rank>.safetensors`` (of a sharded model, its shards there and the
+    tensors held whole in ``whole-<rank>.safetensors``); the coordinator writes ``tensors.json``."""
 
-    def __init__(self, staging: Staging, rank: int) -> None:
+    def __init__(self, staging: Staging, rank: int, sharded: Collection[str] = ()) -> None:
         super().__init__()
-        self.staging, self.rank = staging, rank
+        self.staging, self.rank, self.sharded = staging, rank, frozenset(sharded)
         self.entries: dict[str, dict[str, Any]] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -176,8 +186,7 @@ class _Writer(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = shard_file(self.rank)
-        tensors: dict[str, torch.Tensor] = {}
+        files: dict[str, dict[str, torch.Tensor]] = {shard_file(self.rank): {}}
         results = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -186,11 +195,14 @@ class _Writer(StorageWriter):
             assert isinstance(t, torch.Tensor)
             t = t.detach()
             key = _key(item.index)
-            tensors[key] = t
+            whole = self.sharded and item.index.fqn not in self.sharded
+            name = whole_file(self.rank) if whole else shard_file(self.rank)
+            files.setdefault(name, {})[key] = t
             results.append(
                 WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(), storage_data=(name, key))
             )
-        self.entries[name] = self.staging.write(name, _safetensors.encode(tensors))
+        for name, tensors in files.items():
+            self.entries[name] = self.staging.write(name, _safetensors.encode(tensors))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -216,7 +228,7 @@ def write_shards(
 
     The coordinator's entries include ``tensors.json``.
     """
-    writer = _Writer(staging, rank)
+    writer = _Writer(staging, rank, [name for name, t in tensors.items() if is_dtensor(t)])
     try:
         with _one_process_quiet():
             dcp_save(
@@ -250,12 +262,24 @@ def _unwrapped(exc: CheckpointException) -> Exception:
 
 
 class _Reader(StorageReader):
-    """Reads pieces from the verified shard files (each file read once, when a piece of it is first needed)."""
+    """Reads pieces from the verified shard files (each file read once, when a piece of it is first needed).
 
-    def __init__(self, metadata: Metadata, read_file: Callable[[str], Mapping[str, torch.Tensor]]) -> None:
+    A piece that is the whole of a destination tensor, in its dtype and on its device, is not copied: it is
+    *adopted* (``adopted``), and the destination's memory, allocated but never written, is never touched.
+    On the topology that saved, that is every piece: the verified buffers become the loaded tensors.
+    """
+
+    def __init__(
+        self,
+        metadata: Metadata,
+        read_file: Callable[[str], Mapping[str, torch.Tensor]],
+        dest: Mapping[str, torch.Tensor],
+    ) -> None:
         super().__init__()
-        self.metadata, self.read_file = metadata, read_file
+        self.metadata, self.read_file, self.dest = metadata, read_file, dest
         self.files: dict[str, Mapping[str, torch.Tensor]] = {}
+        #: destination name -> the piece of a verified file that is the whole of it
+        self.adopted: dict[str, torch.Tensor] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -286,7 +310,10 @@ class _Reader(StorageReader):
             piece = check_piece(self.metadata, item.storage_index, file, self.files[file].get(key))
             source = narrow_tensor_by_index(piece, item.storage_offsets, item.lengths)
             target = planner.resolve_tensor(item).detach()
-            target.copy_(source)
+            if _is_whole_of(source, target, local(self.dest[item.dest_index.fqn])):
+                self.adopted[item.dest_index.fqn] = source
+            else:
+                target.copy_(source)
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
@@ -295,6 +322,20 @@ class _Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
+
+
+def _is_whole_of(source: torch.Tensor, target: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``source`` can stand for the destination ``whole`` itself: ``target``, the part of it a read item
+    fills, is all of it, and ``source`` has its shape, dtype, device and (contiguous) layout."""
+    return (
+        target.dim() > 0  # a 0-d value (an optimizer's step) is copied: a view would hold its whole file's buffer
+        and target.shape == whole.shape
+        and source.shape == target.shape
+        and source.dtype == target.dtype
+        and source.device == target.device
+        and source.is_contiguous()
+        and target.is_contiguous()
+    )
 
 
 def check_layout(
@@ -414,12 +455,57 @@ def load_shards(
             dest[key] = torch.empty_like(param, dtype=md.properties.dtype)
         else:
             dest[key] = torch.empty(md.size, dtype=md.properties.dtype, device=local(param).device)
+    reader = _Reader(metadata, read_file, dest)
     try:
         with _one_process_quiet():
-            dcp_load(dest, storage_reader=_Reader(metadata, read_file), no_dist=not _distributed())
+            dcp_load(dest, storage_reader=reader, no_dist=not _distributed())
     except CheckpointException as exc:
         raise _unwrapped(exc) from None
+    for name, piece in reader.adopted.items():  # the empty destinations, never written, are freed untouched
+        dest[name] = _in_layout_of(dest[name], piece)
     return dest
+
+
+def _in_layout_of(like: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` (this process's whole part of a tensor) as the tensor ``like`` is: a DTensor of the same mesh and
+    placements for a DTensor, else itself."""
+    if not is_dtensor(like):
+        return piece
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        piece,
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def release_copied(
+    tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """After :func:`apply`: hand back to the system the pages of the loaded tensors that ``apply`` copied into the
+    live model and optimizer, and keep those that became the live tensors (an optimizer's state, where torch's
+    ``load_state_dict`` keeps what it is given).
+
+    An adopted tensor is a view of its verified file's buffer, which any piece of the same file kept alive holds
+    whole: without this, the bytes of every copied piece would stay resident beside the live ones. A page that a live
+    tensor of the model or the optimizer (its state, its groups' settings) reads is never released.
+    """
+    from trainfold._src.base.io import release_pages
+
+    live = [local(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    for per_param in optimizer.state.values():
+        live += [local(v) for v in per_param.values() if isinstance(v, torch.Tensor)]
+    for group in optimizer.param_groups:
+        live += [local(v) for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
+    in_use = [(t.data_ptr(), t.numel() * t.element_size()) for t in live if t.device.type == "cpu" and t.numel()]
+    for tensor in tensors.values():
+        piece = local(tensor)
+        if piece.device.type == "cpu" and piece.is_contiguous():
+            release_pages(piece.data_ptr(), piece.numel() * piece.element_size(), keep=in_use)
 
 
 def apply(

@@ -30,7 +30,9 @@ from trainfold.errors import CheckpointError
 
 METADATA = "tensors.json"
 
-_SHARD = re.compile(r"shard-(0|[1-9][0-9]{0,5})\.safetensors")
+#: the files pieces may be stored in: a process's shards (``shard-<rank>``), and the tensors every process of a sharded
+#: model holds whole, dealt among them (``whole-<rank>``)
+_SHARD = re.compile(r"(?:shard|whole)-(0|[1-9][0-9]{0,5})\.safetensors")
 
 
 @contextmanager

@@ -121,6 +121,7 @@ class Sharded:
         tensors = dcp.load_shards(metadata, read_file, model, optimizer, frozen)
         # Everything read and checked, on every process: now change things.
         dcp.apply(model, optimizer, tensors, run.optimizer, strict=not frozen)
+        dcp.release_copied(tensors, model, optimizer)
         return loaded(put_back(run, state, keep_run=False), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
