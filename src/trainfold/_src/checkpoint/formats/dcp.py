@@ -53,6 +53,7 @@ from torch.futures import Future
 
 from trainfold._src.backend.engine import is_dtensor, local
 from trainfold._src.backend.optim import cpu_number
+from trainfold._src.base.io import ALIGNMENT
 from trainfold._src.checkpoint import safetensors as _safetensors
 from trainfold._src.checkpoint.formats.dcp_metadata import METADATA, check_piece, metadata_json
 from trainfold._src.checkpoint.formats.dcp_plan import MergingPlanner
@@ -326,7 +327,9 @@ class _Reader(StorageReader):
 
 def _is_whole_of(source: torch.Tensor, target: torch.Tensor, whole: torch.Tensor) -> bool:
     """Whether ``source`` can stand for the destination ``whole`` itself: ``target``, the part of it a read item
-    fills, is all of it, and ``source`` has its shape, dtype, device and (contiguous) layout."""
+    fills, is all of it, and ``source`` has its shape, dtype, device and (contiguous) layout, at an address torch's
+    allocator could have given it (64-byte aligned: a piece at another offset, in a file written before pieces were
+    aligned, is copied)."""
     return (
         target.dim() > 0  # a 0-d value (an optimizer's step) is copied: a view would hold its whole file's buffer
         and target.shape == whole.shape
@@ -335,6 +338,7 @@ def _is_whole_of(source: torch.Tensor, target: torch.Tensor, whole: torch.Tensor
         and source.device == target.device
         and source.is_contiguous()
         and target.is_contiguous()
+        and source.data_ptr() % ALIGNMENT == 0  # where torch would allocate it: CPU kernels sum by alignment
     )
 
 
