@@ -262,3 +262,22 @@ def test_a_sharded_load_stages_the_state_once_and_keeps_nothing(tmp_path, engine
         assert 0 < files["whole-0.safetensors"] < 4096 and 0 < files["whole-1.safetensors"] < 4096, files
     else:
         assert not [name for name in files if name.startswith("whole-")], files
+
+
+def test_a_save_to_and_a_load_from_a_bucket_hold_no_copy_of_the_parts(ctx):
+    """On S3 (moto's server on 127.0.0.1), a 96 MiB state: an upload sends each part from the tensors' memory and a
+    load streams each range into its place, so the save grows the process by less than max(64 MiB, twice its largest
+    tensor) and the load by the state once (every part in flight was a copy: 96 MiB more, each way)."""
+    import helpers
+
+    state, state_bytes, largest = _state(ctx)
+    with helpers.moto_server() as server:
+        root, options = server.bucket("memory") + "/run", server.options()
+        save_checkpoint(ctx, root, state, storage_options=options)
+        load_checkpoint(ctx, root, state, storage_options=options)  # (the first load's and save's one-time work)
+
+        saved = _grown_by(lambda: save_checkpoint(ctx, root, state, storage_options=options))
+        loaded = _grown_by(lambda: load_checkpoint(ctx, root, state, storage_options=options))
+
+    assert saved < max(64 * MiB, 2 * largest), saved / MiB
+    assert loaded < state_bytes + 16 * MiB, (loaded / MiB, state_bytes / MiB)

@@ -13,7 +13,8 @@ before it writes anything: until the new one is committed, the older
 checkpoints are the newest.
 
 Reads take each object once, into one buffer filled by ranged reads in
-parallel; the caller verifies its size and digest as for a local file. Writes
+parallel, each streamed into its place (``download.py``); the caller verifies
+its size and digest as for a local file. Writes
 stream a file's buffers (a tensor's own memory) into the store, hashed as they
 go. Every failure of the store (a refused request, a server that does not
 answer within a request's bounded time, ``requests.py``) is an ``OSError`` naming
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
@@ -43,6 +45,7 @@ from trainfold._src.checkpoint.manifest import (
 from trainfold._src.checkpoint.storage import conditional
 from trainfold._src.checkpoint.storage import lease as _lease
 from trainfold._src.checkpoint.storage import upload
+from trainfold._src.checkpoint.storage.download import read_range
 from trainfold._src.checkpoint.storage.requests import call, guarded, protocol_of
 from trainfold.errors import CheckpointError, DamagedCheckpoint
 
@@ -133,20 +136,22 @@ class RemoteCheckpoint:
             raise CheckpointError(f"{self.url}: file {name} is not an object (a prefix of others): refused.")
         return int(info["size"])
 
-    def read(self, name: str, size: int) -> bytearray:
+    def read(self, name: str, size: int) -> mmap.mmap | bytearray:
         """The object's ``size`` bytes, read once into one writable buffer by ranged reads in parallel.
 
         No request asks the size first: the last range asks one byte more, so an object of another size is
         found by the reads themselves (and only then is its size asked, for the message).
         """
-        path, buf = self._object(name), bytearray(size)
+        # an anonymous map, as a local file's read: page-aligned, so a tensor at an aligned offset of the file is
+        # aligned in it and used in place (a bytearray's 16-byte alignment made every tensor a copy)
+        path, buf = self._object(name), mmap.mmap(-1, size) if size else bytearray()
+        view = memoryview(buf)
 
         def part(start: int) -> None:
             end = min(start + READ_PART, size)
-            data = call(self.fs, f"reading {self.url}/{name}", "cat_file", path, start=start, end=end + (end == size))
-            if len(data) != end - start:
+            sent = read_range(self.fs, path, start, end + (end == size), view[start:end], f"reading {self.url}/{name}")
+            if sent != end - start:
                 raise _OtherSize
-            buf[start:end] = data
 
         try:
             if size == 0:

@@ -6,6 +6,9 @@ any other store: its filesystem's own writer. Used by ``remote.py``'s staging, w
 
 from __future__ import annotations
 
+import bisect
+import io
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator
 
@@ -26,8 +29,9 @@ def upload(fs: Any, path: str, chunks: Iterable[Any]) -> int:
     return size
 
 
-def _parts(chunks: Iterable[Any], size: int) -> Iterator[Any]:
-    """The chunks regrouped into parts of ``size`` bytes (the last shorter): slices of a large buffer, joins of small ones."""
+def _parts(chunks: Iterable[Any], size: int) -> Iterator[list[memoryview]]:
+    """The chunks regrouped into parts of ``size`` bytes (the last shorter), each the list of the slices of the chunks'
+    memory it is made of: nothing is copied (the chunks are views that stay valid, as ``safetensors.encode`` gives)."""
     pending: list[memoryview] = []
     held, yielded = 0, False
     for chunk in chunks:
@@ -38,17 +42,58 @@ def _parts(chunks: Iterable[Any], size: int) -> Iterator[Any]:
             held += take
             view = view[take:]
             if held == size:
-                yield pending[0] if len(pending) == 1 else b"".join(pending)
+                yield pending
                 pending, held, yielded = [], 0, True
     if held or not yielded:  # the last, shorter part (or the one empty part of an empty file)
-        yield b"".join(pending)
+        yield pending
+
+
+class PartBody(io.RawIOBase):
+    """A part's bytes as a read-only, seekable file over the memory they lie in (slices of the tensors' own buffers):
+    botocore and the HTTP client read it a chunk at a time, so no part is copied whole (``bytes(part)`` was, up to
+    twice :data:`WRITE_THREADS` parts of each file at once); a retry seeks back to its start."""
+
+    def __init__(self, pieces: list[memoryview]) -> None:
+        super().__init__()
+        self._pieces, self._at = pieces, 0
+        self._starts = list(itertools.accumulate((len(p) for p in pieces), initial=0))
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        out, filled = memoryview(buffer).cast("B"), 0
+        i = bisect.bisect_right(self._starts, self._at) - 1
+        while filled < len(out) and i < len(self._pieces):
+            piece = self._pieces[i][self._at - self._starts[i] :]
+            n = min(len(piece), len(out) - filled)
+            out[filled : filled + n] = piece[:n]
+            filled, self._at = filled + n, self._at + n
+            i += 1
+        return filled
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self)}[whence]
+        if base + offset < 0:
+            raise ValueError("negative seek position")
+        self._at = base + offset
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def __len__(self) -> int:
+        return self._starts[-1]
 
 
 def upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
     """S3: one ``PutObject`` for a small file; a multipart upload for a large one, :data:`WRITE_THREADS` parts at once.
 
-    The parts are slices of the tensors' own memory where a tensor is at least a
-    part long; at most twice :data:`WRITE_THREADS` parts are held at once. A failed
+    The parts are read from the tensors' own memory (:class:`PartBody`): an upload
+    copies nothing but what the HTTP client sends a chunk at a time. A failed
     upload is aborted (its parts are dropped by the store) and raised.
     """
     bucket, key, _ = fs.split_path(path)
@@ -56,12 +101,13 @@ def upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
     first = next(parts)
     second = next(parts, None)
     if second is None:  # one part: a single request
-        call(fs, what, "call_s3", "put_object", Bucket=bucket, Key=key, Body=bytes(first))
-        return len(first)
+        body = PartBody(first)
+        call(fs, what, "call_s3", "put_object", Bucket=bucket, Key=key, Body=body)
+        return len(body)
     upload = call(fs, what, "call_s3", "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
     size, done, inflight = 0, [], []
 
-    def send(number: int, body: Any) -> dict[str, Any]:
+    def send(number: int, body: PartBody) -> dict[str, Any]:
         out = call(
             fs,
             what,
@@ -71,13 +117,14 @@ def upload_s3(fs: Any, path: str, chunks: Iterable[Any], what: str) -> int:
             Key=key,
             UploadId=upload,
             PartNumber=number,
-            Body=bytes(body),
+            Body=body,
         )
         return {"PartNumber": number, "ETag": out["ETag"]}
 
     try:
         with ThreadPoolExecutor(max_workers=WRITE_THREADS) as pool:
-            for number, body in enumerate(_chain(first, second, parts), start=1):
+            for number, pieces in enumerate(_chain(first, second, parts), start=1):
+                body = PartBody(pieces)
                 size += len(body)
                 inflight.append(pool.submit(send, number, body))
                 if len(inflight) >= 2 * WRITE_THREADS:
