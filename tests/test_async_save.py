@@ -89,6 +89,9 @@ _KILLED_MID_WRITE = textwrap.dedent("""
     ctx, state = t._big_setup()
     save_checkpoint(ctx, sys.argv[1], state)  # a complete checkpoint at update 0
     save_checkpoint(ctx, sys.argv[1], attrs.evolve(state, step=1), async_save=True)
+    staging = os.path.join(sys.argv[1], ".tmp-ckpt-0000000001")
+    while not os.path.isdir(staging):  # the saver thread has begun the checkpoint's staging
+        pass
     os.kill(os.getpid(), signal.SIGKILL)  # while the thread writes update 1
 """)
 
@@ -251,10 +254,10 @@ def test_the_run_end_save_waits_for_its_commit(end, every, tmp_path, monkeypatch
     release, writing = threading.Event(), threading.Event()
     commit = save.write_and_commit
 
-    def held(ctx, job, group=None):
+    def held(ctx, job, *rest):
         writing.set()
         release.wait(timeout=helpers.scaled(300))  # a hang-guard only: the test releases it
-        return commit(ctx, job, group)
+        return commit(ctx, job, *rest)
 
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0)  # 4 updates an epoch
     saving = checkpoint_every(ctx, every, tmp_path, async_save=True)

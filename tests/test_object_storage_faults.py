@@ -373,3 +373,32 @@ class _as_context:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_background_save_returns_while_the_store_does_not_answer(monkeypatch):
+    """A background save to a root this run holds the lock of sends no request before it returns (confirming the lock
+    and creating the checkpoint are the saver thread's): with the server frozen (SIGSTOP), the call returns at once, and
+    once the server answers again the checkpoint is committed. Before, its requests kept the caller waiting, on a real
+    store a round trip each."""
+    from trainfold._src.checkpoint.storage import requests
+
+    monkeypatch.setattr(requests, "REQUEST_TIMEOUT_S", helpers.scaled(60))
+    with helpers.moto_server() as server:
+        root, options = server.bucket("unanswered") + "/run", server.options()
+        ctx, state, *_ = testing.tiny_setup(seed=0)
+        save_checkpoint(ctx, root, state, storage_options=options)  # the root's lock is this run's
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            save_checkpoint(ctx, root, attrs.evolve(state, step=1), storage_options=options, async_save=True)
+            returned = time.monotonic() - started
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        ctx.wait_for_checkpoints()
+        ctx.close()
+
+        assert returned < helpers.scaled(10)  # a request would have waited for the server, up to its 60 s bound
+        assert [p.rsplit("/", 1)[-1] for p in list_checkpoints(root, storage_options=options)] == [
+            "ckpt-0000000000",
+            "ckpt-0000000001",
+        ]

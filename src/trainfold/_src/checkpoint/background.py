@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from trainfold._src.checkpoint.content import Content, write_files
-from trainfold._src.checkpoint.commit import agreed, commit
+from trainfold._src.checkpoint.commit import agreed, begin_checkpoint, commit, hold_lock
 from trainfold._src.checkpoint.storage.protocol import Storage
 from trainfold._src.distributed.control import gather_to_main
 
@@ -49,15 +49,21 @@ class SaveJob:
     format: Format
 
 
-def write_and_commit(ctx: Context, job: SaveJob, group: Any = None) -> None:
+def write_and_commit(ctx: Context, job: SaveJob, group: Any = None, begins: bool = False) -> None:
     """Write this process's files, agree that every process did, and commit on the main process (every process calls it).
+
+    ``begins``: the job first confirms the root's lock and creates the checkpoint's staging (a background save to a
+    root already locked: ``save_checkpoint`` left those requests to this thread).
 
     Raises:
         OSError: a write failed on this process (a full disk); nothing was committed.
-        CheckpointError: a write failed on another process, or the commit failed.
+        CheckpointError: a write failed on another process, the root's lock was lost, or the commit failed.
     """
     main = ctx.is_main_process
     world = ctx.accelerator.num_processes
+    if begins:
+        hold_lock(ctx, job.storage, job.state, group=group)
+        begin_checkpoint(ctx, job.storage, job.name, job.state, group=group)
     staging = job.storage.stage(job.name, fresh=False)  # the main process made it fresh before the job began
 
     def cleanup() -> None:

@@ -73,16 +73,31 @@ def agreed(
     raise CheckpointError(f"{what} failed on another process; nothing was committed (see that process's error).")
 
 
-def hold_lock(ctx: Context, storage: Storage, state: TrainState) -> None:
-    """Take the root's lock on the first save to it (the main process holds it; every process agrees)."""
+def hold_lock(ctx: Context, storage: Storage, state: TrainState, group: Any = None) -> None:
+    """Take the root's lock on the first save to it (the main process holds it; every process agrees, over ``group``
+    on a background save's thread)."""
     key = storage.key
     if ctx.runtime.holds_lock(key):
         held = ctx.runtime.lock_for(key)
         # a call or two on the main process: still ours (a removed lock is taken again)
-        agreed(ctx, lambda: None if held is None else held.confirm(), f"locking {storage}")
+        agreed(ctx, lambda: None if held is None else held.confirm(), f"locking {storage}", group=group)
         return
-    lock = agreed(ctx, lambda: storage.lock(state.run_id) if ctx.is_main_process else None, f"locking {storage}")
+    lock = agreed(
+        ctx, lambda: storage.lock(state.run_id) if ctx.is_main_process else None, f"locking {storage}", group=group
+    )
     ctx.runtime.keep_lock(key, lock)
+
+
+def begin_checkpoint(ctx: Context, storage: Storage, name: str, state: TrainState, group: Any = None) -> None:
+    """Refuse a root that holds another run's checkpoints, and create the checkpoint's staging (the main process; every
+    process agrees, over ``group`` on a background save's thread)."""
+
+    def begin() -> None:
+        if ctx.is_main_process:
+            check_same_run(storage, state)
+            storage.stage(name, fresh=True)
+
+    agreed(ctx, begin, f"creating {name} in {storage}", group=group)
 
 
 def check_same_run(storage: Storage, state: TrainState) -> None:

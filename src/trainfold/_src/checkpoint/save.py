@@ -27,7 +27,7 @@ from trainfold._src.backend.position import EpochPosition, position_at_save
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import positive_int
 from trainfold._src.checkpoint.background import SaveJob, write_and_commit
-from trainfold._src.checkpoint.commit import agreed, check_same_run, checkpoint_name, hold_lock
+from trainfold._src.checkpoint.commit import agreed, begin_checkpoint, checkpoint_name, hold_lock
 from trainfold._src.checkpoint.content import Content
 from trainfold._src.checkpoint.encoding import encode_rank, encode_shared
 from trainfold._src.checkpoint.formats import for_save
@@ -258,7 +258,11 @@ def _save(
     acc = ctx.accelerator
     main = ctx.is_main_process
     now = _rng.capture(_generators(state))  # first: nothing below may draw before this
-    hold_lock(ctx, storage, state)
+    # A background save to a root whose lock this run holds confirms the lock and creates the checkpoint's staging on
+    # the saver thread: on a store those are requests (round trips), which would otherwise keep training waiting.
+    deferred = async_save and ctx.runtime.holds_lock(storage.key)
+    if not deferred:
+        hold_lock(ctx, storage, state)
     ctx.runtime.checkpointing(acc, state.step)  # the trackers write what they were given before this checkpoint exists
     name = checkpoint_name(ctx, state)
     # Read (and, for a background save, copy to host memory) everything the files hold: after this, training may go on.
@@ -268,11 +272,12 @@ def _save(
         **agreed(ctx, lambda: _encode(ctx, state, captured.run, main), "encoding the checkpoint"),
         **captured.files,
     }
-    agreed(ctx, lambda: _start(storage, name, state) if main else None, f"creating {name} in {storage}")
+    if not deferred:
+        begin_checkpoint(ctx, storage, name, state)
     job = SaveJob(storage, name, files, captured.shards, captured.weights, values_of(state), keep_last, fmt)
     if async_save:
         group = ctx.runtime.saver.group(acc.num_processes)
-        ctx.runtime.saver.submit(lambda: write_and_commit(ctx, job, group))
+        ctx.runtime.saver.submit(lambda: write_and_commit(ctx, job, group, deferred))
     else:
         write_and_commit(ctx, job)
     ctx.runtime.note_held(storage.key, position_of(state))
@@ -316,11 +321,6 @@ def _storage(ctx: Context, root: str | os.PathLike[str], storage_options: Mappin
             "give them a root they all see (a shared folder, s3://...)."
         )
     return storage
-
-
-def _start(storage: Storage, name: str, state: TrainState) -> None:
-    check_same_run(storage, state)
-    storage.stage(name, fresh=True)
 
 
 def _encode(ctx: Context, state: TrainState, run: Any, main: bool) -> dict[str, Content]:
