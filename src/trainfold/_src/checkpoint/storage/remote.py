@@ -14,9 +14,8 @@ checkpoints are the newest.
 
 Reads take each object once, into one buffer filled by ranged reads in
 parallel, each streamed into its place (``download.py``); the caller verifies
-its size and digest as for a local file. Writes
-stream a file's buffers (a tensor's own memory) into the store, hashed as they
-go. Every failure of the store (a refused request, a server that does not
+its size and digest as for a local file. Writes stream a file's buffers (a
+tensor's own memory) into the store, hashed as they go. Every failure of the store (a refused request, a server that does not
 answer within a request's bounded time, ``requests.py``) is an ``OSError`` naming
 the object, so a save fails on every process together and commits nothing. One writer per root is
 ``lease.py``'s.

@@ -50,8 +50,8 @@ def _parts(chunks: Iterable[Any], size: int) -> Iterator[list[memoryview]]:
 
 class PartBody(io.RawIOBase):
     """A part's bytes as a read-only, seekable file over the memory they lie in (slices of the tensors' own buffers):
-    botocore and the HTTP client read it a chunk at a time, so no part is copied whole (``bytes(part)`` was, up to
-    twice :data:`WRITE_THREADS` parts of each file at once); a retry seeks back to its start."""
+    botocore and the HTTP client read it a chunk at a time, so no part is copied whole, however many are queued; a
+    retry seeks back to its start."""
 
     def __init__(self, pieces: list[memoryview]) -> None:
         super().__init__()
