@@ -81,7 +81,7 @@ def test_a_second_save_waits_for_the_first_and_closing_waits_for_the_last(tmp_pa
 
 
 _KILLED_MID_WRITE = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     sys.path.insert(0, {tests!r})
     import test_async_save as t
     from trainfold import save_checkpoint
@@ -91,7 +91,7 @@ _KILLED_MID_WRITE = textwrap.dedent("""
     save_checkpoint(ctx, sys.argv[1], attrs.evolve(state, step=1), async_save=True)
     staging = os.path.join(sys.argv[1], ".tmp-ckpt-0000000001")
     while not os.path.isdir(staging):  # the saver thread has begun the checkpoint's staging
-        pass
+        time.sleep(0.001)
     os.kill(os.getpid(), signal.SIGKILL)  # while the thread writes update 1
 """)
 
