@@ -632,14 +632,20 @@ class NoisyData(torch.utils.data.Dataset):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]
 
 
-def noisy_setup(ga=3, seed=0):
-    """A fresh Context, a dropout MLP with SGD momentum and a step scheduler, and a shuffled loader of NoisyData."""
+def noisy_setup(ga=3, seed=0, empty=False):
+    """A fresh Context, a dropout MLP with SGD momentum and a step scheduler, and a shuffled loader of NoisyData.
+    ``empty``: the MLP built on the meta device and given memory by ``to_empty``, without values (a model to load)."""
     from trainfold import Context, TrainState
 
     testing.reset_accelerate_state()
     torch.manual_seed(seed)
     ctx = Context(accelerator=Accelerator(cpu=True, gradient_accumulation_steps=ga))
-    model = mlp(dropout=0.3)
+    if empty:
+        with torch.device("meta"):
+            model = mlp(dropout=0.3)
+        model.to_empty(device="cpu")
+    else:
+        model = mlp(dropout=0.3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
     state = TrainState.create(ctx, model=model, optimizer=opt, scheduler=sched)

@@ -419,6 +419,8 @@ def test_trainfolds_safetensors_files_are_the_librarys_both_ways(tmp_path, dtype
         b'{"x": {"dtype": "F32", "shape": [1]}}',
         b'{"x": ["F32", [1], [0, 4]]}',
         b'{"x": {"F32": 0, "12": 0, "08": 0}}',
+        b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "y": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}',
+        b'{"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "y": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]}}',
     ],
 )
 def test_the_safetensors_reader_trusts_nothing_in_the_header(header):
@@ -449,6 +451,60 @@ def test_safetensors_any_key_order():
 
     for tensors in (_safetensors.parse(bytearray(data)), load(data)):
         assert {n: t.tolist() for n, t in tensors.items()} == {"dtype": [1.5], "shape": [7], "data_offsets": []}
+
+
+# --- what a load puts into the model -------------------------------------------------------------
+
+
+def _resumed_into(tmp_path, fresh_setup):
+    """Train 3 epochs; train them again saving at every batch, load the 8th save into ``fresh_setup()``'s state and
+    train on to 3: both runs, the loaded state, and where the fresh model's tensors lay before the load."""
+    expected = _train(*_setup())
+    ctx, state, dl = _setup()
+    _train(ctx, state, dl, _save_every_batch(ctx, tmp_path))
+    ctx, fresh, dl = fresh_setup()
+    before = [p.data_ptr() for p in fresh.model.parameters()]
+    loaded = load_checkpoint(ctx, list_checkpoints(tmp_path)[7], fresh)
+    return expected, _train(ctx, loaded, dl), loaded, before
+
+
+def test_a_load_makes_the_verified_bytes_the_models_tensors(tmp_path):
+    """A model built on the meta device and given memory by ``to_empty`` holds no values: the load makes the verified
+    file buffers its tensors, copying nothing (its own memory is never touched), and the parameters stay the objects
+    the optimizer updates; the run goes on bit for bit."""
+    expected, resumed, loaded, before = _resumed_into(tmp_path, lambda: _setup(seed=123, empty=True))
+
+    params = list(loaded.model.parameters())
+    assert not {p.data_ptr() for p in params} & set(before)
+    assert [id(p) for p in loaded.optimizer.param_groups[0]["params"]] == [id(p) for p in params]
+    testing.assert_params_equal(expected, resumed)
+    assert expected.history == resumed.history
+
+
+def test_a_model_with_a_load_hook_is_loaded_by_its_hook(tmp_path):
+    """A ``load_state_dict`` pre-hook may change what a name loads: such a model's tensors are copied into, as torch
+    loads them, and the hook runs."""
+    seen = []
+
+    def with_hook():
+        ctx, state, dl = _setup(seed=123)
+        state.model.register_load_state_dict_pre_hook(lambda module, sd, prefix, *_: seen.append(sorted(sd)))
+        return ctx, state, dl
+
+    expected, resumed, loaded, before = _resumed_into(tmp_path, with_hook)
+
+    assert [p.data_ptr() for p in loaded.model.parameters()] == before and seen
+    testing.assert_params_equal(expected, resumed)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_the_fix():
+    testing.reset_accelerate_state()
+    ctx = Context(accelerator=Accelerator(cpu=True))
+    with torch.device("meta"):
+        model = helpers.mlp()
+    with pytest.raises(ValueError, match=r"'0.weight' is on the meta device.*model.to_empty\(device='cpu'\)"):
+        TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    ctx.close()
 
 
 # --- digests ---------------------------------------------------------------------------------------
@@ -823,16 +879,26 @@ def test_a_checkpoint_and_a_state_must_agree_on_having_a_scheduler(
 
 @pytest.mark.parametrize("size", [1, 4096, 4097, 3 * 4096 + 5])
 def test_a_file_read_in_parts_is_read_whole(size, tmp_path, monkeypatch):
-    """A file larger than ``READ_PART`` is read in parts on two threads: every byte in its place, and a file that is
-    not the size it was measured at is refused (parts of 4 KiB here, of 64 MiB in a run)."""
+    """A file larger than ``READ_PART`` is read in parts on two threads: every byte in its place, each part given to
+    ``seen`` in order (a hasher's update: the digest is the whole file's), and a file that is not the size it was
+    measured at is refused (parts of 4 KiB here, of 8 MiB in a run)."""
     import os
+
+    import xxhash
 
     from trainfold._src.base import io
 
     monkeypatch.setattr(io, "READ_PART", 4096)
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
+    hasher, parts = xxhash.xxh3_128(), []
 
-    assert bytes(io.read_into(tmp_path / "f", size)) == data
+    def seen(part):
+        hasher.update(part)
+        parts.append(len(part))
+
+    assert bytes(io.read_into(tmp_path / "f", size, seen)) == data
+    assert hasher.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert parts == [min(4096, size - start) for start in range(0, size, 4096)]
     with pytest.raises(ValueError, match="another size"):
         io.read_into(tmp_path / "f", size + 1)

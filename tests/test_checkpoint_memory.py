@@ -1,8 +1,8 @@
 """Host memory at a save and a load, measured as the operating system counts it: the process's peak resident memory
 (``VmHWM``, reset before the operation through ``/proc/self/clear_refs``) over its resident memory before. A blocking
 save writes from the live tensors (no copy of the state); a load stages every file once, verified, before the live
-model changes (the state once: what all-or-nothing costs, no second copy); background saves, one after another, leave
-the resident memory flat."""
+model changes (the state once: what all-or-nothing costs, no second copy), and the staged buffers become the model's
+tensors; background saves, one after another, leave the resident memory flat."""
 
 import ctypes
 import ctypes.util
@@ -105,6 +105,34 @@ def test_a_load_into_a_live_model_stages_the_state_once(ctx, tmp_path):
     grown = _grown_by(lambda: load_checkpoint(ctx, tmp_path, state))
 
     assert grown < state_bytes + 16 * MiB, (grown / MiB, state_bytes / MiB)
+
+
+def test_a_load_into_a_model_with_no_values_yet_adds_the_state_alone(ctx, tmp_path):
+    """A model built on the meta device and given memory by ``to_empty`` holds no values: the verified buffers become
+    its tensors, so a load grows the process by the state alone (copied in, the weights would be resident twice: 108
+    MiB more here) and the memory ``to_empty`` gave is handed back untouched. Each weight is 36 MiB, above the C
+    allocator's largest threshold for mapping a block of its own: ``to_empty``'s memory is fresh pages, not pages an
+    earlier tensor left resident."""
+
+    def model():
+        return torch.nn.Sequential(*[torch.nn.Linear(3072, 3072, bias=False) for _ in range(3)])
+
+    torch.manual_seed(0)
+    live = model()
+    state = TrainState.create(ctx, model=live, optimizer=torch.optim.SGD(live.parameters(), lr=0.1))
+    state_bytes = sum(p.nbytes for p in live.parameters())
+    save_checkpoint(ctx, tmp_path, state)
+    load_checkpoint(ctx, tmp_path, state)  # (the first load's one-time work)
+    with torch.device("meta"):
+        empty = model()
+    empty.to_empty(device="cpu")
+    fresh = TrainState.create(ctx, model=empty, optimizer=torch.optim.SGD(empty.parameters(), lr=0.1))
+
+    out = []
+    grown = _grown_by(lambda: out.append(load_checkpoint(ctx, tmp_path, fresh)))
+
+    assert grown < state_bytes + 16 * MiB, (grown / MiB, state_bytes / MiB)
+    testing.assert_params_equal(state, out[0])
 
 
 def _hundred_background_saves(root, keep_last=2):

@@ -100,14 +100,20 @@ def write_durably(
     return size
 
 
-def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
-    """The file's ``size`` bytes, read once into memory of their own (an anonymous map), no link followed.
+def read_into(
+    path: str | os.PathLike[str], size: int, seen: Callable[[memoryview], object] | None = None
+) -> bytearray | mmap.mmap:
+    """The file's ``size`` bytes, read once into memory of their own (an anonymous map), no link followed;
+    ``seen`` (a hasher's update) is given them in order, each part as soon as it is read, while it is still in the
+    processor's cache.
 
     What the caller hashes is what it uses: a copy, which no later write to the
     file (overwritten in place, truncated, removed) can change or take away (a
     map of the file itself would show a rewrite made after the hash was taken,
     and die of SIGBUS on a truncated file). The buffer starts at a page boundary,
-    so a tensor at an aligned offset of the file is aligned in it too.
+    so a tensor at an aligned offset of the file is aligned in it too. A large file
+    is read by two threads, part after part, and ``seen`` runs on the caller's
+    thread meanwhile: hashing overlaps the reading instead of following it.
 
     Raises:
         ValueError: the file does not have ``size`` bytes (it changed since it was measured, or while it was read),
@@ -130,9 +136,13 @@ def read_into(path: str | os.PathLike[str], size: int) -> bytearray | mmap.mmap:
             parts = [(start, min(start + READ_PART, size)) for start in range(0, size, READ_PART)]
             if len(parts) == 1:
                 _read_part(fd, view, 0, size, path)
-            else:  # a large file in parts, two at a time: its pages are faulted in and filled on both cores
+                if seen is not None:
+                    seen(view)
+            else:  # two threads read part after part; each part is seen, in order, as soon as it is read
                 with ThreadPoolExecutor(max_workers=2) as pool:
-                    list(pool.map(lambda part: _read_part(fd, view, part[0], part[1], path), parts))
+                    for start, end in pool.map(lambda part: _read_part(fd, view, part[0], part[1], path), parts):
+                        if seen is not None:
+                            seen(view[start:end])
             if os.pread(fd, 1, size):
                 raise ValueError(f"{path} grew past {size} bytes while it was read")
         finally:
@@ -168,18 +178,19 @@ def _libc() -> Any:
     return lib
 
 
-#: how much of a file one thread of :func:`read_into` reads at a time (a file larger than this is read in parts, in parallel)
-READ_PART = 64 << 20
+#: how much of a file :func:`read_into` reads at a time: a part is still in the cache (L3) when it is hashed
+READ_PART = 8 << 20
 
 
-def _read_part(fd: int, view: memoryview, start: int, end: int, path: object) -> None:
-    """Read bytes ``start:end`` of the file ``fd`` into the same bytes of ``view``."""
+def _read_part(fd: int, view: memoryview, start: int, end: int, path: object) -> tuple[int, int]:
+    """Read bytes ``start:end`` of the file ``fd`` into the same bytes of ``view``; return ``(start, end)``."""
     done = start
     while done < end:
         n = os.preadv(fd, [view[done:end]], done)
         if n == 0:
             raise ValueError(f"{path} ended after {done} bytes, before {end}")
         done += n
+    return start, end
 
 
 #: where torch's CPU allocator puts every tensor (c10's alignment, for AVX-512)

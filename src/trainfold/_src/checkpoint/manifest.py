@@ -126,8 +126,9 @@ def _read_checked(stored: Stored, name: str, expected: Mapping[str, Any], keep: 
     algorithm, want = _digest.recorded(expected) or ("", "")  # read_manifest checked every entry
     data = None
     if keep:
-        data = stored.read(name, expected["size"])  # refused if the file has another size
-        digest = _digest.of(data, algorithm)
+        h = _digest.new(algorithm)
+        data = stored.read(name, expected["size"], h.update)  # refused if the file has another size
+        digest = h.hexdigest()
     else:
         size = stored.size(name)
         if size != expected["size"]:

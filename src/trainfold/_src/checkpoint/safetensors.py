@@ -193,7 +193,16 @@ def index(buf: Any) -> dict[str, Entry]:
         if not 0 <= begin <= end <= data_len or end - begin != numel * dtype.itemsize:
             raise FormatError(f"tensor {name!r} has offsets {begin}..{end} that do not fit its shape or the file")
         out[name] = Entry(buf, dtype, shape, data_start + begin, end - begin)
+    _check_apart(out)
     return out
+
+
+def _check_apart(entries: Mapping[str, Entry]) -> None:
+    """No two tensors share a byte: each loaded tensor may become a live one, and a write to one must not change another."""
+    spans = sorted((e.offset, e.offset + e.nbytes, name) for name, e in entries.items() if e.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise FormatError(f"tensors {first!r} and {second!r} share bytes of the file")
 
 
 def parse(buf: Any) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import attrs
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from trainfold._src.backend.engine import (
     convert_sync_batchnorm,
@@ -35,6 +36,21 @@ def _freeze(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
 def _handle() -> Any:
     """A field that holds a live object: not part of repr or ==."""
     return attrs.field(repr=False, eq=False)
+
+
+def _check_has_values(model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """Refuse a model built on the meta device (shapes, no values) where Accelerate would fail to move it: only
+    FSDP and DeepSpeed fill such a model themselves."""
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return
+    empty = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if empty is not None:
+        raise ValueError(
+            f"'model' tensor {empty!r} is on the meta device: it has a shape but no values to train. Give the model "
+            f"memory first, model.to_empty(device={str(accelerator.device)!r}), then build the optimizer over "
+            "model.parameters(); load_checkpoint then fills it (the checkpoint's verified bytes become its tensors, "
+            "with no copy), or initialize it yourself."
+        )
 
 
 def _check_optimizer_fits(model: torch.nn.Module, optimizer: Any, scheduler: Any, groups: list[dict[str, Any]]) -> None:
@@ -195,8 +211,9 @@ class TrainState:
                 ``scheduler`` is a class instead of a scheduler, or
                 ``outputs_to_fp32`` is not a bool.
             ValueError: the optimizer updates none of the model's parameters, a
-                learning rate is NaN or infinite, or the scheduler was built on
-                another optimizer.
+                learning rate is NaN or infinite, the scheduler was built on
+                another optimizer, or (outside FSDP and DeepSpeed) the model is on
+                the meta device (``model.to_empty(device=...)`` gives it memory).
 
         Examples:
             >>> import torch
@@ -243,6 +260,7 @@ class TrainState:
             raise TypeError(f"'outputs_to_fp32' must be True or False (got {outputs_to_fp32!r}).")
         ctx.check()
         acc = ctx.accelerator
+        _check_has_values(model, acc)
         if deepspeed_micro_batch_unset(acc):
             raise ValueError(
                 "TrainState.create: under DeepSpeed, the engine is built with the micro-batch size, which Accelerate takes "

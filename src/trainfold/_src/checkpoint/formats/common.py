@@ -9,10 +9,11 @@ from typing import Any, Mapping, Protocol
 import attrs
 import torch
 
-from trainfold._src.backend.engine import is_dtensor, unwrap
+from trainfold._src.backend.engine import is_dtensor, local, unwrap
 from trainfold._src.backend.mesh import data_layout
 from trainfold._src.base import rng as _rng
 from trainfold._src.base.checks import user_stacklevel
+from trainfold._src.base.io import ALIGNMENT, release_pages
 from trainfold._src.base.types import read_only
 from trainfold._src.checkpoint.manifest import data_ranks
 from trainfold._src.checkpoint.storage.protocol import Staging, Stored
@@ -127,6 +128,75 @@ def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         make: Any = type(dtensor)  # DTensor(local, spec, *, requires_grad): the layout's spec kept, the shard ours
         copies[key] = make(host, dtensor._spec, requires_grad=False)  # type: ignore[attr-defined]
     return {k: copies[k] for k in tensors}
+
+
+def adopt_weights(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> int:
+    """Make ``model``'s own tensors the loaded ``weights`` (views of the verified file buffers) where one can stand for
+    the other, instead of copying them in; return how many were adopted. Call it once everything is checked, before
+    the model's ``load_state_dict`` (whose copy of a tensor onto itself is then a no-op, while its hooks still run).
+
+    A parameter or buffer keeps its identity (the optimizer, DDP and the user's references see it loaded); its
+    memory becomes the buffer's, so the load costs no copy, and a model allocated without values
+    (``to_empty``) never touches the memory it was given. A tensor is adopted only where nothing can tell the
+    difference: a plain tensor on both sides (no DTensor, no subclass) on the same device, of the same dtype and
+    shape, both contiguous, not 0-d, at a 64-byte boundary as torch would allocate it, in a module that loads its
+    state in torch's own way (no ``load_state_dict`` pre-hook in the model, no ``_load_from_state_dict`` of its
+    own). No two of them share a byte (``safetensors.index`` refuses a file whose tensors overlap), and a tensor tied to
+    another (one object under two names) is adopted once. Everything else is copied in by ``load_state_dict``.
+    """
+    modules = list(model.named_modules(remove_duplicate=False))
+    if any(module._load_state_dict_pre_hooks for _, module in modules):
+        return 0  # a hook may change what a name loads
+    adopted: set[int] = set()
+    for prefix, module in modules:
+        if type(module)._load_from_state_dict is not torch.nn.Module._load_from_state_dict:
+            continue
+        persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+        for name, live in [*module._parameters.items(), *persistent]:
+            piece = weights.get(f"{prefix}.{name}" if prefix else name)
+            if live is None or piece is None or id(live) in adopted or not _can_stand_for(piece, live):
+                continue
+            live.data = piece
+            adopted.add(id(live))
+    return len(adopted)
+
+
+def _can_stand_for(piece: torch.Tensor, live: torch.Tensor) -> bool:
+    return (
+        type(piece) is torch.Tensor
+        and type(live) in (torch.Tensor, torch.nn.Parameter)
+        and not piece.requires_grad
+        and piece.dim() > 0
+        and piece.shape == live.shape
+        and piece.dtype == live.dtype
+        and piece.device == live.device
+        and piece.is_contiguous()
+        and live.is_contiguous()
+        and piece.data_ptr() % ALIGNMENT == 0
+    )
+
+
+def release_copied(
+    tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Once the loaded ``tensors`` are in the live model and optimizer: hand back to the system the pages of those
+    that were copied in, and keep those that became the live tensors (weights :func:`adopt_weights` adopted, an
+    optimizer's state, which torch's ``load_state_dict`` keeps as it is given).
+
+    An adopted tensor is a view of its verified file's buffer, which any piece of the same file kept alive holds
+    whole: without this, the bytes of every copied piece would stay resident beside the live ones. A page that a live
+    tensor of the model or the optimizer (its state, its groups' settings) reads is never released.
+    """
+    live = [local(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    for per_param in optimizer.state.values():
+        live += [local(v) for v in per_param.values() if isinstance(v, torch.Tensor)]
+    for group in optimizer.param_groups:
+        live += [local(v) for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
+    in_use = [(t.data_ptr(), t.numel() * t.element_size()) for t in live if t.device.type == "cpu" and t.numel()]
+    for tensor in tensors.values():
+        piece = local(tensor)
+        if piece.device.type == "cpu" and piece.is_contiguous():
+            release_pages(piece.data_ptr(), piece.numel() * piece.element_size(), keep=in_use)
 
 
 def loaded(state: TrainState, resume: Resume) -> TrainState:

@@ -487,31 +487,6 @@ def _in_layout_of(like: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:
     )
 
 
-def release_copied(
-    tensors: Mapping[str, torch.Tensor], model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """After :func:`apply`: hand back to the system the pages of the loaded tensors that ``apply`` copied into the
-    live model and optimizer, and keep those that became the live tensors (an optimizer's state, where torch's
-    ``load_state_dict`` keeps what it is given).
-
-    An adopted tensor is a view of its verified file's buffer, which any piece of the same file kept alive holds
-    whole: without this, the bytes of every copied piece would stay resident beside the live ones. A page that a live
-    tensor of the model or the optimizer (its state, its groups' settings) reads is never released.
-    """
-    from trainfold._src.base.io import release_pages
-
-    live = [local(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
-    for per_param in optimizer.state.values():
-        live += [local(v) for v in per_param.values() if isinstance(v, torch.Tensor)]
-    for group in optimizer.param_groups:
-        live += [local(v) for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor)]
-    in_use = [(t.data_ptr(), t.numel() * t.element_size()) for t in live if t.device.type == "cpu" and t.numel()]
-    for tensor in tensors.values():
-        piece = local(tensor)
-        if piece.device.type == "cpu" and piece.is_contiguous():
-            release_pages(piece.data_ptr(), piece.numel() * piece.element_size(), keep=in_use)
-
-
 def apply(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

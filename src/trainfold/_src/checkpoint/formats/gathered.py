@@ -18,12 +18,14 @@ from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
     Captured,
+    adopt_weights,
     check_accumulation,
     check_adapters,
     elastic_resume,
     live_fingerprint,
     loaded,
     parameters_of,
+    release_copied,
     saved_elsewhere,
     to_host,
     with_peers,
@@ -94,17 +96,16 @@ class Gathered:
             raise CheckpointError(f"{folder} {exc}") from None
 
         # Everything read and checked: now change things.
+        model, optimizer = unwrap(acc, state.model), inner_optimizer(state.optimizer)
         if into_shards:
             from trainfold._src.checkpoint.formats import dcp
 
-            dcp.deal_out(
-                unwrap(acc, state.model),
-                inner_optimizer(state.optimizer),
-                run.weights,
-                run.optimizer,
-                strict=not run.frozen,
-            )
-        return loaded(put_back(run, state, keep_run=False, model_and_optimizer=not into_shards), resume)
+            dcp.deal_out(model, optimizer, run.weights, run.optimizer, strict=not run.frozen)
+        else:
+            adopt_weights(model, run.weights)  # the verified buffers become the weights: nothing is copied into them
+        state = put_back(run, state, keep_run=False, model_and_optimizer=not into_shards)
+        release_copied(run.weights, model, optimizer)
+        return loaded(state, resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The model's ``model.safetensors``, verified, as tensors of their own."""

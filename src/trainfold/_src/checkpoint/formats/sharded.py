@@ -18,12 +18,14 @@ from trainfold._src.checkpoint.content import parse_tensors
 from trainfold._src.checkpoint.encoding import decode
 from trainfold._src.checkpoint.formats.common import (
     Captured,
+    adopt_weights,
     check_accumulation,
     check_adapters,
     elastic_resume,
     live_fingerprint,
     loaded,
     parameters_of,
+    release_copied,
     saved_elsewhere,
     to_host,
     with_peers,
@@ -120,8 +122,9 @@ class Sharded:
         frozen = frozenset(f.name for f in run.frozen)
         tensors = dcp.load_shards(metadata, read_file, model, optimizer, frozen)
         # Everything read and checked, on every process: now change things.
+        adopt_weights(model, {k[len(dcp.MODEL) :]: v for k, v in tensors.items() if k.startswith(dcp.MODEL)})
         dcp.apply(model, optimizer, tensors, run.optimizer, strict=not frozen)
-        dcp.release_copied(tensors, model, optimizer)
+        release_copied(tensors, model, optimizer)
         return loaded(put_back(run, state, keep_run=False), resume)
 
     def weights(self, folder: Stored, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import os
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
@@ -94,13 +94,14 @@ class LocalCheckpoint:
             raise CheckpointError(f"{self.path}: file {name} is not a regular file: refused.")
         return st.st_size
 
-    def read(self, name: str, size: int) -> bytearray | mmap.mmap:
-        """The file read once into memory of its own (``base/io.read_into``): what is verified is what is used; no link followed."""
+    def read(self, name: str, size: int, seen: Callable[[memoryview], object] | None = None) -> bytearray | mmap.mmap:
+        """The file read once into memory of its own (``base/io.read_into``, which gives ``seen`` each part as it is
+        read): what is verified is what is used; no link followed."""
         actual = self.size(name)
         if actual != size:
             raise wrong_size(self.path, name, actual, size)
         try:
-            return read_into(self.path / name, size)
+            return read_into(self.path / name, size, seen)
         except ValueError:
             raise CheckpointError(f"{self.path}: file {name} changed size while it was read: altered.") from None
         except FileNotFoundError:

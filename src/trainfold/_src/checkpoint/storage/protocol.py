@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Protocol, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, Union
 
 #: a buffer a file is written from or read into (bytes, a memoryview of a tensor's memory, a mapped file)
 Buffer = Union[bytes, bytearray, memoryview, Any]
@@ -69,8 +69,9 @@ class Stored(Protocol):
             CheckpointError: missing, or not a plain file (a link is refused, never followed).
         """
 
-    def read(self, name: str, size: int) -> Buffer:
+    def read(self, name: str, size: int, seen: Callable[[memoryview], object] | None = None) -> Buffer:
         """The file's ``size`` bytes as one buffer (tensors are viewed in it, not copied): the size its manifest records.
+        ``seen`` (a hasher's update) is given the buffer's bytes, in order, as they arrive in it.
 
         Raises:
             CheckpointError: missing, not a plain file, of another size (``manifest.wrong_size``), or it changed

@@ -28,7 +28,7 @@ import logging
 import mmap
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
@@ -135,8 +135,9 @@ class RemoteCheckpoint:
             raise CheckpointError(f"{self.url}: file {name} is not an object (a prefix of others): refused.")
         return int(info["size"])
 
-    def read(self, name: str, size: int) -> mmap.mmap | bytearray:
-        """The object's ``size`` bytes, read once into one writable buffer by ranged reads in parallel.
+    def read(self, name: str, size: int, seen: Callable[[memoryview], object] | None = None) -> mmap.mmap | bytearray:
+        """The object's ``size`` bytes, read once into one writable buffer by ranged reads in parallel; ``seen`` is
+        given the whole buffer once it is read (the ranges arrive out of order).
 
         No request asks the size first: the last range asks one byte more, so an object of another size is
         found by the reads themselves (and only then is its size asked, for the message).
@@ -165,6 +166,9 @@ class RemoteCheckpoint:
                 raise
             if size:
                 raise CheckpointError(f"{self.url}: file {name} changed size while it was read: altered.") from None
+        if seen is not None:
+            with memoryview(buf) as whole:
+                seen(whole)
         return buf
 
     def chunks(self, name: str) -> Iterator[bytes]:
