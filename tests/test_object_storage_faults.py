@@ -246,7 +246,14 @@ def test_read_only_credentials_are_refused(tmp_path):
             PolicyDocument=json.dumps(
                 {
                     "Version": "2012-10-17",
-                    "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+                    # AWS checks s3:ListBucket for a listing, moto 5.2.6 the operation's own name
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": ["s3:GetObject", "s3:ListBucket", "s3:ListObjectsV2"],
+                            "Resource": "*",
+                        }
+                    ],
                 }
             ),
         )
