@@ -5,9 +5,10 @@ epoch and checkpointed there; each checkpoint is then resumed in a fresh Context
 resumed epoch's first step together, the three positions in turn, round by round. Two sources over the same data:
 the stream itself, which says where it is (``state_dict()``: the resume loads it, O(1)), and the same stream behind
 a plain ``IterableDataset`` without a state (the resume reads the consumed part again). Each time is the median of
-``--repeats`` resumes.
+``--repeats`` resumes. ``--buffer N``: the stream shuffled through a buffer of N samples first (``shuffle(seed,
+buffer_size=N)``), whose state ``ctx.prepare_loaders`` makes hold the buffer.
 
-    python benchmarks/bench_stream_resume.py [--samples 100000] [--repeats 5] [--state-only] [--json benchmarks/results_streams.json]
+    python benchmarks/bench_stream_resume.py [--samples 100000] [--repeats 5] [--buffer N] [--state-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -41,21 +42,24 @@ class Plain(torch.utils.data.IterableDataset):
         return iter(self.inner)
 
 
-def stream(samples: int, stateful: bool):
+def stream(samples: int, stateful: bool, buffer: int = 0):
     from datasets import Dataset
 
     data = Dataset.from_dict({"x": [[i / samples] for i in range(samples)], "id": list(range(samples))})
-    ds = data.to_iterable_dataset(num_shards=64).with_format("torch")
+    ds = data.to_iterable_dataset(num_shards=64)
+    if buffer:
+        ds = ds.shuffle(seed=0, buffer_size=buffer)
+    ds = ds.with_format("torch")
     return ds if stateful else Plain(ds)
 
 
-def setup(samples: int, stateful: bool):
+def setup(samples: int, stateful: bool, buffer: int = 0):
     testing.reset_accelerate_state()
     torch.manual_seed(0)
     ctx = Context(accelerator=Accelerator(cpu=True))
     model = torch.nn.Linear(1, 1)
     state = TrainState.create(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
-    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream(samples, stateful), batch_size=BATCH))
+    (dl,) = ctx.prepare_loaders(torch.utils.data.DataLoader(stream(samples, stateful, buffer), batch_size=BATCH))
     return ctx, state, dl
 
 
@@ -63,8 +67,8 @@ def loss_fn(model, batch):
     return ((model(batch["x"]) - batch["x"]) ** 2).mean()
 
 
-def checkpoint_at(folder: Path, samples: int, stateful: bool, batches: int) -> Path:
-    ctx, state, dl = setup(samples, stateful)
+def checkpoint_at(folder: Path, samples: int, stateful: bool, batches: int, buffer: int = 0) -> Path:
+    ctx, state, dl = setup(samples, stateful, buffer)
     inner = make_step(ctx, loss_fn)
 
     def step(s, batch):  # stops inside the epoch after ``batches`` batches, as a preemption would
@@ -78,8 +82,8 @@ def checkpoint_at(folder: Path, samples: int, stateful: bool, batches: int) -> P
     return folder
 
 
-def time_resume(folder: Path, samples: int, stateful: bool) -> float:
-    ctx, state, dl = setup(samples, stateful)
+def time_resume(folder: Path, samples: int, stateful: bool, buffer: int = 0) -> float:
+    ctx, state, dl = setup(samples, stateful, buffer)
     step = make_step(ctx, loss_fn)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the replay's warning
@@ -98,6 +102,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--buffer", type=int, default=0, help="shuffle through a buffer of this many samples")
     parser.add_argument(
         "--state-only", action="store_true", help="time the stream with a state alone (the reading again takes minutes)"
     )
@@ -110,13 +115,13 @@ def main() -> None:
             shares = (0.01, 0.5, 0.9)
             ats = {share: max(1, int(share * batches)) for share in shares}
             folders = {
-                share: checkpoint_at(Path(tmp) / f"{name}-{share}", args.samples, stateful, ats[share])
+                share: checkpoint_at(Path(tmp) / f"{name}-{share}", args.samples, stateful, ats[share], args.buffer)
                 for share in shares
             }
             times: dict[float, list[float]] = {share: [] for share in shares}
             for _ in range(args.repeats):  # in rounds: a slow moment of a shared machine falls on every position alike
                 for share in shares:
-                    times[share].append(time_resume(folders[share], args.samples, stateful))
+                    times[share].append(time_resume(folders[share], args.samples, stateful, args.buffer))
             for share in shares:
                 results[f"{name} {share:.0%}"] = statistics.median(times[share])
                 print(
@@ -127,7 +132,10 @@ def main() -> None:
     flat = [v for k, v in results.items() if k.startswith("state")]
     print(f"with a state: slowest / fastest = {max(flat) / min(flat):.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"samples": args.samples, "batch": BATCH, "seconds": results}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"samples": args.samples, "batch": BATCH, "buffer": args.buffer, "seconds": results}, indent=1)
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -79,12 +79,22 @@ CASES = [
     (1, ("--source", "stateful"), 2),
     (1, ("--source", "datasets-plain", "--workers", "2", "--stateful-loader"), 2),
     (2, ("--source", "datasets-plain", "--deal", "shard"), 1),
+    (2, ("--source", "datasets-buffer", "--deal", "shard"), 1),
     (2, ("--source", "stateful", "--deal", "shard"), 1),
     (2, ("--source", "stateful", "--deal", "split"), 1),
     (2, ("--source", "stateful", "--deal", "dispatch"), 1),
     (2, ("--source", "plain", "--deal", "dispatch"), 1),  # no state: process 0 reads the consumed part again
 ]
-IDS = ["1-own", "1-datasets-workers", "2-shard-datasets", "2-shard", "2-split", "2-dispatch", "2-dispatch-replay"]
+IDS = [
+    "1-own",
+    "1-datasets-workers",
+    "2-shard-datasets",
+    "2-shard-datasets-buffer",
+    "2-shard",
+    "2-split",
+    "2-dispatch",
+    "2-dispatch-replay",
+]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +107,7 @@ def uninterrupted(tmp_path_factory):
         source = extra[1]
         key = (
             processes,
-            source if processes == 1 or source == "datasets-plain" else "stateful",
+            source if processes == 1 or source.startswith("datasets") else "stateful",
             extra[2:] if processes == 1 else (),
         )
         if key not in runs:
@@ -167,9 +177,20 @@ def _ids(out):
         ("stateful", "shard", (5, 13), [160, 128, 96 + 384]),  # 2 x 8 x 2 x 5; 1 x 8 x 2 x 8; the rest of both epochs
         ("stateful", "split", (5, 13), [160, 128, 96 + 384]),
         ("datasets-plain", "shard", (5, 13), [160, 128, 96 + 384]),
+        ("datasets-buffer", "shard", (5, 13), [160, 128, 96 + 384]),
+        ("datasets-buffer", "dispatch", (5, 22), [160, 224 + 48, 336]),
         ("stateful", "dispatch>shard", (5, 13), [160, 128, 96 + 384]),
     ],
-    ids=["dispatch", "dispatch-datasets", "shares", "split", "datasets-shards", "dispatch-then-shares"],
+    ids=[
+        "dispatch",
+        "dispatch-datasets",
+        "shares",
+        "split",
+        "datasets-shards",
+        "datasets-buffer-shards",
+        "dispatch-datasets-buffer",
+        "dispatch-then-shares",
+    ],
 )
 def test_a_stream_resumes_on_one_then_three(source, deal, stops, counts, tmp_path, monkeypatch):
     """Saved by 2 processes inside epoch 1 (update 5: 160 samples of 384), continued on 1 process and saved again, then
@@ -194,6 +215,7 @@ def test_a_stream_resumes_on_one_then_three(source, deal, stops, counts, tmp_pat
         if stop:
             assert stop == verify_checkpoint(latest_checkpoint(root))["step"]
     assert "saved by 2 processes in the middle of epoch 1" in said["one"]  # its running train sums restart: said
+    assert "again" not in said["one"] + said["three"]  # each part continued from its state: nothing read again
     assert f"saved by 1 process in the middle of epoch {2 if stops[1] > 19 else 1}" in said["three"]
 
     runs = [_ids(tmp_path / out) for out in ("two", "one", "three")]

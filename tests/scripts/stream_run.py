@@ -81,6 +81,8 @@ def stream(source: str):
     ds = data.to_iterable_dataset(num_shards=12)
     if source == "datasets-shards":
         ds = ds.shuffle(seed=7, buffer_size=1)
+    if source == "datasets-buffer":  # a shuffle buffer of 32: ctx.prepare_loaders keeps it in the stream's state
+        ds = ds.shuffle(seed=7, buffer_size=32)
     return ds.with_format("torch")
 
 

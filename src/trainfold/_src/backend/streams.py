@@ -13,7 +13,8 @@ process, and the resumed epoch loads it and reads on. Which object says it depen
 Any other stream is read again up to the saved position and dropped (exact, and as costly as the part
 of the epoch already trained): a plain ``IterableDataset``; a stateful dataset read by workers that no
 ``StatefulDataLoader`` asks; a ``datasets`` stream with a shuffle buffer, whose state leaves the buffer
-out (datasets#7901: loading it loses up to a buffer of samples and can repeat some).
+out (datasets#7901: loading it loses up to a buffer of samples and can repeat some), unless its loader was
+prepared by ``ctx.prepare_loaders``, which gives the buffer a state that holds it (:func:`keep_shuffle_buffers`).
 
 On another number of processes, a stream process 0 read and dispatched goes on from process 0's state
 (:func:`resumed_dispatch`); one each process read a share of has the rest of its epoch dealt anew
@@ -148,8 +149,8 @@ def replay_advice(loader: Any) -> str:
     if has_state(own) and drops_shuffle_buffer(own):
         return (
             f"its {name} shuffles through a buffer that its state_dict() leaves out (datasets#7901: loading it would "
-            "lose up to a buffer of samples): trainfold reads the epoch again instead. Shuffle the shards only "
-            "(a buffer_size=1 shuffle) for an O(1) resume"
+            "lose up to a buffer of samples): trainfold reads the epoch again instead. Prepare the loader with "
+            "ctx.prepare_loaders, which keeps the buffer in the stream's state, for an O(1) resume"
         )
     if has_state(own) and dataset is not own:
         return (
@@ -330,6 +331,16 @@ PART = "part"
 #: The attribute ``Context.prepare_loaders`` leaves on a prepared loader over a stream: the dataset the user gave,
 #: before Accelerate dealt it (a resume on another number of processes reads the saving run's parts from it).
 GIVEN = "_trainfold_given_stream"
+
+
+def keep_shuffle_buffers(loader: Any) -> None:
+    """Give a ``datasets`` stream's shuffle buffer (``shuffle(seed, buffer_size)``) a state that holds it, before the
+    loader is prepared (``backend/shuffle_buffer.py``): its resume is then O(1), like a stream's without a buffer."""
+    dataset = getattr(loader, "dataset", None)
+    if type(dataset).__module__.split(".")[0] == "datasets" and drops_shuffle_buffer(dataset):
+        from trainfold._src.backend.shuffle_buffer import keep_buffers_in_state
+
+        keep_buffers_in_state(dataset)
 
 
 def keep_given_stream(given: Any, prepared: Any) -> None:

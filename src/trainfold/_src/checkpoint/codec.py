@@ -93,6 +93,12 @@ class Encoder:
                     for i, (k, v) in enumerate(value.items())
                 ]
             }
+        if isinstance(value, (bytes, bytearray)):
+            self.tensor(
+                path,
+                torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.empty(0, dtype=torch.uint8),
+            )
+            return {"__bytes__": path}
         if isinstance(value, torch.dtype):
             return {"__dtype__": str(value).removeprefix("torch.")}
         if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
@@ -109,7 +115,7 @@ class Encoder:
             }
         raise TypeError(
             f"cannot write {path} to a checkpoint: it is a {type(value).__name__}. Checkpoints hold "
-            "numbers, strings, tensors, numpy arrays, tuples, lists, dicts, dataclasses and registered records: "
+            "numbers, strings, bytes, tensors, numpy arrays, tuples, lists, dicts, dataclasses and registered records: "
             "decorate your attrs record with @trainfold.register_record, or keep other objects out of state.extras "
             "(and out of batches)."
         )
@@ -140,6 +146,13 @@ def decode(
             return tuple(go(v, depth) for v in o["__tuple__"])
         if "__ndarray__" in o:
             return tensors[o["__ndarray__"]].numpy()
+        if "__bytes__" in o:
+            data = tensors[o["__bytes__"]]
+            if data.dtype != torch.uint8 or data.dim() != 1:
+                raise ValueError(
+                    f"bytes {o['__bytes__']!r} are a {data.dtype} tensor of shape {tuple(data.shape)}, not bytes"
+                )
+            return data.numpy().tobytes()
         if "__fields__" in o:
             return {name: go(v, depth) for name, v in o["__fields__"]}
         if "__dict__" in o:

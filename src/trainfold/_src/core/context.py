@@ -16,7 +16,7 @@ from accelerate import Accelerator
 
 from trainfold._src.backend.engine import wait_for_everyone
 from trainfold._src.backend.loaders import fill_deepspeed_micro_batch, loader_placement, mark_own_shard
-from trainfold._src.backend.streams import keep_given_stream
+from trainfold._src.backend.streams import keep_given_stream, keep_shuffle_buffers
 from trainfold._src.core.runtime import Runtime
 from trainfold._src.distributed.control import current_timeout, set_timeout
 from trainfold._src.distributed.teardown import settle_collectives
@@ -490,6 +490,8 @@ class Context:
         fill_deepspeed_micro_batch(
             self.accelerator, loaders
         )  # before TrainState.create, which prepares the model alone
+        for loader in loaders:
+            keep_shuffle_buffers(loader)  # before Accelerate splits a datasets stream by process
         prepared = self.accelerator.prepare(*loaders, device_placement=loader_placement(self.accelerator, len(loaders)))
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         for given, ready in zip(loaders, prepared):
