@@ -470,6 +470,9 @@ class Context:
         batches are left where the ``DataLoader`` put them (on the CPU already)
         instead of being walked and moved to the CPU on every batch.
 
+        A ``datasets`` stream shuffled through a buffer (``shuffle(seed, buffer_size)``) has its buffer
+        given a state that holds it, so that a resume continues it in O(1) (the guide "Streamed data").
+
         Args:
             *loaders: ``torch.utils.data.DataLoader`` objects.
 
