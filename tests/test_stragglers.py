@@ -156,7 +156,6 @@ def test_no_straggler_is_named_when_there_is_none():
 
 def _epoch_syncs_and_weights(stragglers):
     """An epoch of the tiny setup on this process's share, reported every 5 updates: its host syncs and its weights."""
-    testing.reset_accelerate_state()  # (a second Accelerator in this process: after the first one's close)
     ctx, state, loader, loss_fn = testing.tiny_setup(seed=0, n=160)
     step = log_every(ctx, 5, watch=Watch(stragglers=stragglers))(make_step(ctx, loss_fn))
     state = run_epoch(ctx, step, loader, state)  # (the first step's FLOPs counted, the hooks learnt)
@@ -168,15 +167,15 @@ def _epoch_syncs_and_weights(stragglers):
     return counted.total, named, weights
 
 
-def _with_and_without():
-    return _epoch_syncs_and_weights(0.25), _epoch_syncs_and_weights(None)
-
-
 @pytest.mark.multiprocess
 def test_per_process_figures_add_no_sync_and_change_nothing():
     """On two processes, an epoch with per-process figures makes as many host syncs as one without (the figures ride
-    in the report's all-reduce), and trains the same weights bit for bit (the gradient hook only reads the clock)."""
-    for on, off in testing.run_distributed(_with_and_without, nprocs=2, timeout=300):
+    in the report's all-reduce), and trains the same weights bit for bit (the gradient hook only reads the clock).
+    Each in processes of its own (a second process group in the same processes once met the first's teardown on one
+    rank: a connection reset)."""
+    with_figures = testing.run_distributed(_epoch_syncs_and_weights, 0.25, nprocs=2, timeout=300)
+    without = testing.run_distributed(_epoch_syncs_and_weights, None, nprocs=2, timeout=300)
+    for on, off in zip(with_figures, without):
         (on_syncs, on_figures, on_weights), (off_syncs, off_figures, off_weights) = on, off
         assert on_figures and not off_figures
         assert on_syncs == off_syncs
