@@ -55,6 +55,10 @@ def main():
         CLEARML_CACHE_DIR=f"{args.logs}/clearml",
         HOME=f"{args.logs}/home",
         TRACKIO_DIR=f"{args.logs}/trackio",
+        ITERATIVE_DO_NOT_TRACK="1",  # DVCLive's usage report: no request to the network
+        HF_HUB_OFFLINE="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        GRADIO_ANALYTICS_ENABLED="False",
     )  # (read once, when trackio is imported: in init_trackers)
     os.makedirs(os.environ["HOME"], exist_ok=True)
     with open(
