@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "trainfold"
 #: bottom to top; the package's top-level modules (the API, the command line, testing) sit above all of them
-LAYERS = ("base", "backend", "distributed", "core", "checkpoint", "compose")
+LAYERS = ("base", "backend", "distributed", "core", "checkpoint", "compose", "conformance")
 LEAVES = ("trainfold.errors", "trainfold._version")
 #: the modules a user may import (and the package's own entry points)
 PUBLIC = {

@@ -1,4 +1,5 @@
-"""Helpers for users who unit-test their steps: tiny seeded fixtures, isolation, sync counting.
+"""Helpers for users who unit-test their steps: tiny seeded fixtures, isolation, sync counting; and a kit that checks
+that a loader resumes exactly (``check_resume``).
 
 Example test file:
 
@@ -22,6 +23,9 @@ from accelerate import Accelerator
 
 from trainfold._src.backend.engine import reset_process_state
 from trainfold._src.base.types import Batch
+from trainfold._src.conformance.kit import check_resume, default_cases
+from trainfold._src.conformance.report import CaseResult, ResumeCase, ResumeCost, ResumeReport
+from trainfold._src.conformance.run import LoaderRequest
 from trainfold._src.core.context import Context
 from trainfold._src.core.state import TrainState
 from trainfold._src.core.types import Step
@@ -29,10 +33,17 @@ from trainfold._src.distributed.launch import free_port, run_distributed
 
 __all__ = [
     "SYNC_METHODS",
+    "CaseResult",
+    "LoaderRequest",
+    "ResumeCase",
+    "ResumeCost",
+    "ResumeReport",
     "SyncCounter",
     "assert_params_changed",
     "assert_params_equal",
+    "check_resume",
     "count_host_syncs",
+    "default_cases",
     "free_port",
     "isolated_accelerate",
     "mse_loss",

@@ -365,7 +365,10 @@ def resumed_by_samples(
         )
 
     to_device = begin_again(loader, restore_epoch_start)
-    whole = iter(base)  # draws what the epoch's own iteration draws before its order (the workers' seed)
+    # what the epoch's own iterator drew before its order: the workers' base seed, as torch's (and torchdata's)
+    # iterator draws it when it is made. Not by making one: with workers it starts them, and their prefetching draws
+    # the sampler's order, so the order drawn next here was another (every sample of the rest in another place)
+    torch.empty((), dtype=torch.int64).random_(generator=base.generator)
     sampler = inner.sampler
     live = len(loader_generators(loader))
     if live != len(saved_generators) and hasattr(sampler, "generator"):
@@ -378,7 +381,6 @@ def resumed_by_samples(
             sampler.generator = own
     else:
         order = list(sampler)  # the epoch's order, drawn as its first batch drew it
-    del whole
     batches: Any = torch.utils.data.BatchSampler(order[samples_done:], inner.batch_size, inner.drop_last)
     if isinstance(shard, BatchSamplerShard):
         batches = BatchSamplerShard(

@@ -210,6 +210,7 @@ def resume_in_epoch(
         )
     if elastic or position.by_samples:
         assert position.samples_done is not None  # load_checkpoint refuses a checkpoint without it
+        _check_redrawable(loader, saved_processes)
         return Resumed(
             resumed_by_samples(
                 loader,
@@ -268,6 +269,26 @@ def _check_dealing(loader: Any, position: EpochPosition, saved_processes: int, e
         f"each process's position says where its own part stood that way. Resume with DataLoaderConfiguration(dispatch_batches="
         f"{position.dispatched}), as it was saved, or from a checkpoint between epochs (on another number of processes, "
         "a streamed epoch with a state continues either way)."
+    )
+
+
+def _check_redrawable(loader: Any, saved_processes: int) -> None:
+    """Refuse to draw again the order of an epoch that a ``StatefulDataLoader`` read with workers: its order is not
+    the one its sampler draws from the epoch's starting random state after the workers' seed (nor after none or a few
+    more draws), as a plain ``DataLoader``'s is, so the rest of the epoch would repeat and leave out samples.
+
+    Raises:
+        CheckpointError: naming the ways to resume.
+    """
+    base = getattr(loader, "base_dataloader", loader)
+    if type(base).__name__ != "StatefulDataLoader" or not getattr(base, "num_workers", 0):
+        return
+    raise CheckpointError(
+        f"run_epoch: the checkpoint stopped in the middle of an epoch that a StatefulDataLoader read with "
+        f"{base.num_workers} workers on {saved_processes} processes, and this run has another number of processes: "
+        "the order of that epoch cannot be drawn again exactly (its workers draw it at another moment than the "
+        "epoch's start). Resume on the number of processes that saved it, from a checkpoint taken between epochs, "
+        "or with num_workers=0 (or a plain DataLoader, which any number of workers can resume elastically)."
     )
 
 
