@@ -116,3 +116,13 @@ def test_a_loader_the_processes_cannot_import_is_refused_at_once():
 
     with pytest.raises(TypeError, match="top level of an importable module"):
         testing.check_resume(local)
+
+
+def test_a_report_keeps_what_the_resumes_warned():
+    """A stream without a state is resumed by reading the consumed part again; the resume says so, and the case's
+    result keeps the warning. (On one process: 24 updates an epoch, killed well inside the first.)"""
+    report = testing.check_resume(kit_loaders.plain_stream, cases=[ResumeCase(1, (1,))], cost=False)
+
+    (result,) = report.results
+    assert result.outcome == "exact" and 0 < result.stopped_at[0] < 24, str(result)
+    assert any("again and dropping them" in m for m in result.said), result.said

@@ -46,7 +46,7 @@ def _pairs(items: Any) -> tuple[tuple[str, Any], ...]:
 
 @attrs.frozen
 class RunSpec:
-    """One run of the kit, as the command line gives it (JSON)."""
+    """One run of the kit, handed to its processes as JSON."""
 
     loader: str  # "module:qualname" of the factory
     ids: str  # a batch's key, or "module:qualname" of a function of the batch
